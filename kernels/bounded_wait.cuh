@@ -1,0 +1,71 @@
+// Bounded spin waits: every wait has a %globaltimer budget and, on expiry,
+// records who was waiting on whom in host-mapped memory instead of trapping.
+#pragma once
+
+#include <nccl_device.h>
+#include "deepep_kernels.h"
+
+namespace deepep {
+
+__device__ __forceinline__ uint64_t global_time_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// First expiring waiter wins; the others keep the first report.
+__device__ __forceinline__ void record_stall(const DeepepWaitContext& w, int peer, int op, int counter,
+                                             int64_t expected, int64_t seen) {
+  DeepepStallRecord* r = w.stall;
+  if (r == nullptr) return;
+  // The claim lives in device memory: atomics on host-mapped memory are not
+  // guaranteed over PCIe.
+  if (atomicCAS(w.stall_lock, 0u, 1u) != 0u) return;
+  r->rank = w.world_rank;
+  r->peer = peer;
+  r->op = op;
+  r->counter = counter;
+  r->expected = expected;
+  r->seen = seen;
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(&r->flag) = 1;
+  __threadfence_system();
+}
+
+// NCCL's LSA barrier with a bounded wait. arrive() is NCCL's; the unicast wait
+// is re-implemented over the session's own inbox slots so that a dead peer
+// produces a stall record instead of a hang (NCCL < 2.30 has no timeout).
+template <typename Coop>
+struct BoundedLsaBarrier : ncclLsaBarrierSession<Coop> {
+  __device__ BoundedLsaBarrier(Coop coop, ncclDevComm const& comm, uint32_t index)
+      : ncclLsaBarrierSession<Coop>(coop, comm, ncclTeamTagLsa(), index, /*multimem=*/false) {}
+
+  // Returns false (and leaves the epoch unadvanced) when a peer never arrived.
+  __device__ bool wait_bounded(Coop coop, const DeepepWaitContext& w) {
+    __shared__ int timed_out;
+    if (coop.thread_rank() == 0) timed_out = 0;
+    coop.sync();
+    const uint32_t target = this->epoch + 1;
+    for (int i = coop.thread_rank(); i < this->team.nRanks - 1; i += coop.size()) {
+      const int peer = i + (this->team.rank <= i ? 1 : 0);
+      cuda::atomic_ref<uint32_t> inbox(*this->ucInbox(this->team.rank, peer));
+      const uint64_t start = global_time_ns();
+      uint32_t got;
+      while (true) {
+        got = inbox.load(cuda::memory_order_acquire);
+        if (got - target <= (uint32_t(-1) >> 1)) break;
+        if (global_time_ns() - start > w.timeout_ns) {
+          record_stall(w, w.lsa_base_rank + peer, DEEPEP_WAIT_OP_LSA_BARRIER, this->index, target, got);
+          atomicExch(&timed_out, 1);
+          break;
+        }
+      }
+    }
+    coop.sync();
+    const bool ok = (timed_out == 0);
+    if (ok) this->epoch += 1;
+    return ok;
+  }
+};
+
+}  // namespace deepep

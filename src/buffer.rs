@@ -1,0 +1,329 @@
+//! `Buffer`: the lifecycle of one rank's NCCL resources (communicator,
+//! symmetric window, device communicator, comm stream, workspace) and the
+//! host side of bounded GPU waits.
+use std::os::raw::c_void;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::config::{check_buffer_args, RankLayout};
+use crate::cuda::{self, DeviceMemory, HostMapped, PrimaryContext, Stream};
+use crate::error::{DeepepStatus, Error, Result};
+use crate::kernels::{self, StallRecord, WaitContext};
+use crate::nccl::{self, Communicator, DevComm, SymmetricWindow};
+
+/// Control slots at the start of the window (peer checks, future flags).
+const CONTROL_BYTES: usize = 64 << 10;
+const WINDOW_ALIGN: usize = nccl_sys::NCCL_WIN_REQUIRED_ALIGNMENT;
+/// Zeroed device scratch, as DeepEP's NUM_WORKSPACE_BYTES.
+const WORKSPACE_BYTES: usize = 32 << 20;
+const WS_LAYOUT_TICKET: usize = 0;
+const WS_STALL_LOCK: usize = 128;
+const WS_PEER_MISMATCHES: usize = 256;
+const WS_LAYOUT_PARTIALS: usize = 4096;
+/// LSA barrier slot used by host-driven control kernels (create/destroy/checks).
+const CONTROL_BARRIER_SLOT: i32 = 0;
+const DEFAULT_TIMEOUT_SECS: f64 = 100.0;
+
+fn align_up(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+/// Creation arguments, as DeepEP's `Buffer` constructor takes them.
+#[derive(Clone, Copy, Debug)]
+pub struct BufferArgs {
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub num_nvl_bytes: i64,
+    pub num_rdma_bytes: i64,
+    pub low_latency_mode: bool,
+    pub explicitly_destroy: bool,
+    pub enable_shrink: bool,
+}
+
+/// GPU/NCCL resources; `None` in [`Buffer`] after destroy.
+/// Field order is drop order: the communicator is aborted before the window's
+/// memory is freed, and the context is released last.
+pub(crate) struct Resources {
+    pub stream: Stream,
+    pub workspace: DeviceMemory,
+    pub stall: HostMapped<StallRecord>,
+    pub dev_comm: DevComm,
+    pub comm: Communicator,
+    pub window: SymmetricWindow,
+    pub lsa_base_rank: i32,
+    pub lsa_size: i32,
+    pub num_sms: i32,
+    pub ctx: PrimaryContext,
+}
+
+impl Resources {
+    fn workspace_at(&self, offset: usize) -> *mut c_void {
+        // SAFETY: offsets are constants inside the 32 MiB workspace.
+        unsafe { self.workspace.ptr().cast::<u8>().add(offset).cast() }
+    }
+    pub fn layout_ticket(&self) -> *mut u32 {
+        self.workspace_at(WS_LAYOUT_TICKET).cast()
+    }
+    pub fn layout_partials(&self) -> (*mut i32, i64) {
+        (self.workspace_at(WS_LAYOUT_PARTIALS).cast(), ((WORKSPACE_BYTES - WS_LAYOUT_PARTIALS) / 4) as i64)
+    }
+    fn wait_context(&self, rank: i32, timeout_ns: u64) -> WaitContext {
+        WaitContext {
+            stall: self.stall.device_ptr(),
+            stall_lock: self.workspace_at(WS_STALL_LOCK).cast(),
+            timeout_ns,
+            world_rank: rank,
+            lsa_base_rank: self.lsa_base_rank,
+        }
+    }
+}
+
+pub struct Buffer {
+    pub args: BufferArgs,
+    pub layout: RankLayout,
+    pub device_id: i32,
+    num_device_sms: i32,
+    resources: Mutex<Option<Resources>>,
+    /// Set when a GPU wait expired: the barrier epochs are no longer in step.
+    failure: Mutex<Option<Error>>,
+    timeout_ns: AtomicU64,
+    check_tag: AtomicU32,
+}
+
+impl Buffer {
+    /// Collective over all ranks sharing `unique_id`.
+    pub fn create(args: BufferArgs, unique_id: &[u8]) -> Result<Self> {
+        check_buffer_args(args.rank, args.num_ranks, args.num_nvl_bytes, args.num_rdma_bytes, args.low_latency_mode)?;
+        let id: [u8; nccl_sys::NCCL_UNIQUE_ID_BYTES] = unique_id.try_into().map_err(|_| {
+            Error::invalid(format!(
+                "unique_id must be {} bytes (an ncclUniqueId), got {}",
+                nccl_sys::NCCL_UNIQUE_ID_BYTES,
+                unique_id.len()
+            ))
+        })?;
+        kernels::check_struct_layouts()?;
+        let device_id = cuda::current_device()?;
+        nccl::check_runtime_version()?;
+        let timeout_ns = std::env::var("DEEPEP_GPU_TIMEOUT_SECS")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| *v > 0.0)
+            .unwrap_or(DEFAULT_TIMEOUT_SECS);
+        let resources = Self::create_resources(&args, device_id, &id)?;
+        let buffer = Self {
+            args,
+            layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks },
+            device_id,
+            num_device_sms: resources.num_sms,
+            resources: Mutex::new(Some(resources)),
+            failure: Mutex::new(None),
+            timeout_ns: AtomicU64::new((timeout_ns * 1e9) as u64),
+            check_tag: AtomicU32::new(0x5eed_0000),
+        };
+        // Every rank has its window and devComm: prove LSA loads/stores reach all peers.
+        buffer.check_peers()?;
+        Ok(buffer)
+    }
+
+    fn create_resources(args: &BufferArgs, device_id: i32, id: &[u8; 128]) -> Result<Resources> {
+        let ctx = PrimaryContext::retain(device_id)?;
+        let num_sms = ctx.sm_count()?;
+        let comm = Communicator::init_rank(args.num_ranks, id, args.rank)?;
+        let team = comm.lsa_team();
+        if team.nRanks != args.num_ranks {
+            return Err(Error::unsupported(format!(
+                "rank {} reaches only {} of {} ranks over NVLink/P2P (LSA team); ranks on other nodes need the GIN \
+                 transport, which is not implemented yet",
+                args.rank, team.nRanks, args.num_ranks
+            )));
+        }
+        let nvl_offset = CONTROL_BYTES;
+        let rdma_offset = nvl_offset + align_up(args.num_nvl_bytes as usize, WINDOW_ALIGN);
+        let window_bytes = rdma_offset + align_up(args.num_rdma_bytes as usize, WINDOW_ALIGN);
+        let window = SymmetricWindow::new(&comm, window_bytes)?;
+        cuda::memset_zero(window.ptr(), window.bytes())?;
+        // One barrier slot per SM so later per-CTA kernels never share one, plus the control slot.
+        let dev_comm = DevComm::new(&comm, num_sms + 1)?;
+        let info = dev_comm.info();
+        Ok(Resources {
+            stream: Stream::new_high_priority()?,
+            workspace: DeviceMemory::zeroed(WORKSPACE_BYTES)?,
+            stall: HostMapped::new()?,
+            lsa_base_rank: info.rank - info.lsa_rank,
+            lsa_size: info.lsa_size,
+            num_sms,
+            dev_comm,
+            comm,
+            window,
+            ctx,
+        })
+    }
+
+    pub fn num_device_sms(&self) -> i32 {
+        self.num_device_sms
+    }
+
+    pub fn is_available(&self) -> bool {
+        self.resources.lock().is_some() && self.failure.lock().is_none()
+    }
+
+    pub fn set_timeout_ns(&self, ns: u64) {
+        self.timeout_ns.store(ns, Ordering::Relaxed);
+    }
+
+    /// Runs `f` with live resources, the buffer's context current, and any
+    /// stall reported by an earlier asynchronous kernel turned into an error.
+    pub(crate) fn with_resources<T>(&self, f: impl FnOnce(&Resources) -> Result<T>) -> Result<T> {
+        let guard = self.resources.lock();
+        let Some(res) = guard.as_ref() else {
+            return Err(Error::not_available("the buffer was destroyed; create a new one"));
+        };
+        self.check_stall(res)?;
+        res.ctx.make_current()?;
+        f(res)
+    }
+
+    fn check_stall(&self, res: &Resources) -> Result<()> {
+        if let Some(err) = self.failure.lock().clone() {
+            return Err(err);
+        }
+        let record = res.stall.read();
+        if record.flag == 0 {
+            return Ok(());
+        }
+        let what = match record.op {
+            kernels::WAIT_OP_LSA_BARRIER => format!("LSA barrier slot {}", record.counter),
+            other => format!("wait op {other} counter {}", record.counter),
+        };
+        let err = Error::new(
+            DeepepStatus::DEEPEP_ERROR_TIMEOUT,
+            format!(
+                "GPU wait timed out on rank {} after {:.1} s: rank {} never arrived at {what} (expected epoch {}, saw {}). \
+                 The buffer is unusable; destroy it.",
+                record.rank,
+                self.timeout_ns.load(Ordering::Relaxed) as f64 / 1e9,
+                record.peer,
+                record.expected,
+                record.seen
+            ),
+        );
+        *self.failure.lock() = Some(err.clone());
+        Err(err)
+    }
+
+    /// Synchronises the comm stream, then reports any expired GPU wait.
+    fn sync_and_check(&self, res: &Resources) -> Result<()> {
+        res.stream.synchronize()?;
+        self.check_stall(res)
+    }
+
+    fn wait_context(&self, res: &Resources) -> WaitContext {
+        res.wait_context(self.args.rank, self.timeout_ns.load(Ordering::Relaxed))
+    }
+
+    /// Collective: every rank writes a tag into every peer's window through
+    /// LSA pointers, barriers, and verifies what it received.
+    pub fn check_peers(&self) -> Result<()> {
+        self.with_resources(|res| {
+            let tag = self.check_tag.fetch_add(1, Ordering::Relaxed);
+            let mismatches = res.workspace_at(WS_PEER_MISMATCHES);
+            // SAFETY: devComm/window are live; the mismatch counter is in our workspace.
+            let rc = unsafe {
+                kernels::deepep_launch_lsa_peer_check(
+                    res.dev_comm.as_ptr(),
+                    res.window.handle().cast(),
+                    0,
+                    tag,
+                    CONTROL_BARRIER_SLOT,
+                    self.wait_context(res),
+                    mismatches.cast(),
+                    res.stream.raw(),
+                )
+            };
+            kernels::launch_result("lsa_peer_check", rc)?;
+            self.sync_and_check(res)?;
+            let bad = cuda::copy_to_host::<i32>(mismatches, 1)?[0];
+            cuda::memset_zero(mismatches, 4)?;
+            if bad != 0 {
+                return Err(Error::internal(format!(
+                    "LSA peer check failed on rank {}: {bad} of {} peers' writes did not arrive",
+                    self.args.rank, res.lsa_size
+                )));
+            }
+            Ok(())
+        })
+    }
+
+    /// Collective barrier over the LSA team on the comm stream, bounded.
+    pub fn barrier(&self) -> Result<()> {
+        self.with_resources(|res| {
+            // SAFETY: devComm is live; the control slot is within lsaBarrierCount.
+            let rc = unsafe {
+                kernels::deepep_launch_lsa_barrier(res.dev_comm.as_ptr(), CONTROL_BARRIER_SLOT, self.wait_context(res), res.stream.raw())
+            };
+            kernels::launch_result("lsa_barrier", rc)?;
+            self.sync_and_check(res)
+        })
+    }
+
+    /// (pointer, bytes) of the local NVL or RDMA region.
+    pub fn local_buffer(&self, use_rdma_buffer: bool) -> Result<(*mut c_void, i64)> {
+        self.with_resources(|res| {
+            let nvl = self.args.num_nvl_bytes;
+            let (offset, bytes) = if use_rdma_buffer {
+                (CONTROL_BYTES + align_up(nvl as usize, WINDOW_ALIGN), self.args.num_rdma_bytes)
+            } else {
+                (CONTROL_BYTES, nvl)
+            };
+            // SAFETY: the offset lies inside the window allocation (sized from the same args).
+            Ok((unsafe { res.window.ptr().cast::<u8>().add(offset).cast() }, bytes))
+        })
+    }
+
+    pub fn comm_stream(&self) -> Result<*mut c_void> {
+        self.with_resources(|res| Ok(res.stream.raw()))
+    }
+
+    /// Collective, orderly teardown. A second call is an error, as in DeepEP.
+    pub fn destroy(&self) -> Result<()> {
+        let mut guard = self.resources.lock();
+        let Some(res) = guard.take() else {
+            return Err(Error::not_available("destroy() was already called on this buffer"));
+        };
+        res.ctx.make_current()?;
+        // Peers may still be reading our window: barrier before releasing it,
+        // unless the barriers are already out of step after a timeout.
+        if self.failure.lock().is_none() {
+            // SAFETY: devComm is live; control slot is within lsaBarrierCount.
+            let rc = unsafe {
+                kernels::deepep_launch_lsa_barrier(res.dev_comm.as_ptr(), CONTROL_BARRIER_SLOT, self.wait_context(&res), res.stream.raw())
+            };
+            kernels::launch_result("lsa_barrier", rc)?;
+            self.sync_and_check(&res)?;
+        }
+        let Resources { stream, workspace, stall, dev_comm, comm, window, ctx, .. } = res;
+        dev_comm.destroy(&comm)?;
+        window.destroy(&comm)?;
+        comm.destroy()?;
+        drop((stream, workspace, stall, ctx));
+        Ok(())
+    }
+
+    /// Called when the handle is released without destroy().
+    pub fn release(self) {
+        if self.resources.lock().is_none() {
+            return;
+        }
+        if self.args.explicitly_destroy {
+            eprintln!(
+                "deepep-nccl: WARNING: Buffer (rank {}) released with explicitly_destroy=True but destroy() was never \
+                 called; its GPU resources are leaked",
+                self.args.rank
+            );
+            std::mem::forget(self);
+        } else if let Err(e) = self.destroy() {
+            eprintln!("deepep-nccl: Buffer (rank {}) teardown failed: {e}", self.args.rank);
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! The C ABI: the one door into the core. Every function returns a
+//! `DeepepStatus`; on failure `deepep_last_error()` says what went wrong on this
+//! thread. No panic crosses the boundary.
+use std::os::raw::{c_char, c_int};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::error::{clear_last_error, last_error_ptr, set_last_error, DeepepStatus, Error, Result};
+
+mod buffer;
+mod config;
+
+pub use buffer::*;
+pub use config::*;
+
+/// Bumped on any incompatible change to this header.
+pub const DEEPEP_ABI_VERSION: u32 = 1;
+/// Size of the NCCL unique id that bootstraps a buffer.
+pub const DEEPEP_UNIQUE_ID_BYTES: usize = 128;
+const _: () = assert!(DEEPEP_UNIQUE_ID_BYTES == nccl_sys::NCCL_UNIQUE_ID_BYTES);
+
+/// Runs `f`, converting errors and panics into a status plus last-error text.
+pub(crate) fn ffi(f: impl FnOnce() -> Result<()>) -> DeepepStatus {
+    clear_last_error();
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => DeepepStatus::DEEPEP_SUCCESS,
+        Ok(Err(e)) => {
+            set_last_error(&e.message);
+            e.status
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            set_last_error(&format!("internal error in deepep-nccl (please report): {what}"));
+            DeepepStatus::DEEPEP_ERROR_INTERNAL
+        }
+    }
+}
+
+/// Turns an out-pointer into a reference, naming it when NULL.
+pub(crate) fn out_ref<'a, T>(name: &str, ptr: *mut T) -> Result<&'a mut T> {
+    // SAFETY: callers pass pointers to writable T or NULL; NULL is rejected.
+    unsafe { ptr.as_mut() }.ok_or_else(|| Error::invalid(format!("{name} must not be NULL")))
+}
+
+/// ABI version of this library (`DEEPEP_ABI_VERSION` it was built with).
+#[no_mangle]
+pub extern "C" fn deepep_abi_version() -> u32 {
+    DEEPEP_ABI_VERSION
+}
+
+/// Library version string, e.g. "0.1.0".
+#[no_mangle]
+pub extern "C" fn deepep_library_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// NCCL_VERSION_CODE of the headers the kernels were compiled against.
+#[no_mangle]
+pub extern "C" fn deepep_nccl_compiled_version() -> c_int {
+    crate::kernels::compiled_nccl_version()
+}
+
+/// NCCL version of the libnccl.so.2 loaded in this process (ncclGetVersion).
+#[no_mangle]
+pub extern "C" fn deepep_nccl_runtime_version(out: *mut c_int) -> DeepepStatus {
+    ffi(|| {
+        *out_ref("out", out)? = crate::nccl::runtime_version()?;
+        Ok(())
+    })
+}
+
+/// Message of the last failed call on this thread ("" if the last call succeeded).
+/// Valid until the next deepep_* call on this thread.
+#[no_mangle]
+pub extern "C" fn deepep_last_error() -> *const c_char {
+    last_error_ptr()
+}
+
+/// Name of a status code, e.g. "DEEPEP_ERROR_INVALID_ARGUMENT".
+#[no_mangle]
+pub extern "C" fn deepep_status_string(status: c_int) -> *const c_char {
+    match DeepepStatus::from_code(status) {
+        Some(s) => {
+            // Static, NUL-terminated copies of the names.
+            static NAMES: once_cell::sync::Lazy<Vec<std::ffi::CString>> = once_cell::sync::Lazy::new(|| {
+                (0..10)
+                    .filter_map(DeepepStatus::from_code)
+                    .map(|s| std::ffi::CString::new(s.name()).unwrap())
+                    .collect()
+            });
+            NAMES[s as usize].as_ptr()
+        }
+        None => c"DEEPEP_UNKNOWN_STATUS".as_ptr(),
+    }
+}
+
+/// Number of CUDA devices; DEEPEP_ERROR_NO_DEVICE when there is no driver or no GPU.
+#[no_mangle]
+pub extern "C" fn deepep_device_count(out: *mut c_int) -> DeepepStatus {
+    ffi(|| {
+        let out = out_ref("out", out)?;
+        *out = 0;
+        *out = crate::cuda::ensure_driver()?;
+        Ok(())
+    })
+}
+
+/// Writes a fresh ncclUniqueId (DEEPEP_UNIQUE_ID_BYTES bytes) for rank 0 to share.
+#[no_mangle]
+pub extern "C" fn deepep_get_unique_id(out: *mut u8, len: usize) -> DeepepStatus {
+    ffi(|| {
+        if out.is_null() {
+            return Err(Error::invalid("out must not be NULL"));
+        }
+        if len < DEEPEP_UNIQUE_ID_BYTES {
+            return Err(Error::invalid(format!("len must be >= {DEEPEP_UNIQUE_ID_BYTES}, got {len}")));
+        }
+        let id = crate::nccl::unique_id()?;
+        // SAFETY: out has at least DEEPEP_UNIQUE_ID_BYTES writable bytes (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(id.as_ptr(), out, id.len()) };
+        Ok(())
+    })
+}

@@ -1,0 +1,140 @@
+//! One error type for the crate, its C status code, and the thread-local
+//! last-error message the C ABI exposes.
+use std::cell::RefCell;
+use std::ffi::CString;
+use std::fmt;
+
+/// Status codes returned by every C ABI function.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeepepStatus {
+    DEEPEP_SUCCESS = 0,
+    /// An argument is null, out of range, or has the wrong dtype/shape.
+    DEEPEP_ERROR_INVALID_ARGUMENT = 1,
+    /// No CUDA driver or no CUDA device.
+    DEEPEP_ERROR_NO_DEVICE = 2,
+    DEEPEP_ERROR_CUDA = 3,
+    DEEPEP_ERROR_NCCL = 4,
+    /// The NCCL loaded at run time does not match the headers the kernels were built with.
+    DEEPEP_ERROR_VERSION_MISMATCH = 5,
+    /// The buffer was destroyed, or is unusable after an earlier failure.
+    DEEPEP_ERROR_NOT_AVAILABLE = 6,
+    /// A bounded GPU wait expired; the message names the rank, peer and counter.
+    DEEPEP_ERROR_TIMEOUT = 7,
+    /// The feature exists in DeepEP but is not implemented here yet.
+    DEEPEP_ERROR_UNSUPPORTED = 8,
+    /// A bug in deepep-nccl (including a caught panic).
+    DEEPEP_ERROR_INTERNAL = 9,
+}
+
+impl DeepepStatus {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::DEEPEP_SUCCESS => "DEEPEP_SUCCESS",
+            Self::DEEPEP_ERROR_INVALID_ARGUMENT => "DEEPEP_ERROR_INVALID_ARGUMENT",
+            Self::DEEPEP_ERROR_NO_DEVICE => "DEEPEP_ERROR_NO_DEVICE",
+            Self::DEEPEP_ERROR_CUDA => "DEEPEP_ERROR_CUDA",
+            Self::DEEPEP_ERROR_NCCL => "DEEPEP_ERROR_NCCL",
+            Self::DEEPEP_ERROR_VERSION_MISMATCH => "DEEPEP_ERROR_VERSION_MISMATCH",
+            Self::DEEPEP_ERROR_NOT_AVAILABLE => "DEEPEP_ERROR_NOT_AVAILABLE",
+            Self::DEEPEP_ERROR_TIMEOUT => "DEEPEP_ERROR_TIMEOUT",
+            Self::DEEPEP_ERROR_UNSUPPORTED => "DEEPEP_ERROR_UNSUPPORTED",
+            Self::DEEPEP_ERROR_INTERNAL => "DEEPEP_ERROR_INTERNAL",
+        }
+    }
+
+    pub fn from_code(code: i32) -> Option<Self> {
+        use DeepepStatus::*;
+        [
+            DEEPEP_SUCCESS,
+            DEEPEP_ERROR_INVALID_ARGUMENT,
+            DEEPEP_ERROR_NO_DEVICE,
+            DEEPEP_ERROR_CUDA,
+            DEEPEP_ERROR_NCCL,
+            DEEPEP_ERROR_VERSION_MISMATCH,
+            DEEPEP_ERROR_NOT_AVAILABLE,
+            DEEPEP_ERROR_TIMEOUT,
+            DEEPEP_ERROR_UNSUPPORTED,
+            DEEPEP_ERROR_INTERNAL,
+        ]
+        .into_iter()
+        .find(|s| *s as i32 == code)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    pub status: DeepepStatus,
+    pub message: String,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn new(status: DeepepStatus, message: impl Into<String>) -> Self {
+        Self { status, message: message.into() }
+    }
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(DeepepStatus::DEEPEP_ERROR_INVALID_ARGUMENT, message)
+    }
+    pub fn cuda(message: impl Into<String>) -> Self {
+        Self::new(DeepepStatus::DEEPEP_ERROR_CUDA, message)
+    }
+    pub fn nccl(message: impl Into<String>) -> Self {
+        Self::new(DeepepStatus::DEEPEP_ERROR_NCCL, message)
+    }
+    pub fn no_device(message: impl Into<String>) -> Self {
+        Self::new(DeepepStatus::DEEPEP_ERROR_NO_DEVICE, message)
+    }
+    pub fn not_available(message: impl Into<String>) -> Self {
+        Self::new(DeepepStatus::DEEPEP_ERROR_NOT_AVAILABLE, message)
+    }
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        Self::new(DeepepStatus::DEEPEP_ERROR_UNSUPPORTED, message)
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(DeepepStatus::DEEPEP_ERROR_INTERNAL, message)
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.status.name(), self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// `ensure!(cond, "message {}", x)` returns an InvalidArgument error when `cond` is false.
+#[macro_export]
+macro_rules! ensure_arg {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !($cond) {
+            return Err($crate::error::Error::invalid(format!($($fmt)+)));
+        }
+    };
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+pub fn set_last_error(message: &str) {
+    // Interior NULs would truncate the C string; replace them.
+    let clean = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = clean);
+}
+
+pub fn clear_last_error() {
+    LAST_ERROR.with(|e| *e.borrow_mut() = CString::default());
+}
+
+/// Pointer valid until the next C ABI call on this thread.
+pub fn last_error_ptr() -> *const std::os::raw::c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+pub fn last_error_string() -> String {
+    LAST_ERROR.with(|e| e.borrow().to_string_lossy().into_owned())
+}

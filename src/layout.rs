@@ -1,0 +1,202 @@
+//! `get_dispatch_layout`: argument checks, the kernel launch, and a CPU
+//! reference implementation of DeepEP's semantics used by the tests.
+use std::os::raw::c_void;
+
+use crate::buffer::Buffer;
+use crate::config::NUM_MAX_NVL_PEERS;
+use crate::ensure_arg;
+use crate::error::Result;
+use crate::kernels::{self, LayoutParams};
+use crate::tensor::{check, check_shape, DeepepDtype::*, DeepepTensor};
+
+/// Output and input descriptors of one layout call.
+pub struct LayoutArgs<'a> {
+    pub topk_idx: Option<&'a DeepepTensor>,
+    pub num_experts: i32,
+    pub num_tokens_per_rank: Option<&'a DeepepTensor>,
+    pub num_tokens_per_rdma_rank: Option<&'a DeepepTensor>,
+    pub num_tokens_per_expert: Option<&'a DeepepTensor>,
+    pub is_token_in_rank: Option<&'a DeepepTensor>,
+}
+
+/// Validates every argument against DeepEP's contract and builds kernel params
+/// (workspace fields left for the caller).
+pub fn build_params(num_ranks: i32, num_sms: i32, args: &LayoutArgs<'_>) -> Result<LayoutParams> {
+    let topk = check("topk_idx", args.topk_idx, &[DEEPEP_DTYPE_INT64, DEEPEP_DTYPE_INT32], 2)?;
+    let (num_tokens, num_topk) = (topk.dims()[0], topk.dims()[1]);
+    let num_experts = args.num_experts;
+    ensure_arg!(num_experts > 0, "num_experts must be positive, got {num_experts}");
+    ensure_arg!(
+        num_experts % num_ranks == 0,
+        "num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})"
+    );
+    ensure_arg!(num_topk <= 1024, "topk_idx has {num_topk} columns; at most 1024 are supported");
+    // Shared-memory histograms: experts + ranks + nodes counters plus a 32-token row tile.
+    let num_rdma_ranks = if num_ranks > NUM_MAX_NVL_PEERS { num_ranks / NUM_MAX_NVL_PEERS } else { 0 };
+    let smem = 4 * (num_experts as i64 + num_ranks as i64 + num_rdma_ranks as i64) + 32 * num_ranks as i64;
+    ensure_arg!(
+        smem <= 96 * 1024,
+        "num_experts ({num_experts}) with {num_ranks} ranks needs {smem} B of shared memory; the limit is 98304 B"
+    );
+
+    let per_rank = check("num_tokens_per_rank", args.num_tokens_per_rank, &[DEEPEP_DTYPE_INT32], 1)?;
+    check_shape("num_tokens_per_rank", &per_rank, &[num_ranks as i64])?;
+    let per_expert = check("num_tokens_per_expert", args.num_tokens_per_expert, &[DEEPEP_DTYPE_INT32], 1)?;
+    check_shape("num_tokens_per_expert", &per_expert, &[num_experts as i64])?;
+    let in_rank = check("is_token_in_rank", args.is_token_in_rank, &[DEEPEP_DTYPE_BOOL], 2)?;
+    check_shape("is_token_in_rank", &in_rank, &[num_tokens, num_ranks as i64])?;
+    let per_rdma_ptr = if num_rdma_ranks > 0 {
+        let per_rdma = check("num_tokens_per_rdma_rank", args.num_tokens_per_rdma_rank, &[DEEPEP_DTYPE_INT32], 1)?;
+        check_shape("num_tokens_per_rdma_rank", &per_rdma, &[num_rdma_ranks as i64])?;
+        per_rdma.ptr().cast()
+    } else {
+        ensure_arg!(
+            args.num_tokens_per_rdma_rank.is_none(),
+            "num_tokens_per_rdma_rank must be NULL with {num_ranks} ranks (it exists only above {NUM_MAX_NVL_PEERS} ranks)"
+        );
+        std::ptr::null_mut()
+    };
+
+    Ok(LayoutParams {
+        topk_idx: topk.ptr() as *const c_void,
+        num_tokens,
+        num_topk: num_topk as i32,
+        topk_idx_is_int32: (topk.dtype == DEEPEP_DTYPE_INT32) as i32,
+        num_experts,
+        num_ranks,
+        num_rdma_ranks,
+        num_ranks_per_rdma_rank: NUM_MAX_NVL_PEERS,
+        num_tokens_per_rank: per_rank.ptr().cast(),
+        num_tokens_per_rdma_rank: per_rdma_ptr,
+        num_tokens_per_expert: per_expert.ptr().cast(),
+        is_token_in_rank: in_rank.ptr().cast(),
+        partials: std::ptr::null_mut(),
+        ticket: std::ptr::null_mut(),
+        partials_capacity: 0,
+        num_sms,
+        reserved: 0,
+    })
+}
+
+/// Launches the layout kernel on `stream` (NULL: the buffer's comm stream).
+pub fn get_dispatch_layout(buffer: &Buffer, args: &LayoutArgs<'_>, stream: *mut c_void) -> Result<()> {
+    let mut params = build_params(buffer.layout.num_ranks, buffer.num_device_sms(), args)?;
+    buffer.with_resources(|res| {
+        let (partials, capacity) = res.layout_partials();
+        params.partials = partials;
+        params.partials_capacity = capacity;
+        params.ticket = res.layout_ticket();
+        // SAFETY: params points at validated tensors and our workspace.
+        let needed = unsafe { kernels::deepep_dispatch_layout_workspace_elems(&params) };
+        ensure_arg!(
+            needed <= capacity,
+            "get_dispatch_layout needs {needed} workspace ints, the workspace holds {capacity}"
+        );
+        let stream = if stream.is_null() { res.stream.raw() } else { stream };
+        // SAFETY: all pointers in params were validated; stream belongs to this device.
+        let rc = unsafe { kernels::deepep_launch_dispatch_layout(&params, stream) };
+        kernels::launch_result("dispatch_layout", rc)
+    })
+}
+
+/// CPU reference of DeepEP's layout semantics: (per rank, per rdma rank, per expert, is_token_in_rank).
+pub fn reference_layout(
+    topk_idx: &[i64],
+    num_topk: usize,
+    num_experts: i32,
+    num_ranks: i32,
+) -> (Vec<i32>, Option<Vec<i32>>, Vec<i32>, Vec<bool>) {
+    let num_tokens = if num_topk == 0 { 0 } else { topk_idx.len() / num_topk };
+    let experts_per_rank = (num_experts / num_ranks) as i64;
+    let mut per_rank = vec![0; num_ranks as usize];
+    let mut per_expert = vec![0; num_experts as usize];
+    let mut in_rank = vec![false; num_tokens * num_ranks as usize];
+    let nodes = if num_ranks > NUM_MAX_NVL_PEERS { (num_ranks / NUM_MAX_NVL_PEERS) as usize } else { 0 };
+    let mut per_node = vec![0; nodes];
+    for t in 0..num_tokens {
+        let row = &mut in_rank[t * num_ranks as usize..(t + 1) * num_ranks as usize];
+        for &e in &topk_idx[t * num_topk..(t + 1) * num_topk] {
+            if e >= 0 && e < num_experts as i64 {
+                per_expert[e as usize] += 1;
+                row[(e / experts_per_rank) as usize] = true;
+            }
+        }
+        for (r, hit) in row.iter().enumerate() {
+            per_rank[r] += *hit as i32;
+        }
+        for (n, count) in per_node.iter_mut().enumerate() {
+            let span = n * NUM_MAX_NVL_PEERS as usize..(n + 1) * NUM_MAX_NVL_PEERS as usize;
+            *count += row[span].iter().any(|h| *h) as i32;
+        }
+    }
+    (per_rank, (nodes > 0).then_some(per_node), per_expert, in_rank)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DeepepDtype;
+
+    #[test]
+    fn reference_counts_duplicates_per_expert_once_per_rank_and_skips_negatives() {
+        // 2 ranks, 4 experts (2 per rank); token 0 picks experts 0,0 (dup), token 1 picks 3,-1.
+        let (per_rank, per_node, per_expert, in_rank) = reference_layout(&[0, 0, 3, -1], 2, 4, 2);
+        assert_eq!(per_expert, vec![2, 0, 0, 1]);
+        assert_eq!(per_rank, vec![1, 1]);
+        assert_eq!(in_rank, vec![true, false, false, true]);
+        assert!(per_node.is_none());
+    }
+
+    #[test]
+    fn reference_counts_nodes_above_eight_ranks() {
+        // 16 ranks, 16 experts: token 0 -> ranks 1 and 9 (nodes 0, 1), token 1 -> ranks 2, 3 (node 0).
+        let (_, per_node, _, _) = reference_layout(&[1, 9, 2, 3], 2, 16, 16);
+        assert_eq!(per_node, Some(vec![2, 1]));
+    }
+
+    fn desc(ptr: *mut c_void, dtype: DeepepDtype, shape: &[i64]) -> DeepepTensor {
+        let mut t = DeepepTensor { data: ptr, dtype: dtype as i32, ndim: shape.len() as i32, shape: [0; 4], strides: [0; 4] };
+        let mut stride = 1;
+        for d in (0..shape.len()).rev() {
+            t.shape[d] = shape[d];
+            t.strides[d] = stride;
+            stride *= shape[d];
+        }
+        t
+    }
+
+    #[test]
+    fn build_params_validates_every_argument() {
+        let p = 0x1000 as *mut c_void;
+        let topk = desc(p, DEEPEP_DTYPE_INT64, &[16, 8]);
+        let ranks = desc(p, DEEPEP_DTYPE_INT32, &[4]);
+        let experts = desc(p, DEEPEP_DTYPE_INT32, &[64]);
+        let in_rank = desc(p, DEEPEP_DTYPE_BOOL, &[16, 4]);
+        fn with<'a>(topk: &'a DeepepTensor, num_experts: i32, outs: [&'a DeepepTensor; 3]) -> LayoutArgs<'a> {
+            LayoutArgs {
+                topk_idx: Some(topk),
+                num_experts,
+                num_tokens_per_rank: Some(outs[0]),
+                num_tokens_per_rdma_rank: None,
+                num_tokens_per_expert: Some(outs[1]),
+                is_token_in_rank: Some(outs[2]),
+            }
+        }
+        let outs = [&ranks, &experts, &in_rank];
+        let args = |topk, num_experts| with(topk, num_experts, outs);
+        let ok = build_params(4, 132, &args(&topk, 64)).unwrap();
+        assert_eq!((ok.num_tokens, ok.num_topk, ok.topk_idx_is_int32, ok.num_rdma_ranks), (16, 8, 0, 0));
+
+        let err = build_params(4, 132, &args(&topk, 62)).unwrap_err();
+        assert!(err.message.contains("num_experts (62) must be divisible by the number of ranks (4)"), "{}", err.message);
+        let f32_topk = desc(p, DEEPEP_DTYPE_FLOAT32, &[16, 8]);
+        assert!(build_params(4, 132, &args(&f32_topk, 64)).unwrap_err().message.contains("topk_idx must have dtype int64 or int32"));
+        let mut strided = topk;
+        strided.strides = [16, 1, 0, 0];
+        assert!(build_params(4, 132, &args(&strided, 64)).unwrap_err().message.contains("contiguous"));
+        let err = build_params(8, 132, &args(&topk, 64)).unwrap_err();
+        assert_eq!(err.message, "num_tokens_per_rank must have shape [8], got [4]");
+        let huge = build_params(4, 132, &args(&topk, 1 << 20)).unwrap_err();
+        assert!(huge.message.contains("shared memory"), "{}", huge.message);
+    }
+}

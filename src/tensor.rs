@@ -1,0 +1,179 @@
+//! Tensors cross the C ABI as small descriptors: pointer, dtype, shape, strides.
+//! This module validates them and names the offending argument on failure.
+use crate::ensure_arg;
+use crate::error::Result;
+
+pub const DEEPEP_MAX_DIMS: usize = 4;
+
+/// Element types known to the ABI. Values are stable.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeepepDtype {
+    DEEPEP_DTYPE_BOOL = 1,
+    DEEPEP_DTYPE_UINT8 = 2,
+    DEEPEP_DTYPE_INT32 = 3,
+    DEEPEP_DTYPE_INT64 = 4,
+    DEEPEP_DTYPE_FLOAT32 = 5,
+    DEEPEP_DTYPE_BFLOAT16 = 6,
+    DEEPEP_DTYPE_FLOAT16 = 7,
+    DEEPEP_DTYPE_FLOAT8_E4M3 = 8,
+}
+
+impl DeepepDtype {
+    pub fn from_code(code: i32) -> Option<Self> {
+        use DeepepDtype::*;
+        [
+            DEEPEP_DTYPE_BOOL,
+            DEEPEP_DTYPE_UINT8,
+            DEEPEP_DTYPE_INT32,
+            DEEPEP_DTYPE_INT64,
+            DEEPEP_DTYPE_FLOAT32,
+            DEEPEP_DTYPE_BFLOAT16,
+            DEEPEP_DTYPE_FLOAT16,
+            DEEPEP_DTYPE_FLOAT8_E4M3,
+        ]
+        .into_iter()
+        .find(|d| *d as i32 == code)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::DEEPEP_DTYPE_BOOL => "bool",
+            Self::DEEPEP_DTYPE_UINT8 => "uint8",
+            Self::DEEPEP_DTYPE_INT32 => "int32",
+            Self::DEEPEP_DTYPE_INT64 => "int64",
+            Self::DEEPEP_DTYPE_FLOAT32 => "float32",
+            Self::DEEPEP_DTYPE_BFLOAT16 => "bfloat16",
+            Self::DEEPEP_DTYPE_FLOAT16 => "float16",
+            Self::DEEPEP_DTYPE_FLOAT8_E4M3 => "float8_e4m3fn",
+        }
+    }
+}
+
+/// A strided view of device memory. `strides` are in elements, like torch's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DeepepTensor {
+    pub data: *mut std::os::raw::c_void,
+    /// A `DeepepDtype` value.
+    pub dtype: i32,
+    pub ndim: i32,
+    pub shape: [i64; DEEPEP_MAX_DIMS],
+    pub strides: [i64; DEEPEP_MAX_DIMS],
+}
+
+/// A descriptor that passed [`check`]: dtype and dims are known-good.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorView<'a> {
+    pub raw: &'a DeepepTensor,
+    pub dtype: DeepepDtype,
+}
+
+impl TensorView<'_> {
+    pub fn dims(&self) -> &[i64] {
+        &self.raw.shape[..self.raw.ndim as usize]
+    }
+    pub fn numel(&self) -> i64 {
+        self.dims().iter().product()
+    }
+    pub fn ptr(&self) -> *mut std::os::raw::c_void {
+        self.raw.data
+    }
+}
+
+/// Validates a descriptor: non-null (unless empty), one of `dtypes`, `ndim`
+/// dimensions, row-major contiguous. `name` is the argument name for errors.
+pub fn check<'a>(
+    name: &str,
+    tensor: Option<&'a DeepepTensor>,
+    dtypes: &[DeepepDtype],
+    ndim: usize,
+) -> Result<TensorView<'a>> {
+    let Some(t) = tensor else {
+        return Err(crate::error::Error::invalid(format!("{name} must not be NULL")));
+    };
+    let dtype = DeepepDtype::from_code(t.dtype)
+        .ok_or_else(|| crate::error::Error::invalid(format!("{name}: unknown dtype code {}", t.dtype)))?;
+    ensure_arg!(
+        dtypes.contains(&dtype),
+        "{name} must have dtype {}, got {}",
+        dtypes.iter().map(|d| d.name()).collect::<Vec<_>>().join(" or "),
+        dtype.name()
+    );
+    ensure_arg!(t.ndim as usize == ndim, "{name} must be {ndim}-D, got {}-D", t.ndim);
+    let dims = &t.shape[..ndim];
+    ensure_arg!(dims.iter().all(|d| *d >= 0), "{name} has a negative dimension: {dims:?}");
+    let mut expected = 1i64;
+    for d in (0..ndim).rev() {
+        // Size-1 dims may carry any stride (torch does this), as may empty tensors.
+        ensure_arg!(
+            t.shape[d] <= 1 || t.strides[d] == expected,
+            "{name} must be contiguous (shape {dims:?}, strides {:?})",
+            &t.strides[..ndim]
+        );
+        expected = expected.saturating_mul(t.shape[d].max(1));
+    }
+    let view = TensorView { raw: t, dtype };
+    ensure_arg!(view.numel() == 0 || !t.data.is_null(), "{name} has a NULL data pointer");
+    Ok(view)
+}
+
+/// Checks an output tensor's exact shape after [`check`].
+pub fn check_shape(name: &str, view: &TensorView<'_>, expected: &[i64]) -> Result<()> {
+    ensure_arg!(view.dims() == expected, "{name} must have shape {expected:?}, got {:?}", view.dims());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use DeepepDtype::*;
+
+    fn tensor(dtype: DeepepDtype, shape: &[i64]) -> (Vec<u8>, DeepepTensor) {
+        let mut buf = vec![0u8; 64];
+        let mut t = DeepepTensor {
+            data: buf.as_mut_ptr().cast(),
+            dtype: dtype as i32,
+            ndim: shape.len() as i32,
+            shape: [0; 4],
+            strides: [0; 4],
+        };
+        let mut s = 1;
+        for d in (0..shape.len()).rev() {
+            t.shape[d] = shape[d];
+            t.strides[d] = s;
+            s *= shape[d];
+        }
+        (buf, t)
+    }
+
+    #[test]
+    fn accepts_contiguous_and_names_argument_on_error() {
+        let (_b, t) = tensor(DEEPEP_DTYPE_INT64, &[4, 8]);
+        assert_eq!(check("topk_idx", Some(&t), &[DEEPEP_DTYPE_INT64], 2).unwrap().numel(), 32);
+        let err = check("topk_idx", Some(&t), &[DEEPEP_DTYPE_INT32], 2).unwrap_err();
+        assert_eq!(err.message, "topk_idx must have dtype int32, got int64");
+        let err = check("topk_idx", Some(&t), &[DEEPEP_DTYPE_INT64], 1).unwrap_err();
+        assert_eq!(err.message, "topk_idx must be 1-D, got 2-D");
+        assert!(check("topk_idx", None, &[DEEPEP_DTYPE_INT64], 2).unwrap_err().message.contains("NULL"));
+    }
+
+    #[test]
+    fn rejects_non_contiguous_and_unknown_dtype() {
+        let (_b, mut t) = tensor(DEEPEP_DTYPE_INT64, &[4, 8]);
+        t.strides = [1, 4, 0, 0]; // transposed view
+        let err = check("topk_idx", Some(&t), &[DEEPEP_DTYPE_INT64], 2).unwrap_err();
+        assert!(err.message.contains("contiguous"), "{}", err.message);
+        t.dtype = 99;
+        assert!(check("x", Some(&t), &[DEEPEP_DTYPE_INT64], 2).unwrap_err().message.contains("unknown dtype"));
+    }
+
+    #[test]
+    fn shape_check_reports_both_shapes() {
+        let (_b, t) = tensor(DEEPEP_DTYPE_INT32, &[3]);
+        let v = check("num_tokens_per_rank", Some(&t), &[DEEPEP_DTYPE_INT32], 1).unwrap();
+        let err = check_shape("num_tokens_per_rank", &v, &[4]).unwrap_err();
+        assert_eq!(err.message, "num_tokens_per_rank must have shape [4], got [3]");
+    }
+}
