@@ -320,34 +320,6 @@ DeepepStatus deepep_check_buffer_args(int rank,
                                       int64_t num_rdma_bytes,
                                       bool low_latency_mode);
 
-extern uintptr_t deepep_kernel_struct_size(int which);
-
-extern int deepep_kernels_nccl_version(void);
-
-extern void deepep_devcomm_requirements_init(void *reqs, int lsa_barrier_count);
-
-extern void deepep_devcomm_info(const void *dev_comm, DevCommInfo *out);
-
-extern int deepep_launch_lsa_barrier(const void *dev_comm,
-                                     int index,
-                                     WaitContext wait,
-                                     void *stream);
-
-extern int deepep_launch_lsa_peer_check(const void *dev_comm,
-                                        void *window,
-                                        uintptr_t slots_offset,
-                                        uint32_t tag,
-                                        int barrier_index,
-                                        WaitContext wait,
-                                        int32_t *mismatches,
-                                        void *stream);
-
-extern int deepep_launch_dispatch_layout(const LayoutParams *params, void *stream);
-
-extern int64_t deepep_dispatch_layout_workspace_elems(const LayoutParams *params);
-
-extern const char *deepep_cuda_error_string(int error);
-
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# README command 1: toolchain -> build -> install the Python package -> run the
+# quickstart (one process per visible GPU). Env: PYTHON (the Python that has
+# torch; default python3), DEEPEP_NCCL_VERSION (match torch's NCCL).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/toolchain.sh
+cargo build --release
+cp target/release/libdeepep_nccl.so compat/python/deep_ep_cpp/
+PYTHON=${PYTHON:-python3}
+"$PYTHON" -m pip install -q --disable-pip-version-check ./compat/python
+echo "installed deep_ep + deep_ep_cpp into $("$PYTHON" -c 'import sys; print(sys.prefix)')"
+# Run from outside the repo so the installed package (not compat/python) is used.
+cd /tmp && exec "$PYTHON" "$OLDPWD/examples/quickstart.py"

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# README command 2: every CPU test (no GPU needed). GPU tests: bench/gpu_suite.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+. scripts/toolchain.sh
+
+echo "== build (NCCL ${DEEPEP_NCCL_VERSION}) and header freshness"
+cargo build --release --locked
+git diff --exit-code -- include/deepep_nccl.h || { echo "include/deepep_nccl.h is stale: commit the regenerated header" >&2; exit 1; }
+
+echo "== Rust unit and C ABI tests"
+cargo test --release --locked --workspace
+
+echo "== C and C++ programs against include/ (no GPU => clean DEEPEP_ERROR_NO_DEVICE, exit 2)"
+mkdir -p target/examples
+link=(-Iinclude -I"$CUDA_HOME/include" -Ltarget/release -ldeepep_nccl -L"$CUDA_HOME/lib" -l:libcudart.so.13
+      -Wl,-rpath,"$PWD/target/release:$CUDA_HOME/lib" -Wl,-rpath-link,"$NCCL_HOME/lib")
+gcc -std=c11 -Wall -Wextra -Werror examples/c/layout_single_gpu.c "${link[@]}" -o target/examples/layout_c
+g++ -std=c++17 -Wall -Wextra -Werror examples/cpp/layout_single_gpu.cpp "${link[@]}" -o target/examples/layout_cpp
+passed=0; failed=0
+for exe in target/examples/layout_c target/examples/layout_cpp; do
+  set +e; out=$("$exe" 2>&1); rc=$?; set -e
+  echo "$out"
+  if [ -e /dev/nvidiactl ]; then want=0; else want=2; fi
+  if [ "$rc" -eq "$want" ] && { [ "$want" -eq 0 ] || grep -q DEEPEP_ERROR_NO_DEVICE <<<"$out"; }; then
+    passed=$((passed + 1)); echo "ok: $exe exited $rc"
+  else
+    failed=$((failed + 1)); echo "FAIL: $exe exited $rc, expected $want"
+  fi
+done
+echo "examples: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
+
+echo "== Python drop-in (CPU parts, no torch needed)"
+DEEPEP_NCCL_LIBRARY="$PWD/target/release/libdeepep_nccl.so" PYTHONPATH="$PWD/compat/python" \
+  "$DEEPEP_VENV/bin/python" -m pytest -q tests/python
+
+echo "== kernels and host code compile against NCCL 2.32.3 too"
+NEWER_VENV=${DEEPEP_NEWER_NCCL_VENV:-.venv-nccl2323}
+deepep_install_wheels "$NEWER_VENV" nvidia-nccl-cu13==2.32.3
+NEWER_NCCL="$(deepep_site_packages "$NEWER_VENV")/nvidia/nccl"
+NCCL_HOME="$NEWER_NCCL" LD_LIBRARY_PATH="$NEWER_NCCL/lib" CARGO_TARGET_DIR=target-nccl2323 \
+  cargo test --release --locked --lib -- kernels nccl::tests::the_linked
+
+echo "== artifact: glibc floor and NEEDED"
+floor=$(objdump -T target/release/libdeepep_nccl.so | grep -o 'GLIBC_[0-9.]*' | sort -V | tail -1)
+echo "highest glibc symbol version: $floor"
+readelf -d target/release/libdeepep_nccl.so | grep NEEDED
+echo "total: $(( $(date +%s) - T0 ))s"

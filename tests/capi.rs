@@ -1,0 +1,170 @@
+//! C ABI contract tests that need no GPU: status codes, last-error messages,
+//! NULL handling, argument checks, version queries, config helpers.
+use std::ffi::CStr;
+use std::ptr;
+
+use deepep_nccl::capi::*;
+use deepep_nccl::config::DeepepConfig;
+use deepep_nccl::error::DeepepStatus::{self, *};
+use deepep_nccl::tensor::{DeepepDtype, DeepepTensor};
+
+fn last_error() -> String {
+    unsafe { CStr::from_ptr(deepep_last_error()) }.to_string_lossy().into_owned()
+}
+
+fn expect_err(status: DeepepStatus, expected: DeepepStatus, needle: &str) {
+    assert_eq!(status, expected, "last error: {}", last_error());
+    let msg = last_error();
+    assert!(msg.contains(needle), "expected {needle:?} in {msg:?}");
+}
+
+fn gpu_present() -> bool {
+    let mut n = 0;
+    deepep_device_count(&mut n) == DEEPEP_SUCCESS && n > 0
+}
+
+#[test]
+fn versions_are_reported_and_consistent() {
+    assert_eq!(deepep_abi_version(), DEEPEP_ABI_VERSION);
+    let lib = unsafe { CStr::from_ptr(deepep_library_version()) }.to_str().unwrap();
+    assert_eq!(lib, env!("CARGO_PKG_VERSION"));
+    let mut runtime = 0;
+    assert_eq!(deepep_nccl_runtime_version(&mut runtime), DEEPEP_SUCCESS);
+    let compiled = deepep_nccl_compiled_version();
+    assert!(compiled >= 22800, "compiled NCCL {compiled}");
+    assert_eq!(compiled / 100, runtime / 100, "kernels built for {compiled}, process has {runtime}");
+    expect_err(deepep_nccl_runtime_version(ptr::null_mut()), DEEPEP_ERROR_INVALID_ARGUMENT, "out must not be NULL");
+}
+
+#[test]
+fn last_error_is_set_on_failure_and_cleared_on_success() {
+    expect_err(deepep_check_buffer_args(0, 4, 100, 0, false), DEEPEP_ERROR_INVALID_ARGUMENT, "num_nvl_bytes (100)");
+    assert_eq!(deepep_check_buffer_args(0, 4, 128, 0, false), DEEPEP_SUCCESS);
+    assert_eq!(last_error(), "");
+}
+
+#[test]
+fn status_strings_name_every_code() {
+    let name = |s: i32| unsafe { CStr::from_ptr(deepep_status_string(s)) }.to_str().unwrap().to_owned();
+    assert_eq!(name(0), "DEEPEP_SUCCESS");
+    assert_eq!(name(DEEPEP_ERROR_TIMEOUT as i32), "DEEPEP_ERROR_TIMEOUT");
+    assert_eq!(name(9), "DEEPEP_ERROR_INTERNAL");
+    assert_eq!(name(42), "DEEPEP_UNKNOWN_STATUS");
+}
+
+#[test]
+fn unique_id_needs_room_and_fills_it() {
+    let mut id = [0u8; DEEPEP_UNIQUE_ID_BYTES];
+    expect_err(deepep_get_unique_id(id.as_mut_ptr(), 16), DEEPEP_ERROR_INVALID_ARGUMENT, "len must be >= 128");
+    expect_err(deepep_get_unique_id(ptr::null_mut(), 128), DEEPEP_ERROR_INVALID_ARGUMENT, "out must not be NULL");
+    assert_eq!(deepep_get_unique_id(id.as_mut_ptr(), id.len()), DEEPEP_SUCCESS, "{}", last_error());
+    assert!(id.iter().any(|b| *b != 0));
+}
+
+#[test]
+fn buffer_create_checks_arguments_before_touching_the_gpu() {
+    let id = [0u8; DEEPEP_UNIQUE_ID_BYTES];
+    let mut buf = ptr::null_mut();
+    let create = |rank, ranks, nvl, rdma, ll, id: *const u8, len, out| {
+        deepep_buffer_create(rank, ranks, id, len, nvl, rdma, ll, false, false, out)
+    };
+    expect_err(create(0, 4, 1000, 0, false, id.as_ptr(), 128, &mut buf), DEEPEP_ERROR_INVALID_ARGUMENT, "multiple of 128");
+    expect_err(create(5, 4, 0, 0, false, id.as_ptr(), 128, &mut buf), DEEPEP_ERROR_INVALID_ARGUMENT, "rank must be in [0, num_ranks=4)");
+    expect_err(create(0, 12, 0, 0, false, id.as_ptr(), 128, &mut buf), DEEPEP_ERROR_INVALID_ARGUMENT, "multiple of 8");
+    expect_err(create(0, 2, 0, 1 << 20, false, id.as_ptr(), 128, &mut buf), DEEPEP_ERROR_INVALID_ARGUMENT, "low_latency_mode");
+    expect_err(create(0, 2, 0, 0, false, ptr::null(), 128, &mut buf), DEEPEP_ERROR_INVALID_ARGUMENT, "unique_id must not be NULL");
+    expect_err(create(0, 2, 0, 0, false, id.as_ptr(), 64, &mut buf), DEEPEP_ERROR_INVALID_ARGUMENT, "unique_id must be 128 bytes");
+    expect_err(create(0, 2, 0, 0, false, id.as_ptr(), 128, ptr::null_mut()), DEEPEP_ERROR_INVALID_ARGUMENT, "out must not be NULL");
+    assert!(buf.is_null());
+}
+
+#[test]
+fn buffer_create_without_a_gpu_is_a_clean_no_device_error() {
+    if gpu_present() {
+        eprintln!("GPU present: the no-GPU path is covered by the GPU suite instead");
+        return;
+    }
+    let mut id = [0u8; DEEPEP_UNIQUE_ID_BYTES];
+    assert_eq!(deepep_get_unique_id(id.as_mut_ptr(), id.len()), DEEPEP_SUCCESS);
+    let mut buf = ptr::null_mut();
+    let status = deepep_buffer_create(0, 1, id.as_ptr(), id.len(), 1 << 20, 0, false, true, false, &mut buf);
+    expect_err(status, DEEPEP_ERROR_NO_DEVICE, "CUDA");
+    assert!(buf.is_null());
+    let mut n = -1;
+    assert_eq!(deepep_device_count(&mut n), DEEPEP_ERROR_NO_DEVICE);
+    assert_eq!(n, 0);
+}
+
+#[test]
+fn null_buffer_handles_are_rejected_everywhere() {
+    let mut i = 0;
+    let mut b = false;
+    let mut p = ptr::null_mut();
+    let mut bytes = 0i64;
+    let null = ptr::null_mut();
+    for status in [
+        deepep_buffer_get_rank(null, &mut i),
+        deepep_buffer_get_num_ranks(null, &mut i),
+        deepep_buffer_get_num_rdma_ranks(null, &mut i),
+        deepep_buffer_get_rdma_rank(null, &mut i),
+        deepep_buffer_get_root_rdma_rank(null, true, &mut i),
+        deepep_buffer_get_local_device_id(null, &mut i),
+        deepep_buffer_get_num_device_sms(null, &mut i),
+        deepep_buffer_is_available(null, &mut b),
+        deepep_buffer_get_local_buffer(null, false, &mut p, &mut bytes),
+        deepep_buffer_get_comm_stream(null, &mut p),
+        deepep_buffer_barrier(null),
+        deepep_buffer_check_peers(null),
+        deepep_buffer_set_gpu_timeout_ms(null, 10),
+        deepep_buffer_destroy(null),
+    ] {
+        expect_err(status, DEEPEP_ERROR_INVALID_ARGUMENT, "buffer must not be NULL");
+    }
+    assert_eq!(deepep_buffer_free(null), DEEPEP_SUCCESS);
+}
+
+#[test]
+fn layout_on_a_null_buffer_is_an_error_not_a_crash() {
+    let t = DeepepTensor { data: ptr::null_mut(), dtype: DeepepDtype::DEEPEP_DTYPE_INT64 as i32, ndim: 2, shape: [0; 4], strides: [1; 4] };
+    let status = deepep_get_dispatch_layout(ptr::null(), &t, 8, &t, ptr::null(), &t, &t, ptr::null_mut());
+    expect_err(status, DEEPEP_ERROR_INVALID_ARGUMENT, "must not be NULL");
+}
+
+#[test]
+fn config_helpers_follow_deepep() {
+    let mut cfg = DeepepConfig { num_sms: 0, num_max_nvl_chunked_send_tokens: 0, num_max_nvl_chunked_recv_tokens: 0, num_max_rdma_chunked_send_tokens: 0, num_max_rdma_chunked_recv_tokens: 0 };
+    assert_eq!(deepep_config_default(&mut cfg, DeepepConfigKind::DEEPEP_CONFIG_DISPATCH as i32, 4, 20), DEEPEP_SUCCESS);
+    assert_eq!(cfg.num_max_nvl_chunked_send_tokens, 6);
+    let mut hint = 0i64;
+    assert_eq!(deepep_config_nvl_buffer_size_hint(&cfg, 14336, 4, &mut hint), DEEPEP_SUCCESS);
+X
+    assert_eq!(deepep_config_rdma_buffer_size_hint(&cfg, 14336, 4, &mut hint), DEEPEP_SUCCESS);
+    assert_eq!(hint, 0);
+    expect_err(deepep_config_default(&mut cfg, 7, 4, 20), DEEPEP_ERROR_INVALID_ARGUMENT, "kind must be");
+    expect_err(deepep_config_default(&mut cfg, 0, 6, 20), DEEPEP_ERROR_INVALID_ARGUMENT, "Unsupported number of EP ranks: 6");
+    expect_err(deepep_config_init(&mut cfg, 20, 8, 8, 6, 128), DEEPEP_ERROR_INVALID_ARGUMENT, "nvl_chunked_send_tokens (8)");
+    assert_eq!(deepep_config_init(&mut cfg, 24, 8, 256, 16, 130), DEEPEP_SUCCESS);
+    assert_eq!(cfg.num_max_rdma_chunked_recv_tokens, 144);
+    expect_err(deepep_config_nvl_buffer_size_hint(ptr::null(), 1, 2, &mut hint), DEEPEP_ERROR_INVALID_ARGUMENT, "config must not be NULL");
+    assert_eq!(deepep_low_latency_rdma_size_hint(128, 7168, 8, 288, &mut hint), DEEPEP_SUCCESS);
+    assert_eq!(hint, 2_146_961_792);
+    expect_err(deepep_low_latency_rdma_size_hint(0, 7168, 8, 288, &mut hint), DEEPEP_ERROR_INVALID_ARGUMENT, "num_max_dispatch_tokens_per_rank");
+}
+
+#[test]
+fn committed_header_declares_every_exported_function() {
+    let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/deepep_nccl.h")).unwrap();
+    let source: String = ["mod.rs", "buffer.rs", "config.rs"]
+        .iter()
+        .map(|f| std::fs::read_to_string(format!("{}/src/capi/{f}", env!("CARGO_MANIFEST_DIR"))).unwrap())
+        .collect();
+    let exported: Vec<&str> = source
+        .split("pub extern \"C\" fn ")
+        .skip(1)
+        .map(|rest| rest.split('(').next().unwrap())
+        .collect();
+    assert!(exported.len() >= 25, "found only {} exports", exported.len());
+    for name in exported {
+        assert!(header.contains(&format!("{name}(")), "include/deepep_nccl.h lacks {name}: rebuild to regenerate it");
+    }
+}
