@@ -1,0 +1,332 @@
+"""deep_ep.Buffer: DeepEP V1's public Python API on deepep-nccl."""
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+import deep_ep_cpp
+from deep_ep_cpp import Config, EventHandle
+
+from .utils import EventOverlap, check_nvlink_connections
+
+# Keyword arguments that DeepEP forks add (hybrid-ep, antgroup-opt), accepted so that callers
+# written for those forks run: NCCL picks transports itself (allow_nvlink_for_normal_mode), and
+# the low-latency ones reach the methods' own NotImplementedError. Other names are TypeErrors.
+_CONSTRUCTOR_EXTENSIONS = frozenset({"allow_nvlink_for_normal_mode"})
+_LOW_LATENCY_DISPATCH_EXTENSIONS = frozenset({"use_nvfp4", "x_global_scale", "topk_weights", "use_ue8m0_for_sf"})
+_LOW_LATENCY_COMBINE_EXTENSIONS = frozenset(
+    {
+        "overlap",
+        "packed_recv_count",
+        "comp_signal",
+        "block_m",
+        "threshold",
+        "num_sms",
+        "src_signals",
+        "src_signal_expect_value",
+    }
+)
+
+
+def _check_extension_kwargs(method: str, kwargs: dict, known: frozenset) -> None:
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(
+            f"{method}() got unexpected keyword arguments {unknown} (DeepEP forks add only {sorted(known)})"
+        )
+
+
+def _not_implemented(method: str, feature: str) -> NotImplementedError:
+    return NotImplementedError(f"deepep-nccl: Buffer.{method} ({feature}) is not implemented yet")
+
+
+def _default_config(kind: str, num_ranks: int) -> Config:
+    try:
+        return deep_ep_cpp.get_default_config(kind, num_ranks, Buffer.num_sms)
+    except RuntimeError as e:
+        # DeepEP asserts here ('Unsupported number of EP ranks'); the library's text says which exist.
+        raise AssertionError(str(e)) from e
+
+
+class Buffer:
+    """
+    The communication buffer for MoE expert parallelism: normal-mode dispatch/combine (high
+    throughput) and low-latency mode, as in DeepEP, on NCCL's Device API.
+
+    Attributes:
+        num_sms: the SMs used by the normal kernels (class-wide, see set_num_sms).
+        rank: the local rank number.
+        group_size: the number of ranks in the group.
+        group: the communication group (or the mpi4py communicator).
+        num_nvl_bytes: the buffer size for intranode NVLink communication.
+        num_rdma_bytes: the buffer size for internode (and low-latency) communication.
+        runtime: the deep_ep_cpp runtime.
+    """
+
+    num_sms: int = 20
+
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup],
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: Optional[object] = None,
+        **kwargs,
+    ) -> None:
+        """
+        Collective over `group` (an NCCL or Gloo process group) or, when group is None, over
+        `comm` (mpi4py). num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and
+        use_fabric are DeepEP's NVSHMEM and memory-handle settings: accepted, while NCCL picks
+        transports and handles itself. With explicitly_destroy, destroy() must be called;
+        otherwise the buffer is torn down (collectively) when it is garbage collected.
+        """
+        _check_extension_kwargs("Buffer", kwargs, _CONSTRUCTOR_EXTENSIONS)
+        if group is not None:
+            check_nvlink_connections(group)
+            self.rank = group.rank()
+            self.group = group
+            self.group_size = group.size()
+
+            def all_gather_object(obj):
+                object_list = [None] * self.group_size
+                dist.all_gather_object(object_list, obj, group)
+                return object_list
+
+        elif comm is not None:
+            self.rank = comm.Get_rank()
+            self.group = comm
+            self.group_size = comm.Get_size()
+            all_gather_object = comm.allgather
+        else:
+            raise ValueError("Either 'group' or 'comm' must be provided.")
+
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.runtime = deep_ep_cpp.Buffer(
+            self.rank,
+            self.group_size,
+            num_nvl_bytes,
+            num_rdma_bytes,
+            low_latency_mode,
+            explicitly_destroy,
+            enable_shrink,
+            use_fabric,
+        )
+
+        # Rank 0's IPC handle carries the NCCL unique id; the all-gather hands it to every rank.
+        device_ids = all_gather_object(self.runtime.get_local_device_id())
+        ipc_handles = all_gather_object(self.runtime.get_local_ipc_handle())
+        if self.runtime.get_num_rdma_ranks() > 1 or low_latency_mode:
+            assert num_qps_per_rank > 0
+        self.runtime.sync(device_ids, ipc_handles, None)
+        assert self.runtime.is_available()
+
+    def destroy(self) -> None:
+        """Collective teardown; only for buffers created with explicitly_destroy=True."""
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        # DeepEP sets runtime to None here; keeping it turns later calls (and a second
+        # destroy) into RuntimeErrors that say the buffer was destroyed, not AttributeErrors.
+        self.runtime.destroy()
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return deep_ep_cpp.is_sm90_compiled()
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the SMs used by the normal kernels (and the default configs); must be even."""
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """The RDMA buffer size (bytes) low-latency mode needs, by DeepEP's formula."""
+        return deep_ep_cpp.get_low_latency_rdma_size_hint(
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
+        )
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's tuned dispatch config for num_ranks with Buffer.num_sms SMs."""
+        return _default_config("dispatch", num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's tuned combine config for num_ranks with Buffer.num_sms SMs."""
+        return _default_config("combine", num_ranks)
+
+    @staticmethod
+    def _unpack_bias(bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None]):
+        bias_0, bias_1 = None, None
+        if isinstance(bias, torch.Tensor):
+            bias_0 = bias
+        elif isinstance(bias, tuple):
+            assert len(bias) == 2
+            bias_0, bias_1 = bias
+        return bias_0, bias_1
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The buffer's high-priority communication stream."""
+        return self.runtime.get_comm_stream()
+
+    def get_local_buffer_tensor(
+        self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0, use_rdma_buffer: bool = False
+    ) -> torch.Tensor:
+        """A raw view of this rank's NVL (or RDMA) buffer from byte `offset`, reshaped to `size` if given."""
+        tensor = self.runtime.get_local_buffer_tensor(dtype, offset, use_rdma_buffer)
+        if size is None:
+            return tensor
+        assert tensor.numel() >= size.numel()
+        return tensor[: size.numel()].view(size)
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """
+        Counts what dispatch will send, from `topk_idx` ([num_tokens, num_topk], topk_idx_t; -1 = none).
+
+        Returns num_tokens_per_rank [num_ranks] int32, num_tokens_per_rdma_rank [num_ranks // 8]
+        int32 (None within one node), num_tokens_per_expert [num_experts] int32,
+        is_token_in_rank [num_tokens, num_ranks] bool, and an EventOverlap (its event is set only
+        with async_finish). allocate_on_comm_stream requires previous_event and async_finish.
+        """
+        *layout, event = self.runtime.get_dispatch_layout(
+            topk_idx, num_experts, getattr(previous_event, "event", None), async_finish, allocate_on_comm_stream
+        )
+        return (*layout, EventOverlap(event))
+
+    def dispatch(
+        self,
+        x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+        handle: Optional[Tuple] = None,
+        num_tokens_per_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+        is_token_in_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_expert: Optional[torch.Tensor] = None,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        raise _not_implemented("dispatch", "normal-mode dispatch")
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: Tuple,
+        topk_weights: Optional[torch.Tensor] = None,
+        bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        raise _not_implemented("combine", "normal-mode combine")
+
+    def internode_dispatch(
+        self,
+        x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+        handle: Optional[Tuple] = None,
+        num_tokens_per_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+        is_token_in_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_expert: Optional[torch.Tensor] = None,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        raise _not_implemented("internode_dispatch", "internode normal-mode dispatch")
+
+    def internode_combine(
+        self,
+        x: torch.Tensor,
+        handle: Union[tuple, list],
+        topk_weights: Optional[torch.Tensor] = None,
+        bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        raise _not_implemented("internode_combine", "internode normal-mode combine")
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        raise _not_implemented("clean_low_latency_buffer", "low-latency mode")
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+        dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        **kwargs,
+    ) -> Tuple[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor, Tuple, EventOverlap, Callable]:
+        _check_extension_kwargs("low_latency_dispatch", kwargs, _LOW_LATENCY_DISPATCH_EXTENSIONS)
+        raise _not_implemented("low_latency_dispatch", "low-latency dispatch")
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: tuple,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Optional[torch.Tensor] = None,
+        combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> Tuple[torch.Tensor, EventOverlap, Callable]:
+        _check_extension_kwargs("low_latency_combine", kwargs, _LOW_LATENCY_COMBINE_EXTENSIONS)
+        raise _not_implemented("low_latency_combine", "low-latency combine")
+
+    def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
+        raise _not_implemented("get_next_low_latency_combine_buffer", "low-latency zero-copy combine buffer")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        raise _not_implemented("low_latency_update_mask_buffer", "shrink mask buffer")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        raise _not_implemented("low_latency_query_mask_buffer", "shrink mask buffer")
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        raise _not_implemented("low_latency_clean_mask_buffer", "shrink mask buffer")

@@ -1,0 +1,431 @@
+"""deep_ep_cpp.Buffer: DeepEP's pybind Buffer (positional C++ signatures) over the C ABI."""
+import contextlib
+import ctypes
+import struct
+import sys
+from ctypes import byref, c_bool, c_int, c_int64, c_void_p
+
+from . import _lib
+from ._event import EventHandle
+from ._lib import (
+    DTYPE_BFLOAT16,
+    DTYPE_BOOL,
+    DTYPE_FLOAT8_E4M3,
+    DTYPE_FLOAT16,
+    DTYPE_FLOAT32,
+    DTYPE_INT32,
+    DTYPE_INT64,
+    DTYPE_UINT8,
+    UNIQUE_ID_BYTES,
+    DeepepTensor,
+    check,
+    lib,
+    raise_status,
+    require_torch,
+)
+
+# get_local_ipc_handle() bytes: the magic, then rank 0's ncclUniqueId (zeros on other ranks).
+_HANDLE_MAGIC = b"DEEPEPNCCL1"
+_HANDLE_BYTES = len(_HANDLE_MAGIC) + UNIQUE_ID_BYTES
+_NUM_MAX_NVL_PEERS = 8
+
+_pack_tensor = _lib.TENSOR_FORMAT.pack_into
+# `data` is a DeepepTensor's first field: re-point a descriptor whose shape is fixed.
+_pack_data = struct.Struct("@P").pack_into
+
+_torch = _lib.torch
+# (stream_id, device_index, device_type) of a device's current stream, without building a Stream.
+_current_stream_key = getattr(_torch and _torch._C, "_cuda_getCurrentStream", None)
+_DTYPE_CODES = (
+    {}
+    if _torch is None
+    else {
+        _torch.bool: DTYPE_BOOL,
+        _torch.uint8: DTYPE_UINT8,
+        _torch.int32: DTYPE_INT32,
+        _torch.int64: DTYPE_INT64,
+        _torch.float32: DTYPE_FLOAT32,
+        _torch.bfloat16: DTYPE_BFLOAT16,
+        _torch.float16: DTYPE_FLOAT16,
+        _torch.float8_e4m3fn: DTYPE_FLOAT8_E4M3,
+    }
+)
+
+
+def _not_implemented(method, feature):
+    return NotImplementedError(f"deepep-nccl: {method} ({feature}) is not implemented yet")
+
+
+def _current_device():
+    """torch's current CUDA device, or -1 without torch or CUDA (the C ABI then reports why at sync)."""
+    if _torch is not None and _torch.cuda.is_available():
+        return _torch.cuda.current_device()
+    return -1
+
+
+@contextlib.contextmanager
+def _on_device(device_id):
+    """Makes device_id's primary context current: the C ABI creates on the thread's current context."""
+    if _torch is None or device_id < 0:
+        yield
+        return
+    with _torch.cuda.device(device_id):
+        # torch creates contexts lazily; a device synchronize forces this device's into existence.
+        _torch.cuda.synchronize()
+        yield
+
+
+class _DeviceBytes:
+    """Zero-copy uint8 view source for torch.as_tensor; torch keeps it, and so the Buffer, alive."""
+
+    def __init__(self, ptr, num_bytes, owner):
+        self.__cuda_array_interface__ = {
+            "shape": (num_bytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+        self.owner = owner
+
+
+class Buffer:
+    """One rank's communication buffer. The constructor only validates; sync() creates it."""
+
+    # Class-level default so that __del__ works when __init__ raised.
+    _handle = None
+
+    def __init__(
+        self,
+        rank,
+        num_ranks,
+        num_nvl_bytes,
+        num_rdma_bytes,
+        low_latency_mode,
+        explicitly_destroy,
+        enable_shrink,
+        use_fabric,
+    ):
+        check(lib.deepep_check_buffer_args(rank, num_ranks, num_nvl_bytes, num_rdma_bytes, low_latency_mode))
+        # use_fabric needs no handling: NCCL picks the memory handle type itself.
+        self._rank = rank
+        self._num_ranks = num_ranks
+        self._num_nvl_bytes = num_nvl_bytes
+        self._num_rdma_bytes = num_rdma_bytes
+        self._low_latency_mode = bool(low_latency_mode)
+        self._explicitly_destroy = bool(explicitly_destroy)
+        self._enable_shrink = bool(enable_shrink)
+        self._device_id = _current_device()
+        self._ipc_handle = None
+        self._comm_stream = None
+        self._comm_stream_ptr = None
+
+        # Layout descriptors live as long as the Buffer; each call only repacks them.
+        self._num_layout_rdma_ranks = num_ranks // _NUM_MAX_NVL_PEERS if num_ranks > _NUM_MAX_NVL_PEERS else 0
+        self._topk_desc = DeepepTensor()
+        self._rank_desc = DeepepTensor()
+        self._rdma_desc = DeepepTensor()
+        self._expert_desc = DeepepTensor()
+        self._in_rank_desc = DeepepTensor()
+        _pack_tensor(self._rank_desc, 0, 0, DTYPE_INT32, 1, num_ranks, 0, 0, 0, 1, 0, 0, 0)
+        _pack_tensor(self._rdma_desc, 0, 0, DTYPE_INT32, 1, self._num_layout_rdma_ranks, 0, 0, 0, 1, 0, 0, 0)
+        self._topk_addr = ctypes.addressof(self._topk_desc)
+        self._rank_addr = ctypes.addressof(self._rank_desc)
+        self._rdma_addr = ctypes.addressof(self._rdma_desc) if self._num_layout_rdma_ranks else None
+        self._expert_addr = ctypes.addressof(self._expert_desc)
+        self._in_rank_addr = ctypes.addressof(self._in_rank_desc)
+        self._layout_fn = lib.deepep_get_dispatch_layout
+        self._sync_event = None
+        self._compute_key = None
+        self._compute_stream = None
+
+    def __del__(self, _free=lib.deepep_buffer_free, _finalizing=sys.is_finalizing):
+        handle = self._handle
+        # At interpreter exit peers may be gone, so a collective teardown could block; the
+        # driver reclaims everything with the process anyway.
+        if handle is None or _finalizing():
+            return
+        self._handle = None
+        try:
+            if self._comm_stream is not None:
+                self._comm_stream.synchronize()  # its kernels may still use the buffer's memory
+        finally:
+            _free(handle)  # never fails; the library prints teardown problems itself
+
+    def _live_handle(self):
+        if self._handle is None:
+            raise RuntimeError("deepep-nccl: the buffer is not created yet: call sync() first")
+        return self._handle
+
+    def _query_int(self, fn):
+        out = c_int()
+        check(fn(self._live_handle(), byref(out)))
+        return out.value
+
+    # --- DeepEP's bound methods -------------------------------------------------------------
+
+    def is_available(self):
+        if self._handle is None:
+            return False
+        out = c_bool()
+        check(lib.deepep_buffer_is_available(self._handle, byref(out)))
+        return out.value
+
+    def get_num_rdma_ranks(self):
+        return max(1, self._num_ranks // _NUM_MAX_NVL_PEERS)
+
+    def get_rdma_rank(self):
+        return self._rank // _NUM_MAX_NVL_PEERS
+
+    def get_root_rdma_rank(self, global_):
+        return self._rank % _NUM_MAX_NVL_PEERS if global_ else 0
+
+    def get_local_device_id(self):
+        return self._device_id
+
+    def get_local_ipc_handle(self):
+        """Rank 0's handle carries a fresh ncclUniqueId; DeepEP's all-gather delivers it to all ranks."""
+        if self._ipc_handle is None:
+            unique_id = ctypes.create_string_buffer(UNIQUE_ID_BYTES)
+            if self._rank == 0:
+                check(lib.deepep_get_unique_id(unique_id, UNIQUE_ID_BYTES))
+            self._ipc_handle = _HANDLE_MAGIC + unique_id.raw
+        return bytearray(self._ipc_handle)
+
+    def get_local_nvshmem_unique_id(self):
+        # NVSHMEM is not used; the bytes only let DeepEP's own buffer.py run its all-gather.
+        return bytearray(UNIQUE_ID_BYTES)
+
+    def get_local_buffer_tensor(self, dtype, offset, use_rdma_buffer):
+        handle = self._live_handle()
+        torch = require_torch()
+        ptr, num_bytes = c_void_p(), c_int64()
+        check(lib.deepep_buffer_get_local_buffer(handle, use_rdma_buffer, byref(ptr), byref(num_bytes)))
+        element_size = torch.empty(0, dtype=dtype).element_size()
+        # As DeepEP: num_bytes / element_size elements from byte `offset` (the size ignores the offset).
+        view_bytes = num_bytes.value // element_size * element_size
+        return torch.as_tensor(_DeviceBytes((ptr.value or 0) + offset, view_bytes, self)).view(dtype)
+
+    def get_comm_stream(self):
+        self._live_handle()
+        if self._comm_stream is None:
+            # As DeepEP's: a high-priority stream from torch's pool. Pool streams live as long as
+            # the process, so record_stream() on them stays valid after destroy(); the library's
+            # own stream (which destroy() frees) serves only its internal, host-synchronous work.
+            self._comm_stream = require_torch().cuda.Stream(device=self._device_id, priority=-1)
+            self._comm_stream_ptr = self._comm_stream.cuda_stream
+        return self._comm_stream
+
+    def sync(self, device_ids, all_gathered_handles, root_unique_id_opt):
+        """Creates the buffer (collective). root_unique_id_opt is NVSHMEM's and is ignored."""
+        if self._handle is not None:
+            raise RuntimeError("deepep-nccl: sync() was already called on this buffer")
+        if len(device_ids) != self._num_ranks or len(all_gathered_handles) != self._num_ranks:
+            raise RuntimeError(
+                f"deepep-nccl: sync() needs {self._num_ranks} device ids and IPC handles (one per rank), "
+                f"got {len(device_ids)} and {len(all_gathered_handles)}"
+            )
+        root = all_gathered_handles[0]
+        if root is None or len(root) != _HANDLE_BYTES or root[: len(_HANDLE_MAGIC)] != _HANDLE_MAGIC:
+            raise RuntimeError(
+                "deepep-nccl: all_gathered_handles[0] is not a deepep-nccl IPC handle "
+                f"(expected {_HANDLE_BYTES} bytes from rank 0's get_local_ipc_handle())"
+            )
+        unique_id = bytes(root[len(_HANDLE_MAGIC) :])
+        if not any(unique_id):
+            raise RuntimeError(
+                "deepep-nccl: all_gathered_handles[0] carries no NCCL unique id: it must be rank 0's handle "
+                "(the handles must be in rank order)"
+            )
+        out = c_void_p()
+        with _on_device(self._device_id):
+            status = lib.deepep_buffer_create(
+                self._rank,
+                self._num_ranks,
+                unique_id,
+                len(unique_id),
+                self._num_nvl_bytes,
+                self._num_rdma_bytes,
+                self._low_latency_mode,
+                self._explicitly_destroy,
+                self._enable_shrink,
+                byref(out),
+            )
+        check(status)
+        self._handle = out.value
+        self._device_id = self._query_int(lib.deepep_buffer_get_local_device_id)
+        if _torch is not None:
+            self._device = _torch.device("cuda", self._device_id)
+            self._sync_event = _torch.cuda.Event()
+
+    def destroy(self):
+        handle = self._live_handle()
+        if _torch is not None:
+            # As DeepEP: kernels still running may use the buffer's memory.
+            _torch.cuda.synchronize(self._device_id)
+        check(lib.deepep_buffer_destroy(handle))
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event, async_, allocate_on_comm_stream):
+        """DeepEP's layout with its stream protocol; returns (per rank, per rdma rank or None,
+        per expert, is_token_in_rank, EventHandle or None)."""
+        torch = _torch
+        comm = self._comm_stream
+        if comm is None:
+            comm = self.get_comm_stream()
+        if topk_idx.get_device() != self._device_id:
+            raise RuntimeError(
+                f"deepep-nccl: topk_idx must be a CUDA tensor on the buffer's device cuda:{self._device_id}, "
+                f"got one on {topk_idx.device}"
+            )
+        code = _DTYPE_CODES.get(topk_idx.dtype)
+        if code is None:
+            raise RuntimeError(
+                f"deepep-nccl: topk_idx must have dtype torch.int64 or torch.int32, got {topk_idx.dtype}"
+            )
+        if allocate_on_comm_stream and (previous_event is None or not async_):
+            raise RuntimeError("deepep-nccl: allocate_on_comm_stream requires previous_event and async")
+
+        # torch.cuda.current_stream() builds a Stream object per call (about 1 us): keep the last
+        # one while the current stream stays the same.
+        key = _current_stream_key(self._device_id)
+        if key != self._compute_key:
+            self._compute_key = key
+            self._compute_stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        compute = self._compute_stream
+        sync_event = self._sync_event
+        if previous_event is not None:
+            previous_event.event.wait(comm)
+        else:
+            sync_event.record(compute)
+            sync_event.wait(comm)
+
+        # One allocation for the three count vectors, plus is_token_in_rank.
+        num_ranks = self._num_ranks
+        num_rdma_ranks = self._num_layout_rdma_ranks
+        shape = topk_idx.shape
+        num_tokens = shape[0] if shape else 0
+        if allocate_on_comm_stream:
+            torch.cuda.set_stream(comm)
+        try:
+            counts = torch.empty(num_ranks + num_rdma_ranks + num_experts, dtype=torch.int32, device=self._device)
+            in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=self._device)
+        finally:
+            if allocate_on_comm_stream:
+                torch.cuda.set_stream(compute)
+        if num_rdma_ranks:
+            per_rank, per_rdma, per_expert = counts.split_with_sizes((num_ranks, num_rdma_ranks, num_experts))
+        else:
+            per_rank, per_expert = counts.split_with_sizes((num_ranks, num_experts))
+            per_rdma = None
+
+        # Descriptors (strides in elements). Dims past the 4th are dropped: the C ABI rejects
+        # any topk_idx that is not 2-D by its ndim anyway.
+        dims = (*shape, 0, 0, 0, 0)[:4]
+        strides = (*topk_idx.stride(), 0, 0, 0, 0)[:4]
+        _pack_tensor(self._topk_desc, 0, topk_idx.data_ptr(), code, len(shape), *dims, *strides)
+        base = counts.data_ptr()
+        _pack_data(self._rank_desc, 0, base)
+        if num_rdma_ranks:
+            _pack_data(self._rdma_desc, 0, base + 4 * num_ranks)
+        expert_ptr = base + 4 * (num_ranks + num_rdma_ranks)
+        _pack_tensor(self._expert_desc, 0, expert_ptr, DTYPE_INT32, 1, num_experts, 0, 0, 0, 1, 0, 0, 0)
+        in_rank_ptr = in_rank.data_ptr()
+        _pack_tensor(self._in_rank_desc, 0, in_rank_ptr, DTYPE_BOOL, 2, num_tokens, num_ranks, 0, 0, num_ranks, 1, 0, 0)
+        status = self._layout_fn(
+            self._handle,
+            self._topk_addr,
+            num_experts,
+            self._rank_addr,
+            self._rdma_addr,
+            self._expert_addr,
+            self._in_rank_addr,
+            self._comm_stream_ptr,
+        )
+        if status:
+            raise_status(status)
+
+        if async_:
+            event = EventHandle(comm)
+            for t in (topk_idx, counts, in_rank):
+                t.record_stream(comm)
+                if allocate_on_comm_stream:
+                    t.record_stream(compute)
+        else:
+            event = None
+            sync_event.record(comm)
+            sync_event.wait(compute)
+        return per_rank, per_rdma, per_expert, in_rank, event
+
+    def intranode_dispatch(
+        self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+        cached_num_recv_tokens, cached_rank_prefix_matrix, cached_channel_prefix_matrix, expert_alignment,
+        num_worst_tokens, config, previous_event, async_, allocate_on_comm_stream,
+    ):
+        raise _not_implemented("intranode_dispatch", "intranode normal-mode dispatch")
+
+    def intranode_combine(
+        self, x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head,
+        config, previous_event, async_, allocate_on_comm_stream,
+    ):
+        raise _not_implemented("intranode_combine", "intranode normal-mode combine")
+
+    def internode_dispatch(
+        self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+        num_tokens_per_expert, cached_num_recv_tokens, cached_num_rdma_recv_tokens,
+        cached_rdma_channel_prefix_matrix, cached_recv_rdma_rank_prefix_sum, cached_gbl_channel_prefix_matrix,
+        cached_recv_gbl_rank_prefix_sum, expert_alignment, num_worst_tokens, config, previous_event, async_,
+        allocate_on_comm_stream,
+    ):
+        raise _not_implemented("internode_dispatch", "internode normal-mode dispatch")
+
+    def internode_combine(
+        self, x, topk_weights, bias_0, bias_1, src_meta, is_combined_token_in_rank, rdma_channel_prefix_matrix,
+        rdma_rank_prefix_sum, gbl_channel_prefix_matrix, combined_rdma_head, combined_nvl_head, config,
+        previous_event, async_, allocate_on_comm_stream,
+    ):
+        raise _not_implemented("internode_combine", "internode normal-mode combine")
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        raise _not_implemented("clean_low_latency_buffer", "low-latency mode")
+
+    def low_latency_dispatch(
+        self, x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+        num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_, return_recv_hook,
+    ):
+        raise _not_implemented("low_latency_dispatch", "low-latency dispatch")
+
+    def low_latency_combine(
+        self, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+        num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_, return_recv_hook, out=None,
+    ):
+        raise _not_implemented("low_latency_combine", "low-latency combine")
+
+    def get_next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        raise _not_implemented("get_next_low_latency_combine_buffer", "low-latency zero-copy combine buffer")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask):
+        raise _not_implemented("low_latency_update_mask_buffer", "shrink mask buffer")
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        raise _not_implemented("low_latency_query_mask_buffer", "shrink mask buffer")
+
+    def low_latency_clean_mask_buffer(self):
+        raise _not_implemented("low_latency_clean_mask_buffer", "shrink mask buffer")
+
+    # --- deepep-nccl extras ---------------------------------------------------------------
+
+    def check_peers(self):
+        """Collective: every rank writes to every peer over NVLink/P2P and verifies what arrived."""
+        check(lib.deepep_buffer_check_peers(self._live_handle()))
+
+    def barrier(self):
+        """Collective barrier; blocks the host until every rank arrives (or the GPU timeout)."""
+        check(lib.deepep_buffer_barrier(self._live_handle()))
+
+    def set_gpu_timeout_ms(self, ms):
+        """Budget of every GPU-side wait of this buffer (default 100 s)."""
+        # A negative value becomes 0, which the library rejects, instead of wrapping to a huge u64.
+        check(lib.deepep_buffer_set_gpu_timeout_ms(self._live_handle(), max(0, ms)))
+
+    def get_num_device_sms(self):
+        return self._query_int(lib.deepep_buffer_get_num_device_sms)

@@ -1,0 +1,146 @@
+"""Loads libdeepep_nccl.so and declares the C ABI of include/deepep_nccl.h."""
+import ctypes
+import os
+import struct
+from ctypes import POINTER, c_bool, c_char_p, c_int, c_int32, c_int64, c_size_t, c_uint32, c_uint64, c_void_p
+from pathlib import Path
+
+try:
+    # Loaded first so that our libnccl.so.2 dependency binds to the copy torch already uses.
+    import torch
+except ImportError:
+    torch = None
+
+ABI_VERSION = 1
+UNIQUE_ID_BYTES = 128
+MAX_DIMS = 4
+
+ERROR_UNSUPPORTED = 8
+
+DTYPE_BOOL = 1
+DTYPE_UINT8 = 2
+DTYPE_INT32 = 3
+DTYPE_INT64 = 4
+DTYPE_FLOAT32 = 5
+DTYPE_BFLOAT16 = 6
+DTYPE_FLOAT16 = 7
+DTYPE_FLOAT8_E4M3 = 8
+
+CONFIG_DISPATCH = 0
+CONFIG_COMBINE = 1
+
+
+class DeepepConfig(ctypes.Structure):
+    _fields_ = [
+        ("num_sms", c_int32),
+        ("num_max_nvl_chunked_send_tokens", c_int32),
+        ("num_max_nvl_chunked_recv_tokens", c_int32),
+        ("num_max_rdma_chunked_send_tokens", c_int32),
+        ("num_max_rdma_chunked_recv_tokens", c_int32),
+    ]
+
+
+class DeepepTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", c_void_p),
+        ("dtype", c_int32),
+        ("ndim", c_int32),
+        ("shape", c_int64 * MAX_DIMS),
+        ("strides", c_int64 * MAX_DIMS),
+    ]
+
+
+# Packs a whole DeepepTensor in one call: much cheaper than setting ctypes fields one by one.
+TENSOR_FORMAT = struct.Struct("@Pii4q4q")
+assert TENSOR_FORMAT.size == ctypes.sizeof(DeepepTensor)
+
+_PROTOTYPES = {
+    "deepep_abi_version": (c_uint32, []),
+    "deepep_library_version": (c_char_p, []),
+    "deepep_nccl_compiled_version": (c_int, []),
+    "deepep_nccl_runtime_version": (c_int, [POINTER(c_int)]),
+    "deepep_last_error": (c_char_p, []),
+    "deepep_status_string": (c_char_p, [c_int]),
+    "deepep_device_count": (c_int, [POINTER(c_int)]),
+    "deepep_get_unique_id": (c_int, [c_char_p, c_size_t]),
+    "deepep_buffer_create": (
+        c_int,
+        [c_int, c_int, c_char_p, c_size_t, c_int64, c_int64, c_bool, c_bool, c_bool, POINTER(c_void_p)],
+    ),
+    "deepep_buffer_destroy": (c_int, [c_void_p]),
+    "deepep_buffer_free": (c_int, [c_void_p]),
+    "deepep_buffer_get_local_device_id": (c_int, [c_void_p, POINTER(c_int)]),
+    "deepep_buffer_get_num_device_sms": (c_int, [c_void_p, POINTER(c_int)]),
+    "deepep_buffer_is_available": (c_int, [c_void_p, POINTER(c_bool)]),
+    "deepep_buffer_get_local_buffer": (c_int, [c_void_p, c_bool, POINTER(c_void_p), POINTER(c_int64)]),
+    "deepep_buffer_barrier": (c_int, [c_void_p]),
+    "deepep_buffer_check_peers": (c_int, [c_void_p]),
+    "deepep_buffer_set_gpu_timeout_ms": (c_int, [c_void_p, c_uint64]),
+    # Descriptors and the stream travel as plain addresses (ints): the cheapest ctypes conversion.
+    "deepep_get_dispatch_layout": (
+        c_int,
+        [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p],
+    ),
+    "deepep_config_init": (c_int, [POINTER(DeepepConfig), c_int, c_int, c_int, c_int, c_int]),
+    "deepep_config_default": (c_int, [POINTER(DeepepConfig), c_int, c_int, c_int]),
+    "deepep_config_nvl_buffer_size_hint": (c_int, [POINTER(DeepepConfig), c_int64, c_int, POINTER(c_int64)]),
+    "deepep_config_rdma_buffer_size_hint": (c_int, [POINTER(DeepepConfig), c_int64, c_int, POINTER(c_int64)]),
+    "deepep_low_latency_rdma_size_hint": (c_int, [c_int64, c_int64, c_int, c_int, POINTER(c_int64)]),
+    "deepep_check_buffer_args": (c_int, [c_int, c_int, c_int64, c_int64, c_bool]),
+}
+
+
+def _candidates():
+    here = Path(__file__).resolve().parent
+    env = os.environ.get("DEEPEP_NCCL_LIBRARY")
+    paths = [Path(env)] if env else []
+    paths.append(here / "libdeepep_nccl.so")
+    # A source checkout: compat/python/deep_ep_cpp -> <repo>/target/release.
+    if len(here.parents) > 2:
+        paths.append(here.parents[2] / "target" / "release" / "libdeepep_nccl.so")
+    return paths
+
+
+def _load():
+    tried = _candidates()
+    for path in tried:
+        if not path.is_file():
+            continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise ImportError(f"deepep-nccl: cannot load {path}: {e}") from e
+        for name, (restype, argtypes) in _PROTOTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        version = lib.deepep_abi_version()
+        if version != ABI_VERSION:
+            raise ImportError(f"deepep-nccl: {path} has C ABI version {version}; this package needs {ABI_VERSION}")
+        return lib, path
+    raise ImportError(
+        "deepep-nccl: libdeepep_nccl.so not found; tried (set DEEPEP_NCCL_LIBRARY to its path): "
+        + ", ".join(str(p) for p in tried)
+    )
+
+
+lib, LIBRARY_PATH = _load()
+
+
+def raise_status(status):
+    """Raises the exception for a failed call; reads this thread's last error at once."""
+    message = lib.deepep_last_error().decode(errors="replace")
+    if status == ERROR_UNSUPPORTED:
+        raise NotImplementedError(message)
+    raise RuntimeError(f"{lib.deepep_status_string(status).decode()}: {message}")
+
+
+def check(status):
+    if status:
+        raise_status(status)
+
+
+def require_torch():
+    if torch is None:
+        raise ModuleNotFoundError("deepep-nccl: this needs PyTorch (import torch failed)", name="torch")
+    return torch

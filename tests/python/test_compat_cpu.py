@@ -1,0 +1,545 @@
+"""The Python compat layer over libdeepep_nccl.so, on a machine with neither torch nor a GPU.
+
+deep_ep_cpp must import and validate everything without torch; the few tests of the torch-only
+`deep_ep` package skip themselves where torch is missing.
+"""
+import gc
+import importlib.util
+import inspect
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import deep_ep_cpp
+from deep_ep_cpp import Buffer, Config
+
+MAGIC = b"DEEPEPNCCL1"
+HIDDEN_BYTES = 7168 * 2  # DeepSeek-V3 hidden size, BF16 sizing as in DeepEP's README
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _has_gpu():
+    try:
+        return deep_ep_cpp.device_count() > 0
+    except RuntimeError:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def _buffer(rank=0, num_ranks=2, num_nvl_bytes=1 << 20, num_rdma_bytes=0, low_latency_mode=False):
+    return Buffer(rank, num_ranks, num_nvl_bytes, num_rdma_bytes, low_latency_mode, False, False, False)
+
+
+def _fields(config):
+    return (
+        config.num_sms,
+        config.num_max_nvl_chunked_send_tokens,
+        config.num_max_nvl_chunked_recv_tokens,
+        config.num_max_rdma_chunked_send_tokens,
+        config.num_max_rdma_chunked_recv_tokens,
+    )
+
+
+# --- Config ---------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_rdma_rounding():
+    # rdma recv 256 is rounded up to a multiple of rdma send 6, as DeepEP's Config does.
+    assert _fields(Config()) == (20, 6, 256, 6, 258)
+
+
+def test_config_positional_forms_of_deepep_tests():
+    assert _fields(Config(24, 8, 256)) == (24, 8, 256, 6, 258)  # test_intranode
+    assert _fields(Config(24, 8, 512, 16, 128)) == (24, 8, 512, 16, 128)  # test_internode
+
+
+def test_config_keywords_as_sglang_passes_them():
+    json_config = {
+        "num_sms": 24,
+        "num_max_nvl_chunked_send_tokens": 16,
+        "num_max_nvl_chunked_recv_tokens": 288,
+        "num_max_rdma_chunked_send_tokens": 12,
+        "num_max_rdma_chunked_recv_tokens": 128,
+    }
+    assert _fields(Config(**json_config)) == (24, 16, 288, 12, 132)
+    assert _fields(Config(32, num_max_rdma_chunked_send_tokens=8)) == (32, 6, 256, 8, 256)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"num_sms": -2}, "num_sms"),
+        ({"num_max_nvl_chunked_send_tokens": 256}, "num_max_nvl_chunked_send_tokens"),
+        ({"num_max_nvl_chunked_send_tokens": 0}, "NVL chunk sizes must be positive"),
+        ({"num_max_rdma_chunked_send_tokens": 300}, "num_max_rdma_chunked_send_tokens"),
+        ({"num_max_rdma_chunked_send_tokens": 200}, "num_max_rdma_chunked_recv_tokens / 2"),
+        ({"num_max_rdma_chunked_recv_tokens": -1}, "RDMA chunk sizes must be positive"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, fragment):
+    with pytest.raises(RuntimeError, match=re.escape(fragment)) as info:
+        Config(**kwargs)
+    assert "DEEPEP_ERROR_INVALID_ARGUMENT" in str(info.value)
+
+
+def test_config_rejects_unknown_keyword():
+    with pytest.raises(TypeError):
+        Config(num_sm=20)
+
+
+# --- Default tables and size hints -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_ranks, dispatch, combine",
+    [
+        (2, (24, 256, 6, 132), (10, 256, 6, 132)),
+        (8, (6, 256, 6, 132), (4, 256, 6, 132)),
+        (16, (36, 288, 20, 140), (4, 288, 12, 132)),
+        (160, (28, 720, 12, 132), (2, 720, 8, 128)),
+    ],
+)
+def test_default_config_tables(num_ranks, dispatch, combine):
+    assert _fields(deep_ep_cpp.get_default_config("dispatch", num_ranks, 24)) == (24, *dispatch)
+    assert _fields(deep_ep_cpp.get_default_config("combine", num_ranks, 24)) == (24, *combine)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3, 12, 40, 256])
+def test_default_config_unsupported_ranks(num_ranks):
+    with pytest.raises(RuntimeError, match="Unsupported number of EP ranks"):
+        deep_ep_cpp.get_default_config("dispatch", num_ranks, 20)
+
+
+def test_default_config_unknown_kind():
+    with pytest.raises(ValueError, match="dispatch"):
+        deep_ep_cpp.get_default_config("notify", 8, 20)
+
+
+# (num_ranks, NVL bytes, RDMA bytes): max over the dispatch and combine configs, num_sms 20.
+DEEPEP_BUFFER_SIZES = [
+    (2, 83_927_552, 0),
+    (4, 167_854_976, 0),
+    (8, 335_709_824, 0),
+    (16, 377_673_984, 91_887_744),
+    (32, 377_675_264, 168_023_680),
+    (64, 377_677_824, 336_047_360),
+    (128, 734_372_864, 693_096_960),
+    (160, 944_193_024, 866_371_200),
+]
+
+
+@pytest.mark.parametrize("num_ranks, nvl_bytes, rdma_bytes", DEEPEP_BUFFER_SIZES)
+def test_buffer_size_hints_match_deepep(num_ranks, nvl_bytes, rdma_bytes):
+    configs = [deep_ep_cpp.get_default_config(kind, num_ranks, 20) for kind in ("dispatch", "combine")]
+    assert max(c.get_nvl_buffer_size_hint(HIDDEN_BYTES, num_ranks) for c in configs) == nvl_bytes
+    assert max(c.get_rdma_buffer_size_hint(HIDDEN_BYTES, num_ranks) for c in configs) == rdma_bytes
+
+
+def test_size_hint_rejects_bad_rank_count():
+    with pytest.raises(RuntimeError, match="num_ranks"):
+        Config().get_nvl_buffer_size_hint(HIDDEN_BYTES, 12)
+    with pytest.raises(RuntimeError, match="hidden_bytes"):
+        Config().get_rdma_buffer_size_hint(0, 16)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ((128, 7168, 8, 288), 2_146_961_792),
+        ((128, 7168, 8, 256), 1_908_410_496),
+        ((16, 5120, 8, 256), 170_395_776),
+        ((256, 7168, 8, 256), 3_816_818_816),
+    ],
+)
+def test_low_latency_rdma_size_hint(args, expected):
+    assert deep_ep_cpp.get_low_latency_rdma_size_hint(*args) == expected
+
+
+def test_low_latency_rdma_size_hint_keywords_and_errors():
+    assert (
+        deep_ep_cpp.get_low_latency_rdma_size_hint(
+            num_max_dispatch_tokens_per_rank=128, hidden=7168, num_ranks=8, num_experts=288
+        )
+        == 2_146_961_792
+    )
+    with pytest.raises(RuntimeError, match="num_experts"):
+        deep_ep_cpp.get_low_latency_rdma_size_hint(128, 7168, 8, 0)
+
+
+# --- Module surface --------------------------------------------------------------------------
+
+
+def test_is_sm90_compiled():
+    assert deep_ep_cpp.is_sm90_compiled() is True
+
+
+def test_versions():
+    compiled = deep_ep_cpp.nccl_compiled_version()
+    runtime = deep_ep_cpp.nccl_runtime_version()
+    assert isinstance(compiled, int) and isinstance(runtime, int)
+    assert compiled >= 22800
+    # NCCL_VERSION_CODE = major * 10000 + minor * 100 + patch: the same major.minor.
+    assert compiled // 100 == runtime // 100
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", deep_ep_cpp.library_version())
+
+
+@pytest.mark.skipif(HAS_TORCH, reason="checks the torch-less behaviour")
+def test_topk_idx_t_needs_torch():
+    with pytest.raises(ModuleNotFoundError, match="PyTorch"):
+        deep_ep_cpp.topk_idx_t
+    with pytest.raises(ModuleNotFoundError):
+        deep_ep_cpp.EventHandle()
+
+
+def test_unknown_module_attribute():
+    with pytest.raises(AttributeError, match="no_such_name"):
+        deep_ep_cpp.no_such_name
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a GPU")
+def test_device_count_without_gpu():
+    with pytest.raises(RuntimeError, match="DEEPEP_ERROR_NO_DEVICE"):
+        deep_ep_cpp.device_count()
+
+
+def test_library_comes_from_environment_variable():
+    path = os.environ.get("DEEPEP_NCCL_LIBRARY")
+    if not path:
+        pytest.skip("DEEPEP_NCCL_LIBRARY is not set")
+    from deep_ep_cpp import _lib
+
+    assert _lib.LIBRARY_PATH == Path(path)
+
+
+def test_missing_library_names_every_path_tried(tmp_path):
+    package = tmp_path / "deep_ep_cpp"
+    package.mkdir()
+    for source in Path(deep_ep_cpp.__file__).parent.glob("*.py"):
+        shutil.copy(source, package)
+    missing = tmp_path / "missing" / "libdeepep_nccl.so"
+    env = dict(os.environ, DEEPEP_NCCL_LIBRARY=str(missing), PYTHONPATH=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-c", "import deep_ep_cpp"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr and "not found" in result.stderr
+    assert str(missing) in result.stderr
+    assert str(package / "libdeepep_nccl.so") in result.stderr
+
+
+# --- Buffer: constructor checks ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        ((0, 2, 1000, 0, False), ["num_nvl_bytes", "128"]),
+        ((0, 16, 0, 1000, False), ["num_rdma_bytes", "128"]),
+        ((2, 2, 0, 0, False), ["rank must be in [0, num_ranks=2)"]),
+        ((-1, 2, 0, 0, False), ["rank must be in"]),
+        ((0, 12, 0, 0, False), ["num_ranks (12)", "multiple of 8"]),
+        ((0, 168, 0, 0, False), ["num_ranks (168)", "160"]),
+        ((0, 8, 0, 1024, False), ["num_rdma_bytes (1024)", "low_latency_mode"]),
+        ((0, 2, -128, 0, False), ["num_nvl_bytes must be >= 0"]),
+    ],
+)
+def test_buffer_constructor_rejects(args, fragments):
+    with pytest.raises(RuntimeError) as info:
+        Buffer(*args, False, False, False)
+    message = str(info.value)
+    assert "DEEPEP_ERROR_INVALID_ARGUMENT" in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (0, 8, int(2e9), 0, False),  # DeepEP's tests allocate 2e9 NVL bytes
+        (7, 8, 0, 1 << 20, True),  # RDMA bytes within one node need low-latency mode
+        (15, 16, 1 << 20, 1 << 20, False),
+        (0, 168, 0, 1 << 20, True),  # beyond 160 ranks only in low-latency mode
+        (0, 1, 0, 0, False),
+    ],
+)
+def test_buffer_constructor_accepts(args):
+    buffer = Buffer(*args, False, False, False)
+    assert not buffer.is_available()
+
+
+def test_buffer_takes_deepeps_eight_positional_arguments():
+    params = list(inspect.signature(Buffer).parameters)
+    assert params == [
+        "rank",
+        "num_ranks",
+        "num_nvl_bytes",
+        "num_rdma_bytes",
+        "low_latency_mode",
+        "explicitly_destroy",
+        "enable_shrink",
+        "use_fabric",
+    ]
+
+
+def test_unsynced_buffer_queries():
+    buffer = _buffer(rank=11, num_ranks=16, num_rdma_bytes=1 << 20)
+    assert buffer.get_num_rdma_ranks() == 2
+    assert buffer.get_rdma_rank() == 1
+    assert buffer.get_root_rdma_rank(True) == 3
+    assert buffer.get_root_rdma_rank(False) == 0
+    assert not buffer.is_available()
+    nvshmem_id = buffer.get_local_nvshmem_unique_id()
+    assert isinstance(nvshmem_id, bytearray) and len(nvshmem_id) == 128
+    assert _buffer(rank=3, num_ranks=4).get_num_rdma_ranks() == 1
+    if not HAS_TORCH:
+        assert buffer.get_local_device_id() == -1
+
+
+def test_ipc_handle_of_rank_zero_carries_a_unique_id():
+    handle = _buffer(rank=0).get_local_ipc_handle()
+    assert isinstance(handle, bytearray)
+    assert len(handle) == len(MAGIC) + 128
+    assert handle.startswith(MAGIC)
+    assert any(handle[len(MAGIC) :])
+
+
+def test_ipc_handle_is_stable_and_other_ranks_carry_none():
+    buffer = _buffer(rank=0)
+    assert buffer.get_local_ipc_handle() == buffer.get_local_ipc_handle()
+    other = _buffer(rank=1).get_local_ipc_handle()
+    assert other == MAGIC + bytes(128)
+
+
+@pytest.mark.parametrize(
+    "method, args",
+    [
+        ("get_comm_stream", ()),
+        ("get_local_buffer_tensor", (None, 0, False)),
+        ("get_dispatch_layout", (None, 8, None, False, False)),
+        ("destroy", ()),
+        ("barrier", ()),
+        ("check_peers", ()),
+        ("set_gpu_timeout_ms", (1000,)),
+        ("get_num_device_sms", ()),
+    ],
+)
+def test_methods_need_a_synced_buffer(method, args):
+    with pytest.raises(RuntimeError, match=r"call sync\(\) first"):
+        getattr(_buffer(), method)(*args)
+
+
+# DeepEP's positional parameter counts (csrc/deep_ep.hpp) and the feature each one names.
+NOT_IMPLEMENTED = [
+    ("intranode_dispatch", 16, "intranode normal-mode dispatch"),
+    ("intranode_combine", 12, "intranode normal-mode combine"),
+    ("internode_dispatch", 20, "internode normal-mode dispatch"),
+    ("internode_combine", 15, "internode normal-mode combine"),
+    ("clean_low_latency_buffer", 3, "low-latency mode"),
+    ("low_latency_dispatch", 11, "low-latency dispatch"),
+    ("low_latency_combine", 13, "low-latency combine"),
+    ("get_next_low_latency_combine_buffer", 3, "low-latency zero-copy combine buffer"),
+    ("low_latency_update_mask_buffer", 2, "shrink mask buffer"),
+    ("low_latency_query_mask_buffer", 1, "shrink mask buffer"),
+    ("low_latency_clean_mask_buffer", 0, "shrink mask buffer"),
+]
+
+
+@pytest.mark.parametrize("method, num_args, feature", NOT_IMPLEMENTED)
+def test_unimplemented_methods_keep_deepeps_arity(method, num_args, feature):
+    buffer = _buffer()
+    bound = getattr(buffer, method)
+    assert len(inspect.signature(bound).parameters) == num_args
+    with pytest.raises(NotImplementedError) as info:
+        bound(*([None] * num_args))
+    assert str(info.value) == f"deepep-nccl: {method} ({feature}) is not implemented yet"
+
+
+def test_low_latency_combine_out_is_optional():
+    with pytest.raises(NotImplementedError):
+        _buffer().low_latency_combine(*([None] * 12))
+
+
+# --- Buffer: sync ------------------------------------------------------------------------------
+
+
+def test_sync_needs_one_entry_per_rank():
+    buffer = _buffer(num_ranks=2)
+    handle = buffer.get_local_ipc_handle()
+    with pytest.raises(RuntimeError, match="one per rank"):
+        buffer.sync([0], [handle], None)
+
+
+@pytest.mark.parametrize(
+    "root, fragment",
+    [
+        (None, "not a deepep-nccl IPC handle"),
+        (bytearray(b"x" * 72), "not a deepep-nccl IPC handle"),
+        (bytearray(MAGIC + b"\x01" * 127), "not a deepep-nccl IPC handle"),
+        (bytearray(b"DEEPEPNCCL0" + b"\x01" * 128), "not a deepep-nccl IPC handle"),
+        (bytearray(MAGIC + bytes(128)), "must be rank 0's handle"),
+    ],
+)
+def test_sync_checks_the_root_handle(root, fragment):
+    buffer = _buffer(rank=1)
+    with pytest.raises(RuntimeError, match=re.escape(fragment)):
+        buffer.sync([0, 0], [root, buffer.get_local_ipc_handle()], None)
+    assert not buffer.is_available()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a GPU")
+def test_sync_without_gpu_is_a_clean_error():
+    buffer = _buffer(rank=0, num_ranks=1, num_nvl_bytes=0)
+    handle = buffer.get_local_ipc_handle()
+    for _ in range(2):  # a failed sync leaves the buffer uncreated, and it may be retried
+        with pytest.raises(RuntimeError, match="DEEPEP_ERROR_NO_DEVICE") as info:
+            buffer.sync([buffer.get_local_device_id()], [handle], None)
+        assert "CUDA driver" in str(info.value) or "GPU" in str(info.value)
+        assert not buffer.is_available()
+
+
+def test_garbage_collection_raises_nothing(monkeypatch):
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    buffer = _buffer()
+    buffer.get_local_ipc_handle()
+    del buffer
+    with pytest.raises(RuntimeError):
+        _buffer(num_nvl_bytes=1)  # __del__ also runs on a Buffer whose constructor raised
+    gc.collect()
+    assert unraisable == []
+
+
+# --- deep_ep (needs torch, not a GPU) ------------------------------------------------------------
+
+
+def test_deep_ep_exports():
+    torch = pytest.importorskip("torch")
+    import deep_ep
+    from deep_ep.utils import EventHandle, EventOverlap
+
+    assert deep_ep.Config is Config
+    assert deep_ep.EventOverlap is EventOverlap
+    assert EventHandle is deep_ep_cpp.EventHandle
+    assert deep_ep.topk_idx_t is torch.int64
+    assert not hasattr(deep_ep, "EventHandle")
+
+
+def test_deep_ep_buffer_signatures_match_deepep():
+    pytest.importorskip("torch")
+    from deep_ep import Buffer as PyBuffer
+
+    def defaults(fn):
+        return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.kind != p.VAR_KEYWORD]
+
+    empty = inspect.Parameter.empty
+    assert defaults(PyBuffer.__init__) == [
+        ("self", empty),
+        ("group", empty),
+        ("num_nvl_bytes", 0),
+        ("num_rdma_bytes", 0),
+        ("low_latency_mode", False),
+        ("num_qps_per_rank", 24),
+        ("allow_nvlink_for_low_latency_mode", True),
+        ("allow_mnnvl", False),
+        ("use_fabric", False),
+        ("explicitly_destroy", False),
+        ("enable_shrink", False),
+        ("comm", None),
+    ]
+    assert defaults(PyBuffer.get_dispatch_layout)[1:] == [
+        ("topk_idx", empty),
+        ("num_experts", empty),
+        ("previous_event", None),
+        ("async_finish", False),
+        ("allocate_on_comm_stream", False),
+    ]
+    assert [name for name, _ in defaults(PyBuffer.dispatch)][1:] == [
+        "x",
+        "handle",
+        "num_tokens_per_rank",
+        "num_tokens_per_rdma_rank",
+        "is_token_in_rank",
+        "num_tokens_per_expert",
+        "topk_idx",
+        "topk_weights",
+        "expert_alignment",
+        "num_worst_tokens",
+        "config",
+        "previous_event",
+        "async_finish",
+        "allocate_on_comm_stream",
+    ]
+    assert defaults(PyBuffer.low_latency_combine)[5:] == [
+        ("use_logfmt", False),
+        ("zero_copy", False),
+        ("async_finish", False),
+        ("return_recv_hook", False),
+        ("out", None),
+        ("combine_wait_recv_cost_stats", None),
+    ]
+
+
+def test_deep_ep_static_api():
+    pytest.importorskip("torch")
+    from deep_ep import Buffer as PyBuffer
+
+    assert PyBuffer.is_sm90_compiled()
+    assert PyBuffer.num_sms == 20
+    assert _fields(PyBuffer.get_dispatch_config(8)) == (20, 6, 256, 6, 132)
+    assert _fields(PyBuffer.get_combine_config(8)) == (20, 4, 256, 6, 132)
+    with pytest.raises(AssertionError, match="Unsupported number of EP ranks"):
+        PyBuffer.get_dispatch_config(12)
+    with pytest.raises(AssertionError):
+        PyBuffer.set_num_sms(23)
+    try:
+        PyBuffer.set_num_sms(24)
+        assert PyBuffer.get_combine_config(16).num_sms == 24
+    finally:
+        PyBuffer.set_num_sms(20)
+    assert (
+        PyBuffer.get_low_latency_rdma_size_hint(
+            num_max_dispatch_tokens_per_rank=16, hidden=5120, num_ranks=8, num_experts=256
+        )
+        == 170_395_776
+    )
+    with pytest.raises(ValueError, match="group"):
+        PyBuffer(None)
+
+
+def test_deep_ep_helpers():
+    torch = pytest.importorskip("torch")
+    from deep_ep import Buffer as PyBuffer
+    from deep_ep import EventOverlap
+
+    b0, b1 = torch.zeros(1), torch.ones(1)
+    assert PyBuffer._unpack_bias(None) == (None, None)
+    assert PyBuffer._unpack_bias(b0) == (b0, None)
+    assert PyBuffer._unpack_bias((b0, b1)) == (b0, b1)
+    with EventOverlap() as overlap:
+        assert overlap.event is None and overlap.extra_tensors is None
+    with pytest.raises(AssertionError):
+        overlap.current_stream_wait()
+
+
+def test_deep_ep_extension_kwargs():
+    pytest.importorskip("torch")
+    from deep_ep import Buffer as PyBuffer
+
+    buffer = PyBuffer.__new__(PyBuffer)  # no group needed to reach the argument checks
+    with pytest.raises(NotImplementedError, match="low-latency dispatch"):
+        buffer.low_latency_dispatch(None, None, 128, 256, use_nvfp4=True, x_global_scale=None)
+    with pytest.raises(NotImplementedError, match="low-latency combine"):
+        buffer.low_latency_combine(None, None, None, None, overlap=True, block_m=64, src_signals=None)
+    with pytest.raises(TypeError, match="use_fp16"):
+        buffer.low_latency_dispatch(None, None, 128, 256, use_fp16=True)
+    with pytest.raises(NotImplementedError, match="normal-mode dispatch"):
+        buffer.dispatch(None)
+    with pytest.raises(NotImplementedError, match="shrink mask buffer"):
+        buffer.low_latency_clean_mask_buffer()
