@@ -2,8 +2,8 @@
 # The one-command GPU suite: `bash bench/gpu_suite.sh` from the repo root.
 # Runs the multi-GPU tests, the quickstart and the layout benchmark, one log per
 # step under LOG_DIR (${OUT:-./gpu_logs}); keeps going after a failure and exits
-# non-zero if any step failed. At most 7 files land in LOG_DIR (the device
-# transport returns 8): env.log, 4 step logs, bench_layout.json, summary.txt.
+# non-zero if any step failed. At most 8 files land in LOG_DIR (the device
+# transport returns 8): env.log, 5 step logs, bench_layout.json, summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,6 +46,7 @@ step() {
 
 step test_layout 270 "$PYTHON" tests/gpu/test_layout.py
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py
+step test_python 120 "$PYTHON" -m pytest -q tests/python
 step quickstart 120 "$PYTHON" examples/quickstart.py
 step bench_layout 180 "$PYTHON" bench/bench_layout.py --json "$LOG_DIR/bench_layout.json"
 
