@@ -51,9 +51,9 @@ typedef struct DeepepLayoutParams {
   int32_t* num_tokens_per_rdma_rank; // [num_rdma_ranks] or NULL
   int32_t* num_tokens_per_expert;  // [num_experts]
   uint8_t* is_token_in_rank;       // [num_tokens, num_ranks] bool
-  int32_t* partials;               // workspace: per-block partial histograms
+  int32_t* accumulators;           // workspace: one per counter, zero between launches
   uint32_t* ticket;                // workspace: zero between launches
-  int64_t partials_capacity;       // int32 elements available at `partials`
+  int64_t accumulators_capacity;   // int32 elements available at `accumulators`
   int32_t num_sms;
   int32_t reserved;
 } DeepepLayoutParams;

@@ -3,9 +3,11 @@
 // Each block takes tiles of tokens. Per token a thread marks its ranks in a
 // shared-memory row of is_token_in_rank (first mark of a rank counts the token
 // for that rank), and counts every valid expert slot. Rows are written out with
-// coalesced stores. Per-block histograms go to workspace partials; the last
-// block to finish (ticket) reduces them in a fixed order, so the outputs need
-// no memset and the result is deterministic.
+// coalesced stores. Block histograms are added (fire-and-forget atomics) into
+// zeroed workspace accumulators; the last block to finish (ticket) moves them
+// to the outputs and re-zeroes them, so the outputs need no memset and no
+// block waits on a chain of dependent loads. Integer sums are order-independent,
+// so the result is deterministic.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,6 +21,7 @@ constexpr int kLayoutThreads = 256;
 constexpr int kMaxTileTokens = 256;
 constexpr int kMinTileTokens = 32;
 constexpr size_t kLayoutSmemBudget = 96 * 1024;
+constexpr int kSlotsPerBatch = 8;
 
 struct LayoutGeometry {
   int tile_tokens;
@@ -34,8 +37,8 @@ inline LayoutGeometry layout_geometry(const DeepepLayoutParams& p) {
   LayoutGeometry g;
   g.num_counters = p.num_experts + p.num_ranks + p.num_rdma_ranks;
   g.counters_bytes = ceil_div(int64_t(g.num_counters) * 4, 16) * 16;
-  // Aim for ~32 blocks: enough loads in flight, a cheap final reduction.
-  int64_t tile = ceil_div(std::max<int64_t>(p.num_tokens, 1), 32);
+  // Aim for ~16 blocks of one token per thread: each thread keeps 8 loads in flight.
+  int64_t tile = ceil_div(std::max<int64_t>(p.num_tokens, 1), 16);
   tile = ceil_div(tile, kMinTileTokens) * kMinTileTokens;
   tile = std::min<int64_t>(std::max<int64_t>(tile, kMinTileTokens), kMaxTileTokens);
   // Keep the shared row tile within budget for large rank counts.
@@ -74,14 +77,21 @@ __global__ void __launch_bounds__(kLayoutThreads)
     for (int t = threadIdx.x; t < n; t += blockDim.x) {
       unsigned char* row = rows + t * num_ranks;
       const IdxT* slots = topk + (tile_begin + t) * p.num_topk;
-      for (int k = 0; k < p.num_topk; ++k) {
-        const int64_t expert = static_cast<int64_t>(__ldg(slots + k));
-        if (expert < 0 || expert >= num_experts) continue;  // -1: no selection
-        atomicAdd(&expert_count[expert], 1);
-        const int rank = int(expert) / experts_per_rank;
-        if (row[rank] == 0) {  // only this thread touches this row
-          row[rank] = 1;
-          atomicAdd(&rank_count[rank], 1);
+      for (int k0 = 0; k0 < p.num_topk; k0 += kSlotsPerBatch) {
+        int64_t experts[kSlotsPerBatch];
+#pragma unroll
+        for (int j = 0; j < kSlotsPerBatch; ++j)
+          experts[j] = k0 + j < p.num_topk ? static_cast<int64_t>(__ldg(slots + k0 + j)) : -1;
+#pragma unroll
+        for (int j = 0; j < kSlotsPerBatch; ++j) {
+          const int64_t expert = experts[j];
+          if (expert < 0 || expert >= num_experts) continue;  // -1: no selection
+          atomicAdd(&expert_count[expert], 1);
+          const int rank = int(expert) / experts_per_rank;
+          if (row[rank] == 0) {  // only this thread touches this row
+            row[rank] = 1;
+            atomicAdd(&rank_count[rank], 1);
+          }
         }
       }
       for (int node = 0; node < num_rdma; ++node) {
@@ -106,8 +116,10 @@ __global__ void __launch_bounds__(kLayoutThreads)
     __syncthreads();
   }
 
-  int32_t* my_partial = p.partials + int64_t(blockIdx.x) * num_counters;
-  for (int i = threadIdx.x; i < num_counters; i += blockDim.x) my_partial[i] = expert_count[i];
+  int32_t* accumulators = p.accumulators;
+  for (int i = threadIdx.x; i < num_counters; i += blockDim.x) {
+    if (expert_count[i] != 0) atomicAdd(accumulators + i, expert_count[i]);
+  }
   __threadfence();
   __syncthreads();
 
@@ -118,8 +130,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
   __threadfence();
 
   for (int i = threadIdx.x; i < num_counters; i += blockDim.x) {
-    int32_t sum = 0;
-    for (int b = 0; b < int(gridDim.x); ++b) sum += __ldcg(p.partials + int64_t(b) * num_counters + i);
+    const int32_t sum = atomicExch(accumulators + i, 0);  // read and reset for the next launch
     if (i < num_experts) {
       p.num_tokens_per_expert[i] = sum;
     } else if (i < num_experts + num_ranks) {
@@ -134,14 +145,13 @@ __global__ void __launch_bounds__(kLayoutThreads)
 }  // namespace deepep
 
 extern "C" int64_t deepep_dispatch_layout_workspace_elems(const DeepepLayoutParams* params) {
-  const deepep::LayoutGeometry g = deepep::layout_geometry(*params);
-  return int64_t(g.num_blocks) * g.num_counters;
+  return int64_t(deepep::layout_geometry(*params).num_counters);
 }
 
 extern "C" int deepep_launch_dispatch_layout(const DeepepLayoutParams* params, void* stream) {
   const DeepepLayoutParams& p = *params;
   const deepep::LayoutGeometry g = deepep::layout_geometry(p);
-  if (int64_t(g.num_blocks) * g.num_counters > p.partials_capacity) return int(cudaErrorInvalidValue);
+  if (g.num_counters > p.accumulators_capacity) return int(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
   if (p.topk_idx_is_int32) {
     auto kernel = deepep::dispatch_layout_kernel<int32_t>;

@@ -20,7 +20,7 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 const WS_LAYOUT_TICKET: usize = 0;
 const WS_STALL_LOCK: usize = 128;
 const WS_PEER_MISMATCHES: usize = 256;
-const WS_LAYOUT_PARTIALS: usize = 4096;
+const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// LSA barrier slot used by host-driven control kernels (create/destroy/checks).
 const CONTROL_BARRIER_SLOT: i32 = 0;
 const DEFAULT_TIMEOUT_SECS: f64 = 100.0;
@@ -65,8 +65,8 @@ impl Resources {
     pub fn layout_ticket(&self) -> *mut u32 {
         self.workspace_at(WS_LAYOUT_TICKET).cast()
     }
-    pub fn layout_partials(&self) -> (*mut i32, i64) {
-        (self.workspace_at(WS_LAYOUT_PARTIALS).cast(), ((WORKSPACE_BYTES - WS_LAYOUT_PARTIALS) / 4) as i64)
+    pub fn layout_accumulators(&self) -> (*mut i32, i64) {
+        (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WORKSPACE_BYTES - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
     }
     fn wait_context(&self, rank: i32, timeout_ns: u64) -> WaitContext {
         WaitContext {

@@ -47,9 +47,9 @@ pub struct LayoutParams {
     pub num_tokens_per_rdma_rank: *mut i32,
     pub num_tokens_per_expert: *mut i32,
     pub is_token_in_rank: *mut u8,
-    pub partials: *mut i32,
+    pub accumulators: *mut i32,
     pub ticket: *mut u32,
-    pub partials_capacity: i64,
+    pub accumulators_capacity: i64,
     pub num_sms: i32,
     pub reserved: i32,
 }

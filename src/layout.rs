@@ -70,9 +70,9 @@ pub fn build_params(num_ranks: i32, num_sms: i32, args: &LayoutArgs<'_>) -> Resu
         num_tokens_per_rdma_rank: per_rdma_ptr,
         num_tokens_per_expert: per_expert.ptr().cast(),
         is_token_in_rank: in_rank.ptr().cast(),
-        partials: std::ptr::null_mut(),
+        accumulators: std::ptr::null_mut(),
         ticket: std::ptr::null_mut(),
-        partials_capacity: 0,
+        accumulators_capacity: 0,
         num_sms,
         reserved: 0,
     })
@@ -82,15 +82,15 @@ pub fn build_params(num_ranks: i32, num_sms: i32, args: &LayoutArgs<'_>) -> Resu
 pub fn get_dispatch_layout(buffer: &Buffer, args: &LayoutArgs<'_>, stream: *mut c_void) -> Result<()> {
     let mut params = build_params(buffer.layout.num_ranks, buffer.num_device_sms(), args)?;
     buffer.with_resources(|res| {
-        let (partials, capacity) = res.layout_partials();
-        params.partials = partials;
-        params.partials_capacity = capacity;
+        let (accumulators, capacity) = res.layout_accumulators();
+        params.accumulators = accumulators;
+        params.accumulators_capacity = capacity;
         params.ticket = res.layout_ticket();
         // SAFETY: params points at validated tensors and our workspace.
         let needed = unsafe { kernels::deepep_dispatch_layout_workspace_elems(&params) };
         ensure_arg!(
             needed <= capacity,
-            "get_dispatch_layout needs {needed} workspace ints, the workspace holds {capacity}"
+            "get_dispatch_layout needs {needed} workspace counters, the workspace holds {capacity}"
         );
         let stream = if stream.is_null() { res.stream.raw() } else { stream };
         // SAFETY: all pointers in params were validated; stream belongs to this device.

@@ -208,6 +208,8 @@ class Buffer:
 
     def get_comm_stream(self):
         self._live_handle()
+        if not self.is_available():
+            raise RuntimeError("deepep-nccl: get_comm_stream: the buffer was destroyed or is unusable")
         if self._comm_stream is None:
             # As DeepEP's: a high-priority stream from torch's pool. Pool streams live as long as
             # the process, so record_stream() on them stays valid after destroy(); the library's
