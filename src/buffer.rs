@@ -257,14 +257,16 @@ impl Buffer {
 
     /// Collective barrier over the LSA team on the comm stream, bounded.
     pub fn barrier(&self) -> Result<()> {
-        self.with_resources(|res| {
-            // SAFETY: devComm is live; the control slot is within lsaBarrierCount.
-            let rc = unsafe {
-                kernels::deepep_launch_lsa_barrier(res.dev_comm.as_ptr(), CONTROL_BARRIER_SLOT, self.wait_context(res), res.stream.raw())
-            };
-            kernels::launch_result("lsa_barrier", rc)?;
-            self.sync_and_check(res)
-        })
+        self.with_resources(|res| self.control_barrier(res))
+    }
+
+    fn control_barrier(&self, res: &Resources) -> Result<()> {
+        // SAFETY: devComm is live; the control slot is within lsaBarrierCount.
+        let rc = unsafe {
+            kernels::deepep_launch_lsa_barrier(res.dev_comm.as_ptr(), CONTROL_BARRIER_SLOT, self.wait_context(res), res.stream.raw())
+        };
+        kernels::launch_result("lsa_barrier", rc)?;
+        self.sync_and_check(res)
     }
 
     /// (pointer, bytes) of the local NVL or RDMA region.
@@ -295,12 +297,7 @@ impl Buffer {
         // Peers may still be reading our window: barrier before releasing it,
         // unless the barriers are already out of step after a timeout.
         if self.failure.lock().is_none() {
-            // SAFETY: devComm is live; control slot is within lsaBarrierCount.
-            let rc = unsafe {
-                kernels::deepep_launch_lsa_barrier(res.dev_comm.as_ptr(), CONTROL_BARRIER_SLOT, self.wait_context(&res), res.stream.raw())
-            };
-            kernels::launch_result("lsa_barrier", rc)?;
-            self.sync_and_check(&res)?;
+            self.control_barrier(&res)?;
         }
         let Resources { stream, workspace, stall, dev_comm, comm, window, ctx, .. } = res;
         dev_comm.destroy(&comm)?;

@@ -1,7 +1,7 @@
 //! One error type for the crate, its C status code, and the thread-local
 //! last-error message the C ABI exposes.
 use std::cell::RefCell;
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::fmt;
 
 /// Status codes returned by every C ABI function.
@@ -29,19 +29,24 @@ pub enum DeepepStatus {
 }
 
 impl DeepepStatus {
-    pub fn name(self) -> &'static str {
+    /// The C name, NUL-terminated so the C ABI can hand it out directly.
+    pub fn c_name(self) -> &'static CStr {
         match self {
-            Self::DEEPEP_SUCCESS => "DEEPEP_SUCCESS",
-            Self::DEEPEP_ERROR_INVALID_ARGUMENT => "DEEPEP_ERROR_INVALID_ARGUMENT",
-            Self::DEEPEP_ERROR_NO_DEVICE => "DEEPEP_ERROR_NO_DEVICE",
-            Self::DEEPEP_ERROR_CUDA => "DEEPEP_ERROR_CUDA",
-            Self::DEEPEP_ERROR_NCCL => "DEEPEP_ERROR_NCCL",
-            Self::DEEPEP_ERROR_VERSION_MISMATCH => "DEEPEP_ERROR_VERSION_MISMATCH",
-            Self::DEEPEP_ERROR_NOT_AVAILABLE => "DEEPEP_ERROR_NOT_AVAILABLE",
-            Self::DEEPEP_ERROR_TIMEOUT => "DEEPEP_ERROR_TIMEOUT",
-            Self::DEEPEP_ERROR_UNSUPPORTED => "DEEPEP_ERROR_UNSUPPORTED",
-            Self::DEEPEP_ERROR_INTERNAL => "DEEPEP_ERROR_INTERNAL",
+            Self::DEEPEP_SUCCESS => c"DEEPEP_SUCCESS",
+            Self::DEEPEP_ERROR_INVALID_ARGUMENT => c"DEEPEP_ERROR_INVALID_ARGUMENT",
+            Self::DEEPEP_ERROR_NO_DEVICE => c"DEEPEP_ERROR_NO_DEVICE",
+            Self::DEEPEP_ERROR_CUDA => c"DEEPEP_ERROR_CUDA",
+            Self::DEEPEP_ERROR_NCCL => c"DEEPEP_ERROR_NCCL",
+            Self::DEEPEP_ERROR_VERSION_MISMATCH => c"DEEPEP_ERROR_VERSION_MISMATCH",
+            Self::DEEPEP_ERROR_NOT_AVAILABLE => c"DEEPEP_ERROR_NOT_AVAILABLE",
+            Self::DEEPEP_ERROR_TIMEOUT => c"DEEPEP_ERROR_TIMEOUT",
+            Self::DEEPEP_ERROR_UNSUPPORTED => c"DEEPEP_ERROR_UNSUPPORTED",
+            Self::DEEPEP_ERROR_INTERNAL => c"DEEPEP_ERROR_INTERNAL",
         }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.c_name().to_str().expect("status names are ASCII")
     }
 
     pub fn from_code(code: i32) -> Option<Self> {

@@ -83,16 +83,7 @@ pub extern "C" fn deepep_last_error() -> *const c_char {
 #[no_mangle]
 pub extern "C" fn deepep_status_string(status: c_int) -> *const c_char {
     match DeepepStatus::from_code(status) {
-        Some(s) => {
-            // Static, NUL-terminated copies of the names.
-            static NAMES: once_cell::sync::Lazy<Vec<std::ffi::CString>> = once_cell::sync::Lazy::new(|| {
-                (0..10)
-                    .filter_map(DeepepStatus::from_code)
-                    .map(|s| std::ffi::CString::new(s.name()).unwrap())
-                    .collect()
-            });
-            NAMES[s as usize].as_ptr()
-        }
+        Some(s) => s.c_name().as_ptr(),
         None => c"DEEPEP_UNKNOWN_STATUS".as_ptr(),
     }
 }
