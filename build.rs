@@ -45,8 +45,12 @@ fn build_kernels(nccl_root: &str) {
     for src in &sources {
         println!("cargo:rerun-if-changed={}", src.display());
     }
-    for header in ["kernels/deepep_kernels.h", "kernels/bounded_wait.cuh"] {
-        println!("cargo:rerun-if-changed={header}");
+    // Every header in kernels/ (.h, .cuh) is a dependency of every .cu.
+    for entry in std::fs::read_dir("kernels").expect("kernels/ directory") {
+        let path = entry.expect("dir entry").path();
+        if path.extension().is_some_and(|e| e == "h" || e == "cuh") {
+            println!("cargo:rerun-if-changed={}", path.display());
+        }
     }
     build.files(&sources).compile("deepep_kernels");
     for lib in ["stdc++", "dl", "rt", "pthread"] {

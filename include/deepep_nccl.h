@@ -19,7 +19,40 @@
  */
 #define DEEPEP_UNIQUE_ID_BYTES 128
 
+#define WAIT_OP_DISPATCH_SLOT 2
+
+#define WAIT_OP_DISPATCH_CONSUMED 3
+
+#define WAIT_OP_COMBINE_SLOT 4
+
+#define WAIT_OP_COMBINE_CONSUMED 5
+
+#define FAULT_TOPK_OUT_OF_RANGE 1
+
+#define FAULT_RANK_COUNT 2
+
+#define FAULT_WORST_TOO_SMALL 3
+
+/**
+ * `DEEPEP_MAX_LOCAL_EXPERTS`, `DEEPEP_MAX_NVL_RANKS`, `DEEPEP_MAX_CHANNELS`.
+ */
+#define MAX_LOCAL_EXPERTS 1024
+
+#define MAX_NVL_RANKS 8
+
+#define MAX_CHANNELS 128
+
+/**
+ * Bytes of one notify exchange slot (kernels/normal_notify.cu).
+ */
+#define NOTIFY_SLOT_BYTES ((((uintptr_t)MAX_NVL_RANKS + (uintptr_t)MAX_CHANNELS) + MAX_LOCAL_EXPERTS) * 4)
+
 #define DEEPEP_MAX_DIMS 4
+
+/**
+ * dtype code 0 marks an absent tensor in argument structs that embed descriptors.
+ */
+#define DTYPE_ABSENT 0
 
 /**
  * Status codes returned by every C ABI function.
@@ -110,6 +143,133 @@ typedef struct {
   int32_t num_max_rdma_chunked_send_tokens;
   int32_t num_max_rdma_chunked_recv_tokens;
 } DeepepConfig;
+
+/**
+ * Arguments of one intranode dispatch (both calls take the same struct).
+ * Absent optional tensors have dtype 0.
+ */
+typedef struct {
+  /**
+   * [T, H]: bf16 (fp16/fp32 also move), or float8_e4m3fn with `x_scales`.
+   */
+  DeepepTensor x;
+  /**
+   * Optional [T, S] float32 or int32, any strides.
+   */
+  DeepepTensor x_scales;
+  /**
+   * Optional [T, K] int64 or int32; -1 = no expert. Needs `topk_weights`.
+   */
+  DeepepTensor topk_idx;
+  /**
+   * Optional [T, K] float32.
+   */
+  DeepepTensor topk_weights;
+  /**
+   * [R] int32 (non-cached only).
+   */
+  DeepepTensor num_tokens_per_rank;
+  /**
+   * [T, R] bool.
+   */
+  DeepepTensor is_token_in_rank;
+  /**
+   * [E] int32 (non-cached only); E / R local experts per rank.
+   */
+  DeepepTensor num_tokens_per_expert;
+  /**
+   * [R, R] int32: written (non-cached) or the handle's (cached).
+   */
+  DeepepTensor rank_prefix_matrix;
+  /**
+   * [R, C] int32, C = config.num_sms / 2: written (non-cached) or the handle's (cached).
+   */
+  DeepepTensor channel_prefix_matrix;
+  /**
+   * [R, C] int32, written.
+   */
+  DeepepTensor recv_channel_prefix_matrix;
+  /**
+   * [T, R] int32, written; optional in cached mode.
+   */
+  DeepepTensor send_head;
+  DeepepConfig config;
+  /**
+   * Non-zero: reuse a handle's routing (no top-k, no host wait).
+   */
+  int32_t cached;
+  /**
+   * num_recv_tokens_per_expert entries are rounded up to a multiple of this (>= 1).
+   */
+  int32_t expert_alignment;
+  /**
+   * > 0: outputs have exactly this many rows and there is no host wait.
+   */
+  int32_t num_worst_tokens;
+  int32_t reserved;
+} DeepepIntranodeDispatchArgs;
+
+/**
+ * Outputs of [`launch`], allocated by the caller after [`prepare`]. N rows each.
+ */
+typedef struct {
+  /**
+   * [N, H], x's dtype.
+   */
+  DeepepTensor recv_x;
+  /**
+   * [N, S] row-major, x_scales' dtype; present iff x_scales is.
+   */
+  DeepepTensor recv_x_scales;
+  /**
+   * [N, K], topk_idx's dtype; present iff topk_idx is.
+   */
+  DeepepTensor recv_topk_idx;
+  /**
+   * [N, K] float32; present iff topk_weights is.
+   */
+  DeepepTensor recv_topk_weights;
+  /**
+   * [N] int32.
+   */
+  DeepepTensor recv_src_idx;
+} DeepepIntranodeDispatchOutputs;
+
+/**
+ * Arguments of one intranode combine. Absent optional tensors have dtype 0.
+ */
+typedef struct {
+  /**
+   * [N, H] bfloat16: one row per token this rank received in the dispatch.
+   */
+  DeepepTensor x;
+  /**
+   * Optional [N, K] float32, summed like x into combined_topk_weights.
+   */
+  DeepepTensor topk_weights;
+  /**
+   * Optional [T, H] bfloat16 each, added once per token.
+   */
+  DeepepTensor bias_0;
+  DeepepTensor bias_1;
+  /**
+   * The dispatch handle: src_idx [N] int32, rank_prefix_matrix [R, R],
+   * channel_prefix_matrix = the handle's recv_channel_prefix_matrix [R, C], send_head [T, R].
+   */
+  DeepepTensor src_idx;
+  DeepepTensor rank_prefix_matrix;
+  DeepepTensor channel_prefix_matrix;
+  DeepepTensor send_head;
+  /**
+   * [T, H] bfloat16 output.
+   */
+  DeepepTensor combined_x;
+  /**
+   * [T, K] float32 output; present iff topk_weights is.
+   */
+  DeepepTensor combined_topk_weights;
+  DeepepConfig config;
+} DeepepIntranodeCombineArgs;
 
 #ifdef __cplusplus
 extern "C" {
@@ -319,6 +479,35 @@ DeepepStatus deepep_check_buffer_args(int rank,
                                       int64_t num_nvl_bytes,
                                       int64_t num_rdma_bytes,
                                       bool low_latency_mode);
+
+/**
+ * Step 1 of DeepEP's intranode_dispatch. Writes the receive count to
+ * `*num_recv_tokens` and E/R aligned per-expert counts to
+ * `num_recv_tokens_per_expert` (capacity `per_expert_capacity`) when it waited
+ * for them; writes -1 (and nothing to the list) in cached or num_worst_tokens mode.
+ */
+DeepepStatus deepep_intranode_dispatch_prepare(const DeepepBuffer *buf,
+                                               const DeepepIntranodeDispatchArgs *args,
+                                               int *num_recv_tokens,
+                                               int *num_recv_tokens_per_expert,
+                                               int per_expert_capacity,
+                                               void *stream);
+
+/**
+ * Step 2 of DeepEP's intranode_dispatch: the data kernel into the caller's outputs.
+ */
+DeepepStatus deepep_intranode_dispatch(const DeepepBuffer *buf,
+                                       const DeepepIntranodeDispatchArgs *args,
+                                       const DeepepIntranodeDispatchOutputs *outputs,
+                                       void *stream);
+
+/**
+ * DeepEP's intranode_combine: sums each token's rows over the ranks it was
+ * sent to (fp32, plus biases) into combined_x on its source rank.
+ */
+DeepepStatus deepep_intranode_combine(const DeepepBuffer *buf,
+                                      const DeepepIntranodeCombineArgs *args,
+                                      void *stream);
 
 #ifdef __cplusplus
 }  // extern "C"

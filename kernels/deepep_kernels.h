@@ -15,6 +15,10 @@ extern "C" {
 enum DeepepWaitOp {
   DEEPEP_WAIT_OP_NONE = 0,
   DEEPEP_WAIT_OP_LSA_BARRIER = 1,
+  DEEPEP_WAIT_OP_DISPATCH_SLOT = 2,      // receiver waiting for a peer's dispatch slot
+  DEEPEP_WAIT_OP_DISPATCH_CONSUMED = 3,  // sender waiting for a peer to free a dispatch slot
+  DEEPEP_WAIT_OP_COMBINE_SLOT = 4,
+  DEEPEP_WAIT_OP_COMBINE_CONSUMED = 5,
 };
 
 // Written by the first GPU thread whose wait expires; lives in host-mapped
@@ -58,12 +62,131 @@ typedef struct DeepepLayoutParams {
   int32_t reserved;
 } DeepepLayoutParams;
 
+// Bad input the GPU found (the host turns it into an error naming the argument).
+enum DeepepFaultCode {
+  DEEPEP_FAULT_NONE = 0,
+  DEEPEP_FAULT_TOPK_OUT_OF_RANGE = 1,   // a = flat index, b = value, c = num_experts
+  DEEPEP_FAULT_RANK_COUNT = 2,          // a = rank, b = num_tokens_per_rank[rank], c = is_token_in_rank count
+  DEEPEP_FAULT_WORST_TOO_SMALL = 3,     // a = num_worst_tokens, b = tokens received
+};
+
+// Host-mapped: the first fault of a launch wins; the host clears it after reporting.
+typedef struct DeepepFaultRecord {
+  uint32_t flag;
+  int32_t code;  // enum DeepepFaultCode
+  int64_t a, b, c;
+} DeepepFaultRecord;
+
+#define DEEPEP_MAX_LOCAL_EXPERTS 1024
+#define DEEPEP_MAX_NVL_RANKS 8
+#define DEEPEP_MAX_CHANNELS 128
+
+// Host-mapped receive counts of one non-cached dispatch: the notify kernel writes
+// the per-expert list, then num_recv_tokens (the host spins on it, -1 before).
+typedef struct DeepepRecvCounts {
+  int32_t num_recv_tokens;
+  int32_t reserved;
+  int32_t num_recv_tokens_per_expert[DEEPEP_MAX_LOCAL_EXPERTS];
+} DeepepRecvCounts;
+
+// Where normal-mode kernels meet their peers: the window, the region offsets
+// inside it, and the per-buffer device counters that make every op's flags unique.
+typedef struct DeepepNormalCommon {
+  void* window;              // ncclWindow_t of the symmetric buffer
+  uint64_t nvl_offset;       // byte offset of the NVL region (rings + consumed flags)
+  uint64_t nvl_bytes;        // size of the NVL region
+  uint64_t notify_offset;    // byte offset of the notify exchange slots (control region)
+  uint32_t* op_epoch;        // workspace: bumped by the last block of every data kernel
+  uint32_t* notify_epoch;    // workspace: bumped by every notify kernel
+  uint32_t* ticket;          // workspace: last-block detection, zero between launches
+  DeepepFaultRecord* fault;  // device view of the host-mapped fault record
+  DeepepWaitContext wait;
+  int32_t rank;              // this rank (== LSA rank: the LSA team is the whole buffer)
+  int32_t num_ranks;
+  int32_t num_channels;      // config.num_sms / 2
+  int32_t ring_tokens;       // slots per (channel, peer) ring = config.num_max_nvl_chunked_recv_tokens
+  int32_t barrier_base;      // first LSA barrier slot of per-block barriers
+  int32_t num_threads;       // threads per block of the data kernels
+} DeepepNormalCommon;
+
+// Dispatch notify: exchanges counts and channel prefixes, one barrier.
+typedef struct DeepepNotifyParams {
+  DeepepNormalCommon common;
+  const uint8_t* is_token_in_rank;     // [T, R] bool
+  const int32_t* num_tokens_per_rank;  // [R] (non-cached) or NULL
+  const int32_t* num_tokens_per_expert;// [E] (non-cached) or NULL
+  const void* topk_idx;                // [T, K] for range checks, or NULL
+  int32_t* rank_prefix_matrix;         // [R, R]: written (non-cached) or read (cached)
+  int32_t* channel_prefix_matrix;      // [R, C]: written (non-cached) or read (cached)
+  int32_t* recv_channel_prefix_matrix; // [R, C]: written
+  DeepepRecvCounts* counts;            // device view of host-mapped counts, or NULL (no host wait)
+  int64_t num_tokens;
+  int32_t num_topk;
+  int32_t topk_idx_is_int32;
+  int32_t num_experts;                 // 0 in cached mode
+  int32_t expert_alignment;
+  int32_t cached;
+  int32_t num_worst_tokens;
+} DeepepNotifyParams;
+
+typedef struct DeepepDispatchParams {
+  DeepepNormalCommon common;
+  const void* x;                 // [T, H] contiguous, hidden_bytes per row
+  const void* x_scales;          // [T, S] 4-byte elements, strided, or NULL
+  const void* topk_idx;          // [T, K] int64/int32 or NULL
+  const float* topk_weights;     // [T, K] or NULL
+  const uint8_t* is_token_in_rank;
+  const int32_t* rank_prefix_matrix;
+  const int32_t* channel_prefix_matrix;
+  const int32_t* recv_channel_prefix_matrix;
+  void* recv_x;                  // [N, H]
+  void* recv_x_scales;           // [N, S] row-major or NULL
+  void* recv_topk_idx;           // [N, K] same dtype as topk_idx, or NULL
+  float* recv_topk_weights;      // [N, K] or NULL
+  int32_t* recv_src_idx;         // [N]
+  int32_t* send_head;            // [T, R]
+  int64_t num_tokens;
+  int64_t num_recv_rows;         // rows allocated in the outputs (N)
+  int64_t scale_stride_token;    // x_scales strides, in elements
+  int64_t scale_stride_scale;
+  int32_t hidden_bytes;          // multiple of 16
+  int32_t num_scales;
+  int32_t num_topk;
+  int32_t topk_idx_is_int32;
+  int32_t num_experts;           // 0 without top-k
+  int32_t slot_bytes;            // bytes of one ring slot
+} DeepepDispatchParams;
+
+typedef struct DeepepCombineParams {
+  DeepepNormalCommon common;
+  const void* x;                        // [N, H] bf16
+  const float* topk_weights;            // [N, K] or NULL
+  const void* bias_0;                   // [T, H] bf16 or NULL
+  const void* bias_1;
+  const int32_t* rank_prefix_matrix;    // [R, R]
+  const int32_t* recv_channel_prefix_matrix;  // [R, C] (dispatch handle item 2)
+  const int32_t* send_head;             // [T, R]
+  void* combined_x;                     // [T, H] bf16
+  float* combined_topk_weights;         // [T, K] or NULL
+  int64_t num_tokens;                   // T
+  int64_t num_recv_rows;                // N
+  int32_t hidden_bytes;                 // H * 2, multiple of 16
+  int32_t num_topk;
+  int32_t slot_bytes;
+  int32_t reserved;
+} DeepepCombineParams;
+
 enum DeepepKernelStruct {
   DEEPEP_STRUCT_STALL_RECORD = 0,
   DEEPEP_STRUCT_WAIT_CONTEXT = 1,
   DEEPEP_STRUCT_LAYOUT_PARAMS = 2,
   DEEPEP_STRUCT_DEV_COMM = 3,
   DEEPEP_STRUCT_DEV_COMM_REQUIREMENTS = 4,
+  DEEPEP_STRUCT_NOTIFY_PARAMS = 5,
+  DEEPEP_STRUCT_DISPATCH_PARAMS = 6,
+  DEEPEP_STRUCT_COMBINE_PARAMS = 7,
+  DEEPEP_STRUCT_RECV_COUNTS = 8,
+  DEEPEP_STRUCT_FAULT_RECORD = 9,
 };
 
 // sizeof() of each struct above as compiled by nvcc (0 for an unknown id).
@@ -91,6 +214,14 @@ int deepep_launch_lsa_peer_check(const void* dev_comm, void* window, size_t slot
 int deepep_launch_dispatch_layout(const DeepepLayoutParams* params, void* stream);
 // Number of int32 partial-histogram elements a launch with these params needs.
 int64_t deepep_dispatch_layout_workspace_elems(const DeepepLayoutParams* params);
+
+// Normal mode (kernels/normal_*.cu). dev_comm: the buffer's ncclDevComm.
+int deepep_launch_normal_notify(const void* dev_comm, const DeepepNotifyParams* params, void* stream);
+int deepep_launch_normal_dispatch(const DeepepDispatchParams* params, void* stream);
+int deepep_launch_normal_combine(const void* dev_comm, const DeepepCombineParams* params, void* stream);
+// Bytes of one ring slot for a dispatch/combine row layout (both sides must agree).
+int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk);
+int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk);
 
 const char* deepep_cuda_error_string(int error);
 

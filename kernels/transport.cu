@@ -15,6 +15,11 @@ extern "C" size_t deepep_kernel_struct_size(int which) {
     case DEEPEP_STRUCT_LAYOUT_PARAMS: return sizeof(DeepepLayoutParams);
     case DEEPEP_STRUCT_DEV_COMM: return sizeof(ncclDevComm);
     case DEEPEP_STRUCT_DEV_COMM_REQUIREMENTS: return sizeof(ncclDevCommRequirements);
+    case DEEPEP_STRUCT_NOTIFY_PARAMS: return sizeof(DeepepNotifyParams);
+    case DEEPEP_STRUCT_DISPATCH_PARAMS: return sizeof(DeepepDispatchParams);
+    case DEEPEP_STRUCT_COMBINE_PARAMS: return sizeof(DeepepCombineParams);
+    case DEEPEP_STRUCT_RECV_COUNTS: return sizeof(DeepepRecvCounts);
+    case DEEPEP_STRUCT_FAULT_RECORD: return sizeof(DeepepFaultRecord);
     default: return 0;
   }
 }

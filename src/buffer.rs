@@ -12,17 +12,26 @@ use crate::error::{DeepepStatus, Error, Result};
 use crate::kernels::{self, StallRecord, WaitContext};
 use crate::nccl::{self, Communicator, DevComm, SymmetricWindow};
 
-/// Control slots at the start of the window (peer checks, future flags).
-const CONTROL_BYTES: usize = 64 << 10;
+/// Control region at the start of the window: peer-check slots at 0, the
+/// normal-mode notify exchange at NOTIFY_OFFSET, room for later modes.
+const CONTROL_BYTES: usize = 1 << 20;
+const NOTIFY_OFFSET: usize = 64 << 10;
+const _: () = assert!(NOTIFY_OFFSET + 2 * kernels::MAX_NVL_RANKS as usize * kernels::NOTIFY_SLOT_BYTES <= CONTROL_BYTES);
 const WINDOW_ALIGN: usize = nccl_sys::NCCL_WIN_REQUIRED_ALIGNMENT;
 /// Zeroed device scratch, as DeepEP's NUM_WORKSPACE_BYTES.
 const WORKSPACE_BYTES: usize = 32 << 20;
 const WS_LAYOUT_TICKET: usize = 0;
 const WS_STALL_LOCK: usize = 128;
 const WS_PEER_MISMATCHES: usize = 256;
+const WS_OP_EPOCH: usize = 512;
+const WS_NOTIFY_EPOCH: usize = 516;
+const WS_DATA_TICKET: usize = 520;
 const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// LSA barrier slot used by host-driven control kernels (create/destroy/checks).
 const CONTROL_BARRIER_SLOT: i32 = 0;
+/// Slot of the dispatch notify kernel; data kernels use one slot per block after it.
+const NOTIFY_BARRIER_SLOT: i32 = 1;
+const DATA_BARRIER_BASE: i32 = 2;
 const DEFAULT_TIMEOUT_SECS: f64 = 100.0;
 
 fn align_up(x: usize, a: usize) -> usize {
@@ -48,6 +57,8 @@ pub(crate) struct Resources {
     pub stream: Stream,
     pub workspace: DeviceMemory,
     pub stall: HostMapped<StallRecord>,
+    pub fault: HostMapped<kernels::FaultRecord>,
+    pub recv_counts: HostMapped<kernels::RecvCounts>,
     pub dev_comm: DevComm,
     pub comm: Communicator,
     pub window: SymmetricWindow,
@@ -67,6 +78,30 @@ impl Resources {
     }
     pub fn layout_accumulators(&self) -> (*mut i32, i64) {
         (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WORKSPACE_BYTES - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
+    }
+    /// Window geometry and device counters shared by the normal-mode kernels.
+    pub fn normal_common(&self, wait: WaitContext, args: &BufferArgs, num_channels: i32, ring_tokens: i32) -> kernels::NormalCommon {
+        kernels::NormalCommon {
+            window: self.window.handle().cast(),
+            nvl_offset: CONTROL_BYTES as u64,
+            nvl_bytes: args.num_nvl_bytes as u64,
+            notify_offset: NOTIFY_OFFSET as u64,
+            op_epoch: self.workspace_at(WS_OP_EPOCH).cast(),
+            notify_epoch: self.workspace_at(WS_NOTIFY_EPOCH).cast(),
+            ticket: self.workspace_at(WS_DATA_TICKET).cast(),
+            fault: self.fault.device_ptr(),
+            wait,
+            rank: args.rank,
+            num_ranks: args.num_ranks,
+            num_channels,
+            ring_tokens,
+            barrier_base: NOTIFY_BARRIER_SLOT,
+            num_threads: 0,
+        }
+    }
+    /// Barrier slot of the data kernels' block 0 (block b uses base + b).
+    pub fn data_barrier_base(&self) -> i32 {
+        DATA_BARRIER_BASE
     }
     fn wait_context(&self, rank: i32, timeout_ns: u64) -> WaitContext {
         WaitContext {
@@ -143,13 +178,15 @@ impl Buffer {
         let window_bytes = rdma_offset + align_up(args.num_rdma_bytes as usize, WINDOW_ALIGN);
         let window = SymmetricWindow::new(&comm, window_bytes)?;
         cuda::memset_zero(window.ptr(), window.bytes())?;
-        // One barrier slot per SM so later per-CTA kernels never share one, plus the control slot.
-        let dev_comm = DevComm::new(&comm, num_sms + 1)?;
+        // Control and notify slots, then one per SM so per-CTA barriers never share one.
+        let dev_comm = DevComm::new(&comm, DATA_BARRIER_BASE + num_sms)?;
         let info = dev_comm.info();
         Ok(Resources {
             stream: Stream::new_high_priority()?,
             workspace: DeviceMemory::zeroed(WORKSPACE_BYTES)?,
             stall: HostMapped::new()?,
+            fault: HostMapped::new()?,
+            recv_counts: HostMapped::new()?,
             lsa_base_rank: info.rank - info.lsa_rank,
             lsa_size: info.lsa_size,
             num_sms,
@@ -184,26 +221,37 @@ impl Buffer {
         f(res)
     }
 
-    fn check_stall(&self, res: &Resources) -> Result<()> {
+    /// Reports an expired GPU wait (the buffer becomes unusable) or bad input
+    /// a kernel found (reported once; the buffer stays usable).
+    pub(crate) fn check_stall(&self, res: &Resources) -> Result<()> {
         if let Some(err) = self.failure.lock().clone() {
             return Err(err);
+        }
+        let fault = res.fault.read();
+        if fault.flag == 1 {
+            res.fault.write(kernels::FaultRecord::default());
+            return Err(crate::normal::fault_error(&fault));
         }
         let record = res.stall.read();
         if record.flag == 0 {
             return Ok(());
         }
+        let (peer, n) = (record.peer, record.counter);
         let what = match record.op {
-            kernels::WAIT_OP_LSA_BARRIER => format!("LSA barrier slot {}", record.counter),
-            other => format!("wait op {other} counter {}", record.counter),
+            kernels::WAIT_OP_LSA_BARRIER => format!("rank {peer} never arrived at LSA barrier slot {n}"),
+            kernels::WAIT_OP_DISPATCH_SLOT => format!("rank {peer} never sent its dispatch data (channel {n})"),
+            kernels::WAIT_OP_DISPATCH_CONSUMED => format!("rank {peer} never freed a dispatch ring slot (channel {n})"),
+            kernels::WAIT_OP_COMBINE_SLOT => format!("rank {peer} never sent its combine data (channel {n})"),
+            kernels::WAIT_OP_COMBINE_CONSUMED => format!("rank {peer} never freed a combine ring slot (channel {n})"),
+            other => format!("rank {peer} stalled wait op {other} counter {n}"),
         };
         let err = Error::new(
             DeepepStatus::DEEPEP_ERROR_TIMEOUT,
             format!(
-                "GPU wait timed out on rank {} after {:.1} s: rank {} never arrived at {what} (expected epoch {}, saw {}). \
+                "GPU wait timed out on rank {} after {:.1} s: {what} (expected {}, saw {}). \
                  The buffer is unusable; destroy it.",
                 record.rank,
                 self.timeout_ns.load(Ordering::Relaxed) as f64 / 1e9,
-                record.peer,
                 record.expected,
                 record.seen
             ),
@@ -218,8 +266,12 @@ impl Buffer {
         self.check_stall(res)
     }
 
-    fn wait_context(&self, res: &Resources) -> WaitContext {
+    pub(crate) fn wait_context(&self, res: &Resources) -> WaitContext {
         res.wait_context(self.args.rank, self.timeout_ns.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn timeout_ns(&self) -> u64 {
+        self.timeout_ns.load(Ordering::Relaxed)
     }
 
     /// Collective: every rank writes a tag into every peer's window through
@@ -299,11 +351,11 @@ impl Buffer {
         if self.failure.lock().is_none() {
             self.control_barrier(&res)?;
         }
-        let Resources { stream, workspace, stall, dev_comm, comm, window, ctx, .. } = res;
+        let Resources { stream, workspace, stall, fault, recv_counts, dev_comm, comm, window, ctx, .. } = res;
         dev_comm.destroy(&comm)?;
         window.destroy(&comm)?;
         comm.destroy()?;
-        drop((stream, workspace, stall, ctx));
+        drop((stream, workspace, stall, fault, recv_counts, ctx));
         Ok(())
     }
 

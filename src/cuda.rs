@@ -197,6 +197,10 @@ impl<T: Copy + Default> HostMapped<T> {
     pub fn device_ptr(&self) -> *mut T {
         self.device as *mut T
     }
+    /// Host address, for volatile field reads while the GPU writes other fields.
+    pub fn host_ptr(&self) -> *mut T {
+        self.host
+    }
     /// Volatile read: the GPU may have written it behind the compiler's back.
     pub fn read(&self) -> T {
         // SAFETY: host is a live, aligned T allocation.
@@ -220,4 +224,15 @@ impl<T: Copy> Drop for HostMapped<T> {
 /// (free, total) bytes on the current device.
 pub fn mem_info() -> Result<(usize, usize)> {
     result::mem_get_info().map_err(|e| cuda_err("cuMemGetInfo", e))
+}
+
+/// Whether `stream` (a cudaStream_t/CUstream; NULL is the legacy stream) is
+/// being captured into a CUDA graph.
+pub fn stream_is_capturing(stream: *mut c_void) -> Result<bool> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: stream is a live stream handle of the current context; writes one enum.
+    unsafe { sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status) }
+        .result()
+        .map_err(|e| cuda_err("cuStreamIsCapturing", e))?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }

@@ -8,6 +8,21 @@ use once_cell::sync::OnceCell;
 use crate::error::{Error, Result};
 
 pub const WAIT_OP_LSA_BARRIER: i32 = 1;
+pub const WAIT_OP_DISPATCH_SLOT: i32 = 2;
+pub const WAIT_OP_DISPATCH_CONSUMED: i32 = 3;
+pub const WAIT_OP_COMBINE_SLOT: i32 = 4;
+pub const WAIT_OP_COMBINE_CONSUMED: i32 = 5;
+
+pub const FAULT_TOPK_OUT_OF_RANGE: i32 = 1;
+pub const FAULT_RANK_COUNT: i32 = 2;
+pub const FAULT_WORST_TOO_SMALL: i32 = 3;
+
+/// `DEEPEP_MAX_LOCAL_EXPERTS`, `DEEPEP_MAX_NVL_RANKS`, `DEEPEP_MAX_CHANNELS`.
+pub const MAX_LOCAL_EXPERTS: usize = 1024;
+pub const MAX_NVL_RANKS: i32 = 8;
+pub const MAX_CHANNELS: i32 = 128;
+/// Bytes of one notify exchange slot (kernels/normal_notify.cu).
+pub const NOTIFY_SLOT_BYTES: usize = (MAX_NVL_RANKS as usize + MAX_CHANNELS as usize + MAX_LOCAL_EXPERTS) * 4;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -56,6 +71,122 @@ pub struct LayoutParams {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
+pub struct FaultRecord {
+    pub flag: u32,
+    pub code: i32,
+    pub a: i64,
+    pub b: i64,
+    pub c: i64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RecvCounts {
+    pub num_recv_tokens: i32,
+    pub reserved: i32,
+    pub num_recv_tokens_per_expert: [i32; MAX_LOCAL_EXPERTS],
+}
+
+impl Default for RecvCounts {
+    fn default() -> Self {
+        Self { num_recv_tokens: -1, reserved: 0, num_recv_tokens_per_expert: [0; MAX_LOCAL_EXPERTS] }
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct NormalCommon {
+    pub window: *mut c_void,
+    pub nvl_offset: u64,
+    pub nvl_bytes: u64,
+    pub notify_offset: u64,
+    pub op_epoch: *mut u32,
+    pub notify_epoch: *mut u32,
+    pub ticket: *mut u32,
+    pub fault: *mut FaultRecord,
+    pub wait: WaitContext,
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub num_channels: i32,
+    pub ring_tokens: i32,
+    pub barrier_base: i32,
+    pub num_threads: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct NotifyParams {
+    pub common: NormalCommon,
+    pub is_token_in_rank: *const u8,
+    pub num_tokens_per_rank: *const i32,
+    pub num_tokens_per_expert: *const i32,
+    pub topk_idx: *const c_void,
+    pub rank_prefix_matrix: *mut i32,
+    pub channel_prefix_matrix: *mut i32,
+    pub recv_channel_prefix_matrix: *mut i32,
+    pub counts: *mut RecvCounts,
+    pub num_tokens: i64,
+    pub num_topk: i32,
+    pub topk_idx_is_int32: i32,
+    pub num_experts: i32,
+    pub expert_alignment: i32,
+    pub cached: i32,
+    pub num_worst_tokens: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DispatchParams {
+    pub common: NormalCommon,
+    pub x: *const c_void,
+    pub x_scales: *const c_void,
+    pub topk_idx: *const c_void,
+    pub topk_weights: *const f32,
+    pub is_token_in_rank: *const u8,
+    pub rank_prefix_matrix: *const i32,
+    pub channel_prefix_matrix: *const i32,
+    pub recv_channel_prefix_matrix: *const i32,
+    pub recv_x: *mut c_void,
+    pub recv_x_scales: *mut c_void,
+    pub recv_topk_idx: *mut c_void,
+    pub recv_topk_weights: *mut f32,
+    pub recv_src_idx: *mut i32,
+    pub send_head: *mut i32,
+    pub num_tokens: i64,
+    pub num_recv_rows: i64,
+    pub scale_stride_token: i64,
+    pub scale_stride_scale: i64,
+    pub hidden_bytes: i32,
+    pub num_scales: i32,
+    pub num_topk: i32,
+    pub topk_idx_is_int32: i32,
+    pub num_experts: i32,
+    pub slot_bytes: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CombineParams {
+    pub common: NormalCommon,
+    pub x: *const c_void,
+    pub topk_weights: *const f32,
+    pub bias_0: *const c_void,
+    pub bias_1: *const c_void,
+    pub rank_prefix_matrix: *const i32,
+    pub recv_channel_prefix_matrix: *const i32,
+    pub send_head: *const i32,
+    pub combined_x: *mut c_void,
+    pub combined_topk_weights: *mut f32,
+    pub num_tokens: i64,
+    pub num_recv_rows: i64,
+    pub hidden_bytes: i32,
+    pub num_topk: i32,
+    pub slot_bytes: i32,
+    pub reserved: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct DevCommInfo {
     pub rank: i32,
     pub num_ranks: i32,
@@ -68,6 +199,11 @@ const STRUCT_WAIT_CONTEXT: c_int = 1;
 const STRUCT_LAYOUT_PARAMS: c_int = 2;
 pub const STRUCT_DEV_COMM: c_int = 3;
 pub const STRUCT_DEV_COMM_REQUIREMENTS: c_int = 4;
+const STRUCT_NOTIFY_PARAMS: c_int = 5;
+const STRUCT_DISPATCH_PARAMS: c_int = 6;
+const STRUCT_COMBINE_PARAMS: c_int = 7;
+const STRUCT_RECV_COUNTS: c_int = 8;
+const STRUCT_FAULT_RECORD: c_int = 9;
 
 extern "C" {
     pub fn deepep_kernel_struct_size(which: c_int) -> usize;
@@ -87,6 +223,11 @@ extern "C" {
     ) -> c_int;
     pub fn deepep_launch_dispatch_layout(params: *const LayoutParams, stream: *mut c_void) -> c_int;
     pub fn deepep_dispatch_layout_workspace_elems(params: *const LayoutParams) -> i64;
+    pub fn deepep_launch_normal_notify(dev_comm: *const c_void, params: *const NotifyParams, stream: *mut c_void) -> c_int;
+    pub fn deepep_launch_normal_dispatch(params: *const DispatchParams, stream: *mut c_void) -> c_int;
+    pub fn deepep_launch_normal_combine(dev_comm: *const c_void, params: *const CombineParams, stream: *mut c_void) -> c_int;
+    pub fn deepep_dispatch_slot_bytes(hidden_bytes: i32, num_scales: i32, num_topk: i32) -> i64;
+    pub fn deepep_combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64;
     pub fn deepep_cuda_error_string(error: c_int) -> *const c_char;
 }
 
@@ -111,6 +252,11 @@ pub fn check_struct_layouts() -> Result<()> {
                 ("DeepepStallRecord", STRUCT_STALL_RECORD, std::mem::size_of::<StallRecord>()),
                 ("DeepepWaitContext", STRUCT_WAIT_CONTEXT, std::mem::size_of::<WaitContext>()),
                 ("DeepepLayoutParams", STRUCT_LAYOUT_PARAMS, std::mem::size_of::<LayoutParams>()),
+                ("DeepepNotifyParams", STRUCT_NOTIFY_PARAMS, std::mem::size_of::<NotifyParams>()),
+                ("DeepepDispatchParams", STRUCT_DISPATCH_PARAMS, std::mem::size_of::<DispatchParams>()),
+                ("DeepepCombineParams", STRUCT_COMBINE_PARAMS, std::mem::size_of::<CombineParams>()),
+                ("DeepepRecvCounts", STRUCT_RECV_COUNTS, std::mem::size_of::<RecvCounts>()),
+                ("DeepepFaultRecord", STRUCT_FAULT_RECORD, std::mem::size_of::<FaultRecord>()),
             ];
             for (name, id, rust_size) in pairs {
                 let c_size = nccl_struct_size(id);
@@ -122,6 +268,18 @@ pub fn check_struct_layouts() -> Result<()> {
         })
         .clone()
         .map_err(Error::internal)
+}
+
+/// Bytes of one dispatch ring slot (header, row, scales, top-k ids, weights).
+pub fn dispatch_slot_bytes(hidden_bytes: i32, num_scales: i32, num_topk: i32) -> i64 {
+    // SAFETY: pure arithmetic.
+    unsafe { deepep_dispatch_slot_bytes(hidden_bytes, num_scales, num_topk) }
+}
+
+/// Bytes of one combine ring slot (header, row, weights).
+pub fn combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64 {
+    // SAFETY: pure arithmetic.
+    unsafe { deepep_combine_slot_bytes(hidden_bytes, num_topk) }
 }
 
 /// Turns a launcher's cudaError_t into an error naming the kernel.

@@ -9,6 +9,7 @@ pub mod error;
 pub mod kernels;
 pub mod layout;
 pub mod nccl;
+pub mod normal;
 pub mod tensor;
 
 pub use buffer::{Buffer, BufferArgs};

@@ -119,6 +119,54 @@ pub fn check<'a>(
     Ok(view)
 }
 
+/// dtype code 0 marks an absent tensor in argument structs that embed descriptors.
+pub const DTYPE_ABSENT: i32 = 0;
+
+/// [`check`] for an optional tensor embedded in an argument struct: `None` when absent.
+pub fn check_opt<'a>(
+    name: &str,
+    tensor: &'a DeepepTensor,
+    dtypes: &[DeepepDtype],
+    ndim: usize,
+) -> Result<Option<TensorView<'a>>> {
+    if tensor.dtype == DTYPE_ABSENT {
+        return Ok(None);
+    }
+    check(name, Some(tensor), dtypes, ndim).map(Some)
+}
+
+/// Like [`check`] but any strides are accepted (e.g. column-major FP8 scales);
+/// strides must be non-negative.
+pub fn check_strided<'a>(name: &str, t: &'a DeepepTensor, dtypes: &[DeepepDtype], ndim: usize) -> Result<TensorView<'a>> {
+    let dtype = DeepepDtype::from_code(t.dtype)
+        .ok_or_else(|| crate::error::Error::invalid(format!("{name}: unknown dtype code {}", t.dtype)))?;
+    ensure_arg!(
+        dtypes.contains(&dtype),
+        "{name} must have dtype {}, got {}",
+        dtypes.iter().map(|d| d.name()).collect::<Vec<_>>().join(" or "),
+        dtype.name()
+    );
+    ensure_arg!(t.ndim as usize == ndim, "{name} must be {ndim}-D, got {}-D", t.ndim);
+    let dims = &t.shape[..ndim];
+    ensure_arg!(dims.iter().all(|d| *d >= 0), "{name} has a negative dimension: {dims:?}");
+    ensure_arg!(t.strides[..ndim].iter().all(|s| *s >= 0), "{name} has a negative stride: {:?}", &t.strides[..ndim]);
+    let view = TensorView { raw: t, dtype };
+    ensure_arg!(view.numel() == 0 || !t.data.is_null(), "{name} has a NULL data pointer");
+    Ok(view)
+}
+
+impl DeepepDtype {
+    /// Bytes per element.
+    pub fn size(self) -> i64 {
+        match self {
+            Self::DEEPEP_DTYPE_BOOL | Self::DEEPEP_DTYPE_UINT8 | Self::DEEPEP_DTYPE_FLOAT8_E4M3 => 1,
+            Self::DEEPEP_DTYPE_BFLOAT16 | Self::DEEPEP_DTYPE_FLOAT16 => 2,
+            Self::DEEPEP_DTYPE_INT32 | Self::DEEPEP_DTYPE_FLOAT32 => 4,
+            Self::DEEPEP_DTYPE_INT64 => 8,
+        }
+    }
+}
+
 /// Checks an output tensor's exact shape after [`check`].
 pub fn check_shape(name: &str, view: &TensorView<'_>, expected: &[i64]) -> Result<()> {
     ensure_arg!(view.dims() == expected, "{name} must have shape {expected:?}, got {:?}", view.dims());

@@ -12,7 +12,7 @@ pub struct DeepepBuffer {
     inner: Buffer,
 }
 
-fn buffer_ref<'a>(buf: *const DeepepBuffer) -> Result<&'a Buffer> {
+pub(super) fn buffer_ref<'a>(buf: *const DeepepBuffer) -> Result<&'a Buffer> {
     // SAFETY: callers pass a handle from deepep_buffer_create (not yet freed) or NULL.
     unsafe { buf.as_ref() }.map(|b| &b.inner).ok_or_else(|| Error::invalid("buffer must not be NULL"))
 }

@@ -8,9 +8,11 @@ use crate::error::{clear_last_error, last_error_ptr, set_last_error, DeepepStatu
 
 mod buffer;
 mod config;
+mod normal;
 
 pub use buffer::*;
 pub use config::*;
+pub use normal::*;
 
 /// Bumped on any incompatible change to this header.
 pub const DEEPEP_ABI_VERSION: u32 = 1;

@@ -323,6 +323,8 @@ def test_ipc_handle_is_stable_and_other_ranks_carry_none():
         ("get_comm_stream", ()),
         ("get_local_buffer_tensor", (None, 0, False)),
         ("get_dispatch_layout", (None, 8, None, False, False)),
+        ("intranode_dispatch", (None,) * 16),
+        ("intranode_combine", (None,) * 12),
         ("destroy", ()),
         ("barrier", ()),
         ("check_peers", ()),
@@ -337,8 +339,6 @@ def test_methods_need_a_synced_buffer(method, args):
 
 # DeepEP's positional parameter counts (csrc/deep_ep.hpp) and the feature each one names.
 NOT_IMPLEMENTED = [
-    ("intranode_dispatch", 16, "intranode normal-mode dispatch"),
-    ("intranode_combine", 12, "intranode normal-mode combine"),
     ("internode_dispatch", 20, "internode normal-mode dispatch"),
     ("internode_combine", 15, "internode normal-mode combine"),
     ("clean_low_latency_buffer", 3, "low-latency mode"),
@@ -359,6 +359,21 @@ def test_unimplemented_methods_keep_deepeps_arity(method, num_args, feature):
     with pytest.raises(NotImplementedError) as info:
         bound(*([None] * num_args))
     assert str(info.value) == f"deepep-nccl: {method} ({feature}) is not implemented yet"
+
+
+@pytest.mark.parametrize("method, num_args", [("intranode_dispatch", 16), ("intranode_combine", 12)])
+def test_normal_mode_methods_keep_deepeps_arity(method, num_args):
+    assert len(inspect.signature(getattr(_buffer(), method)).parameters) == num_args
+
+
+def test_normal_mode_argument_structs_match_the_c_abi():
+    # Sizes of the C structs (include/deepep_nccl.h): 80-byte tensor descriptors, the
+    # 20-byte Config, then int32 flags, padded to 8 bytes.
+    from deep_ep_cpp import _normal
+
+    assert _normal._DISPATCH_ARGS.size == 11 * 80 + 20 + 16 + 4
+    assert _normal._DISPATCH_OUTPUTS.size == 5 * 80
+    assert _normal._COMBINE_ARGS.size == 10 * 80 + 20 + 4
 
 
 def test_low_latency_combine_out_is_optional():
@@ -539,7 +554,7 @@ def test_deep_ep_extension_kwargs():
         buffer.low_latency_combine(None, None, None, None, overlap=True, block_m=64, src_signals=None)
     with pytest.raises(TypeError, match="use_fp16"):
         buffer.low_latency_dispatch(None, None, 128, 256, use_fp16=True)
-    with pytest.raises(NotImplementedError, match="normal-mode dispatch"):
-        buffer.dispatch(None)
+    with pytest.raises(NotImplementedError, match="internode normal-mode dispatch"):
+        buffer.internode_dispatch(None)
     with pytest.raises(NotImplementedError, match="shrink mask buffer"):
         buffer.low_latency_clean_mask_buffer()

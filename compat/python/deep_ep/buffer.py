@@ -234,7 +234,51 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        raise _not_implemented("dispatch", "normal-mode dispatch")
+        """
+        Sends each token once to every rank that holds one of its experts (normal mode).
+
+        `x` is a BF16 tensor [num_tokens, hidden] or the FP8 tuple (e4m3 [num_tokens, hidden],
+        scales [num_tokens, hidden // 128] float32/int32, any strides). Without `handle`, pass the
+        layout tensors (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert) and
+        optionally topk_idx/topk_weights; this waits on the host for the receive count unless
+        num_worst_tokens > 0. With `handle` (from an earlier dispatch) the routing is reused and
+        there is no host wait; top-k cannot be given then.
+
+        Returns (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, EventOverlap). Received rows are grouped by
+        source rank, then ordered by source token index. recv_topk_idx holds local expert ids
+        (-1 for other ranks' experts, weight 0.0 there); the per-expert counts are rounded up to
+        expert_alignment (empty list with num_worst_tokens or a handle).
+        """
+        config = self.get_dispatch_config(self.group_size) if config is None else config
+        if self.runtime.get_num_rdma_ranks() > 1:
+            return self.internode_dispatch(
+                x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+                topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+                allocate_on_comm_stream)
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        previous = getattr(previous_event, "event", None)
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            rank_prefix_matrix, channel_prefix_matrix, _, recv_src_idx, is_token_in_rank, _ = handle
+            recv_x, recv_x_scales, *_, event = self.runtime.intranode_dispatch(
+                x, x_scales, None, None, None, is_token_in_rank, None, recv_src_idx.size(0), rank_prefix_matrix,
+                channel_prefix_matrix, expert_alignment, num_worst_tokens, config, previous, async_finish,
+                allocate_on_comm_stream)
+            recv = (recv_x, recv_x_scales) if x_scales is not None else recv_x
+            return recv, None, None, None, None, EventOverlap(event)
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, rank_prefix_matrix,
+         channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, send_head, event) = \
+            self.runtime.intranode_dispatch(
+                x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 0,
+                None, None, expert_alignment, num_worst_tokens, config, previous, async_finish,
+                allocate_on_comm_stream)
+        handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+                  is_token_in_rank, send_head)
+        recv = (recv_x, recv_x_scales) if x_scales is not None else recv_x
+        return (recv, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+                EventOverlap(event))
 
     def combine(
         self,
@@ -247,7 +291,25 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        raise _not_implemented("combine", "normal-mode combine")
+        """
+        Sums each token's rows back onto the rank it came from: combined_x[t] = bias_0[t] +
+        bias_1[t] + the sum of x over the ranks t was dispatched to (fp32, rounded to BF16 once;
+        no expert weights are applied). `x` is BF16 [num_recv_tokens, hidden] in the order the
+        dispatch with `handle` returned; `bias` is None, a tensor or a 2-tuple of [num_tokens,
+        hidden]; `topk_weights` [num_recv_tokens, num_topk] float32 is summed the same way.
+
+        Returns (combined_x, combined_topk_weights or None, EventOverlap).
+        """
+        config = self.get_combine_config(self.group_size) if config is None else config
+        if self.runtime.get_num_rdma_ranks() > 1:
+            return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                          allocate_on_comm_stream)
+        rank_prefix_matrix, _, channel_prefix_matrix, src_idx, is_recv_token_in_rank, send_head = handle
+        bias_0, bias_1 = Buffer._unpack_bias(bias)
+        combined_x, combined_topk_weights, event = self.runtime.intranode_combine(
+            x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head, config,
+            getattr(previous_event, "event", None), async_finish, allocate_on_comm_stream)
+        return combined_x, combined_topk_weights, EventOverlap(event)
 
     def internode_dispatch(
         self,

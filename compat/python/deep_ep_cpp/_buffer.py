@@ -7,6 +7,7 @@ from ctypes import byref, c_bool, c_int, c_int64, c_void_p
 
 from . import _lib
 from ._event import EventHandle
+from ._normal import NormalMode
 from ._lib import (
     DTYPE_BFLOAT16,
     DTYPE_BOOL,
@@ -34,8 +35,6 @@ _pack_tensor = _lib.TENSOR_FORMAT.pack_into
 _pack_data = struct.Struct("@P").pack_into
 
 _torch = _lib.torch
-# (stream_id, device_index, device_type) of a device's current stream, without building a Stream.
-_current_stream_key = getattr(_torch and _torch._C, "_cuda_getCurrentStream", None)
 _DTYPE_CODES = (
     {}
     if _torch is None
@@ -89,7 +88,7 @@ class _DeviceBytes:
         self.owner = owner
 
 
-class Buffer:
+class Buffer(NormalMode):
     """One rank's communication buffer. The constructor only validates; sync() creates it."""
 
     # Class-level default so that __del__ works when __init__ raised.
@@ -136,8 +135,7 @@ class Buffer:
         self._in_rank_addr = ctypes.addressof(self._in_rank_desc)
         self._layout_fn = lib.deepep_get_dispatch_layout
         self._sync_event = None
-        self._compute_key = None
-        self._compute_stream = None
+        self._normal_init()
 
     def __del__(self, _free=lib.deepep_buffer_free, _finalizing=sys.is_finalizing):
         handle = self._handle
@@ -271,9 +269,7 @@ class Buffer:
         """DeepEP's layout with its stream protocol; returns (per rank, per rdma rank or None,
         per expert, is_token_in_rank, EventHandle or None)."""
         torch = _torch
-        comm = self._comm_stream
-        if comm is None:
-            comm = self.get_comm_stream()
+        self._live_handle()
         if topk_idx.get_device() != self._device_id:
             raise RuntimeError(
                 f"deepep-nccl: topk_idx must be a CUDA tensor on the buffer's device cuda:{self._device_id}, "
@@ -284,36 +280,18 @@ class Buffer:
             raise RuntimeError(
                 f"deepep-nccl: topk_idx must have dtype torch.int64 or torch.int32, got {topk_idx.dtype}"
             )
-        if allocate_on_comm_stream and (previous_event is None or not async_):
-            raise RuntimeError("deepep-nccl: allocate_on_comm_stream requires previous_event and async")
-
-        # torch.cuda.current_stream() builds a Stream object per call (about 1 us): keep the last
-        # one while the current stream stays the same.
-        key = _current_stream_key(self._device_id)
-        if key != self._compute_key:
-            self._compute_key = key
-            self._compute_stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-        compute = self._compute_stream
-        sync_event = self._sync_event
-        if previous_event is not None:
-            previous_event.event.wait(comm)
-        else:
-            sync_event.record(compute)
-            sync_event.wait(comm)
+        comm, compute = self._op_begin(previous_event, async_, allocate_on_comm_stream)
 
         # One allocation for the three count vectors, plus is_token_in_rank.
         num_ranks = self._num_ranks
         num_rdma_ranks = self._num_layout_rdma_ranks
         shape = topk_idx.shape
         num_tokens = shape[0] if shape else 0
-        if allocate_on_comm_stream:
-            torch.cuda.set_stream(comm)
         try:
             counts = torch.empty(num_ranks + num_rdma_ranks + num_experts, dtype=torch.int32, device=self._device)
             in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=self._device)
         finally:
-            if allocate_on_comm_stream:
-                torch.cuda.set_stream(compute)
+            self._op_allocated(compute, allocate_on_comm_stream)
         if num_rdma_ranks:
             per_rank, per_rdma, per_expert = counts.split_with_sizes((num_ranks, num_rdma_ranks, num_experts))
         else:
@@ -346,30 +324,8 @@ class Buffer:
         if status:
             raise_status(status)
 
-        if async_:
-            event = EventHandle(comm)
-            for t in (topk_idx, counts, in_rank):
-                t.record_stream(comm)
-                if allocate_on_comm_stream:
-                    t.record_stream(compute)
-        else:
-            event = None
-            sync_event.record(comm)
-            sync_event.wait(compute)
+        event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (topk_idx, counts, in_rank))
         return per_rank, per_rdma, per_expert, in_rank, event
-
-    def intranode_dispatch(
-        self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-        cached_num_recv_tokens, cached_rank_prefix_matrix, cached_channel_prefix_matrix, expert_alignment,
-        num_worst_tokens, config, previous_event, async_, allocate_on_comm_stream,
-    ):
-        raise _not_implemented("intranode_dispatch", "intranode normal-mode dispatch")
-
-    def intranode_combine(
-        self, x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head,
-        config, previous_event, async_, allocate_on_comm_stream,
-    ):
-        raise _not_implemented("intranode_combine", "intranode normal-mode combine")
 
     def internode_dispatch(
         self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,

@@ -1,0 +1,60 @@
+"""DeepEP's stream and event protocol of the normal-mode ops (layout, dispatch, combine):
+kernels run on the comm stream after `previous_event` (or the compute stream); with async
+the caller gets an EventHandle and every tensor is record_stream'ed, otherwise the compute
+stream waits for the comm stream."""
+from ._event import EventHandle
+from ._lib import torch as _torch
+
+# (stream_id, device_index, device_type) of a device's current stream, without building a Stream.
+_current_stream_key = getattr(_torch and _torch._C, "_cuda_getCurrentStream", None)
+
+
+class StreamProtocol:
+    """Mixin for deep_ep_cpp.Buffer; needs _device_id, _sync_event, get_comm_stream()."""
+
+    _compute_key = None
+    _compute_stream = None
+
+    def _op_begin(self, previous_event, async_, allocate_on_comm_stream):
+        """Orders the comm stream after the inputs; returns (comm, compute). When
+        allocate_on_comm_stream, the comm stream is current until _op_allocated()."""
+        comm = self._comm_stream
+        if comm is None:
+            comm = self.get_comm_stream()
+        if allocate_on_comm_stream and (previous_event is None or not async_):
+            raise RuntimeError("deepep-nccl: allocate_on_comm_stream requires previous_event and async")
+        # torch.cuda.current_stream() builds a Stream object per call (about 1 us): keep the last
+        # one while the current stream stays the same.
+        key = _current_stream_key(self._device_id)
+        if key != self._compute_key:
+            self._compute_key = key
+            self._compute_stream = _torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        compute = self._compute_stream
+        if previous_event is not None:
+            previous_event.event.wait(comm)
+        else:
+            self._sync_event.record(compute)
+            self._sync_event.wait(comm)
+        if allocate_on_comm_stream:
+            _torch.cuda.set_stream(comm)
+        return comm, compute
+
+    @staticmethod
+    def _op_allocated(compute, allocate_on_comm_stream):
+        """Restores the compute stream after the outputs were allocated."""
+        if allocate_on_comm_stream:
+            _torch.cuda.set_stream(compute)
+
+    def _op_end(self, comm, compute, async_, allocate_on_comm_stream, tensors):
+        """Returns the EventHandle (async) or None after making compute wait for comm."""
+        if async_:
+            event = EventHandle(comm)
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(comm)
+                    if allocate_on_comm_stream:
+                        t.record_stream(compute)
+            return event
+        self._sync_event.record(comm)
+        self._sync_event.wait(compute)
+        return None

@@ -1,0 +1,151 @@
+//! Normal (high-throughput) mode within one NVLink domain: the checks both ops
+//! share (ranks, config, NVL budget), fault reporting, and the ops themselves
+//! in [`dispatch`] and [`combine`].
+pub mod combine;
+pub mod dispatch;
+
+use std::os::raw::c_void;
+
+use crate::buffer::Buffer;
+use crate::config::DeepepConfig;
+use crate::ensure_arg;
+use crate::error::{Error, Result};
+use crate::kernels::{self, FaultRecord};
+
+/// Channels and ring size one op runs with, from its `Config`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelPlan {
+    pub num_channels: i32,
+    pub ring_tokens: i32,
+}
+
+/// DeepEP's rules for a normal-mode `Config` plus this device's limits.
+pub fn channel_plan(config: &DeepepConfig, num_device_sms: i32) -> Result<ChannelPlan> {
+    let sms = config.num_sms;
+    ensure_arg!(sms > 0 && sms % 2 == 0, "config.num_sms must be a positive even number (one channel is 2 SMs), got {sms}");
+    ensure_arg!(sms <= num_device_sms, "config.num_sms ({sms}) exceeds the {num_device_sms} SMs of this GPU");
+    ensure_arg!(
+        sms / 2 <= kernels::MAX_CHANNELS,
+        "config.num_sms ({sms}) gives more than {} channels",
+        kernels::MAX_CHANNELS
+    );
+    let ring = config.num_max_nvl_chunked_recv_tokens;
+    ensure_arg!(ring > 0, "config.num_max_nvl_chunked_recv_tokens must be positive, got {ring}");
+    Ok(ChannelPlan { num_channels: sms / 2, ring_tokens: ring })
+}
+
+/// Normal mode runs within one LSA team of at most 8 ranks, as DeepEP's intranode kernels.
+pub fn check_ranks(num_ranks: i32) -> Result<()> {
+    ensure_arg!(
+        num_ranks <= kernels::MAX_NVL_RANKS,
+        "intranode dispatch/combine supports up to {} ranks, the buffer has {num_ranks}",
+        kernels::MAX_NVL_RANKS
+    );
+    Ok(())
+}
+
+/// Every (channel, peer) ring plus its consumed words must fit the NVL region.
+pub fn check_nvl_budget(num_nvl_bytes: i64, op: &str, plan: ChannelPlan, num_ranks: i32, slot_bytes: i64) -> Result<()> {
+    let needed = plan.num_channels as i64 * num_ranks as i64 * plan.ring_tokens as i64 * (slot_bytes + 8);
+    ensure_arg!(
+        needed <= num_nvl_bytes,
+        "num_nvl_bytes ({num_nvl_bytes}) is too small for this {op}: {} channels x {num_ranks} ranks x {} tokens \
+         (config.num_max_nvl_chunked_recv_tokens) x {} B per token need {needed} B; size the buffer with \
+         Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)",
+        plan.num_channels,
+        plan.ring_tokens,
+        slot_bytes + 8
+    );
+    Ok(())
+}
+
+/// Turns a fault the GPU recorded into an error naming the argument and the limit.
+pub fn fault_error(f: &FaultRecord) -> Error {
+    let message = match f.code {
+        kernels::FAULT_TOPK_OUT_OF_RANGE => format!(
+            "topk_idx holds {} at flat index {}; entries must be -1 or an expert id in [0, {})",
+            f.b, f.a, f.c
+        ),
+        kernels::FAULT_RANK_COUNT => format!(
+            "num_tokens_per_rank[{}] is {} but is_token_in_rank selects {} tokens for rank {}; \
+             pass the outputs of one get_dispatch_layout call",
+            f.a, f.b, f.c, f.a
+        ),
+        kernels::FAULT_WORST_TOO_SMALL => format!(
+            "num_worst_tokens ({}) is smaller than the {} tokens this rank received; rows past it were dropped",
+            f.a, f.b
+        ),
+        other => format!("the GPU reported bad input (fault code {other}, {} {} {})", f.a, f.b, f.c),
+    };
+    Error::invalid(message)
+}
+
+/// The stream an op launches on: the caller's, or the buffer's comm stream for NULL.
+fn pick_stream(stream: *mut c_void, own: *mut c_void) -> *mut c_void {
+    if stream.is_null() {
+        own
+    } else {
+        stream
+    }
+}
+
+/// Shared by both ops: validated config, ranks and budget for `slot_bytes`.
+fn plan_for(buffer: &Buffer, config: &DeepepConfig, op: &str, slot_bytes: i64) -> Result<ChannelPlan> {
+    check_ranks(buffer.layout.num_ranks)?;
+    let plan = channel_plan(config, buffer.num_device_sms())?;
+    check_nvl_budget(buffer.args.num_nvl_bytes, op, plan, buffer.layout.num_ranks, slot_bytes)?;
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(num_sms: i32, recv: i32) -> DeepepConfig {
+        DeepepConfig::new(num_sms, 6, recv, 6, 128).unwrap()
+    }
+
+    #[test]
+    fn channel_plan_follows_config_and_device() {
+        assert_eq!(channel_plan(&config(24, 256), 132).unwrap(), ChannelPlan { num_channels: 12, ring_tokens: 256 });
+        let odd = channel_plan(&config(23, 256), 132).unwrap_err();
+        assert!(odd.message.contains("config.num_sms must be a positive even number"), "{}", odd.message);
+        let big = channel_plan(&config(200, 256), 132).unwrap_err();
+        assert!(big.message.contains("exceeds the 132 SMs"), "{}", big.message);
+    }
+
+    #[test]
+    fn hint_sized_buffer_fits_and_small_buffer_names_num_nvl_bytes() {
+        // DeepEP's hint for hidden 7168 BF16, 4 ranks, 24 SMs: the dispatch ring with
+        // top-8 and 56 scales must fit.
+        let cfg = config(24, 256);
+        let hint = cfg.nvl_buffer_size_hint(7168 * 2, 4).unwrap();
+        let plan = channel_plan(&cfg, 132).unwrap();
+        let slot = kernels::dispatch_slot_bytes(7168 * 2, 128, 128);
+        check_nvl_budget(hint, "dispatch", plan, 4, slot).unwrap();
+        let err = check_nvl_budget(1 << 20, "dispatch", plan, 4, slot).unwrap_err();
+        assert!(err.message.starts_with("num_nvl_bytes (1048576) is too small for this dispatch"), "{}", err.message);
+    }
+
+    #[test]
+    fn faults_name_the_argument() {
+        let f = FaultRecord { flag: 1, code: kernels::FAULT_TOPK_OUT_OF_RANGE, a: 5, b: 300, c: 256 };
+        assert!(fault_error(&f).message.contains("topk_idx holds 300 at flat index 5"));
+        let f = FaultRecord { flag: 1, code: kernels::FAULT_RANK_COUNT, a: 2, b: 10, c: 9 };
+        assert!(fault_error(&f).message.starts_with("num_tokens_per_rank[2] is 10"));
+    }
+
+    #[test]
+    fn argument_structs_have_the_sizes_python_packs() {
+        // compat/python/deep_ep_cpp/_normal.py packs these with struct formats of these sizes.
+        assert_eq!(std::mem::size_of::<dispatch::DeepepIntranodeDispatchArgs>(), 11 * 80 + 20 + 16 + 4);
+        assert_eq!(std::mem::size_of::<dispatch::DeepepIntranodeDispatchOutputs>(), 5 * 80);
+        assert_eq!(std::mem::size_of::<combine::DeepepIntranodeCombineArgs>(), 10 * 80 + 20 + 4);
+    }
+
+    #[test]
+    fn more_than_eight_ranks_is_rejected() {
+        assert!(check_ranks(8).is_ok());
+        assert!(check_ranks(16).unwrap_err().message.contains("up to 8 ranks"));
+    }
+}
