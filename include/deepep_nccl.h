@@ -19,40 +19,7 @@
  */
 #define DEEPEP_UNIQUE_ID_BYTES 128
 
-#define WAIT_OP_DISPATCH_SLOT 2
-
-#define WAIT_OP_DISPATCH_CONSUMED 3
-
-#define WAIT_OP_COMBINE_SLOT 4
-
-#define WAIT_OP_COMBINE_CONSUMED 5
-
-#define FAULT_TOPK_OUT_OF_RANGE 1
-
-#define FAULT_RANK_COUNT 2
-
-#define FAULT_WORST_TOO_SMALL 3
-
-/**
- * `DEEPEP_MAX_LOCAL_EXPERTS`, `DEEPEP_MAX_NVL_RANKS`, `DEEPEP_MAX_CHANNELS`.
- */
-#define MAX_LOCAL_EXPERTS 1024
-
-#define MAX_NVL_RANKS 8
-
-#define MAX_CHANNELS 128
-
-/**
- * Bytes of one notify exchange slot (kernels/normal_notify.cu).
- */
-#define NOTIFY_SLOT_BYTES ((((uintptr_t)MAX_NVL_RANKS + (uintptr_t)MAX_CHANNELS) + MAX_LOCAL_EXPERTS) * 4)
-
 #define DEEPEP_MAX_DIMS 4
-
-/**
- * dtype code 0 marks an absent tensor in argument structs that embed descriptors.
- */
-#define DTYPE_ABSENT 0
 
 /**
  * Status codes returned by every C ABI function.
@@ -210,7 +177,8 @@ typedef struct {
 } DeepepIntranodeDispatchArgs;
 
 /**
- * Outputs of [`launch`], allocated by the caller after [`prepare`]. N rows each.
+ * Outputs of deepep_intranode_dispatch, allocated by the caller after
+ * deepep_intranode_dispatch_prepare: N rows each.
  */
 typedef struct {
   /**

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "deepep_nccl.h"
 
@@ -119,6 +120,40 @@ class Buffer {
     check(deepep_get_dispatch_layout(buf_, &topk_idx, num_experts, &num_tokens_per_rank, num_tokens_per_rdma_rank,
                                      &num_tokens_per_expert, &is_token_in_rank, stream));
   }
+  void set_gpu_timeout_ms(uint64_t timeout_ms) const { check(deepep_buffer_set_gpu_timeout_ms(buf_, timeout_ms)); }
+
+  // Normal-mode (intranode) dispatch, step 1: validates `args` and launches the notify
+  // kernel on `stream` (null: the comm stream). Non-cached without num_worst_tokens, it
+  // waits on the host and returns the receive count N; `per_expert` (optional) is then
+  // resized to E / num_ranks and filled with the aligned per-local-expert counts. Cached or
+  // num_worst_tokens > 0: returns -1 and clears `per_expert` (N is the handle's row count
+  // or num_worst_tokens). Allocate N-row outputs, then call intranode_dispatch with the
+  // same args on the same stream.
+  int intranode_dispatch_prepare(const DeepepIntranodeDispatchArgs& args, std::vector<int>* per_expert = nullptr,
+                                 void* stream = nullptr) const {
+    std::vector<int> scratch;
+    std::vector<int>& list = per_expert != nullptr ? *per_expert : scratch;
+    list.clear();
+    const DeepepTensor& experts = args.num_tokens_per_expert;
+    if (args.cached == 0 && experts.dtype != 0 && experts.ndim == 1 && experts.shape[0] > 0) {
+      const int ranks = num_ranks();
+      if (ranks > 0) list.assign(static_cast<size_t>(experts.shape[0] / ranks), 0);
+    }
+    int num_recv = -1;
+    check(deepep_intranode_dispatch_prepare(buf_, &args, &num_recv, list.empty() ? nullptr : list.data(),
+                                            static_cast<int>(list.size()), stream));
+    if (num_recv < 0) list.clear();
+    return num_recv;
+  }
+  // Step 2: the data kernel into caller-allocated N-row outputs (absent ones: dtype 0).
+  void intranode_dispatch(const DeepepIntranodeDispatchArgs& args, const DeepepIntranodeDispatchOutputs& outputs,
+                          void* stream = nullptr) const {
+    check(deepep_intranode_dispatch(buf_, &args, &outputs, stream));
+  }
+  // Sums each token's received rows back onto its source rank into args.combined_x.
+  void intranode_combine(const DeepepIntranodeCombineArgs& args, void* stream = nullptr) const {
+    check(deepep_intranode_combine(buf_, &args, stream));
+  }
   DeepepBuffer* raw() const noexcept { return buf_; }
 
  private:
@@ -135,8 +170,11 @@ class Buffer {
   DeepepBuffer* buf_ = nullptr;
 };
 
-// A contiguous descriptor for caller-owned device memory.
+// A contiguous (row-major) descriptor for caller-owned device memory, at most DEEPEP_MAX_DIMS dims.
 inline DeepepTensor make_tensor(void* data, DeepepDtype dtype, std::initializer_list<int64_t> shape) {
+  if (shape.size() > DEEPEP_MAX_DIMS)
+    throw Error(DEEPEP_ERROR_INVALID_ARGUMENT, "make_tensor: at most " + std::to_string(DEEPEP_MAX_DIMS) +
+                                                   " dimensions, got " + std::to_string(shape.size()));
   DeepepTensor t{};
   t.data = data;
   t.dtype = dtype;
@@ -150,6 +188,9 @@ inline DeepepTensor make_tensor(void* data, DeepepDtype dtype, std::initializer_
   }
   return t;
 }
+
+// The descriptor of an absent optional tensor in the argument structs (dtype 0).
+inline DeepepTensor absent_tensor() noexcept { return DeepepTensor{}; }
 
 }  // namespace deepep
 

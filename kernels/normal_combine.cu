@@ -66,6 +66,17 @@ __device__ __forceinline__ void combine_send(const ncclDevComm& dev_comm, const 
   }
 }
 
+// Adds one 16-byte group of bf16 values into fp32 accumulators.
+__device__ __forceinline__ void accumulate(float (&acc)[8], const int4& v) {
+  const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] += __bfloat162float(h[e]);
+}
+
+// kMaxRanks bounds the sources per token at compile time so that source
+// pointers and loads stay in registers; kUnroll hidden groups per lane are in
+// flight together (kMaxRanks * kUnroll 16-byte loads per lane).
+template <int kMaxRanks, int kUnroll>
 __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int ch, int warp, int lane) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
@@ -82,87 +93,93 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
   int64_t begin, end;
   channel_range(p.num_tokens, C, ch, begin, end);
   for (int64_t t = begin + warp; t < end; t += kDataWarps) {
-    // Lane r holds send_head[t][r]; contributors in ascending rank order.
+    // Lane r holds send_head[t][r] (t's sequence number in ring (c, r), or -1).
     const int head = lane < R ? p.send_head[t * R + lane] : -1;
     const uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
-    const int4* sources[DEEPEP_MAX_NVL_RANKS];
-    const float* source_weights[DEEPEP_MAX_NVL_RANKS];
-    int num_sources = 0;
+    const uint8_t* source[kMaxRanks];
+    int64_t self_row = 0;
     bool ok = true;
-    for (uint32_t m = mask; m; m &= m - 1) {
-      const int r = __ffs(m) - 1;
-      const int64_t seq = __shfl_sync(0xffffffffu, head, r);
-      if (r == me) {
-        const int64_t row = self_base + seq;
-        sources[num_sources] = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + row * p.hidden_bytes);
-        source_weights[num_sources] = p.topk_weights != nullptr ? p.topk_weights + row * K : nullptr;
-      } else {
-        const uint8_t* slot_ptr = my_nvl + ring.slot_offset(ch, r, seq % ring.ring);
-        ok = ok && warp_wait(reinterpret_cast<const uint64_t*>(slot_ptr), make_flag(epoch, seq), c.wait, r,
-                             DEEPEP_WAIT_OP_COMBINE_SLOT, ch);
-        sources[num_sources] = reinterpret_cast<const int4*>(slot_ptr + layout.x_off());
-        source_weights[num_sources] = reinterpret_cast<const float*>(slot_ptr + layout.weights_off());
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      source[r] = nullptr;
+      if ((mask >> r) & 1u) {
+        const int64_t seq = __shfl_sync(0xffffffffu, head, r);
+        if (r == me) {
+          self_row = self_base + seq;
+          source[r] = static_cast<const uint8_t*>(p.x) + self_row * p.hidden_bytes - layout.x_off();
+        } else {
+          source[r] = my_nvl + ring.slot_offset(ch, r, seq % ring.ring);
+          ok = ok && warp_wait(reinterpret_cast<const uint64_t*>(source[r]), make_flag(epoch, seq), c.wait, r,
+                               DEEPEP_WAIT_OP_COMBINE_SLOT, ch);
+        }
       }
-      ++num_sources;
     }
     if (!ok) return;
 
     int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.hidden_bytes);
-    for (int i = lane; i < hidden_int4; i += kWarp) {
-      int4 loaded[DEEPEP_MAX_NVL_RANKS];
+    for (int i0 = lane; i0 < hidden_int4; i0 += kWarp * kUnroll) {
+      int4 loaded[kUnroll][kMaxRanks];
 #pragma unroll
-      for (int j = 0; j < DEEPEP_MAX_NVL_RANKS; ++j)
-        if (j < num_sources) loaded[j] = ld_stream(sources[j] + i);
-      float acc[8];
-      {
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * kWarp;
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r)
+          if (source[r] != nullptr && i < hidden_int4)
+            loaded[u][r] = ld_stream(reinterpret_cast<const int4*>(source[r] + layout.x_off()) + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * kWarp;
+        if (i >= hidden_int4) break;
+        // DeepEP's order: bias_0 + bias_1 first, then ranks ascending; one rounding.
+        float acc[8];
         const int4 b0 = bias_0 != nullptr ? ld_stream(bias_0 + t * hidden_int4 + i) : make_int4(0, 0, 0, 0);
         const int4 b1 = bias_1 != nullptr ? ld_stream(bias_1 + t * hidden_int4 + i) : make_int4(0, 0, 0, 0);
         const __nv_bfloat16* v0 = reinterpret_cast<const __nv_bfloat16*>(&b0);
         const __nv_bfloat16* v1 = reinterpret_cast<const __nv_bfloat16*>(&b1);
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = __bfloat162float(v0[e]) + __bfloat162float(v1[e]);
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r)
+          if (source[r] != nullptr) accumulate(acc, loaded[u][r]);
+        int4 packed;
+        __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = __float2bfloat16_rn(acc[e]);
+        out[i] = packed;
       }
-#pragma unroll
-      for (int j = 0; j < DEEPEP_MAX_NVL_RANKS; ++j) {
-        if (j < num_sources) {
-          const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&loaded[j]);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] += __bfloat162float(v[e]);
-        }
-      }
-      int4 packed;
-      __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] = __float2bfloat16_rn(acc[e]);
-      out[i] = packed;
     }
     if (p.combined_topk_weights != nullptr) {
+      // Same order as x: ranks ascending, our own row read from topk_weights.
       for (int k = lane; k < K; k += kWarp) {
         float w = 0.0f;
-        for (int j = 0; j < num_sources; ++j) w += source_weights[j][k];
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) {
+          if (source[r] == nullptr) continue;
+          const float* row = r == me ? p.topk_weights + self_row * K
+                                     : reinterpret_cast<const float*>(source[r] + layout.weights_off());
+          w += row[k];
+        }
         p.combined_topk_weights[t * K + k] = w;
       }
     }
     // Hand the remote slots back.
     __syncwarp();
-    for (uint32_t m = mask; m; m &= m - 1) {
-      const int r = __ffs(m) - 1;
-      if (r == me) continue;
-      const int64_t seq = __shfl_sync(0xffffffffu, head, r);
-      if (lane == 0) {
-        uint64_t* consumed = reinterpret_cast<uint64_t*>(nvl_base(c, r) + ring.consumed_offset(C, ch, me, seq % ring.ring));
-        st_release_sys(consumed, make_flag(epoch, seq));
-      }
+    if (lane < R && lane != me && head >= 0) {
+      uint64_t* consumed =
+          reinterpret_cast<uint64_t*>(nvl_base(c, lane) + ring.consumed_offset(C, ch, me, head % ring.ring));
+      st_release_sys(consumed, make_flag(epoch, head));
     }
   }
 }
 
+template <int kMaxRanks, int kUnroll>
 __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(ncclDevComm dev_comm, DeepepCombineParams p) {
   const int C = p.common.num_channels;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   if (!buffer_failed(p.common.wait)) {
     if (int(blockIdx.x) < C) combine_send(dev_comm, p, blockIdx.x, warp, lane);
-    else combine_reduce(p, blockIdx.x - C, warp, lane);
+    else combine_reduce<kMaxRanks, kUnroll>(p, blockIdx.x - C, warp, lane);
   }
   finish_op(p.common);
 }
@@ -178,7 +195,11 @@ extern "C" int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_t
 extern "C" int deepep_launch_normal_combine(const void* dev_comm, const DeepepCombineParams* params, void* stream) {
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
   const int blocks = 2 * params->common.num_channels;
-  deepep::normal::combine_kernel<<<blocks, deepep::normal::kDataThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      dc, *params);
+  const auto s = static_cast<cudaStream_t>(stream);
+  constexpr int kThreads = deepep::normal::kDataThreads;
+  const int ranks = params->common.num_ranks;
+  if (ranks <= 2) deepep::normal::combine_kernel<2, 4><<<blocks, kThreads, 0, s>>>(dc, *params);
+  else if (ranks <= 4) deepep::normal::combine_kernel<4, 2><<<blocks, kThreads, 0, s>>>(dc, *params);
+  else deepep::normal::combine_kernel<DEEPEP_MAX_NVL_RANKS, 1><<<blocks, kThreads, 0, s>>>(dc, *params);
   return int(cudaGetLastError());
 }

@@ -65,7 +65,7 @@ __device__ __forceinline__ void st_stream(int4* p, int4 v) {
 
 // put: one warp copies n 16-byte words; loads are batched so each lane keeps
 // kUnroll loads in flight before its stores (local or NVLink destination alike).
-template <int kUnroll = 8>
+template <int kUnroll = 4>
 __device__ __forceinline__ void warp_put(int4* dst, const int4* src, int n, int lane) {
   int i = lane;
   for (; i + (kUnroll - 1) * kWarp < n; i += kUnroll * kWarp) {

@@ -51,7 +51,8 @@ pub struct DeepepIntranodeDispatchArgs {
     pub reserved: i32,
 }
 
-/// Outputs of [`launch`], allocated by the caller after [`prepare`]. N rows each.
+/// Outputs of deepep_intranode_dispatch, allocated by the caller after
+/// deepep_intranode_dispatch_prepare: N rows each.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DeepepIntranodeDispatchOutputs {

@@ -7,9 +7,11 @@ hangs (the case it was in is reported as not finished)."""
 import contextlib
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -218,3 +220,100 @@ def free_device_memory():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info()[0]
+
+
+# ---------------------------------------------------------------- multi-rank checks
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ('float8_e4m3fn', 'float8_e5m2') if hasattr(torch, n))
+
+
+def assert_same(name, got, want):
+    """got equals want exactly: a tensor of the same dtype, shape and device, torch.equal
+    values (FP8 compared as bytes, which torch.equal may not support)."""
+    assert isinstance(got, torch.Tensor), f'{name} is {type(got).__name__}, not a tensor'
+    assert got.dtype == want.dtype, f'{name} dtype {got.dtype}, expected {want.dtype}'
+    assert got.shape == want.shape, f'{name} shape {tuple(got.shape)}, expected {tuple(want.shape)}'
+    assert got.device == want.device, f'{name} on {got.device}, expected {want.device}'
+    if got.dtype in _FP8_DTYPES:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    if torch.equal(got, want):
+        return
+    bad = (got != want).nonzero()
+    if bad.size(0) == 0:
+        raise AssertionError(f'{name}: not equal')
+    first = tuple(bad[0].tolist())
+    raise AssertionError(f'{name}: {bad.size(0)} of {got.numel()} entries differ, first at {list(first)}: '
+                         f'got {got[first].item()}, expected {want[first].item()}')
+
+
+def expect_raises_match(what, exc, fn, pattern):
+    """fn() must raise exc (a class or a tuple) with a message matching the regular expression pattern."""
+    try:
+        fn()
+    except exc as e:
+        assert re.search(pattern, str(e)), f'{what}: {type(e).__name__} message does not match /{pattern}/: {str(e)!r}'
+        return e
+    except Exception as e:
+        raise AssertionError(f'{what}: expected {exc}, got {type(e).__name__}: {e}') from e
+    raise AssertionError(f'{what}: expected {exc}, nothing was raised')
+
+
+class Checks:
+    """Collects failed checks instead of stopping at the first, so that every rank keeps making
+    the same collective calls (library calls, reference gathers) in the same order even when
+    a check fails on one rank only. done() raises the collected failures."""
+
+    def __init__(self):
+        self.errors = []
+
+    def __call__(self, fn, *args, **kwargs):
+        """Runs a check function; an AssertionError is recorded, anything else propagates."""
+        try:
+            fn(*args, **kwargs)
+        except AssertionError as e:
+            # Name the line in the test module that failed, not the helper that raised.
+            frames = [f for f in traceback.extract_tb(e.__traceback__)
+                      if 'tests/gpu' in f.filename.replace(os.sep, '/')
+                      and os.path.basename(f.filename) not in ('common.py', 'normal_reference.py')]
+            where = f' ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})' if frames else ''
+            self.errors.append(f'{e or "assertion failed"}{where}')
+            return False
+        return True
+
+    def expect(self, condition, message):
+        if not condition:
+            self.errors.append(message)
+
+    def agree(self, group):
+        """Collective: raises on every rank if a check failed on any rank, so that no rank goes
+        on to calls whose inputs came from a failed step (and the others do not wait for it)."""
+        failed = torch.tensor([len(self.errors)], dtype=torch.int32, device='cuda')
+        dist.all_reduce(failed, group=group)
+        if failed.item():
+            self._raise('a check failed on another rank')
+
+    def done(self):
+        if self.errors:
+            self._raise()
+
+    def _raise(self, default=None):
+        if not self.errors:
+            raise AssertionError(default)
+        more = f' [+{len(self.errors) - 3} more]' if len(self.errors) > 3 else ''
+        raise AssertionError(' | '.join(self.errors[:3]) + more)
+
+
+@contextlib.contextmanager
+def watchdog(rep, name, seconds):
+    """Fails case `name` and ends this worker if the block is still running after `seconds`,
+    so a hang is reported as such within seconds instead of at the spawn timeout."""
+    def expire():
+        rep._log(name, 'fail', f'still running after {seconds} s (hang); worker ended')
+        os._exit(3)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
