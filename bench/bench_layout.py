@@ -8,37 +8,15 @@ Layout moves no payload, so there is no GB/s figure."""
 import argparse
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import deep_ep
+from bench_common import bench, spawn_workers
 
 DEEPEP_V1_US = 34  # DeepEP V1 @ 567632d, 4x H200, same shape (shared/reference/baselines.md)
-
-
-def bench(fn, num_warmups=50, num_tests=50, flush_every_call=False):
-    """DeepEP's tests/utils.bench: one CUDA event pair per call, a 256 MB write to
-    flush L2 after warm-up (and, if asked, before every call), first sample dropped.
-    Returns (avg, min, max) in us."""
-    torch.cuda.synchronize()
-    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device='cuda')
-    for _ in range(num_warmups):
-        fn()
-    cache.zero_()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(num_tests)]
-    for start, end in events:
-        if flush_every_call:
-            cache.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = [start.elapsed_time(end) * 1e3 for start, end in events][1:]
-    return sum(times) / len(times), min(times), max(times)
 
 
 def graph_us_per_call(fn, calls=100, replays=20):
@@ -149,10 +127,7 @@ def main():
         sys.exit(f'--num-processes {args.num_processes}: {torch.cuda.device_count()} GPUs visible')
     if args.num_experts % args.num_processes:
         sys.exit(f'--num-experts {args.num_experts} must be divisible by {args.num_processes} processes')
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.num_processes, port, args), nprocs=args.num_processes)
+    spawn_workers(worker, args.num_processes, args)
 
 
 if __name__ == '__main__':

@@ -27,10 +27,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.profiler
 
 import deep_ep
+from bench_common import bench as deepep_bench, spawn_workers
 
 HIDDEN = 7168
 NUM_EXPERTS = 256
@@ -86,21 +86,8 @@ REFERENCE = {
 
 # ------------------------------------------------------------------------ timing
 def bench(fn, num_warmups=10, num_tests=20):
-    """DeepEP's tests/utils.bench: one CUDA event pair per call, a 256 MB write to flush L2
-    after warm-up, first sample dropped. Returns (avg, min, max) in us."""
-    torch.cuda.synchronize()
-    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device='cuda')
-    for _ in range(num_warmups):
-        fn()
-    cache.zero_()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(num_tests)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = [start.elapsed_time(end) * 1e3 for start, end in events][1:]
-    return sum(times) / len(times), min(times), max(times)
+    """DeepEP's timing method (bench_common.bench) with this benchmark's defaults."""
+    return deepep_bench(fn, num_warmups, num_tests)
 
 
 class KinetoMarker:
@@ -422,7 +409,7 @@ def worker(rank, world, port, args):
     # Phase 1, before any profiler session (CUPTI can leave launch overhead behind): host time.
     host_inputs = {t: Inputs(buffer, t, rank) for t in HOST_TOKENS}
     supported = probe(buffer, host_inputs[HOST_TOKENS[0]], rank)
-    host_rows = measure_host(buffer, host_inputs, rank, supported, say)
+    host_rows = [] if args.skip_host else measure_host(buffer, host_inputs, rank, supported, say)
     del host_inputs
 
     # Phase 2: end to end (DeepEP's bench), chunk sweeps; phase 3: kineto at the chosen chunks.
@@ -674,6 +661,7 @@ def main():
     parser.add_argument('--quick', action='store_true', help=f'SMs {QUICK_SMS}, tokens {QUICK_TOKENS}')
     parser.add_argument('--sms', type=int, nargs='+', help=f'SM counts (default {SMS})')
     parser.add_argument('--tokens', type=int, nargs='+', help=f'tokens per rank (default {TOKENS})')
+    parser.add_argument('--skip-host', action='store_true', help='skip the Python host-overhead measurement')
     parser.add_argument('--warmups', type=int, default=10)
     parser.add_argument('--tests', type=int, default=20)
     parser.add_argument('--json', default=os.path.join(os.environ.get('OUT') or '.', 'bench_normal.json'))
@@ -688,10 +676,7 @@ def main():
         sys.exit(f'--sms {args.sms}: SM counts must be even')
     if args.tests < 2:
         sys.exit('--tests must be at least 2 (the first sample is dropped)')
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.world, port, args), nprocs=args.world)
+    spawn_workers(worker, args.world, args)
 
 
 if __name__ == '__main__':

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The one-command GPU suite: `bash bench/gpu_suite.sh` from the repo root.
-# Runs the multi-GPU tests, the quickstart and the layout benchmark, one log per
-# step under LOG_DIR (${OUT:-./gpu_logs}); keeps going after a failure and exits
-# non-zero if any step failed. At most 8 files land in LOG_DIR (the device
-# transport returns 8): env.log, 5 step logs, bench_layout.json, summary.txt.
+# Runs the multi-GPU tests, the examples, the quickstart and the benchmarks,
+# one log per step; keeps going after a failure and exits non-zero if any step
+# failed. LOG_DIR (${OUT:-./gpu_logs}) ends with at most 8 files (the device
+# transport returns 8): summary.txt, logs.tgz (env + every step log),
+# bench_layout.json, bench_normal.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 LOG_DIR=${OUT:-./gpu_logs}
-mkdir -p "$LOG_DIR"
+STEP_DIR="$LOG_DIR/logs"
+mkdir -p "$STEP_DIR"
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=compat/python${PYTHONPATH:+:$PYTHONPATH}
@@ -26,16 +28,16 @@ PYTHON=${PYTHON:-$(command -v python || command -v python3)}
     "$PYTHON" -c 'import torch; print("torch", torch.__version__, "| CUDA", torch.version.cuda,
 "| NCCL", ".".join(map(str, torch.cuda.nccl.version())), "| GPUs", torch.cuda.device_count())'
     echo "DEEPEP_NCCL_LIBRARY=$DEEPEP_NCCL_LIBRARY NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
-} 2>&1 | tee "$LOG_DIR/env.log"
+} 2>&1 | tee "$STEP_DIR/env.log"
 
 names=() statuses=() times=()
 # step NAME SECONDS CMD...: run CMD, killed after SECONDS (a hang must not eat the device
-# budget; the tests' own watchdogs fire first), output tee'd to LOG_DIR/NAME.log.
+# budget; the tests' own watchdogs fire first), output tee'd to STEP_DIR/NAME.log.
 step() {
     local name=$1 limit=$2 start=$SECONDS rc
     shift 2
     echo "=== $name: $*"
-    timeout -k 10 "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$STEP_DIR/$name.log"
     rc=${PIPESTATUS[0]}
     names+=("$name") times+=("$((SECONDS - start))")
     if [ "$rc" -eq 0 ]; then statuses+=(ok)
@@ -44,8 +46,24 @@ step() {
     fi
 }
 
-step test_layout 270 "$PYTHON" tests/gpu/test_layout.py
+# The C++ example links libdeepep_nccl.so (beside DEEPEP_NCCL_LIBRARY) and the CUDA runtime and
+# NCCL of the Python environment's nvidia wheels.
+NVIDIA_LIBS=$("$PYTHON" -c 'import nvidia, os; print(":".join(os.path.join(p, s, "lib") for p in nvidia.__path__
+for s in ("cu13", "nccl") if os.path.isdir(os.path.join(p, s, "lib"))))' 2>/dev/null || true)
+EXAMPLE_ENV=(env LD_LIBRARY_PATH="$(dirname "$DEEPEP_NCCL_LIBRARY"):$NVIDIA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+EXAMPLE_NORMAL=${EXAMPLE_NORMAL:-target/examples/normal_cpp}
+
+step smoke_normal 200 "$PYTHON" tests/gpu/smoke_normal.py
+step test_normal 600 "$PYTHON" tests/gpu/test_normal.py
+if [ -x "$EXAMPLE_NORMAL" ]; then
+    step example_normal 120 "${EXAMPLE_ENV[@]}" "$EXAMPLE_NORMAL"
+else
+    echo "=== example_normal: $EXAMPLE_NORMAL not built (bash scripts/test.sh builds it)" | tee "$STEP_DIR/example_normal.log"
+    names+=(example_normal) times+=(0) statuses+=("FAIL (not built)")
+fi
+step bench_normal 420 "$PYTHON" bench/bench_normal.py ${BENCH_NORMAL_ARGS:-} --json "$LOG_DIR/bench_normal.json"
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py
+step test_layout 270 "$PYTHON" tests/gpu/test_layout.py
 step test_python 120 "$PYTHON" -m pytest -q tests/python
 step quickstart 120 "$PYTHON" examples/quickstart.py
 step bench_layout 180 "$PYTHON" bench/bench_layout.py --json "$LOG_DIR/bench_layout.json"
@@ -56,6 +74,7 @@ step bench_layout 180 "$PYTHON" bench/bench_layout.py --json "$LOG_DIR/bench_lay
         printf '%-14s %-8s %s\n' "${names[$i]}" "${times[$i]}" "${statuses[$i]}"
     done
 } | tee "$LOG_DIR/summary.txt"
+tar -czf "$LOG_DIR/logs.tgz" -C "$LOG_DIR" logs && rm -rf "$STEP_DIR"
 failed=0
 for s in "${statuses[@]}"; do [ "$s" = ok ] || failed=1; done
 [ "$failed" -eq 0 ] && echo "GPU suite: all steps passed" || echo "GPU suite: FAILED"

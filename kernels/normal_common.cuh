@@ -49,6 +49,11 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
 // Streaming load that skips L1: ring slots are rewritten by peers within one kernel.
 __device__ __forceinline__ int4 ld_stream(const int4* p) {
   int4 v;
@@ -65,7 +70,7 @@ __device__ __forceinline__ void st_stream(int4* p, int4 v) {
 
 // put: one warp copies n 16-byte words; loads are batched so each lane keeps
 // kUnroll loads in flight before its stores (local or NVLink destination alike).
-template <int kUnroll = 4>
+template <int kUnroll>
 __device__ __forceinline__ void warp_put(int4* dst, const int4* src, int n, int lane) {
   int i = lane;
   for (; i + (kUnroll - 1) * kWarp < n; i += kUnroll * kWarp) {
@@ -78,10 +83,122 @@ __device__ __forceinline__ void warp_put(int4* dst, const int4* src, int n, int 
   for (; i < n; i += kWarp) st_stream(dst + i, ld_stream(src + i));
 }
 
-// signal: after the warp's payload stores, one release store publishes `value`.
-__device__ __forceinline__ void warp_signal(uint64_t* flag, uint64_t value, int lane) {
+// ---------------------------------------------------------------- bulk copies (TMA)
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t& phase) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(phase)
+        : "memory");
+  }
+  phase ^= 1u;
+}
+
+// Global -> shared, completing on `bar` (which expects `bytes`).
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(smem)),
+               "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+// Shared -> global, as one bulk group.
+__device__ __forceinline__ void bulk_store(void* gmem, const void* smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(smem_addr(smem)),
+               "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Waits until earlier bulk stores have read their shared memory (it may be reused).
+__device__ __forceinline__ void bulk_wait_smem_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Makes data other threads/peers wrote (observed through an acquire) visible to bulk copies.
+__device__ __forceinline__ void fence_generic_to_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// Copies `bytes` (multiple of 16, 16-byte aligned ends) from src to dst through
+// two shared-memory stages of kChunk bytes; lane 0 drives the copy engine.
+// Returns once src has been read (dst writes may still be in flight).
+template <int kChunk>
+__device__ __forceinline__ void warp_bulk_copy(void* dst, const void* src, int64_t bytes, uint8_t* stages,
+                                               uint64_t* bars, uint32_t* phases, int lane) {
+  if (lane == 0) {
+    for (int64_t off = 0; off < bytes; off += 2 * kChunk) {
+      const int64_t off1 = off + kChunk;
+      const uint32_t n0 = uint32_t(bytes - off < kChunk ? bytes - off : kChunk);
+      const uint32_t n1 = off1 < bytes ? uint32_t(bytes - off1 < kChunk ? bytes - off1 : kChunk) : 0u;
+      bulk_wait_smem_read();
+      bulk_load(stages, static_cast<const uint8_t*>(src) + off, n0, &bars[0]);
+      if (n1) bulk_load(stages + kChunk, static_cast<const uint8_t*>(src) + off1, n1, &bars[1]);
+      mbarrier_wait(&bars[0], phases[0]);
+      bulk_store(static_cast<uint8_t*>(dst) + off, stages, n0);
+      if (n1) {
+        mbarrier_wait(&bars[1], phases[1]);
+        bulk_store(static_cast<uint8_t*>(dst) + off1, stages + kChunk, n1);
+      }
+    }
+  }
   __syncwarp();
-  if (lane == 0) st_release_sys(flag, value);
+}
+
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// put-with-signal, batched: a release costs a system-scope fence that waits
+// for the warp's NVLink stores to be acknowledged, so a warp publishes the
+// flags of up to kFlagBatch rows behind one fence. Flush before any blocking
+// wait (a warp never blocks holding unpublished rows) and at the end.
+template <int kFlagBatch = 4>
+struct FlagBatch {
+  int32_t seq[kFlagBatch];  // sequence numbers; the flag address and value derive from them
+  int count = 0;
+
+  // All lanes, after the row's stores. `flag_of(seq, &ptr, &value)` locates a flag.
+  template <typename FlagOf>
+  __device__ __forceinline__ void add(int32_t s, int lane, const FlagOf& flag_of) {
+#pragma unroll
+    for (int i = 0; i < kFlagBatch; ++i)
+      if (i == count) seq[i] = s;
+    if (++count == kFlagBatch) flush(lane, flag_of);
+  }
+
+  template <typename FlagOf>
+  __device__ __forceinline__ void flush(int lane, const FlagOf& flag_of) {
+    if (count == 0) return;
+    __syncwarp();
+    if (lane == 0) {
+      asm volatile("fence.acq_rel.sys;" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < kFlagBatch; ++i) {
+        if (i < count) {
+          uint64_t* ptr;
+          uint64_t value;
+          flag_of(seq[i], ptr, value);
+          st_relaxed_sys(ptr, value);
+        }
+      }
+    }
+    count = 0;
+  }
+};
+
+// Hands a ring slot back after the warp has read it. The reads are complete
+// (their values were stored before the warp sync), so no fence is needed.
+__device__ __forceinline__ void warp_release_slot(uint64_t* consumed, uint64_t value, int lane) {
+  __syncwarp();
+  if (lane == 0) st_relaxed_sys(consumed, value);
 }
 
 // True once any wait of this buffer expired: later waits give up at once so a
@@ -90,23 +207,44 @@ __device__ __forceinline__ bool buffer_failed(const DeepepWaitContext& w) {
   return *reinterpret_cast<volatile uint32_t*>(w.stall_lock) != 0;
 }
 
-// wait: every lane polls `flag` until it equals `expected` (acquire). Returns
+// wait: polls `flag` until it equals `expected`, then re-reads it with acquire
+// semantics (one L1 invalidation per wait, not per poll; polls back off so that
+// spinning warps leave issue slots and L2 bandwidth to the copies). Returns
 // false after recording a stall when the budget runs out or another wait failed.
-__device__ __forceinline__ bool warp_wait(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
-                                          int peer, int op, int counter) {
-  if (ld_acquire_sys(flag) == expected) return true;
-  const uint64_t start = global_time_ns();
-  uint64_t seen;
-  for (int spin = 0;; ++spin) {
-    seen = ld_acquire_sys(flag);
-    if (seen == expected) return true;
-    if ((spin & 63) == 63) {
-      if (buffer_failed(w)) return false;
-      if (global_time_ns() - start > w.timeout_ns) break;
+template <bool kAcquire>
+__device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
+                                               int peer, int op, int counter) {
+  uint64_t seen = ld_relaxed_sys(flag);
+  if (seen != expected) {
+    const uint64_t start = global_time_ns();
+    for (int spin = 1;; ++spin) {
+      if (spin > 4) __nanosleep(128);
+      seen = ld_relaxed_sys(flag);
+      if (seen == expected) break;
+      if ((spin & 15) == 15) {
+        if (buffer_failed(w) || global_time_ns() - start > w.timeout_ns) {
+          if (!buffer_failed(w) && (threadIdx.x & 31) == 0)
+            record_stall(w, peer, op, counter, int64_t(expected & 0xffffffffu), int64_t(seen & 0xffffffffu));
+          return false;
+        }
+      }
     }
   }
-  if ((threadIdx.x & 31) == 0) record_stall(w, peer, op, counter, int64_t(expected & 0xffffffffu), int64_t(seen & 0xffffffffu));
-  return false;
+  if (kAcquire) (void)ld_acquire_sys(flag);
+  return true;
+}
+
+// For data a peer published with a release store: acquire before reading it.
+__device__ __forceinline__ bool warp_wait(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
+                                          int peer, int op, int counter) {
+  return warp_wait_flag<true>(flag, expected, w, peer, op, counter);
+}
+
+// For a word that only gates our own later stores (a freed ring slot): stores
+// are never issued speculatively, so relaxed polling suffices.
+__device__ __forceinline__ bool warp_wait_relaxed(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
+                                                  int peer, int op, int counter) {
+  return warp_wait_flag<false>(flag, expected, w, peer, op, counter);
 }
 
 // First fault of a launch wins (host-mapped record, claimed with a CAS on its flag).

@@ -1,15 +1,18 @@
 // Normal-mode dispatch. 2C blocks: block c < C sends channel c's tokens,
-// block C + c receives channel c from every peer.
+// block C + c drains channel c's rings. (Measured on 4x H200: mixing senders
+// and receivers in every block was slower, and so were copy-engine sends.)
 //
-// Sender: warps are split into one group per destination rank. A group walks
-// the channel's tokens in order (32 at a time, ballot + popc give each token
-// its sequence number in the (channel, destination) stream) and its warps take
+// Sender: warps form one group per destination rank. A group walks the
+// channel's tokens in order (32 at a time, ballot + popc give each token its
+// sequence number in the (channel, destination) stream) and its warps take
 // every G-th token. Remote tokens go straight into the destination's ring slot
 // over NVLink; tokens for this rank skip the ring and land in recv_x directly.
 // Receiver: one warp group per remote source copies slots out into the final
 // rows (start of the (source, channel) block + sequence), converts top-k ids to
 // local ids, and hands the slot back. Per-slot flags, no group barriers: any
 // number of warps, any ring size >= 1 is deadlock-free.
+#include <atomic>
+
 #include "normal_common.cuh"
 
 namespace deepep {
@@ -57,17 +60,22 @@ __device__ __forceinline__ void write_side_outputs(const DeepepDispatchParams& p
   if (lane == 0) p.recv_src_idx[row] = int32_t(t);
 }
 
+// Sender warps: one group per destination rank; member m takes every
+// group_size-th token of the (channel, destination) stream.
 __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int ch, int warp, int lane) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
   const int group_size = kDataWarps / R;
-  const int dst = warp / group_size, member = warp % group_size;
+  const int dst = warp / group_size;
   if (dst >= R) return;  // leftover warps when R does not divide the warp count
+  const int stride = group_size, member = warp % group_size;
+  FlagBatch<> flags;
   const uint32_t epoch = *c.op_epoch;
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
   const DispatchSlot layout{p.hidden_bytes, p.num_scales, p.num_topk};
-  const int hidden_int4 = p.hidden_bytes / 16;
-  const int K = p.num_topk;
+  const int K = p.num_topk, S = p.num_scales;
+  const bool with_topk = K > 0 && p.topk_idx != nullptr;
+  const int32_t* scales_in = static_cast<const int32_t*>(p.x_scales);
 
   int64_t begin, end;
   channel_range(p.num_tokens, C, ch, begin, end);
@@ -75,76 +83,105 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
   uint8_t* my_nvl = nvl_base(c, me);
   const int64_t self_base = p.recv_channel_prefix_matrix[me * C + ch];
 
+  const auto flag_of = [&](int32_t s, uint64_t*& ptr, uint64_t& value) {
+    ptr = reinterpret_cast<uint64_t*>(dst_nvl + ring.slot_offset(ch, me, s % ring.ring));
+    value = make_flag(epoch, s);
+  };
   int64_t seq_base = 0;
   for (int64_t tile = begin, tile_idx = 0; tile < end; tile += kWarp, ++tile_idx) {
     const int64_t t_lane = tile + lane;
     const bool in = t_lane < end && p.is_token_in_rank[t_lane * R + dst] != 0;
     const uint32_t mask = __ballot_sync(0xffffffffu, in);
     const int64_t my_seq = seq_base + __popc(mask & ((1u << lane) - 1u));
-    if (p.send_head != nullptr && tile_idx % group_size == member && t_lane < end)
+    if (p.send_head != nullptr && tile_idx % stride == member && t_lane < end)
       p.send_head[t_lane * R + dst] = in ? int32_t(my_seq) : -1;
 
     // Tokens of this tile whose sequence number falls to this warp.
-    int first = int((group_size - seq_base % group_size + member) % group_size);
+    const int first = int((stride - seq_base % stride + member) % stride);
     uint32_t rest = mask;
     for (int skip = 0; skip < first && rest; ++skip) rest &= rest - 1;
     while (rest) {
       const int bit = __ffs(rest) - 1;
       const int64_t t = tile + bit;
       const int64_t s = seq_base + __popc(mask & ((1u << bit) - 1u));
-      const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + t * p.hidden_bytes);
+      const uint8_t* src = static_cast<const uint8_t*>(p.x) + t * p.hidden_bytes;
       if (dst == me) {
         const int64_t row = self_base + s;
         if (row < p.num_recv_rows) {
-          warp_put(reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes), src, hidden_int4, lane);
+          warp_put<4>(reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes),
+                      reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
           write_side_outputs(p, t, row, lane);
         }
       } else {
+        // Side data and the slot's consumed word are loaded together, before the
+        // payload, so their latencies overlap.
         const int64_t slot = s % ring.ring;
-        if (s >= ring.ring) {
-          const uint64_t* consumed =
-              reinterpret_cast<const uint64_t*>(my_nvl + ring.consumed_offset(C, ch, dst, slot));
-          if (!warp_wait(consumed, make_flag(epoch, s - ring.ring), c.wait, dst, DEEPEP_WAIT_OP_DISPATCH_CONSUMED, ch))
+        const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + ring.consumed_offset(C, ch, dst, slot));
+        const uint64_t freed = s >= ring.ring ? ld_relaxed_sys(consumed) : 0;
+        int32_t scale0 = 0, scale1 = 0, topk = 0;
+        float weight = 0.0f;
+        if (lane < S) scale0 = scales_in[t * p.scale_stride_token + lane * p.scale_stride_scale];
+        if (lane + kWarp < S) scale1 = scales_in[t * p.scale_stride_token + (lane + kWarp) * p.scale_stride_scale];
+        if (with_topk && lane < K) {
+          topk = int32_t(load_topk(p.topk_idx, p.topk_idx_is_int32, t * K + lane));
+          if (p.topk_weights != nullptr) weight = p.topk_weights[t * K + lane];
+        }
+        if (s >= ring.ring && freed != make_flag(epoch, s - ring.ring)) {
+          flags.flush(lane, flag_of);
+          if (!warp_wait_relaxed(consumed, make_flag(epoch, s - ring.ring), c.wait, dst,
+                                 DEEPEP_WAIT_OP_DISPATCH_CONSUMED, ch))
             return;
         }
         uint8_t* slot_ptr = dst_nvl + ring.slot_offset(ch, me, slot);
-        warp_put(reinterpret_cast<int4*>(slot_ptr + layout.x_off()), src, hidden_int4, lane);
-        if (p.num_scales > 0) {
-          int32_t* scales = reinterpret_cast<int32_t*>(slot_ptr + layout.scales_off());
-          for (int i = lane; i < p.num_scales; i += kWarp)
-            scales[i] = static_cast<const int32_t*>(p.x_scales)[t * p.scale_stride_token + i * p.scale_stride_scale];
-        }
-        if (K > 0 && p.topk_idx != nullptr) {
-          int32_t* topk = reinterpret_cast<int32_t*>(slot_ptr + layout.topk_off());
-          float* weights = reinterpret_cast<float*>(slot_ptr + layout.weights_off());
-          for (int k = lane; k < K; k += kWarp) {
-            topk[k] = int32_t(load_topk(p.topk_idx, p.topk_idx_is_int32, t * K + k));
-            if (p.topk_weights != nullptr) weights[k] = p.topk_weights[t * K + k];
+        int32_t* scales = reinterpret_cast<int32_t*>(slot_ptr + layout.scales_off());
+        if (lane < S) scales[lane] = scale0;
+        if (lane + kWarp < S) scales[lane + kWarp] = scale1;
+        for (int i = lane + 2 * kWarp; i < S; i += kWarp)
+          scales[i] = scales_in[t * p.scale_stride_token + i * p.scale_stride_scale];
+        if (with_topk) {
+          int32_t* topk_out = reinterpret_cast<int32_t*>(slot_ptr + layout.topk_off());
+          float* weights_out = reinterpret_cast<float*>(slot_ptr + layout.weights_off());
+          if (lane < K) {
+            topk_out[lane] = topk;
+            weights_out[lane] = weight;
+          }
+          for (int k = lane + kWarp; k < K; k += kWarp) {
+            topk_out[k] = int32_t(load_topk(p.topk_idx, p.topk_idx_is_int32, t * K + k));
+            weights_out[k] = p.topk_weights != nullptr ? p.topk_weights[t * K + k] : 0.0f;
           }
         }
         if (lane == 0) reinterpret_cast<int32_t*>(slot_ptr + 8)[0] = int32_t(t);
-        warp_signal(reinterpret_cast<uint64_t*>(slot_ptr), make_flag(epoch, s), lane);
+        // The row goes by the copy engine; its flag is released once it has landed
+        // (side data above is ordered before it by the warp sync).
+        warp_put<4>(reinterpret_cast<int4*>(slot_ptr + layout.x_off()), reinterpret_cast<const int4*>(src),
+                    p.hidden_bytes / 16, lane);
+        flags.add(int32_t(s), lane, flag_of);
       }
-      // Next token of this warp: skip group_size - 1 set bits.
+      // Next token of this warp: skip stride - 1 set bits.
       rest &= rest - 1;
-      for (int skip = 1; skip < group_size && rest; ++skip) rest &= rest - 1;
+      for (int skip = 1; skip < stride && rest; ++skip) rest &= rest - 1;
     }
     seq_base += __popc(mask);
   }
+  flags.flush(lane, flag_of);
 }
 
-__device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, int ch, int warp, int lane) {
+// Receiver warps: one group per remote source. Rows are moved by the copy
+// engine through two smem stages per warp.
+template <int kChunk>
+__device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, int ch, int warp, int lane,
+                                                uint8_t* stages, uint64_t* bars) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
   if (R < 2) return;
   const int group_size = kDataWarps / (R - 1);
-  const int peer_idx = warp / group_size, member = warp % group_size;
+  const int peer_idx = warp / group_size;
   if (peer_idx >= R - 1) return;
+  const int stride = group_size, member = warp % group_size;
   const int src = peer_idx < me ? peer_idx : peer_idx + 1;
   const uint32_t epoch = *c.op_epoch;
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
   const DispatchSlot layout{p.hidden_bytes, p.num_scales, p.num_topk};
-  const int hidden_int4 = p.hidden_bytes / 16;
   const int K = p.num_topk;
   const int epr = p.num_experts > 0 ? p.num_experts / R : 0;
 
@@ -153,8 +190,9 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
   const int64_t count = stop - start;
   uint8_t* my_nvl = nvl_base(c, me);
   uint8_t* src_nvl = nvl_base(c, src);
+  uint32_t phases[2] = {0, 0};
 
-  for (int64_t s = member; s < count; s += group_size) {
+  for (int64_t s = member; s < count; s += stride) {
     const int64_t slot = s % ring.ring;
     uint8_t* slot_ptr = my_nvl + ring.slot_offset(ch, src, slot);
     if (!warp_wait(reinterpret_cast<const uint64_t*>(slot_ptr), make_flag(epoch, s), c.wait, src,
@@ -162,8 +200,9 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
       return;
     const int64_t row = start + s;
     if (row < p.num_recv_rows) {  // rows past the outputs only happen with too small a num_worst_tokens
-      warp_put(reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes),
-               reinterpret_cast<const int4*>(slot_ptr + layout.x_off()), hidden_int4, lane);
+      fence_generic_to_async();
+      warp_bulk_copy<kChunk>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes, slot_ptr + layout.x_off(),
+                     p.hidden_bytes, stages, bars, phases, lane);
       if (p.recv_x_scales != nullptr) {
         const int32_t* scales = reinterpret_cast<const int32_t*>(slot_ptr + layout.scales_off());
         for (int i = lane; i < p.num_scales; i += kWarp)
@@ -182,24 +221,41 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
     }
     // Hand the slot back: the sender's consumed word for (channel, us, slot).
     uint64_t* consumed = reinterpret_cast<uint64_t*>(src_nvl + ring.consumed_offset(C, ch, me, slot));
-    warp_signal(consumed, make_flag(epoch, s), lane);
+    warp_release_slot(consumed, make_flag(epoch, s), lane);
   }
 }
 
+// Dynamic shared memory: two bulk-copy stages per receiver warp, then their barriers.
+constexpr int kRecvChunk = 4096;
+constexpr size_t kDispatchSmemBytes = size_t(kDataWarps) * (2 * kRecvChunk + 2 * sizeof(uint64_t));
+
 __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatchParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
   const int C = p.common.num_channels;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   if (!buffer_failed(p.common.wait)) {
-    if (int(blockIdx.x) < C) send_channel(p, blockIdx.x, warp, lane);
-    else receive_channel(p, blockIdx.x - C, warp, lane);
+    if (int(blockIdx.x) < C) {
+      send_channel(p, blockIdx.x, warp, lane);
+    } else {
+      uint8_t* stages = smem + size_t(warp) * 2 * kRecvChunk;
+      uint64_t* bars = reinterpret_cast<uint64_t*>(smem + size_t(kDataWarps) * 2 * kRecvChunk) + 2 * warp;
+      if (lane == 0) {
+        mbarrier_init(&bars[0]);
+        mbarrier_init(&bars[1]);
+      }
+      __syncwarp();
+      receive_channel<kRecvChunk>(p, blockIdx.x - C, warp, lane, stages, bars);
+      if (lane == 0) bulk_wait_all();  // every row has landed when the kernel ends
+      __syncwarp();
+    }
   }
   // num_worst_tokens: rows past the received ones carry no expert.
-  if (p.recv_topk_idx != nullptr && int(blockIdx.x) >= C) {
+  if (p.recv_topk_idx != nullptr) {
     const int R = p.common.num_ranks;
     const int64_t num_recv = p.rank_prefix_matrix[(R - 1) * R + p.common.rank];
     const int64_t first = num_recv * p.num_topk, last = p.num_recv_rows * p.num_topk;
-    for (int64_t i = first + (int64_t(blockIdx.x) - C) * blockDim.x + threadIdx.x; i < last;
-         i += int64_t(C) * blockDim.x)
+    for (int64_t i = first + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < last;
+         i += int64_t(gridDim.x) * blockDim.x)
       store_topk(p.recv_topk_idx, p.topk_idx_is_int32, i, -1);
   }
   finish_op(p.common);
@@ -216,7 +272,18 @@ extern "C" int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_
 
 extern "C" int deepep_launch_normal_dispatch(const DeepepDispatchParams* params, void* stream) {
   const int blocks = 2 * params->common.num_channels;
-  deepep::normal::dispatch_kernel<<<blocks, deepep::normal::kDataThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      *params);
+  const auto s = static_cast<cudaStream_t>(stream);
+  constexpr size_t smem = deepep::normal::kDispatchSmemBytes;
+  // The attribute is per device (context): one process may drive several GPUs.
+  static std::atomic<uint64_t> configured_devices{0};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) device = 63;
+  if (!(configured_devices.load(std::memory_order_relaxed) & (1ull << device))) {
+    const cudaError_t attr =
+        cudaFuncSetAttribute(deepep::normal::dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (attr != cudaSuccess) return int(attr);
+    if (device < 63) configured_devices.fetch_or(1ull << device);
+  }
+  deepep::normal::dispatch_kernel<<<blocks, deepep::normal::kDataThreads, smem, s>>>(*params);
   return int(cudaGetLastError());
 }

@@ -93,6 +93,23 @@ pub fn check<'a>(
     let Some(t) = tensor else {
         return Err(crate::error::Error::invalid(format!("{name} must not be NULL")));
     };
+    let dtype = check_dtype_and_dims(name, t, dtypes, ndim)?;
+    let dims = &t.shape[..ndim];
+    let mut expected = 1i64;
+    for d in (0..ndim).rev() {
+        // Size-1 dims may carry any stride (torch does this), as may empty tensors.
+        ensure_arg!(
+            t.shape[d] <= 1 || t.strides[d] == expected,
+            "{name} must be contiguous (shape {dims:?}, strides {:?})",
+            &t.strides[..ndim]
+        );
+        expected = expected.saturating_mul(t.shape[d].max(1));
+    }
+    non_null(name, TensorView { raw: t, dtype })
+}
+
+/// dtype (one of `dtypes`), `ndim` dimensions, none negative.
+fn check_dtype_and_dims(name: &str, t: &DeepepTensor, dtypes: &[DeepepDtype], ndim: usize) -> Result<DeepepDtype> {
     let dtype = DeepepDtype::from_code(t.dtype)
         .ok_or_else(|| crate::error::Error::invalid(format!("{name}: unknown dtype code {}", t.dtype)))?;
     ensure_arg!(
@@ -104,18 +121,11 @@ pub fn check<'a>(
     ensure_arg!(t.ndim as usize == ndim, "{name} must be {ndim}-D, got {}-D", t.ndim);
     let dims = &t.shape[..ndim];
     ensure_arg!(dims.iter().all(|d| *d >= 0), "{name} has a negative dimension: {dims:?}");
-    let mut expected = 1i64;
-    for d in (0..ndim).rev() {
-        // Size-1 dims may carry any stride (torch does this), as may empty tensors.
-        ensure_arg!(
-            t.shape[d] <= 1 || t.strides[d] == expected,
-            "{name} must be contiguous (shape {dims:?}, strides {:?})",
-            &t.strides[..ndim]
-        );
-        expected = expected.saturating_mul(t.shape[d].max(1));
-    }
-    let view = TensorView { raw: t, dtype };
-    ensure_arg!(view.numel() == 0 || !t.data.is_null(), "{name} has a NULL data pointer");
+    Ok(dtype)
+}
+
+fn non_null<'a>(name: &str, view: TensorView<'a>) -> Result<TensorView<'a>> {
+    ensure_arg!(view.numel() == 0 || !view.raw.data.is_null(), "{name} has a NULL data pointer");
     Ok(view)
 }
 
@@ -138,21 +148,9 @@ pub fn check_opt<'a>(
 /// Like [`check`] but any strides are accepted (e.g. column-major FP8 scales);
 /// strides must be non-negative.
 pub fn check_strided<'a>(name: &str, t: &'a DeepepTensor, dtypes: &[DeepepDtype], ndim: usize) -> Result<TensorView<'a>> {
-    let dtype = DeepepDtype::from_code(t.dtype)
-        .ok_or_else(|| crate::error::Error::invalid(format!("{name}: unknown dtype code {}", t.dtype)))?;
-    ensure_arg!(
-        dtypes.contains(&dtype),
-        "{name} must have dtype {}, got {}",
-        dtypes.iter().map(|d| d.name()).collect::<Vec<_>>().join(" or "),
-        dtype.name()
-    );
-    ensure_arg!(t.ndim as usize == ndim, "{name} must be {ndim}-D, got {}-D", t.ndim);
-    let dims = &t.shape[..ndim];
-    ensure_arg!(dims.iter().all(|d| *d >= 0), "{name} has a negative dimension: {dims:?}");
+    let dtype = check_dtype_and_dims(name, t, dtypes, ndim)?;
     ensure_arg!(t.strides[..ndim].iter().all(|s| *s >= 0), "{name} has a negative stride: {:?}", &t.strides[..ndim]);
-    let view = TensorView { raw: t, dtype };
-    ensure_arg!(view.numel() == 0 || !t.data.is_null(), "{name} has a NULL data pointer");
-    Ok(view)
+    non_null(name, TensorView { raw: t, dtype })
 }
 
 impl DeepepDtype {
@@ -165,6 +163,16 @@ impl DeepepDtype {
             Self::DEEPEP_DTYPE_INT64 => 8,
         }
     }
+}
+
+/// Row copies use 16-byte vector and bulk (TMA) accesses.
+pub fn check_aligned16(name: &str, view: &TensorView<'_>) -> Result<()> {
+    ensure_arg!(
+        view.numel() == 0 || (view.ptr() as usize) % 16 == 0,
+        "{name} must start at a 16-byte aligned address (got {:p}); pass a fresh or .contiguous() tensor",
+        view.ptr()
+    );
+    Ok(())
 }
 
 /// Checks an output tensor's exact shape after [`check`].

@@ -168,3 +168,67 @@ fn committed_header_declares_every_exported_function() {
         assert!(header.contains(&format!("{name}(")), "include/deepep_nccl.h lacks {name}: rebuild to regenerate it");
     }
 }
+
+#[test]
+fn normal_mode_calls_reject_null_handles_and_arguments() {
+    use deepep_nccl::normal::combine::DeepepIntranodeCombineArgs;
+    use deepep_nccl::normal::dispatch::{DeepepIntranodeDispatchArgs, DeepepIntranodeDispatchOutputs};
+    let absent = DeepepTensor { data: ptr::null_mut(), dtype: 0, ndim: 0, shape: [0; 4], strides: [0; 4] };
+    let config = DeepepConfig::new(24, 6, 256, 6, 128).unwrap();
+    let args = DeepepIntranodeDispatchArgs {
+        x: absent,
+        x_scales: absent,
+        topk_idx: absent,
+        topk_weights: absent,
+        num_tokens_per_rank: absent,
+        is_token_in_rank: absent,
+        num_tokens_per_expert: absent,
+        rank_prefix_matrix: absent,
+        channel_prefix_matrix: absent,
+        recv_channel_prefix_matrix: absent,
+        send_head: absent,
+        config,
+        cached: 0,
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        reserved: 0,
+    };
+    let outs = DeepepIntranodeDispatchOutputs {
+        recv_x: absent,
+        recv_x_scales: absent,
+        recv_topk_idx: absent,
+        recv_topk_weights: absent,
+        recv_src_idx: absent,
+    };
+    let combine = DeepepIntranodeCombineArgs {
+        x: absent,
+        topk_weights: absent,
+        bias_0: absent,
+        bias_1: absent,
+        src_idx: absent,
+        rank_prefix_matrix: absent,
+        channel_prefix_matrix: absent,
+        send_head: absent,
+        combined_x: absent,
+        combined_topk_weights: absent,
+        config,
+    };
+    let mut n = 7;
+    expect_err(
+        deepep_intranode_dispatch_prepare(ptr::null(), &args, &mut n, ptr::null_mut(), 0, ptr::null_mut()),
+        DEEPEP_ERROR_INVALID_ARGUMENT,
+        "buffer must not be NULL",
+    );
+    assert_eq!(n, -1, "num_recv_tokens is -1 unless the call waited for it");
+    expect_err(
+        deepep_intranode_dispatch_prepare(ptr::null(), &args, ptr::null_mut(), ptr::null_mut(), 0, ptr::null_mut()),
+        DEEPEP_ERROR_INVALID_ARGUMENT,
+        "num_recv_tokens must not be NULL",
+    );
+    expect_err(
+        deepep_intranode_dispatch(ptr::null(), &args, &outs, ptr::null_mut()),
+        DEEPEP_ERROR_INVALID_ARGUMENT,
+        "buffer must not be NULL",
+    );
+    expect_err(deepep_intranode_combine(ptr::null(), &combine, ptr::null_mut()), DEEPEP_ERROR_INVALID_ARGUMENT, "buffer must not be NULL");
+}

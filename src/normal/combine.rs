@@ -9,7 +9,7 @@ use crate::config::DeepepConfig;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::kernels::{self, CombineParams};
-use crate::tensor::{check, check_opt, check_shape, DeepepTensor, DeepepDtype::*};
+use crate::tensor::{check, check_aligned16, check_opt, check_shape, DeepepTensor, DeepepDtype::*};
 
 /// Arguments of one intranode combine. Absent optional tensors have dtype 0.
 #[repr(C)]
@@ -39,6 +39,7 @@ pub struct DeepepIntranodeCombineArgs {
 pub fn combine(buffer: &Buffer, a: &DeepepIntranodeCombineArgs, stream: *mut c_void) -> Result<()> {
     let r = buffer.layout.num_ranks as i64;
     let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
+    check_aligned16("x", &x)?;
     let (n, h) = (x.dims()[0], x.dims()[1]);
     let hidden_bytes = h * 2;
     ensure_arg!(
@@ -87,6 +88,7 @@ pub fn combine(buffer: &Buffer, a: &DeepepIntranodeCombineArgs, stream: *mut c_v
         Ok(match check_opt(name, t_, &[DEEPEP_DTYPE_BFLOAT16], 2)? {
             Some(b) => {
                 check_shape(name, &b, &[t, h])?;
+                check_aligned16(name, &b)?;
                 b.ptr() as *const c_void
             }
             None => std::ptr::null(),
@@ -96,6 +98,7 @@ pub fn combine(buffer: &Buffer, a: &DeepepIntranodeCombineArgs, stream: *mut c_v
     let bias_1 = bias("bias_1", &a.bias_1)?;
     let out = check("combined_x", Some(&a.combined_x), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
     check_shape("combined_x", &out, &[t, h])?;
+    check_aligned16("combined_x", &out)?;
     let out_weights = match (&weights, check_opt("combined_topk_weights", &a.combined_topk_weights, &[DEEPEP_DTYPE_FLOAT32], 2)?) {
         (Some(_), Some(o)) => {
             check_shape("combined_topk_weights", &o, &[t, k])?;

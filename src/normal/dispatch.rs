@@ -12,7 +12,7 @@ use crate::cuda;
 use crate::ensure_arg;
 use crate::error::{DeepepStatus, Error, Result};
 use crate::kernels::{self, DispatchParams, NotifyParams, MAX_LOCAL_EXPERTS};
-use crate::tensor::{check, check_opt, check_shape, check_strided, DeepepDtype, DeepepDtype::*, DeepepTensor, TensorView};
+use crate::tensor::{check, check_aligned16, check_opt, check_shape, check_strided, DeepepDtype, DeepepDtype::*, DeepepTensor, TensorView};
 
 /// Arguments of one intranode dispatch (both calls take the same struct).
 /// Absent optional tensors have dtype 0.
@@ -94,6 +94,7 @@ struct Plan {
 fn validate(buffer: &Buffer, a: &DeepepIntranodeDispatchArgs) -> Result<Plan> {
     let r = buffer.layout.num_ranks as i64;
     let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16, DEEPEP_DTYPE_FLOAT16, DEEPEP_DTYPE_FLOAT32, DEEPEP_DTYPE_FLOAT8_E4M3], 2)?;
+    check_aligned16("x", &x)?;
     let (t, h) = (x.dims()[0], x.dims()[1]);
     let hidden_bytes = h * x.dtype.size();
     ensure_arg!(
@@ -334,6 +335,7 @@ pub fn launch(buffer: &Buffer, args: &DeepepIntranodeDispatchArgs, outs: &Deepep
     let src_idx = check("recv_src_idx", Some(&outs.recv_src_idx), &[DEEPEP_DTYPE_INT32], 1)?;
     let n = src_idx.dims()[0];
     let recv_x = check_rows("recv_x", &outs.recv_x, &[plan.x_dtype], Some(plan.hidden_bytes / plan.x_dtype.size()), n)?;
+    check_aligned16("recv_x", &recv_x)?;
     let recv_scales = match plan.scales {
         Some((dtype, _, s, _, _)) => check_rows("recv_x_scales", &outs.recv_x_scales, &[dtype], Some(s), n)?.ptr(),
         None => {

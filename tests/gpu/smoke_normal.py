@@ -1,7 +1,6 @@
 """Fast end-to-end smoke of normal-mode dispatch/combine (first step of the GPU suite):
 one random routing per world size, checked against an all-gathered torch reference, plus
 a short timing at DeepEP's benchmark shape. The exhaustive checks are in test_normal.py."""
-import os
 import sys
 import time
 

@@ -87,25 +87,23 @@ def low_latency_buffer(rank, world, group):
             expect_raises(what, NotImplementedError, call)
 
 
-def normal_not_implemented(rank, world, group):
+def normal_needs_room(rank, world, group):
+    """Normal mode on a buffer too small for its rings is a clear error naming num_nvl_bytes
+    (and the buffer stays usable); the internode paths are not built yet."""
     with make_buffer(group, num_nvl_bytes=NVL) as buf:
         num_tokens, hidden = 128, 7168
         x = torch.randn(num_tokens, hidden, dtype=torch.bfloat16, device='cuda')
         topk = random_topk(num_tokens, E, K)
         weights = torch.rand(num_tokens, K, device='cuda')
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-        channels = deep_ep.Buffer.num_sms // 2
-        i32 = dict(dtype=torch.int32, device='cuda')
-        handle = (torch.zeros(world, world, **i32), torch.zeros(world, channels, **i32),
-                  torch.zeros(world, channels, **i32), torch.arange(num_tokens, **i32), in_rank,
-                  torch.zeros(num_tokens, world, **i32))
-        calls = {
-            'dispatch': lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                             num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights),
-            'combine': lambda: buf.combine(x, handle),
-        }
-        for what, call in calls.items():
-            expect_raises(what, NotImplementedError, call)
+        args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                    topk_idx=topk, topk_weights=weights)
+        expect_raises('dispatch', RuntimeError, lambda: buf.dispatch(x, **args), 'num_nvl_bytes', 'too small')
+        expect_raises('internode_dispatch', NotImplementedError, lambda: buf.internode_dispatch(x, **args))
+        small = deep_ep.Config(deep_ep.Buffer.num_sms, 6, 32)  # 32-token rings fit 64 MiB
+        recv_x, *_ = buf.dispatch(x, config=small, **args)
+        assert recv_x.shape[1] == hidden, f'recv_x {tuple(recv_x.shape)}'
+        check_layout(buf, world)
 
 
 def gloo_group(rank, world, group):
@@ -199,7 +197,7 @@ def worker(rank, world, group, rep):
     if world > 2:
         return
     rep.run('low_latency_buffer', low_latency_buffer, rank, world, group)
-    rep.run('normal_not_implemented', normal_not_implemented, rank, world, group)
+    rep.run('normal_needs_room', normal_needs_room, rank, world, group)
     rep.run('implicit_destroy_del_gc', implicit_destroy, rank, world, group, rep)
     rep.run('destroy_twice_and_use_after_destroy', destroy_twice, rank, world, group)
     rep.run('create_destroy_50_no_leak', create_destroy_loop, rank, world, group, rep)

@@ -116,7 +116,7 @@ def make_inputs(ctx, routing='random', tokens=4096, hidden=4096, topk=8, x='bf16
     per_rank, _, per_expert, in_rank = ref_layout(topk_idx, E, ctx.world)
     return SimpleNamespace(x=make_x(x, tokens, hidden), topk=topk_idx,
                            weights=torch.randn(tokens, topk, dtype=torch.float32), per_rank=per_rank,
-                           per_expert=per_expert, in_rank=in_rank, tokens=tokens, hidden=hidden, x_kind=x)
+                           per_expert=per_expert, in_rank=in_rank, tokens=tokens, hidden=hidden)
 
 
 def layout_args(inp, with_topk=True):
@@ -160,7 +160,8 @@ def check_rows(name, got, want, rows):
     """got has `rows` rows (more than want's with num_worst_tokens); its head equals want."""
     assert isinstance(got, torch.Tensor), f'{name} is {type(got).__name__}, not a tensor'
     assert got.dtype == want.dtype, f'{name} dtype {got.dtype}, expected {want.dtype}'
-    assert tuple(got.shape) == (rows, *want.shape[1:]), f'{name} shape {tuple(got.shape)}, expected {(rows, *want.shape[1:])}'
+    shape = (rows, *want.shape[1:])
+    assert tuple(got.shape) == shape, f'{name} shape {tuple(got.shape)}, expected {shape}'
     assert_same(f'{name}[:{want.size(0)}]', got[:want.size(0)], want)
 
 
@@ -214,14 +215,18 @@ def check_dispatch(out, ref, in_rank, worst=0, is_async=False):
     want = [] if worst else ref.num_recv_tokens_per_expert_list
     assert type(counts) is list and all(type(c) is int for c in counts), \
         f'num_recv_tokens_per_expert_list is {type(counts).__name__} of {sorted({type(c).__name__ for c in counts})}'
-    assert counts == want, f'num_recv_tokens_per_expert_list {counts}, expected {want}'
+    if counts != want:
+        first = next((i for i, (a, b) in enumerate(zip(counts, want)) if a != b), min(len(counts), len(want)))
+        raise AssertionError(f'num_recv_tokens_per_expert_list has {len(counts)} entries (expected {len(want)}), '
+                             f'first difference at {first}: {counts[first:first + 4]} vs {want[first:first + 4]}')
     check_handle(handle, ref, in_rank, rows)
 
 
 def check_cached(out, ref, is_async=False):
     """A cached dispatch: (recv_x, None, None, None, None, event) with the reference rows."""
     assert isinstance(out, tuple) and len(out) == 6, f'cached dispatch returned {type(out).__name__} of {len(out)}'
-    assert all(o is None for o in out[1:5]), f'cached dispatch items 1..4 must be None, got {[type(o).__name__ for o in out[1:5]]}'
+    assert all(o is None for o in out[1:5]), \
+        f'cached dispatch items 1..4 must be None, got {[type(o).__name__ for o in out[1:5]]}'
     check_event('cached dispatch', out[5], is_async)
     check_recv_x(out[0], ref, ref.num_recv)
 
@@ -258,10 +263,12 @@ def roundtrip(ctx, buf='hint', routing='random', tokens=4096, hidden=4096, topk=
     inp = make_inputs(ctx, routing, tokens, hidden, topk, x)
     num_sms, config, combine_config = None, None, None
     if configs == 'default':
-        config, combine_config = deep_ep.Buffer.get_dispatch_config(ctx.world), deep_ep.Buffer.get_combine_config(ctx.world)
+        config = deep_ep.Buffer.get_dispatch_config(ctx.world)
+        combine_config = deep_ep.Buffer.get_combine_config(ctx.world)
     elif configs is not None:
         num_sms, dispatch_chunk, combine_chunk = configs
-        config, combine_config = deep_ep.Config(num_sms, dispatch_chunk, 256), deep_ep.Config(num_sms, combine_chunk, 256)
+        config = deep_ep.Config(num_sms, dispatch_chunk, 256)
+        combine_config = deep_ep.Config(num_sms, combine_chunk, 256)
     chk = Checks()
     ref = expect_dispatch(ctx, inp, with_topk, num_sms, alignment)
     out = buffer.dispatch(inp.x, **layout_args(inp, with_topk), expert_alignment=alignment, config=config)

@@ -6,17 +6,10 @@ import sys
 from ctypes import byref, c_bool, c_int, c_int64, c_void_p
 
 from . import _lib
-from ._event import EventHandle
 from ._normal import NormalMode
 from ._lib import (
-    DTYPE_BFLOAT16,
     DTYPE_BOOL,
-    DTYPE_FLOAT8_E4M3,
-    DTYPE_FLOAT16,
-    DTYPE_FLOAT32,
     DTYPE_INT32,
-    DTYPE_INT64,
-    DTYPE_UINT8,
     UNIQUE_ID_BYTES,
     DeepepTensor,
     check,
@@ -35,20 +28,7 @@ _pack_tensor = _lib.TENSOR_FORMAT.pack_into
 _pack_data = struct.Struct("@P").pack_into
 
 _torch = _lib.torch
-_DTYPE_CODES = (
-    {}
-    if _torch is None
-    else {
-        _torch.bool: DTYPE_BOOL,
-        _torch.uint8: DTYPE_UINT8,
-        _torch.int32: DTYPE_INT32,
-        _torch.int64: DTYPE_INT64,
-        _torch.float32: DTYPE_FLOAT32,
-        _torch.bfloat16: DTYPE_BFLOAT16,
-        _torch.float16: DTYPE_FLOAT16,
-        _torch.float8_e4m3fn: DTYPE_FLOAT8_E4M3,
-    }
-)
+_DTYPE_CODES = _lib.TORCH_DTYPE_CODES
 
 
 def _not_implemented(method, feature):

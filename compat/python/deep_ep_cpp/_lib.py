@@ -26,6 +26,22 @@ DTYPE_BFLOAT16 = 6
 DTYPE_FLOAT16 = 7
 DTYPE_FLOAT8_E4M3 = 8
 
+# torch dtype -> DeepepDtype code (empty without torch).
+TORCH_DTYPE_CODES = (
+    {}
+    if torch is None
+    else {
+        torch.bool: DTYPE_BOOL,
+        torch.uint8: DTYPE_UINT8,
+        torch.int32: DTYPE_INT32,
+        torch.int64: DTYPE_INT64,
+        torch.float32: DTYPE_FLOAT32,
+        torch.bfloat16: DTYPE_BFLOAT16,
+        torch.float16: DTYPE_FLOAT16,
+        torch.float8_e4m3fn: DTYPE_FLOAT8_E4M3,
+    }
+)
+
 CONFIG_DISPATCH = 0
 CONFIG_COMBINE = 1
 

@@ -6,6 +6,7 @@ call; outputs are allocated by torch (its caching allocator stays in charge)."""
 import ctypes
 import struct
 
+from ._lib import TORCH_DTYPE_CODES as _DTYPE_CODES
 from ._lib import lib, raise_status
 from ._lib import torch as _torch
 from ._streams import StreamProtocol
@@ -19,22 +20,6 @@ _COMBINE_ARGS = struct.Struct("@" + _TENSOR * 10 + "5i0P")
 _ABSENT = (0,) * 11
 _MAX_LOCAL_EXPERTS = 1024
 _ZEROS = (0, 0, 0, 0)
-
-_DTYPE_CODES = {}
-if _torch is not None:
-    from ._lib import (DTYPE_BFLOAT16, DTYPE_BOOL, DTYPE_FLOAT8_E4M3, DTYPE_FLOAT16, DTYPE_FLOAT32, DTYPE_INT32,
-                       DTYPE_INT64, DTYPE_UINT8)
-
-    _DTYPE_CODES = {
-        _torch.bool: DTYPE_BOOL,
-        _torch.uint8: DTYPE_UINT8,
-        _torch.int32: DTYPE_INT32,
-        _torch.int64: DTYPE_INT64,
-        _torch.float32: DTYPE_FLOAT32,
-        _torch.bfloat16: DTYPE_BFLOAT16,
-        _torch.float16: DTYPE_FLOAT16,
-        _torch.float8_e4m3fn: DTYPE_FLOAT8_E4M3,
-    }
 
 
 def _desc(name, t):
