@@ -7,6 +7,7 @@ from ctypes import byref, c_bool, c_int, c_int64, c_void_p
 
 from . import _lib
 from ._normal import NormalMode
+from ._streams import without_torch_function
 from ._lib import (
     DTYPE_BOOL,
     DTYPE_INT32,
@@ -245,6 +246,7 @@ class Buffer(NormalMode):
             _torch.cuda.synchronize(self._device_id)
         check(lib.deepep_buffer_destroy(handle))
 
+    @without_torch_function
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event, async_, allocate_on_comm_stream):
         """DeepEP's layout with its stream protocol; returns (per rank, per rdma rank or None,
         per expert, is_token_in_rank, EventHandle or None)."""

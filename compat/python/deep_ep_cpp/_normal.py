@@ -9,7 +9,7 @@ import struct
 from ._lib import TORCH_DTYPE_CODES as _DTYPE_CODES
 from ._lib import lib, raise_status
 from ._lib import torch as _torch
-from ._streams import StreamProtocol
+from ._streams import StreamProtocol, without_torch_function
 
 _TENSOR = "Pii4q4q"
 # DeepepIntranodeDispatchArgs: 11 tensors, Config (5 x int32), cached, expert_alignment,
@@ -67,6 +67,7 @@ class NormalMode(StreamProtocol):
                 f"got one on {t.device}"
             )
 
+    @without_torch_function
     def intranode_dispatch(
         self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
         cached_num_recv_tokens, cached_rank_prefix_matrix, cached_channel_prefix_matrix, expert_alignment,
@@ -92,10 +93,9 @@ class NormalMode(StreamProtocol):
             # Handle matrices and send_head in one int32 allocation.
             if cached:
                 rank_prefix, channel_prefix = cached_rank_prefix_matrix, cached_channel_prefix_matrix
-                ints = torch.empty(2 * num_ranks * num_channels + num_tokens * num_ranks, dtype=torch.int32, device=device)
+                ints = torch.empty(num_ranks * num_channels + num_tokens * num_ranks, dtype=torch.int32, device=device)
                 recv_channel_prefix, send_head = ints.split_with_sizes(
-                    (num_ranks * num_channels, num_tokens * num_ranks + num_ranks * num_channels))
-                send_head = send_head[: num_tokens * num_ranks]
+                    (num_ranks * num_channels, num_tokens * num_ranks))
             else:
                 ints = torch.empty(num_ranks * num_ranks + 2 * num_ranks * num_channels + num_tokens * num_ranks,
                                    dtype=torch.int32, device=device)
@@ -157,6 +157,7 @@ class NormalMode(StreamProtocol):
         return (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, rank_prefix,
                 channel_prefix, recv_channel_prefix, recv_src_idx, send_head, event)
 
+    @without_torch_function
     def intranode_combine(
         self, x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head,
         config, previous_event, async_, allocate_on_comm_stream,

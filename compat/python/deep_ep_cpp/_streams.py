@@ -2,11 +2,31 @@
 kernels run on the comm stream after `previous_event` (or the compute stream); with async
 the caller gets an EventHandle and every tensor is record_stream'ed, otherwise the compute
 stream waits for the comm stream."""
+import contextlib
+import functools
+
 from ._event import EventHandle
 from ._lib import torch as _torch
 
 # (stream_id, device_index, device_type) of a device's current stream, without building a Stream.
 _current_stream_key = getattr(_torch and _torch._C, "_cuda_getCurrentStream", None)
+
+
+# Under torch.set_default_device('cuda') every torch call made from Python pays for a
+# TorchFunctionMode; the ops allocate with explicit devices, so they run with torch-function
+# handling off (measured on CPU: torch.empty 5.8 us with the mode, 2.4 us without).
+_no_torch_function = _torch._C.DisableTorchFunction if _torch is not None else contextlib.nullcontext
+
+
+def without_torch_function(method):
+    """Runs an op's Python path with torch-function modes (and subclass hooks) disabled."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with _no_torch_function():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 class StreamProtocol:
