@@ -94,7 +94,6 @@ typedef struct DeepepRecvCounts {
 typedef struct DeepepNormalCommon {
   void* window;              // ncclWindow_t of the symmetric buffer
   uint64_t nvl_offset;       // byte offset of the NVL region (rings + consumed flags)
-  uint64_t nvl_bytes;        // size of the NVL region
   uint64_t notify_offset;    // byte offset of the notify exchange slots (control region)
   uint32_t* op_epoch;        // workspace: bumped by the last block of every data kernel
   uint32_t* notify_epoch;    // workspace: bumped by every notify kernel
@@ -105,8 +104,8 @@ typedef struct DeepepNormalCommon {
   int32_t num_ranks;
   int32_t num_channels;      // config.num_sms / 2
   int32_t ring_tokens;       // slots per (channel, peer) ring = config.num_max_nvl_chunked_recv_tokens
-  int32_t barrier_base;      // first LSA barrier slot of per-block barriers
-  int32_t num_threads;       // threads per block of the data kernels
+  int32_t barrier_base;      // LSA barrier slot of the notify block, or of block 0 of a data kernel
+  int32_t reserved;
 } DeepepNormalCommon;
 
 // Dispatch notify: exchanges counts and channel prefixes, one barrier.

@@ -38,6 +38,23 @@ fn align_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
 }
 
+/// Which normal-mode kernel a [`Resources::normal_common`] is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormalKernel {
+    Notify,
+    /// Dispatch or combine: block b barriers on slot `barrier_slot() + b`.
+    Data,
+}
+
+impl NormalKernel {
+    pub fn barrier_slot(self) -> i32 {
+        match self {
+            Self::Notify => NOTIFY_BARRIER_SLOT,
+            Self::Data => DATA_BARRIER_BASE,
+        }
+    }
+}
+
 /// Creation arguments, as DeepEP's `Buffer` constructor takes them.
 #[derive(Clone, Copy, Debug)]
 pub struct BufferArgs {
@@ -79,12 +96,19 @@ impl Resources {
     pub fn layout_accumulators(&self) -> (*mut i32, i64) {
         (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WORKSPACE_BYTES - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
     }
-    /// Window geometry and device counters shared by the normal-mode kernels.
-    pub fn normal_common(&self, wait: WaitContext, args: &BufferArgs, num_channels: i32, ring_tokens: i32) -> kernels::NormalCommon {
+    /// Window geometry and device counters shared by the normal-mode kernels;
+    /// `barrier_base` is [`NormalKernel::barrier_slot`] of the kernel to launch.
+    pub fn normal_common(
+        &self,
+        wait: WaitContext,
+        args: &BufferArgs,
+        num_channels: i32,
+        ring_tokens: i32,
+        kernel: NormalKernel,
+    ) -> kernels::NormalCommon {
         kernels::NormalCommon {
             window: self.window.handle().cast(),
             nvl_offset: CONTROL_BYTES as u64,
-            nvl_bytes: args.num_nvl_bytes as u64,
             notify_offset: NOTIFY_OFFSET as u64,
             op_epoch: self.workspace_at(WS_OP_EPOCH).cast(),
             notify_epoch: self.workspace_at(WS_NOTIFY_EPOCH).cast(),
@@ -95,13 +119,9 @@ impl Resources {
             num_ranks: args.num_ranks,
             num_channels,
             ring_tokens,
-            barrier_base: NOTIFY_BARRIER_SLOT,
-            num_threads: 0,
+            barrier_base: kernel.barrier_slot(),
+            reserved: 0,
         }
-    }
-    /// Barrier slot of the data kernels' block 0 (block b uses base + b).
-    pub fn data_barrier_base(&self) -> i32 {
-        DATA_BARRIER_BASE
     }
     fn wait_context(&self, rank: i32, timeout_ns: u64) -> WaitContext {
         WaitContext {

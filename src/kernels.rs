@@ -98,7 +98,6 @@ impl Default for RecvCounts {
 pub struct NormalCommon {
     pub window: *mut c_void,
     pub nvl_offset: u64,
-    pub nvl_bytes: u64,
     pub notify_offset: u64,
     pub op_epoch: *mut u32,
     pub notify_epoch: *mut u32,
@@ -110,7 +109,7 @@ pub struct NormalCommon {
     pub num_channels: i32,
     pub ring_tokens: i32,
     pub barrier_base: i32,
-    pub num_threads: i32,
+    pub reserved: i32,
 }
 
 #[repr(C)]

@@ -4,7 +4,7 @@
 use std::os::raw::c_void;
 
 use super::{pick_stream, plan_for};
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, NormalKernel};
 use crate::config::DeepepConfig;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
@@ -111,8 +111,8 @@ pub fn combine(buffer: &Buffer, a: &DeepepIntranodeCombineArgs, stream: *mut c_v
 
     buffer.with_resources(|res| {
         let stream = pick_stream(stream, res.stream.raw());
-        let mut common = res.normal_common(buffer.wait_context(res), &buffer.args, plan.num_channels, plan.ring_tokens);
-        common.barrier_base = res.data_barrier_base();
+        let common =
+            res.normal_common(buffer.wait_context(res), &buffer.args, plan.num_channels, plan.ring_tokens, NormalKernel::Data);
         let params = CombineParams {
             common,
             x: x.ptr(),

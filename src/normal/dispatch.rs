@@ -6,7 +6,7 @@ use std::os::raw::c_void;
 use std::time::Instant;
 
 use super::{pick_stream, plan_for, ChannelPlan};
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, NormalKernel};
 use crate::config::DeepepConfig;
 use crate::cuda;
 use crate::ensure_arg;
@@ -247,8 +247,13 @@ pub fn prepare(
             // SAFETY: counts is the live host-mapped record; the GPU writes it only in the launch below.
             unsafe { std::ptr::addr_of_mut!((*counts).num_recv_tokens).write_volatile(-1) };
         }
-        let mut common = res.normal_common(buffer.wait_context(res), &buffer.args, plan.channels.num_channels, plan.channels.ring_tokens);
-        common.barrier_base = 1;
+        let common = res.normal_common(
+            buffer.wait_context(res),
+            &buffer.args,
+            plan.channels.num_channels,
+            plan.channels.ring_tokens,
+            NormalKernel::Notify,
+        );
         let (topk_ptr, topk_k, topk_i32) = match plan.topk {
             Some((dtype, ids, _, k)) => (ids, k as i32, (dtype == DEEPEP_DTYPE_INT32) as i32),
             None => (std::ptr::null(), 0, 0),
@@ -358,8 +363,13 @@ pub fn launch(buffer: &Buffer, args: &DeepepIntranodeDispatchArgs, outs: &Deepep
     };
     buffer.with_resources(|res| {
         let stream = pick_stream(stream, res.stream.raw());
-        let mut common = res.normal_common(buffer.wait_context(res), &buffer.args, plan.channels.num_channels, plan.channels.ring_tokens);
-        common.barrier_base = res.data_barrier_base();
+        let common = res.normal_common(
+            buffer.wait_context(res),
+            &buffer.args,
+            plan.channels.num_channels,
+            plan.channels.ring_tokens,
+            NormalKernel::Data,
+        );
         let (scales_ptr, num_scales, st_tok, st_scale) = plan.scales.map_or((std::ptr::null(), 0, 0, 0), |s| (s.1, s.2, s.3, s.4));
         let (topk_ptr, weights_ptr, k, i32_ids) = plan
             .topk
