@@ -123,6 +123,14 @@ impl Resources {
             reserved: 0,
         }
     }
+    /// The stream an op launches on: the caller's, or the comm stream for NULL.
+    pub fn stream_or_comm(&self, stream: *mut c_void) -> *mut c_void {
+        if stream.is_null() {
+            self.stream.raw()
+        } else {
+            stream
+        }
+    }
     fn wait_context(&self, rank: i32, timeout_ns: u64) -> WaitContext {
         WaitContext {
             stall: self.stall.device_ptr(),

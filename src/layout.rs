@@ -92,7 +92,7 @@ pub fn get_dispatch_layout(buffer: &Buffer, args: &LayoutArgs<'_>, stream: *mut 
             needed <= capacity,
             "get_dispatch_layout needs {needed} workspace counters, the workspace holds {capacity}"
         );
-        let stream = if stream.is_null() { res.stream.raw() } else { stream };
+        let stream = res.stream_or_comm(stream);
         // SAFETY: all pointers in params were validated; stream belongs to this device.
         let rc = unsafe { kernels::deepep_launch_dispatch_layout(&params, stream) };
         kernels::launch_result("dispatch_layout", rc)

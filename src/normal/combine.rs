@@ -3,7 +3,7 @@
 //! the handle's routing. One kernel, no host wait.
 use std::os::raw::c_void;
 
-use super::{pick_stream, plan_for};
+use super::plan_for;
 use crate::buffer::{Buffer, NormalKernel};
 use crate::config::DeepepConfig;
 use crate::ensure_arg;
@@ -110,7 +110,7 @@ pub fn combine(buffer: &Buffer, a: &DeepepIntranodeCombineArgs, stream: *mut c_v
     };
 
     buffer.with_resources(|res| {
-        let stream = pick_stream(stream, res.stream.raw());
+        let stream = res.stream_or_comm(stream);
         let common =
             res.normal_common(buffer.wait_context(res), &buffer.args, plan.num_channels, plan.ring_tokens, NormalKernel::Data);
         let params = CombineParams {

@@ -5,7 +5,7 @@
 use std::os::raw::c_void;
 use std::time::Instant;
 
-use super::{pick_stream, plan_for, ChannelPlan};
+use super::{plan_for, ChannelPlan};
 use crate::buffer::{Buffer, NormalKernel};
 use crate::config::DeepepConfig;
 use crate::cuda;
@@ -235,7 +235,7 @@ pub fn prepare(
         );
     }
     buffer.with_resources(|res| {
-        let stream = pick_stream(stream, res.stream.raw());
+        let stream = res.stream_or_comm(stream);
         if wait_for_counts && cuda::stream_is_capturing(stream)? {
             return Err(Error::invalid(
                 "a non-cached dispatch waits on the host for the receive counts and cannot be captured in a CUDA \
@@ -362,7 +362,7 @@ pub fn launch(buffer: &Buffer, args: &DeepepIntranodeDispatchArgs, outs: &Deepep
         }
     };
     buffer.with_resources(|res| {
-        let stream = pick_stream(stream, res.stream.raw());
+        let stream = res.stream_or_comm(stream);
         let common = res.normal_common(
             buffer.wait_context(res),
             &buffer.args,

@@ -4,8 +4,6 @@
 pub mod combine;
 pub mod dispatch;
 
-use std::os::raw::c_void;
-
 use crate::buffer::Buffer;
 use crate::config::DeepepConfig;
 use crate::ensure_arg;
@@ -78,15 +76,6 @@ pub fn fault_error(f: &FaultRecord) -> Error {
         other => format!("the GPU reported bad input (fault code {other}, {} {} {})", f.a, f.b, f.c),
     };
     Error::invalid(message)
-}
-
-/// The stream an op launches on: the caller's, or the buffer's comm stream for NULL.
-fn pick_stream(stream: *mut c_void, own: *mut c_void) -> *mut c_void {
-    if stream.is_null() {
-        own
-    } else {
-        stream
-    }
 }
 
 /// Shared by both ops: validated config, ranks and budget for `slot_bytes`.

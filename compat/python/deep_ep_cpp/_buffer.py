@@ -252,11 +252,7 @@ class Buffer(NormalMode):
         per expert, is_token_in_rank, EventHandle or None)."""
         torch = _torch
         self._live_handle()
-        if topk_idx.get_device() != self._device_id:
-            raise RuntimeError(
-                f"deepep-nccl: topk_idx must be a CUDA tensor on the buffer's device cuda:{self._device_id}, "
-                f"got one on {topk_idx.device}"
-            )
+        self._check_device("topk_idx", topk_idx)
         code = _DTYPE_CODES.get(topk_idx.dtype)
         if code is None:
             raise RuntimeError(
