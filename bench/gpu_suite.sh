@@ -4,9 +4,37 @@
 # one log per step; keeps going after a failure and exits non-zero if any step
 # failed. LOG_DIR (${OUT:-./gpu_logs}) ends with at most 8 files (the device
 # transport returns 8): summary.txt, logs.tgz (env + every step log),
-# bench_layout.json, bench_normal.json.
+# bench_layout.json, bench_normal.json, bench_ll.json (5 files).
+#
+# Knobs (environment):
+#   SUITE_STEPS       space-separated step names to run, in the suite's order
+#                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
+#                     steps: smoke_normal test_normal example_normal bench_normal
+#                     smoke_low_latency test_low_latency example_ll bench_ll test_buffer
+#                     test_layout test_python quickstart bench_layout
+#   BENCH_NORMAL_ARGS / BENCH_LL_ARGS  extra arguments of bench_normal.py / bench_low_latency.py
+#                     (e.g. BENCH_LL_ARGS=--quick)
+#   EXAMPLE_NORMAL / EXAMPLE_LL        the C++ example binaries
+#   DEEPEP_NCCL_LIBRARY, PYTHON
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+ALL_STEPS=(smoke_normal test_normal example_normal bench_normal
+           smoke_low_latency test_low_latency example_ll bench_ll
+           test_buffer test_layout test_python quickstart bench_layout)
+SUITE_STEPS=${SUITE_STEPS:-}
+for s in $SUITE_STEPS; do
+    case " ${ALL_STEPS[*]} " in
+        *" $s "*) ;;
+        *) echo "error: SUITE_STEPS names an unknown step '$s' (steps: ${ALL_STEPS[*]})" >&2; exit 2 ;;
+    esac
+done
+# wanted NAME: true when SUITE_STEPS is empty or names NAME.
+wanted() {
+    [ -z "$SUITE_STEPS" ] && return 0
+    case " $SUITE_STEPS " in *" $1 "*) return 0 ;; esac
+    return 1
+}
 
 LOG_DIR=${OUT:-./gpu_logs}
 STEP_DIR="$LOG_DIR/logs"
@@ -28,14 +56,17 @@ PYTHON=${PYTHON:-$(command -v python || command -v python3)}
     "$PYTHON" -c 'import torch; print("torch", torch.__version__, "| CUDA", torch.version.cuda,
 "| NCCL", ".".join(map(str, torch.cuda.nccl.version())), "| GPUs", torch.cuda.device_count())'
     echo "DEEPEP_NCCL_LIBRARY=$DEEPEP_NCCL_LIBRARY NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
+    echo "SUITE_STEPS=${SUITE_STEPS:-(all)}"
 } 2>&1 | tee "$STEP_DIR/env.log"
 
 names=() statuses=() times=()
 # step NAME SECONDS CMD...: run CMD, killed after SECONDS (a hang must not eat the device
-# budget; the tests' own watchdogs fire first), output tee'd to STEP_DIR/NAME.log.
+# budget; the tests' own watchdogs fire first), output tee'd to STEP_DIR/NAME.log. Steps that
+# SUITE_STEPS leaves out are not run and not listed.
 step() {
     local name=$1 limit=$2 start=$SECONDS rc
     shift 2
+    wanted "$name" || return 0
     echo "=== $name: $*"
     timeout -k 10 "$limit" "$@" 2>&1 | tee "$STEP_DIR/$name.log"
     rc=${PIPESTATUS[0]}
@@ -52,16 +83,28 @@ NVIDIA_LIBS=$("$PYTHON" -c 'import nvidia, os; print(":".join(os.path.join(p, s,
 for s in ("cu13", "nccl") if os.path.isdir(os.path.join(p, s, "lib"))))' 2>/dev/null || true)
 EXAMPLE_ENV=(env LD_LIBRARY_PATH="$(dirname "$DEEPEP_NCCL_LIBRARY"):$NVIDIA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
 EXAMPLE_NORMAL=${EXAMPLE_NORMAL:-target/examples/normal_cpp}
+EXAMPLE_LL=${EXAMPLE_LL:-target/examples/ll_cpp}
+
+# example NAME BINARY: run a built C++ example as a step, or record it as not built.
+example() {
+    local name=$1 binary=$2
+    wanted "$name" || return 0
+    if [ -x "$binary" ]; then
+        step "$name" 120 "${EXAMPLE_ENV[@]}" "$binary"
+    else
+        echo "=== $name: $binary not built (bash scripts/test.sh builds it)" | tee "$STEP_DIR/$name.log"
+        names+=("$name") times+=(0) statuses+=("FAIL (not built)")
+    fi
+}
 
 step smoke_normal 200 "$PYTHON" tests/gpu/smoke_normal.py
 step test_normal 600 "$PYTHON" tests/gpu/test_normal.py
-if [ -x "$EXAMPLE_NORMAL" ]; then
-    step example_normal 120 "${EXAMPLE_ENV[@]}" "$EXAMPLE_NORMAL"
-else
-    echo "=== example_normal: $EXAMPLE_NORMAL not built (bash scripts/test.sh builds it)" | tee "$STEP_DIR/example_normal.log"
-    names+=(example_normal) times+=(0) statuses+=("FAIL (not built)")
-fi
+example example_normal "$EXAMPLE_NORMAL"
 step bench_normal 420 "$PYTHON" bench/bench_normal.py ${BENCH_NORMAL_ARGS:-} --json "$LOG_DIR/bench_normal.json"
+step smoke_low_latency 120 "$PYTHON" tests/gpu/smoke_low_latency.py
+step test_low_latency 600 "$PYTHON" tests/gpu/test_low_latency.py
+example example_ll "$EXAMPLE_LL"
+step bench_ll 420 "$PYTHON" bench/bench_low_latency.py ${BENCH_LL_ARGS:-} --json "$LOG_DIR/bench_ll.json"
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py
 step test_layout 270 "$PYTHON" tests/gpu/test_layout.py
 step test_python 120 "$PYTHON" -m pytest -q tests/python
@@ -69,10 +112,11 @@ step quickstart 120 "$PYTHON" examples/quickstart.py
 step bench_layout 180 "$PYTHON" bench/bench_layout.py --json "$LOG_DIR/bench_layout.json"
 
 {
-    printf '\n%-14s %-8s %s\n' step seconds status
+    printf '\n%-18s %-8s %s\n' step seconds status
     for i in "${!names[@]}"; do
-        printf '%-14s %-8s %s\n' "${names[$i]}" "${times[$i]}" "${statuses[$i]}"
+        printf '%-18s %-8s %s\n' "${names[$i]}" "${times[$i]}" "${statuses[$i]}"
     done
+    if [ -n "$SUITE_STEPS" ]; then echo "(SUITE_STEPS=\"$SUITE_STEPS\": only these steps ran)"; fi
 } | tee "$LOG_DIR/summary.txt"
 tar -czf "$LOG_DIR/logs.tgz" -C "$LOG_DIR" logs && rm -rf "$STEP_DIR"
 failed=0

@@ -112,6 +112,101 @@ typedef struct {
 } DeepepConfig;
 
 /**
+ * Arguments of one LL dispatch (`Buffer::low_latency_dispatch`). The caller
+ * allocates the outputs; absent optional tensors have dtype 0.
+ */
+typedef struct {
+  /**
+   * [T, H] bfloat16, contiguous, T <= num_max_dispatch_tokens_per_rank.
+   */
+  DeepepTensor x;
+  /**
+   * [T, K] int64 (or int32), K <= 16; -1 skips a slot.
+   */
+  DeepepTensor topk_idx;
+  /**
+   * Optional [E_l] int32: received counts are added.
+   */
+  DeepepTensor cumulative_local_expert_recv_stats;
+  /**
+   * Optional [R] int64: GPU cycles waited per source rank are added.
+   */
+  DeepepTensor dispatch_wait_recv_cost_stats;
+  /**
+   * [E_l, R*M, H] bfloat16, or float8_e4m3fn with use_fp8.
+   */
+  DeepepTensor packed_recv_x;
+  /**
+   * use_fp8: float32 [E_l, R*M, H/128] with strides (H/128*R*M, 1, R*M); with use_ue8m0
+   * int32 [E_l, R*M, H/512] with strides (H/512*R*M, 1, R*M). Absent without use_fp8.
+   */
+  DeepepTensor packed_recv_x_scales;
+  /**
+   * [E_l] int32.
+   */
+  DeepepTensor packed_recv_count;
+  /**
+   * [E_l, R*M] int32.
+   */
+  DeepepTensor packed_recv_src_info;
+  /**
+   * [E_l, R] int64: (begin << 32) | count per source rank.
+   */
+  DeepepTensor packed_recv_layout_range;
+  int32_t num_max_dispatch_tokens_per_rank;
+  int32_t num_experts;
+  int32_t use_fp8;
+  int32_t round_scale;
+  int32_t use_ue8m0;
+  /**
+   * 1: send only (return_recv_hook), 2: receive only (the hook), 3: both.
+   */
+  int32_t phases;
+} DeepepLowLatencyDispatchArgs;
+
+/**
+ * Arguments of one LL combine (`Buffer::low_latency_combine`). Absent optional
+ * tensors have dtype 0.
+ */
+typedef struct {
+  /**
+   * [E_l, R*M, H] bfloat16, contiguous: the experts' outputs in the dispatch's packed
+   * layout. With zero_copy the data is read from the zero-copy view instead.
+   */
+  DeepepTensor x;
+  /**
+   * [T, K] int64 (or int32): the same top-k as the dispatch.
+   */
+  DeepepTensor topk_idx;
+  /**
+   * [T, K] float32.
+   */
+  DeepepTensor topk_weights;
+  /**
+   * The dispatch handle: src_info [E_l, R*M] int32 and layout_range [E_l, R] int64.
+   */
+  DeepepTensor src_info;
+  DeepepTensor layout_range;
+  /**
+   * Optional [R] int64: GPU cycles waited per expert rank are added.
+   */
+  DeepepTensor combine_wait_recv_cost_stats;
+  /**
+   * [T, H] bfloat16 output.
+   */
+  DeepepTensor out;
+  int32_t num_max_dispatch_tokens_per_rank;
+  int32_t num_experts;
+  int32_t use_logfmt;
+  int32_t zero_copy;
+  /**
+   * 1: send only (return_recv_hook), 2: receive only (the hook), 3: both.
+   */
+  int32_t phases;
+  int32_t reserved;
+} DeepepLowLatencyCombineArgs;
+
+/**
  * Arguments of one intranode dispatch (both calls take the same struct).
  * Absent optional tensors have dtype 0.
  */
@@ -447,6 +542,61 @@ DeepepStatus deepep_check_buffer_args(int rank,
                                       int64_t num_nvl_bytes,
                                       int64_t num_rdma_bytes,
                                       bool low_latency_mode);
+
+/**
+ * DeepEP's low_latency_dispatch; see `DeepepLowLatencyDispatchArgs`.
+ */
+DeepepStatus deepep_low_latency_dispatch(const DeepepBuffer *buf,
+                                         const DeepepLowLatencyDispatchArgs *args,
+                                         void *stream,
+                                         int *buffer_idx);
+
+/**
+ * DeepEP's low_latency_combine; see `DeepepLowLatencyCombineArgs`.
+ */
+DeepepStatus deepep_low_latency_combine(const DeepepBuffer *buf,
+                                        const DeepepLowLatencyCombineArgs *args,
+                                        void *stream,
+                                        int *buffer_idx);
+
+/**
+ * Collective: zeroes both halves' signals and resets the half to 0 (call it after
+ * normal-mode ops and before LL ops, as DeepEP requires). Waits for the device.
+ */
+DeepepStatus deepep_clean_low_latency_buffer(const DeepepBuffer *buf,
+                                             int num_max_dispatch_tokens_per_rank,
+                                             int hidden,
+                                             int num_experts);
+
+/**
+ * Base pointer of the zero-copy combine view for the next LL call: BF16
+ * [E_l, R*M, H] with element strides (R*M*(H + H/64), H + H/64, 1).
+ */
+DeepepStatus deepep_get_next_low_latency_combine_buffer(const DeepepBuffer *buf,
+                                                        int num_max_dispatch_tokens_per_rank,
+                                                        int hidden,
+                                                        int num_experts,
+                                                        void **out);
+
+/**
+ * Shrink mode: masks (mask=true) or unmasks a rank, in stream order.
+ */
+DeepepStatus deepep_low_latency_update_mask_buffer(const DeepepBuffer *buf,
+                                                   int rank_to_mask,
+                                                   bool mask,
+                                                   void *stream);
+
+/**
+ * Shrink mode: copies the mask (1 = masked) into `mask_status`, an int32 [R] device tensor.
+ */
+DeepepStatus deepep_low_latency_query_mask_buffer(const DeepepBuffer *buf,
+                                                  const DeepepTensor *mask_status,
+                                                  void *stream);
+
+/**
+ * Shrink mode: unmasks every rank, in stream order.
+ */
+DeepepStatus deepep_low_latency_clean_mask_buffer(const DeepepBuffer *buf, void *stream);
 
 /**
  * Step 1 of DeepEP's intranode_dispatch. Writes the receive count to

@@ -19,6 +19,8 @@ enum DeepepWaitOp {
   DEEPEP_WAIT_OP_DISPATCH_CONSUMED = 3,  // sender waiting for a peer to free a dispatch slot
   DEEPEP_WAIT_OP_COMBINE_SLOT = 4,
   DEEPEP_WAIT_OP_COMBINE_CONSUMED = 5,
+  DEEPEP_WAIT_OP_LL_DISPATCH = 6,        // low-latency receiver waiting for a source rank's dispatch signal
+  DEEPEP_WAIT_OP_LL_COMBINE = 7,         // low-latency receiver waiting for an expert rank's combine signal
 };
 
 // Written by the first GPU thread whose wait expires; lives in host-mapped
@@ -175,6 +177,78 @@ typedef struct DeepepCombineParams {
   int32_t reserved;
 } DeepepCombineParams;
 
+// ---------------------------------------------------------------- low-latency mode
+#define DEEPEP_LL_MAX_TOPK 16
+#define DEEPEP_LL_PHASE_SEND 1
+#define DEEPEP_LL_PHASE_RECV 2
+
+// Where the LL kernels of one call meet their peers: byte offsets of this call's
+// buffer half inside the window (identical on every rank), and local state.
+typedef struct DeepepLlCommon {
+  void* window;                   // ncclWindow_t
+  uint64_t signal_offset;         // uint32 words: [R] dispatch signals, then [R] combine signals
+  uint64_t combine_recv_offset;   // combine slots [E][M] of combine_slot_bytes
+  uint64_t view_offset;           // send half: the zero-copy combine view [E_l][R*M] (also combine staging)
+  uint64_t staging_offset;        // dispatch staging slots [M] (remote path only)
+  uint64_t dispatch_recv_offset;  // dispatch slots [R][M] of dispatch_slot_bytes
+  uint64_t count_offset;          // dispatch count messages [R] of count_bytes
+  int32_t* done;                  // workspace [2R]: per-destination completion counters (dispatch, combine)
+  int32_t* source_state;          // workspace [2R]: 0 waiting, 1 arrived, 2 masked (per kernel, reset at its end)
+  uint32_t* ticket;               // workspace [2]: last-block detection (dispatch, combine)
+  int32_t* mask;                  // workspace [R]: 1 = rank masked (shrink mode)
+  DeepepWaitContext wait;
+  int32_t rank;
+  int32_t num_ranks;
+  int32_t num_experts;
+  int32_t num_local_experts;
+  int32_t max_tokens;             // M
+  int32_t hidden;                 // H
+  int32_t num_topk;               // K
+  int32_t node_size;              // peers in the same node of node_size ranks use LSA stores
+  int32_t shrink;                 // mask a silent rank after the timeout instead of failing
+  int32_t phases;                 // DEEPEP_LL_PHASE_* bits
+  int32_t parity;                 // buffer half of this call (GIN signal ids)
+  int32_t reserved;
+} DeepepLlCommon;
+
+typedef struct DeepepLlDispatchParams {
+  DeepepLlCommon common;
+  const void* x;                  // [T, H] bf16
+  const void* topk_idx;           // [T, K] int64 or int32
+  void* packed_recv_x;            // [E_l, R*M, H] bf16 or fp8
+  void* packed_recv_x_scales;     // fp32 [E_l, H/128, R*M] or int32 [E_l, H/512, R*M] storage; NULL for bf16
+  int32_t* packed_recv_count;     // [E_l]
+  int32_t* packed_recv_src_info;  // [E_l, R*M]
+  int64_t* packed_recv_layout_range;  // [E_l, R]
+  int32_t* cumulative_local_expert_recv_stats;  // [E_l] or NULL
+  int64_t* dispatch_wait_recv_cost_stats;       // [R] or NULL
+  int32_t num_tokens;             // T
+  int32_t topk_idx_is_int32;
+  int32_t use_fp8;
+  int32_t round_scale;
+  int32_t use_ue8m0;
+  int32_t dispatch_slot_bytes;
+  int32_t count_bytes;
+  int32_t reserved;
+} DeepepLlDispatchParams;
+
+typedef struct DeepepLlCombineParams {
+  DeepepLlCommon common;
+  const void* x;                  // [E_l, R*M, H] bf16 (contiguous), or NULL with zero_copy (the view is the source)
+  const void* topk_idx;           // [T, K]
+  const float* topk_weights;      // [T, K]
+  const int32_t* src_info;        // [E_l, R*M]
+  const int64_t* layout_range;    // [E_l, R]
+  void* out;                      // [T, H] bf16
+  int64_t* combine_wait_recv_cost_stats;  // [R] or NULL
+  int32_t num_tokens;             // T (combine side)
+  int32_t topk_idx_is_int32;
+  int32_t zero_copy;
+  int32_t use_logfmt;
+  int32_t combine_slot_bytes;
+  int32_t reserved;
+} DeepepLlCombineParams;
+
 enum DeepepKernelStruct {
   DEEPEP_STRUCT_STALL_RECORD = 0,
   DEEPEP_STRUCT_WAIT_CONTEXT = 1,
@@ -186,6 +260,8 @@ enum DeepepKernelStruct {
   DEEPEP_STRUCT_COMBINE_PARAMS = 7,
   DEEPEP_STRUCT_RECV_COUNTS = 8,
   DEEPEP_STRUCT_FAULT_RECORD = 9,
+  DEEPEP_STRUCT_LL_DISPATCH_PARAMS = 10,
+  DEEPEP_STRUCT_LL_COMBINE_PARAMS = 11,
 };
 
 // sizeof() of each struct above as compiled by nvcc (0 for an unknown id).
@@ -194,8 +270,9 @@ size_t deepep_kernel_struct_size(int which);
 int deepep_kernels_nccl_version(void);
 
 // Fills an ncclDevCommRequirements (of deepep_kernel_struct_size(DEV_COMM_REQUIREMENTS)
-// bytes) asking for `lsa_barrier_count` LSA barriers and nothing else.
-void deepep_devcomm_requirements_init(void* reqs, int lsa_barrier_count);
+// bytes) asking for `lsa_barrier_count` LSA barriers and, if gin_signal_count > 0, GIN to
+// every rank with that many signals.
+void deepep_devcomm_requirements_init(void* reqs, int lsa_barrier_count, int gin_signal_count);
 
 typedef struct DeepepDevCommInfo {
   int32_t rank, num_ranks, lsa_rank, lsa_size;
@@ -221,6 +298,18 @@ int deepep_launch_normal_combine(const void* dev_comm, const DeepepCombineParams
 // Bytes of one ring slot for a dispatch/combine row layout (both sides must agree).
 int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk);
 int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk);
+
+// Low-latency mode (kernels/ll_*.cu). remote_kind: 0 all peers by LSA stores, 1 peers outside
+// the (virtual) node through the GIN protocol emulated over LSA, 2 through NCCL GIN.
+int deepep_launch_ll_dispatch(const void* dev_comm, const DeepepLlDispatchParams* params, int remote_kind,
+                              int num_blocks, void* stream);
+int deepep_launch_ll_combine(const void* dev_comm, const DeepepLlCombineParams* params, int remote_kind,
+                             int num_blocks, void* stream);
+// Bytes of one dispatch slot (header + payload) and of one combine slot.
+int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t use_fp8);
+int64_t deepep_ll_combine_slot_bytes(int32_t hidden, int32_t use_logfmt);
+// Whether this build has the NCCL GIN transport (NCCL >= 2.28.7 headers).
+int deepep_ll_gin_compiled(void);
 
 const char* deepep_cuda_error_string(int error);
 

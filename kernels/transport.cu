@@ -20,13 +20,15 @@ extern "C" size_t deepep_kernel_struct_size(int which) {
     case DEEPEP_STRUCT_COMBINE_PARAMS: return sizeof(DeepepCombineParams);
     case DEEPEP_STRUCT_RECV_COUNTS: return sizeof(DeepepRecvCounts);
     case DEEPEP_STRUCT_FAULT_RECORD: return sizeof(DeepepFaultRecord);
+    case DEEPEP_STRUCT_LL_DISPATCH_PARAMS: return sizeof(DeepepLlDispatchParams);
+    case DEEPEP_STRUCT_LL_COMBINE_PARAMS: return sizeof(DeepepLlCombineParams);
     default: return 0;
   }
 }
 
 extern "C" int deepep_kernels_nccl_version(void) { return NCCL_VERSION_CODE; }
 
-extern "C" void deepep_devcomm_requirements_init(void* out, int lsa_barrier_count) {
+extern "C" void deepep_devcomm_requirements_init(void* out, int lsa_barrier_count, int gin_signal_count) {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
   // 2.29+ checks size/magic/version stamped by the initializer.
   ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
@@ -35,6 +37,18 @@ extern "C" void deepep_devcomm_requirements_init(void* out, int lsa_barrier_coun
 #endif
   reqs.lsaBarrierCount = lsa_barrier_count;
   reqs.lsaMultimem = false;  // NVLS multicast stays off on shared machines
+  if (gin_signal_count > 0) {
+    // Peers outside the LSA team: GIN to every rank (LL all-to-all), indexed signals.
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 7)
+    reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
+#elif NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 7)
+    reqs.ginForceEnable = true;
+#endif
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 7)
+    reqs.ginContextCount = 4;
+    reqs.ginSignalCount = gin_signal_count;
+#endif
+  }
   *static_cast<ncclDevCommRequirements*>(out) = reqs;
 }
 

@@ -27,6 +27,13 @@ const WS_OP_EPOCH: usize = 512;
 const WS_NOTIFY_EPOCH: usize = 516;
 const WS_DATA_TICKET: usize = 520;
 const WS_LAYOUT_ACCUMULATORS: usize = 4096;
+/// Low-latency counters at the end of the workspace (see [`LlWorkspace`]).
+const WS_LL: usize = WORKSPACE_BYTES - (64 << 10);
+/// Largest rank count the LL workspace arrays hold.
+pub const LL_MAX_RANKS: i32 = 1024;
+/// Virtual-node setting: ranks [k*n, (k+1)*n) form one node; LL traffic between
+/// nodes takes the remote (GIN-protocol) path, emulated over NVLink.
+pub const VIRTUAL_NODE_ENV: &str = "DEEPEP_VIRTUAL_NODE_SIZE";
 /// LSA barrier slot used by host-driven control kernels (create/destroy/checks).
 const CONTROL_BARRIER_SLOT: i32 = 0;
 /// Slot of the dispatch notify kernel; data kernels use one slot per block after it.
@@ -53,6 +60,15 @@ impl NormalKernel {
             Self::Data => DATA_BARRIER_BASE,
         }
     }
+}
+
+/// Device addresses of the LL counters in the workspace.
+#[derive(Clone, Copy, Debug)]
+pub struct LlWorkspace {
+    pub done: *mut i32,
+    pub source_state: *mut i32,
+    pub ticket: *mut u32,
+    pub mask: *mut i32,
 }
 
 /// Creation arguments, as DeepEP's `Buffer` constructor takes them.
@@ -82,6 +98,9 @@ pub(crate) struct Resources {
     pub lsa_base_rank: i32,
     pub lsa_size: i32,
     pub num_sms: i32,
+    /// LL peers in the same node of `node_size` ranks get LSA stores; others `remote_kind`.
+    pub node_size: i32,
+    pub remote_kind: i32,
     pub ctx: PrimaryContext,
 }
 
@@ -94,7 +113,21 @@ impl Resources {
         self.workspace_at(WS_LAYOUT_TICKET).cast()
     }
     pub fn layout_accumulators(&self) -> (*mut i32, i64) {
-        (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WORKSPACE_BYTES - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
+        (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WS_LL - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
+    }
+    /// done [2R], source_state [2R], ticket [2], mask [R]: zero between LL kernels.
+    pub fn ll_workspace(&self) -> LlWorkspace {
+        let r = LL_MAX_RANKS as usize * 4;
+        LlWorkspace {
+            done: self.workspace_at(WS_LL).cast(),
+            source_state: self.workspace_at(WS_LL + 2 * r).cast(),
+            ticket: self.workspace_at(WS_LL + 4 * r).cast(),
+            mask: self.workspace_at(WS_LL + 4 * r + 128).cast(),
+        }
+    }
+    /// The LL counters without the mask (what clean_low_latency_buffer zeroes).
+    pub fn ll_counters(&self) -> (*mut c_void, usize) {
+        (self.workspace_at(WS_LL), LL_MAX_RANKS as usize * 16 + 128)
     }
     /// Window geometry and device counters shared by the normal-mode kernels;
     /// `barrier_base` is [`NormalKernel::barrier_slot`] of the kernel to launch.
@@ -147,11 +180,15 @@ pub struct Buffer {
     pub layout: RankLayout,
     pub device_id: i32,
     num_device_sms: i32,
+    /// Ranks reachable by LSA loads/stores (the whole buffer within one node).
+    pub lsa_size: i32,
     resources: Mutex<Option<Resources>>,
     /// Set when a GPU wait expired: the barrier epochs are no longer in step.
     failure: Mutex<Option<Error>>,
     timeout_ns: AtomicU64,
     check_tag: AtomicU32,
+    /// Half of the LL region the next LL send uses (DeepEP's low_latency_buffer_idx).
+    ll_parity: AtomicU32,
 }
 
 impl Buffer {
@@ -179,10 +216,12 @@ impl Buffer {
             layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks },
             device_id,
             num_device_sms: resources.num_sms,
+            lsa_size: resources.lsa_size,
             resources: Mutex::new(Some(resources)),
             failure: Mutex::new(None),
             timeout_ns: AtomicU64::new((timeout_ns * 1e9) as u64),
             check_tag: AtomicU32::new(0x5eed_0000),
+            ll_parity: AtomicU32::new(0),
         };
         // Every rank has its window and devComm: prove LSA loads/stores reach all peers.
         buffer.check_peers()?;
@@ -194,21 +233,41 @@ impl Buffer {
         let num_sms = ctx.sm_count()?;
         let comm = Communicator::init_rank(args.num_ranks, id, args.rank)?;
         let team = comm.lsa_team();
-        if team.nRanks != args.num_ranks {
+        let multi_node = team.nRanks != args.num_ranks;
+        if multi_node && !args.low_latency_mode {
             return Err(Error::unsupported(format!(
-                "rank {} reaches only {} of {} ranks over NVLink/P2P (LSA team); ranks on other nodes need the GIN \
-                 transport, which is not implemented yet",
+                "rank {} reaches only {} of {} ranks over NVLink/P2P (LSA team): across nodes only low-latency mode \
+                 (low_latency_mode=True) is supported",
                 args.rank, team.nRanks, args.num_ranks
             )));
         }
+        let virtual_node = virtual_node_size(args.num_ranks)?;
         let nvl_offset = CONTROL_BYTES;
         let rdma_offset = nvl_offset + align_up(args.num_nvl_bytes as usize, WINDOW_ALIGN);
         let window_bytes = rdma_offset + align_up(args.num_rdma_bytes as usize, WINDOW_ALIGN);
         let window = SymmetricWindow::new(&comm, window_bytes)?;
         cuda::memset_zero(window.ptr(), window.bytes())?;
         // Control and notify slots, then one per SM so per-CTA barriers never share one.
-        let dev_comm = DevComm::new(&comm, DATA_BARRIER_BASE + num_sms)?;
+        let gin_signals = if multi_node { 4 * args.num_ranks } else { 0 };
+        let dev_comm = DevComm::new(&comm, DATA_BARRIER_BASE + num_sms, gin_signals).map_err(|e| {
+            if multi_node {
+                Error::unsupported(format!(
+                    "rank {} reaches only {} of {} ranks over NVLink/P2P; the others need NCCL GIN (GPU-initiated \
+                     networking over an RDMA NIC), which NCCL cannot provide here: {}",
+                    args.rank, team.nRanks, args.num_ranks, e.message
+                ))
+            } else {
+                e
+            }
+        })?;
         let info = dev_comm.info();
+        let (node_size, remote_kind) = if multi_node {
+            (info.lsa_size, kernels::LL_REMOTE_GIN)
+        } else if virtual_node < args.num_ranks {
+            (virtual_node, kernels::LL_REMOTE_EMULATED)
+        } else {
+            (args.num_ranks, kernels::LL_REMOTE_NONE)
+        };
         Ok(Resources {
             stream: Stream::new_high_priority()?,
             workspace: DeviceMemory::zeroed(WORKSPACE_BYTES)?,
@@ -218,11 +277,32 @@ impl Buffer {
             lsa_base_rank: info.rank - info.lsa_rank,
             lsa_size: info.lsa_size,
             num_sms,
+            node_size,
+            remote_kind,
             dev_comm,
             comm,
             window,
             ctx,
         })
+    }
+
+    /// Half of the LL region for the next LL send; flips it (DeepEP flips per call).
+    pub(crate) fn next_ll_parity(&self) -> i32 {
+        self.ll_parity.fetch_xor(1, Ordering::Relaxed) as i32
+    }
+
+    /// The half the next LL call will use, without flipping.
+    pub(crate) fn peek_ll_parity(&self) -> i32 {
+        self.ll_parity.load(Ordering::Relaxed) as i32
+    }
+
+    pub(crate) fn reset_ll_parity(&self) {
+        self.ll_parity.store(0, Ordering::Relaxed);
+    }
+
+    /// Window offset of the RDMA region (where the LL halves live).
+    pub(crate) fn rdma_offset(&self) -> usize {
+        CONTROL_BYTES + align_up(self.args.num_nvl_bytes as usize, WINDOW_ALIGN)
     }
 
     pub fn num_device_sms(&self) -> i32 {
@@ -271,6 +351,8 @@ impl Buffer {
             kernels::WAIT_OP_DISPATCH_CONSUMED => format!("rank {peer} never freed a dispatch ring slot (channel {n})"),
             kernels::WAIT_OP_COMBINE_SLOT => format!("rank {peer} never sent its combine data (channel {n})"),
             kernels::WAIT_OP_COMBINE_CONSUMED => format!("rank {peer} never freed a combine ring slot (channel {n})"),
+            kernels::WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch"),
+            kernels::WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine"),
             other => format!("rank {peer} stalled wait op {other} counter {n}"),
         };
         let err = Error::new(
@@ -354,7 +436,7 @@ impl Buffer {
         self.with_resources(|res| {
             let nvl = self.args.num_nvl_bytes;
             let (offset, bytes) = if use_rdma_buffer {
-                (CONTROL_BYTES + align_up(nvl as usize, WINDOW_ALIGN), self.args.num_rdma_bytes)
+                (self.rdma_offset(), self.args.num_rdma_bytes)
             } else {
                 (CONTROL_BYTES, nvl)
             };
@@ -403,4 +485,20 @@ impl Buffer {
             eprintln!("deepep-nccl: Buffer (rank {}) teardown failed: {e}", self.args.rank);
         }
     }
+}
+
+/// `DEEPEP_VIRTUAL_NODE_SIZE`, or `num_ranks` when unset.
+fn virtual_node_size(num_ranks: i32) -> Result<i32> {
+    let Ok(text) = std::env::var(VIRTUAL_NODE_ENV) else {
+        return Ok(num_ranks);
+    };
+    let n: i32 = text.trim().parse().map_err(|_| {
+        Error::invalid(format!("{VIRTUAL_NODE_ENV}={text:?} must be a positive integer (ranks per virtual node)"))
+    })?;
+    if n <= 0 || num_ranks % n != 0 {
+        return Err(Error::invalid(format!(
+            "{VIRTUAL_NODE_ENV}={n} must be a positive divisor of the rank count ({num_ranks})"
+        )));
+    }
+    Ok(n)
 }

@@ -236,3 +236,33 @@ pub fn stream_is_capturing(stream: *mut c_void) -> Result<bool> {
         .map_err(|e| cuda_err("cuStreamIsCapturing", e))?;
     Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
+
+/// Zeroes device memory in `stream` order.
+pub fn memset_zero_async(ptr: *mut c_void, bytes: usize, stream: *mut c_void) -> Result<()> {
+    // SAFETY: caller passes a live device allocation of at least `bytes` bytes and a live stream.
+    unsafe { sys::cuMemsetD8Async(ptr as sys::CUdeviceptr, 0, bytes, stream as sys::CUstream) }
+        .result()
+        .map_err(|e| cuda_err("cuMemsetD8Async", e))
+}
+
+/// Device-to-device copy in `stream` order.
+pub fn copy_device_async(dst: *mut c_void, src: *const c_void, bytes: usize, stream: *mut c_void) -> Result<()> {
+    // SAFETY: caller passes live device allocations of at least `bytes` bytes and a live stream.
+    unsafe { sys::cuMemcpyDtoDAsync_v2(dst as sys::CUdeviceptr, src as sys::CUdeviceptr, bytes, stream as sys::CUstream) }
+        .result()
+        .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))
+}
+
+/// Host-to-device copy of one value in `stream` order (the value is copied out before return).
+pub fn write_i32_async(dst: *mut c_void, value: i32, stream: *mut c_void) -> Result<()> {
+    // SAFETY: dst is a live device allocation of at least 4 bytes; cuMemsetD32Async copies the value.
+    unsafe { sys::cuMemsetD32Async(dst as sys::CUdeviceptr, value as u32, 1, stream as sys::CUstream) }
+        .result()
+        .map_err(|e| cuda_err("cuMemsetD32Async", e))
+}
+
+/// Waits for all work of the current context (clean_low_latency_buffer runs between calls).
+pub fn context_synchronize() -> Result<()> {
+    // SAFETY: no arguments; blocks until the current context is idle.
+    unsafe { sys::cuCtxSynchronize() }.result().map_err(|e| cuda_err("cuCtxSynchronize", e))
+}

@@ -12,6 +12,17 @@ pub const WAIT_OP_DISPATCH_SLOT: i32 = 2;
 pub const WAIT_OP_DISPATCH_CONSUMED: i32 = 3;
 pub const WAIT_OP_COMBINE_SLOT: i32 = 4;
 pub const WAIT_OP_COMBINE_CONSUMED: i32 = 5;
+pub const WAIT_OP_LL_DISPATCH: i32 = 6;
+pub const WAIT_OP_LL_COMBINE: i32 = 7;
+
+/// `DEEPEP_LL_MAX_TOPK` and the LL phase bits.
+pub const LL_MAX_TOPK: i64 = 16;
+pub const LL_PHASE_SEND: i32 = 1;
+pub const LL_PHASE_RECV: i32 = 2;
+/// How LL kernels reach peers outside the sender's node (`remote_kind`).
+pub const LL_REMOTE_NONE: i32 = 0;
+pub const LL_REMOTE_EMULATED: i32 = 1;
+pub const LL_REMOTE_GIN: i32 = 2;
 
 pub const FAULT_TOPK_OUT_OF_RANGE: i32 = 1;
 pub const FAULT_RANK_COUNT: i32 = 2;
@@ -185,6 +196,77 @@ pub struct CombineParams {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LlCommon {
+    pub window: *mut c_void,
+    pub signal_offset: u64,
+    pub combine_recv_offset: u64,
+    pub view_offset: u64,
+    pub staging_offset: u64,
+    pub dispatch_recv_offset: u64,
+    pub count_offset: u64,
+    pub done: *mut i32,
+    pub source_state: *mut i32,
+    pub ticket: *mut u32,
+    pub mask: *mut i32,
+    pub wait: WaitContext,
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub num_experts: i32,
+    pub num_local_experts: i32,
+    pub max_tokens: i32,
+    pub hidden: i32,
+    pub num_topk: i32,
+    pub node_size: i32,
+    pub shrink: i32,
+    pub phases: i32,
+    pub parity: i32,
+    pub reserved: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LlDispatchParams {
+    pub common: LlCommon,
+    pub x: *const c_void,
+    pub topk_idx: *const c_void,
+    pub packed_recv_x: *mut c_void,
+    pub packed_recv_x_scales: *mut c_void,
+    pub packed_recv_count: *mut i32,
+    pub packed_recv_src_info: *mut i32,
+    pub packed_recv_layout_range: *mut i64,
+    pub cumulative_local_expert_recv_stats: *mut i32,
+    pub dispatch_wait_recv_cost_stats: *mut i64,
+    pub num_tokens: i32,
+    pub topk_idx_is_int32: i32,
+    pub use_fp8: i32,
+    pub round_scale: i32,
+    pub use_ue8m0: i32,
+    pub dispatch_slot_bytes: i32,
+    pub count_bytes: i32,
+    pub reserved: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LlCombineParams {
+    pub common: LlCommon,
+    pub x: *const c_void,
+    pub topk_idx: *const c_void,
+    pub topk_weights: *const f32,
+    pub src_info: *const i32,
+    pub layout_range: *const i64,
+    pub out: *mut c_void,
+    pub combine_wait_recv_cost_stats: *mut i64,
+    pub num_tokens: i32,
+    pub topk_idx_is_int32: i32,
+    pub zero_copy: i32,
+    pub use_logfmt: i32,
+    pub combine_slot_bytes: i32,
+    pub reserved: i32,
+}
+
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DevCommInfo {
     pub rank: i32,
@@ -203,11 +285,13 @@ const STRUCT_DISPATCH_PARAMS: c_int = 6;
 const STRUCT_COMBINE_PARAMS: c_int = 7;
 const STRUCT_RECV_COUNTS: c_int = 8;
 const STRUCT_FAULT_RECORD: c_int = 9;
+const STRUCT_LL_DISPATCH_PARAMS: c_int = 10;
+const STRUCT_LL_COMBINE_PARAMS: c_int = 11;
 
 extern "C" {
     pub fn deepep_kernel_struct_size(which: c_int) -> usize;
     pub fn deepep_kernels_nccl_version() -> c_int;
-    pub fn deepep_devcomm_requirements_init(reqs: *mut c_void, lsa_barrier_count: c_int);
+    pub fn deepep_devcomm_requirements_init(reqs: *mut c_void, lsa_barrier_count: c_int, gin_signal_count: c_int);
     pub fn deepep_devcomm_info(dev_comm: *const c_void, out: *mut DevCommInfo);
     pub fn deepep_launch_lsa_barrier(dev_comm: *const c_void, index: c_int, wait: WaitContext, stream: *mut c_void) -> c_int;
     pub fn deepep_launch_lsa_peer_check(
@@ -227,6 +311,23 @@ extern "C" {
     pub fn deepep_launch_normal_combine(dev_comm: *const c_void, params: *const CombineParams, stream: *mut c_void) -> c_int;
     pub fn deepep_dispatch_slot_bytes(hidden_bytes: i32, num_scales: i32, num_topk: i32) -> i64;
     pub fn deepep_combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64;
+    pub fn deepep_launch_ll_dispatch(
+        dev_comm: *const c_void,
+        params: *const LlDispatchParams,
+        remote_kind: c_int,
+        num_blocks: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+    pub fn deepep_launch_ll_combine(
+        dev_comm: *const c_void,
+        params: *const LlCombineParams,
+        remote_kind: c_int,
+        num_blocks: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+    pub fn deepep_ll_dispatch_slot_bytes(hidden: i32, num_topk: i32, use_fp8: i32) -> i64;
+    pub fn deepep_ll_combine_slot_bytes(hidden: i32, use_logfmt: i32) -> i64;
+    pub fn deepep_ll_gin_compiled() -> c_int;
     pub fn deepep_cuda_error_string(error: c_int) -> *const c_char;
 }
 
@@ -256,6 +357,8 @@ pub fn check_struct_layouts() -> Result<()> {
                 ("DeepepCombineParams", STRUCT_COMBINE_PARAMS, std::mem::size_of::<CombineParams>()),
                 ("DeepepRecvCounts", STRUCT_RECV_COUNTS, std::mem::size_of::<RecvCounts>()),
                 ("DeepepFaultRecord", STRUCT_FAULT_RECORD, std::mem::size_of::<FaultRecord>()),
+                ("DeepepLlDispatchParams", STRUCT_LL_DISPATCH_PARAMS, std::mem::size_of::<LlDispatchParams>()),
+                ("DeepepLlCombineParams", STRUCT_LL_COMBINE_PARAMS, std::mem::size_of::<LlCombineParams>()),
             ];
             for (name, id, rust_size) in pairs {
                 let c_size = nccl_struct_size(id);
@@ -279,6 +382,25 @@ pub fn dispatch_slot_bytes(hidden_bytes: i32, num_scales: i32, num_topk: i32) ->
 pub fn combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64 {
     // SAFETY: pure arithmetic.
     unsafe { deepep_combine_slot_bytes(hidden_bytes, num_topk) }
+}
+
+/// Bytes of one LL dispatch slot (header with the top-k list, then the payload).
+pub fn ll_dispatch_slot_bytes(hidden: i32, num_topk: i32, use_fp8: bool) -> i64 {
+    // SAFETY: pure arithmetic.
+    unsafe { deepep_ll_dispatch_slot_bytes(hidden, num_topk, use_fp8 as i32) }
+}
+
+/// Bytes of one LL combine slot; None when this build has no LogFMT.
+pub fn ll_combine_slot_bytes(hidden: i32, use_logfmt: bool) -> Option<i64> {
+    // SAFETY: pure arithmetic.
+    let v = unsafe { deepep_ll_combine_slot_bytes(hidden, use_logfmt as i32) };
+    (v > 0).then_some(v)
+}
+
+/// Whether the kernels were built with the NCCL GIN transport.
+pub fn ll_gin_compiled() -> bool {
+    // SAFETY: returns a compile-time constant.
+    unsafe { deepep_ll_gin_compiled() != 0 }
 }
 
 /// Turns a launcher's cudaError_t into an error naming the kernel.

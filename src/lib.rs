@@ -8,6 +8,7 @@ pub mod cuda;
 pub mod error;
 pub mod kernels;
 pub mod layout;
+pub mod ll;
 pub mod nccl;
 pub mod normal;
 pub mod tensor;

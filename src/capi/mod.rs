@@ -8,10 +8,12 @@ use crate::error::{clear_last_error, last_error_ptr, set_last_error, DeepepStatu
 
 mod buffer;
 mod config;
+mod low_latency;
 mod normal;
 
 pub use buffer::*;
 pub use config::*;
+pub use low_latency::*;
 pub use normal::*;
 
 /// Bumped on any incompatible change to this header.

@@ -81,6 +81,12 @@ pub fn fault_error(f: &FaultRecord) -> Error {
 /// Shared by both ops: validated config, ranks and budget for `slot_bytes`.
 fn plan_for(buffer: &Buffer, config: &DeepepConfig, op: &str, slot_bytes: i64) -> Result<ChannelPlan> {
     check_ranks(buffer.layout.num_ranks)?;
+    ensure_arg!(
+        buffer.lsa_size == buffer.layout.num_ranks,
+        "intranode {op} needs all {} ranks in one NVLink domain; this buffer spans nodes ({} reachable by NVLink)",
+        buffer.layout.num_ranks,
+        buffer.lsa_size
+    );
     let plan = channel_plan(config, buffer.num_device_sms())?;
     check_nvl_budget(buffer.args.num_nvl_bytes, op, plan, buffer.layout.num_ranks, slot_bytes)?;
     Ok(plan)

@@ -341,14 +341,36 @@ def test_methods_need_a_synced_buffer(method, args):
 NOT_IMPLEMENTED = [
     ("internode_dispatch", 20, "internode normal-mode dispatch"),
     ("internode_combine", 15, "internode normal-mode combine"),
-    ("clean_low_latency_buffer", 3, "low-latency mode"),
-    ("low_latency_dispatch", 11, "low-latency dispatch"),
-    ("low_latency_combine", 13, "low-latency combine"),
-    ("get_next_low_latency_combine_buffer", 3, "low-latency zero-copy combine buffer"),
-    ("low_latency_update_mask_buffer", 2, "shrink mask buffer"),
-    ("low_latency_query_mask_buffer", 1, "shrink mask buffer"),
-    ("low_latency_clean_mask_buffer", 0, "shrink mask buffer"),
 ]
+
+# DeepEP's positional parameter counts of the low-latency methods (csrc/deep_ep.hpp).
+LOW_LATENCY = [
+    ("clean_low_latency_buffer", 3),
+    ("low_latency_dispatch", 11),
+    ("low_latency_combine", 13),
+    ("get_next_low_latency_combine_buffer", 3),
+    ("low_latency_update_mask_buffer", 2),
+    ("low_latency_query_mask_buffer", 1),
+    ("low_latency_clean_mask_buffer", 0),
+]
+
+
+@pytest.mark.parametrize("method, num_args", LOW_LATENCY)
+def test_low_latency_methods_keep_deepeps_arity_and_need_sync(method, num_args):
+    bound = getattr(_buffer(), method)
+    assert len(inspect.signature(bound).parameters) == num_args
+    with pytest.raises(RuntimeError, match=r"call sync\(\) first"):
+        bound(*([None] * num_args))
+
+
+def test_low_latency_argument_structs_match_the_c_abi():
+    # DeepepLowLatencyDispatchArgs: 9 tensors + 6 int32; DeepepLowLatencyCombineArgs: 7 + 6.
+    from deep_ep_cpp import _low_latency
+
+    assert _low_latency._DISPATCH_ARGS.size == 9 * 80 + 24
+    assert _low_latency._COMBINE_ARGS.size == 7 * 80 + 24
+    assert _low_latency._DISPATCH_PHASES_AT == 9 * 80 + 20
+    assert _low_latency._COMBINE_PHASES_AT == 7 * 80 + 16
 
 
 @pytest.mark.parametrize("method, num_args, feature", NOT_IMPLEMENTED)
@@ -377,8 +399,8 @@ def test_normal_mode_argument_structs_match_the_c_abi():
 
 
 def test_low_latency_combine_out_is_optional():
-    with pytest.raises(NotImplementedError):
-        _buffer().low_latency_combine(*([None] * 12))
+    out = inspect.signature(_buffer().low_latency_combine).parameters["out"]
+    assert out.default is None
 
 
 # --- Buffer: sync ------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ from deep_ep_cpp import Config, EventHandle
 from .utils import EventOverlap, check_nvlink_connections
 
 # Keyword arguments that DeepEP forks add (hybrid-ep, antgroup-opt), accepted so that callers
-# written for those forks run: NCCL picks transports itself (allow_nvlink_for_normal_mode), and
-# the low-latency ones reach the methods' own NotImplementedError. Other names are TypeErrors.
+# written for those forks run: NCCL picks transports itself (allow_nvlink_for_normal_mode); the
+# low-latency ones are ignored unless they ask for a feature we lack (use_nvfp4, overlap), which
+# raises. Other names are TypeErrors.
 _CONSTRUCTOR_EXTENSIONS = frozenset({"allow_nvlink_for_normal_mode"})
 _LOW_LATENCY_DISPATCH_EXTENSIONS = frozenset({"use_nvfp4", "x_global_scale", "topk_weights", "use_ue8m0_for_sf"})
 _LOW_LATENCY_COMBINE_EXTENSIONS = frozenset(
@@ -344,7 +345,8 @@ class Buffer:
         raise _not_implemented("internode_combine", "internode normal-mode combine")
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        raise _not_implemented("clean_low_latency_buffer", "low-latency mode")
+        """Collective: resets the low-latency signals (call it after normal-mode ops, before LL ops)."""
+        self.runtime.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_dispatch(
         self,
@@ -361,8 +363,23 @@ class Buffer:
         return_recv_hook: bool = False,
         **kwargs,
     ) -> Tuple[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor, Tuple, EventOverlap, Callable]:
+        """DeepEP's low-latency dispatch: one copy per (token, selected expert) into the packed
+        [E_l, R*M, H] layout. Returns (recv_x, recv_count, handle, event, hook)."""
         _check_extension_kwargs("low_latency_dispatch", kwargs, _LOW_LATENCY_DISPATCH_EXTENSIONS)
-        raise _not_implemented("low_latency_dispatch", "low-latency dispatch")
+        if kwargs.get("use_nvfp4"):
+            raise RuntimeError("deepep-nccl: low_latency_dispatch(use_nvfp4=True) is not supported; use use_fp8")
+        (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info, packed_recv_layout_range,
+         event, hook) = self.runtime.low_latency_dispatch(
+            x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+            num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
+            return_recv_hook)
+        handle = (packed_recv_src_info, packed_recv_layout_range, num_max_dispatch_tokens_per_rank, x.size(1),
+                  num_experts)
+        tensors_to_record = (x, topk_idx, packed_recv_x, packed_recv_x_scales, packed_recv_count,
+                             packed_recv_src_info, packed_recv_layout_range, cumulative_local_expert_recv_stats)
+        recv_x = (packed_recv_x, packed_recv_x_scales) if use_fp8 else packed_recv_x
+        return (recv_x, packed_recv_count, handle,
+                EventOverlap(event, tensors_to_record if async_finish else None), hook)
 
     def low_latency_combine(
         self,
@@ -378,17 +395,32 @@ class Buffer:
         combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
         **kwargs,
     ) -> Tuple[torch.Tensor, EventOverlap, Callable]:
+        """DeepEP's low-latency combine: the top-k weighted sum (fp32, rounded to BF16) of each
+        token's expert outputs. Returns (combined_x, event, hook)."""
         _check_extension_kwargs("low_latency_combine", kwargs, _LOW_LATENCY_COMBINE_EXTENSIONS)
-        raise _not_implemented("low_latency_combine", "low-latency combine")
+        if kwargs.get("overlap"):
+            raise RuntimeError("deepep-nccl: low_latency_combine(overlap=True) is not supported")
+        src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts = handle
+        combined_x, event, hook = self.runtime.low_latency_combine(
+            x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+            num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook,
+            out)
+        tensors_to_record = (x, topk_idx, topk_weights, src_info, layout_range, combined_x)
+        return combined_x, EventOverlap(event, tensors_to_record if async_finish else None), hook
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
-        raise _not_implemented("get_next_low_latency_combine_buffer", "low-latency zero-copy combine buffer")
+        """The BF16 [E_l, R*M, H] view the next combine can read with zero_copy=True."""
+        src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts = handle
+        return self.runtime.get_next_low_latency_combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        raise _not_implemented("low_latency_update_mask_buffer", "shrink mask buffer")
+        """Shrink mode: masks (or unmasks) a rank for later low-latency calls."""
+        self.runtime.low_latency_update_mask_buffer(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        raise _not_implemented("low_latency_query_mask_buffer", "shrink mask buffer")
+        """Shrink mode: writes 1 for every masked rank into mask_status (int32 [num_ranks], CUDA)."""
+        self.runtime.low_latency_query_mask_buffer(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        raise _not_implemented("low_latency_clean_mask_buffer", "shrink mask buffer")
+        """Shrink mode: unmasks every rank."""
+        self.runtime.low_latency_clean_mask_buffer()

@@ -6,6 +6,7 @@ import sys
 from ctypes import byref, c_bool, c_int, c_int64, c_void_p
 
 from . import _lib
+from ._low_latency import LowLatencyMode
 from ._normal import NormalMode
 from ._streams import without_torch_function
 from ._lib import (
@@ -69,7 +70,7 @@ class _DeviceBytes:
         self.owner = owner
 
 
-class Buffer(NormalMode):
+class Buffer(NormalMode, LowLatencyMode):
     """One rank's communication buffer. The constructor only validates; sync() creates it."""
 
     # Class-level default so that __del__ works when __init__ raised.
@@ -117,6 +118,7 @@ class Buffer(NormalMode):
         self._layout_fn = lib.deepep_get_dispatch_layout
         self._sync_event = None
         self._normal_init()
+        self._ll_init()
 
     def __del__(self, _free=lib.deepep_buffer_free, _finalizing=sys.is_finalizing):
         handle = self._handle
@@ -320,35 +322,6 @@ class Buffer(NormalMode):
         previous_event, async_, allocate_on_comm_stream,
     ):
         raise _not_implemented("internode_combine", "internode normal-mode combine")
-
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        raise _not_implemented("clean_low_latency_buffer", "low-latency mode")
-
-    def low_latency_dispatch(
-        self, x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-        num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_, return_recv_hook,
-    ):
-        raise _not_implemented("low_latency_dispatch", "low-latency dispatch")
-
-    def low_latency_combine(
-        self, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
-        num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_, return_recv_hook, out=None,
-    ):
-        raise _not_implemented("low_latency_combine", "low-latency combine")
-
-    def get_next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        raise _not_implemented("get_next_low_latency_combine_buffer", "low-latency zero-copy combine buffer")
-
-    def low_latency_update_mask_buffer(self, rank_to_mask, mask):
-        raise _not_implemented("low_latency_update_mask_buffer", "shrink mask buffer")
-
-    def low_latency_query_mask_buffer(self, mask_status):
-        raise _not_implemented("low_latency_query_mask_buffer", "shrink mask buffer")
-
-    def low_latency_clean_mask_buffer(self):
-        raise _not_implemented("low_latency_clean_mask_buffer", "shrink mask buffer")
-
-    # --- deepep-nccl extras ---------------------------------------------------------------
 
     def check_peers(self):
         """Collective: every rank writes to every peer over NVLink/P2P and verifies what arrived."""

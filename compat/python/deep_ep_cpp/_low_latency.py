@@ -1,0 +1,214 @@
+"""deep_ep_cpp.Buffer's low-latency ops with DeepEP's positional signatures and tuples, each a
+short translation to the C ABI (deepep_low_latency_*).
+
+Streams as DeepEP: without a hook the kernel runs on the comm stream after the compute stream
+(async: an EventHandle, else the compute stream waits); with return_recv_hook the send phase
+runs on the compute stream and hook() launches the receive phase on that same stream."""
+import ctypes
+import struct
+
+from ._event import EventHandle
+from ._lib import TORCH_DTYPE_CODES as _DTYPE_CODES
+from ._lib import check, lib, raise_status
+from ._lib import torch as _torch
+from ._streams import without_torch_function
+
+_TENSOR = "Pii4q4q"
+_DISPATCH_ARGS = struct.Struct("@" + _TENSOR * 9 + "6i0P")
+_COMBINE_ARGS = struct.Struct("@" + _TENSOR * 7 + "6i0P")
+_ABSENT = (0,) * 11
+_ZEROS = (0, 0, 0, 0)
+_SEND, _RECV, _BOTH = 1, 2, 3
+# Byte offset of the `phases` field: after the tensors and M, num_experts, then 3 (dispatch:
+# use_fp8, round_scale, use_ue8m0) or 2 (combine: use_logfmt, zero_copy) ints.
+_DISPATCH_PHASES_AT = struct.calcsize("@" + _TENSOR * 9 + "5i")
+_COMBINE_PHASES_AT = struct.calcsize("@" + _TENSOR * 7 + "4i")
+
+_current_stream_key = getattr(_torch and _torch._C, "_cuda_getCurrentStream", None)
+
+
+def _desc(name, t):
+    """The 11 DeepepTensor fields of t (strides in elements), or zeros for None."""
+    if t is None:
+        return _ABSENT
+    code = _DTYPE_CODES.get(t.dtype)
+    if code is None:
+        raise RuntimeError(f"deepep-nccl: {name} has unsupported dtype {t.dtype}")
+    shape = t.shape
+    n = len(shape)
+    if n > 4:
+        raise RuntimeError(f"deepep-nccl: {name} must have at most 4 dimensions, got {n}")
+    pad = _ZEROS[n:]
+    return (t.data_ptr(), code, n, *shape, *pad, *t.stride(), *pad)
+
+
+class _DeviceView:
+    """__cuda_array_interface__ over the window (the zero-copy combine view); keeps the Buffer alive."""
+
+    def __init__(self, ptr, num_bytes, owner):
+        self.__cuda_array_interface__ = {
+            "shape": (num_bytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
+        }
+        self.owner = owner
+
+
+class LowLatencyMode:
+    """Mixin for deep_ep_cpp.Buffer (needs _handle, _device_id, _num_ranks, _sync_event, the comm stream)."""
+
+    def _ll_init(self):
+        self._ll_dispatch_args = ctypes.create_string_buffer(_DISPATCH_ARGS.size)
+        self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
+        self._ll_idx = ctypes.c_int()
+        self._ll_idx_addr = ctypes.addressof(self._ll_idx)
+        self._ll_compute_key = None
+        self._ll_compute = None
+
+    def _ll_compute_stream(self):
+        key = _current_stream_key(self._device_id)
+        if key != self._ll_compute_key:
+            self._ll_compute_key = key
+            self._ll_compute = _torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        return self._ll_compute
+
+    def _ll_launch(self, fn, args_buffer, phases_at, async_, return_recv_hook):
+        """Runs fn's send (hook) or both phases; returns (event, hook)."""
+        if async_ and return_recv_hook:
+            raise RuntimeError("deepep-nccl: async_finish and return_recv_hook cannot both be set (as in DeepEP)")
+        handle = self._live_handle()
+        compute = self._ll_compute_stream()
+        if return_recv_hook:
+            stream = compute
+        else:
+            stream = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
+            self._sync_event.record(compute)
+            self._sync_event.wait(stream)
+        phases = _SEND if return_recv_hook else _BOTH
+        struct.pack_into("@i", args_buffer, phases_at, phases)
+        status = fn(handle, ctypes.addressof(args_buffer), stream.cuda_stream, self._ll_idx_addr)
+        if status:
+            raise_status(status)
+        event = hook = None
+        if async_:
+            event = EventHandle(stream)
+        elif not return_recv_hook:
+            self._sync_event.record(stream)
+            self._sync_event.wait(compute)
+        if return_recv_hook:
+            # The hook owns a copy of the arguments (the shared struct is reused by the next call).
+            saved = ctypes.create_string_buffer(args_buffer.raw, len(args_buffer.raw))
+            struct.pack_into("@i", saved, phases_at, _RECV)
+            idx = ctypes.c_int(self._ll_idx.value)
+            stream_ptr = stream.cuda_stream
+
+            def hook():
+                status = fn(self._live_handle(), ctypes.addressof(saved), stream_ptr, ctypes.addressof(idx))
+                if status:
+                    raise_status(status)
+        return event, hook
+
+    @without_torch_function
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        check(lib.deepep_clean_low_latency_buffer(self._live_handle(), num_max_dispatch_tokens_per_rank, hidden,
+                                                  num_experts))
+
+    @without_torch_function
+    def low_latency_dispatch(self, x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                             num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_,
+                             return_recv_hook):
+        """DeepEP's 7-tuple: (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
+        packed_recv_layout_range, event, hook)."""
+        self._live_handle()
+        torch = _torch
+        if x.dim() != 2 or x.dtype != torch.bfloat16:
+            raise RuntimeError(f"deepep-nccl: x must be a 2-D bfloat16 tensor [T, H], got {x.dtype} of shape "
+                               f"{tuple(x.shape)}")
+        if x.get_device() != self._device_id:
+            raise RuntimeError(f"deepep-nccl: x must be on the buffer's device cuda:{self._device_id}, got {x.device}")
+        hidden = x.shape[1]
+        num_ranks = self._num_ranks
+        if num_experts <= 0 or num_experts % num_ranks:
+            raise RuntimeError(f"deepep-nccl: num_experts ({num_experts}) must be a positive multiple of the number "
+                               f"of ranks ({num_ranks})")
+        m = num_max_dispatch_tokens_per_rank
+        local = num_experts // num_ranks
+        rows = num_ranks * m
+        device = self._device
+        if use_fp8:
+            packed_recv_x = torch.empty((local, rows, hidden), dtype=torch.float8_e4m3fn, device=device)
+            if use_ue8m0:
+                packed_recv_x_scales = torch.empty((local, hidden // 512, rows), dtype=torch.int32,
+                                                   device=device).transpose(1, 2)
+            else:
+                packed_recv_x_scales = torch.empty((local, hidden // 128, rows), dtype=torch.float32,
+                                                   device=device).transpose(1, 2)
+        else:
+            packed_recv_x = torch.empty((local, rows, hidden), dtype=torch.bfloat16, device=device)
+            packed_recv_x_scales = None
+        ints = torch.empty(local + local * rows, dtype=torch.int32, device=device)
+        packed_recv_count, packed_recv_src_info = ints.split_with_sizes((local, local * rows))
+        packed_recv_src_info = packed_recv_src_info.view(local, rows)
+        packed_recv_layout_range = torch.empty((local, num_ranks), dtype=torch.int64, device=device)
+        args = self._ll_dispatch_args
+        _DISPATCH_ARGS.pack_into(
+            args, 0,
+            *_desc("x", x), *_desc("topk_idx", topk_idx),
+            *_desc("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats),
+            *_desc("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats),
+            *_desc("packed_recv_x", packed_recv_x), *_desc("packed_recv_x_scales", packed_recv_x_scales),
+            *_desc("packed_recv_count", packed_recv_count), *_desc("packed_recv_src_info", packed_recv_src_info),
+            *_desc("packed_recv_layout_range", packed_recv_layout_range),
+            m, num_experts, int(use_fp8), int(round_scale), int(use_ue8m0), 0,
+        )
+        event, hook = self._ll_launch(lib.deepep_low_latency_dispatch, args, _DISPATCH_PHASES_AT, async_, return_recv_hook)
+        return (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
+                packed_recv_layout_range, event, hook)
+
+    @without_torch_function
+    def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+                            num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_,
+                            return_recv_hook, out=None):
+        """DeepEP's (combined_x, event, hook)."""
+        self._live_handle()
+        torch = _torch
+        if x.dim() != 3:
+            raise RuntimeError(f"deepep-nccl: x must be [E_l, R*M, H], got shape {tuple(x.shape)}")
+        num_tokens, hidden = topk_idx.shape[0], x.shape[2]
+        if out is None:
+            combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self._device)
+        else:
+            combined_x = out
+        args = self._ll_combine_args
+        _COMBINE_ARGS.pack_into(
+            args, 0,
+            *_desc("x", x), *_desc("topk_idx", topk_idx), *_desc("topk_weights", topk_weights),
+            *_desc("src_info", src_info), *_desc("layout_range", layout_range),
+            *_desc("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats), *_desc("out", combined_x),
+            num_max_dispatch_tokens_per_rank, num_experts, int(use_logfmt), int(zero_copy), 0, 0,
+        )
+        event, hook = self._ll_launch(lib.deepep_low_latency_combine, args, _COMBINE_PHASES_AT, async_, return_recv_hook)
+        return combined_x, event, hook
+
+    @without_torch_function
+    def get_next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        ptr = ctypes.c_void_p()
+        check(lib.deepep_get_next_low_latency_combine_buffer(self._live_handle(), num_max_dispatch_tokens_per_rank,
+                                                             hidden, num_experts, ctypes.byref(ptr)))
+        local = num_experts // self._num_ranks
+        rows = self._num_ranks * num_max_dispatch_tokens_per_rank
+        stride = hidden + hidden // 64
+        raw = _torch.as_tensor(_DeviceView(ptr.value, local * rows * stride * 2, self), device=self._device)
+        return raw.view(_torch.bfloat16).as_strided((local, rows, hidden), (rows * stride, stride, 1))
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask):
+        check(lib.deepep_low_latency_update_mask_buffer(self._live_handle(), rank_to_mask, bool(mask),
+                                                        self._ll_compute_stream().cuda_stream))
+
+    @without_torch_function
+    def low_latency_query_mask_buffer(self, mask_status):
+        desc = ctypes.create_string_buffer(struct.calcsize("@" + _TENSOR))
+        struct.pack_into("@" + _TENSOR, desc, 0, *_desc("mask_status", mask_status))
+        check(lib.deepep_low_latency_query_mask_buffer(self._live_handle(), ctypes.addressof(desc),
+                                                       self._ll_compute_stream().cuda_stream))
+
+    def low_latency_clean_mask_buffer(self):
+        check(lib.deepep_low_latency_clean_mask_buffer(self._live_handle(), self._ll_compute_stream().cuda_stream))

@@ -1,0 +1,278 @@
+// Low-latency combine: deepep::ll::combine<...>.
+//
+// Send phase. Every packed row (local expert e, row r) of the dispatch handle
+// goes back to its source rank j, into slot [global expert][source token] of
+// j's combine area (DeepEP's layout: duplicates of a (token, expert) pair land
+// on one slot, as in DeepEP). Rows are split into chunks so that every warp of
+// the grid has work; the writer that completes home j's last chunk signals j.
+// Receive phase. Each warp owns (token, 256 channels) and sums the token's top-k
+// slots in fp32 with fma in top-k order (DeepEP's order), then rounds to BF16.
+#include "ll_common.cuh"
+#if __has_include("ll_logfmt.cuh")
+#include "ll_logfmt.cuh"
+#define DEEPEP_HAVE_LOGFMT 1
+#else
+#define DEEPEP_HAVE_LOGFMT 0
+#endif
+
+namespace deepep {
+namespace ll {
+
+// Bytes of one combine slot: BF16 row, or the LogFMT row (256-byte block areas + metadata).
+__host__ __device__ constexpr int64_t combine_slot_bytes(int hidden, bool logfmt) {
+#if DEEPEP_HAVE_LOGFMT
+  return logfmt ? align16(int64_t(hidden / 128) * (kLogfmtSlotBytes + kLogfmtMetaBytes)) : 2 * int64_t(hidden);
+#else
+  return 2 * int64_t(hidden);
+#endif
+}
+
+template <int kRemote>
+__device__ __forceinline__ void combine_done(const Transport<kRemote>& tr, int home, int add, int expected) {
+  const int old = atomicAdd(tr.c.done + tr.c.num_ranks + home, add);
+  if (old + add == expected) {
+    tr.c.done[tr.c.num_ranks + home] = 0;
+    tr.signal(home, kSignalCombine, 1u);
+  }
+}
+
+template <int kRemote, bool kLogfmt>
+__device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRemote>& tr, int* smem) {
+  const auto& c = p.common;
+  const int R = c.num_ranks, El = c.num_local_experts, H = c.hidden, M = c.max_tokens;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t rows_per_expert = int64_t(R) * M;
+  const int64_t cslot = p.combine_slot_bytes;
+  const int64_t view_row_bytes = 2 * int64_t(H) + H / 32;  // DeepEP's (H + H/64) BF16 elements
+  // smem: prefix [El*R + 1] of block sizes in (expert, source) order; rows per home [R].
+  int* prefix = smem;
+  int* home_rows = prefix + El * R + 1;
+  for (int j = threadIdx.x; j < R; j += kThreads) home_rows[j] = 0;
+  __syncthreads();
+  if (threadIdx.x < kWarp) {
+    // One warp scans El*R counts, 32 at a time.
+    int carry = 0;
+    for (int base = 0; base < El * R; base += kWarp) {
+      const int idx = base + lane;
+      int n = 0;
+      if (idx < El * R) {
+        const int j = idx % R;
+        n = peer_active(c, j) ? int(uint32_t(__ldg(p.layout_range + idx))) : 0;
+        if (n) atomicAdd(&home_rows[j], n);
+      }
+      int incl = n;
+#pragma unroll
+      for (int s = 1; s < kWarp; s <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, s);
+        if (lane >= s) incl += y;
+      }
+      if (idx < El * R) prefix[idx] = carry + incl - n;
+      carry += __shfl_sync(0xffffffffu, incl, kWarp - 1);
+    }
+    if (lane == 0) prefix[El * R] = carry;
+  }
+  __syncthreads();
+  const int total_rows = prefix[El * R];
+  const int row_vec = H / 8;  // 16-byte groups of a BF16 row
+  const int total_warps = gridDim.x * kWarps;
+  // Chunks of whole 256-channel groups (one int4 per lane per step); when H % 256 == 128
+  // the last group has only its first half-warp.
+  const int groups = (H + 255) / 256;
+  const int row_bytes = 2 * H;
+  int chunks = total_rows > 0 ? (total_warps + total_rows - 1) / total_rows : 1;
+  chunks = max(1, min(chunks, groups));
+  // Homes that get no rows still need their signal.
+  for (int j = blockIdx.x * kThreads + threadIdx.x; j < R; j += gridDim.x * kThreads)
+    if (home_rows[j] == 0 && peer_active(c, j)) tr.signal(j, kSignalCombine, 1u);
+
+  const bool zero_copy = p.zero_copy != 0;
+  for (int w = blockIdx.x * kWarps + warp; w < total_rows * chunks; w += total_warps) {
+    const int row_idx = w / chunks, chunk = w % chunks;
+    int lo = 0, hi = El * R - 1;  // block (e, j): prefix[b] <= row_idx < prefix[b + 1]
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (prefix[mid] <= row_idx) lo = mid; else hi = mid - 1;
+    }
+    const int e = lo / R, j = lo % R;
+    const int64_t range = __ldg(p.layout_range + lo);
+    const int row = int(range >> 32) + (row_idx - prefix[lo]);
+    const int t = __ldg(p.src_info + int64_t(e) * rows_per_expert + row);
+    const int global_expert = c.rank * El + e;
+    const uint64_t view_offset = c.view_offset + (uint64_t(e) * rows_per_expert + row) * view_row_bytes;
+    const int4* src = zero_copy ? reinterpret_cast<const int4*>(tr.local(view_offset))
+                                : static_cast<const int4*>(p.x) + (int64_t(e) * rows_per_expert + row) * row_vec;
+    const uint64_t dst_offset = c.combine_recv_offset + (uint64_t(global_expert) * M + t) * cslot;
+    const bool direct = tr.direct(j);
+    // Direct: store into j's slot. Remote: stage into the view row (unless zero-copy) and put.
+    const int g_begin = chunk * groups / chunks, g_end = (chunk + 1) * groups / chunks;
+    if constexpr (kLogfmt) {
+#if DEEPEP_HAVE_LOGFMT
+      const int num_blocks = H / 128;
+      uint8_t* dst = direct ? tr.lsa(dst_offset, j) : tr.local(view_offset);
+      const int64_t meta_at = int64_t(num_blocks) * kLogfmtSlotBytes;
+      for (int g = g_begin; g < g_end; ++g) {
+        const int block = 2 * g + lane / 16;
+        if (block >= num_blocks) continue;  // half-warp uniform
+        const int4 v = ld_nc(src + g * kWarp + lane);
+        logfmt_encode_block(v, lane % 16, dst + int64_t(block) * kLogfmtSlotBytes,
+                            dst + meta_at + int64_t(block) * kLogfmtMetaBytes);
+      }
+      __syncwarp();
+      if (!direct) {
+        // Encoded into the view row (staging): put this chunk's block areas and metadata.
+        const int b0 = 2 * g_begin, b1 = min(2 * g_end, num_blocks);
+        tr.put(j, dst_offset + b0 * kLogfmtSlotBytes, view_offset + b0 * kLogfmtSlotBytes,
+               int64_t(b1 - b0) * kLogfmtSlotBytes, lane);
+        const int64_t m0 = meta_at + int64_t(b0) * kLogfmtMetaBytes, m1 = meta_at + int64_t(b1) * kLogfmtMetaBytes;
+        tr.put_bytes(j, dst_offset + m0, view_offset + m0, m1 - m0, lane);
+      }
+#endif
+    } else {
+      int4* dst = reinterpret_cast<int4*>(direct ? tr.lsa(dst_offset, j) : tr.local(view_offset));
+      if (direct || !zero_copy) {
+        for (int g = g_begin; g < g_end; ++g) {
+          const int i = g * kWarp + lane;
+          if (i < row_vec) st_na(dst + i, ld_nc(src + i));
+        }
+        __syncwarp();
+      }
+      if (!direct) {
+        const int64_t chunk_begin = int64_t(g_begin) * kWarp * 16;
+        const int64_t chunk_end = min(int64_t(g_end) * kWarp * 16, int64_t(row_bytes));
+        tr.put(j, dst_offset + chunk_begin, view_offset + chunk_begin, chunk_end - chunk_begin, lane);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence_system();
+      combine_done(tr, j, 1, home_rows[j] * chunks);
+    }
+  }
+}
+
+template <int kRemote, bool kLogfmt>
+__device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRemote>& tr, int* smem) {
+  const auto& c = p.common;
+  const int R = c.num_ranks, El = c.num_local_experts, H = c.hidden, M = c.max_tokens, K = c.num_topk;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t cslot = p.combine_slot_bytes;
+  const bool i32 = p.topk_idx_is_int32 != 0;
+  int* active = smem;  // [R]
+  for (int j = threadIdx.x; j < R; j += kThreads) {
+    int64_t cycles = 0;
+    active[j] = tr.wait_source(kSignalCombine, j, &cycles) != 0;
+    if (blockIdx.x == 0 && p.combine_wait_recv_cost_stats != nullptr) p.combine_wait_recv_cost_stats[j] += cycles;
+  }
+  __syncthreads();
+  const int groups = H / 256;  // H % 256 == 0 here; H % 256 == 128 uses a half group below
+  const int groups_total = (H + 255) / 256;
+  const int items = p.num_tokens * groups_total;
+  const uint8_t* recv = tr.local(c.combine_recv_offset);
+  for (int w = blockIdx.x * kWarps + warp; w < items; w += gridDim.x * kWarps) {
+    const int t = w / groups_total, g = w % groups_total;
+    const bool lane_valid = g < groups || lane < 16;  // last half group when H % 256 == 128
+    float acc[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
+      if (e < 0 || !active[e / El]) continue;
+      const float weight = __ldg(p.topk_weights + int64_t(t) * K + k);
+      const uint8_t* slot = recv + (int64_t(e) * M + t) * cslot;
+      float v[8];
+      if constexpr (kLogfmt) {
+#if DEEPEP_HAVE_LOGFMT
+        const int block = 2 * g + lane / 16;
+        const int num_blocks = H / 128;
+        if (lane_valid)
+          logfmt_decode_block(slot + int64_t(block) * kLogfmtSlotBytes,
+                              slot + int64_t(num_blocks) * kLogfmtSlotBytes + int64_t(block) * kLogfmtMetaBytes,
+                              lane % 16, v);
+        else
+#endif
+#pragma unroll
+          for (int q = 0; q < 8; ++q) v[q] = 0.0f;
+      } else {
+        int4 raw = lane_valid ? ld_cg(reinterpret_cast<const int4*>(slot) + g * kWarp + lane) : make_int4(0, 0, 0, 0);
+        const auto* bf = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) v[q] = __bfloat162float(bf[q]);
+      }
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = fmaf(v[q], weight, acc[q]);
+    }
+    if (lane_valid) {
+      int4 packed;
+      auto* out = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) out[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+      st_na(static_cast<int4*>(p.out) + int64_t(t) * (H / 8) + g * kWarp + lane, packed);
+    }
+  }
+  if (last_block(c.ticket + kSignalCombine)) {
+    for (int j = threadIdx.x; j < R; j += kThreads) {
+      tr.reset_signal(kSignalCombine, j);
+      c.source_state[kSignalCombine * R + j] = kStateWaiting;
+    }
+  }
+}
+
+template <int kRemote, bool kLogfmt>
+__global__ void __launch_bounds__(kThreads, 1) combine(ncclDevComm dev_comm, DeepepLlCombineParams p) {
+  extern __shared__ int smem[];
+  Transport<kRemote> tr(p.common, dev_comm);
+  if (p.common.phases & DEEPEP_LL_PHASE_SEND) combine_send<kRemote, kLogfmt>(p, tr, smem);
+  if (p.common.phases & DEEPEP_LL_PHASE_RECV) {
+    __syncthreads();
+    combine_recv<kRemote, kLogfmt>(p, tr, smem);
+  }
+}
+
+template <int kRemote, bool kLogfmt>
+int launch_combine(const ncclDevComm& dc, const DeepepLlCombineParams& p, int num_blocks, cudaStream_t stream) {
+  const auto& c = p.common;
+  const size_t smem = sizeof(int) * (size_t(c.num_local_experts) * c.num_ranks + 2 * size_t(c.num_ranks) + 2);
+  auto kernel = combine<kRemote, kLogfmt>;
+  if (smem > 48 * 1024) {
+    const cudaError_t rc = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (rc != cudaSuccess) return int(rc);
+  }
+  kernel<<<num_blocks, kThreads, smem, stream>>>(dc, p);
+  return int(cudaGetLastError());
+}
+
+template <bool kLogfmt>
+int launch_combine_remote(const ncclDevComm& dc, const DeepepLlCombineParams& p, int remote_kind, int num_blocks,
+                          cudaStream_t s) {
+  switch (remote_kind) {
+    case kRemoteNone: return launch_combine<kRemoteNone, kLogfmt>(dc, p, num_blocks, s);
+    case kRemoteEmulated: return launch_combine<kRemoteEmulated, kLogfmt>(dc, p, num_blocks, s);
+#if DEEPEP_HAVE_GIN
+    case kRemoteGin: return launch_combine<kRemoteGin, kLogfmt>(dc, p, num_blocks, s);
+#endif
+    default: return int(cudaErrorInvalidValue);
+  }
+}
+
+}  // namespace ll
+}  // namespace deepep
+
+extern "C" int64_t deepep_ll_combine_slot_bytes(int32_t hidden, int32_t use_logfmt) {
+  if (use_logfmt && !DEEPEP_HAVE_LOGFMT) return -1;
+  return deepep::ll::combine_slot_bytes(hidden, use_logfmt != 0);
+}
+
+extern "C" int deepep_launch_ll_combine(const void* dev_comm, const DeepepLlCombineParams* params, int remote_kind,
+                                        int num_blocks, void* stream) {
+  using namespace deepep::ll;
+  const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (params->use_logfmt) {
+#if DEEPEP_HAVE_LOGFMT
+    return launch_combine_remote<true>(dc, *params, remote_kind, num_blocks, s);
+#else
+    return int(cudaErrorNotSupported);
+#endif
+  }
+  return launch_combine_remote<false>(dc, *params, remote_kind, num_blocks, s);
+}

@@ -1,0 +1,250 @@
+// Shared device code of the low-latency (LL) kernels: the transport (LSA stores
+// for peers in the same node; the GIN protocol -- stage, put, strong signal --
+// for the others, either over NCCL GIN or emulated over LSA for virtual nodes),
+// the bounded signal wait with shrink-mode masking, and small memory helpers.
+//
+// Protocol of one LL op (dispatch or combine) between sender s and receiver r:
+// s writes its data into r's half of the window, then adds a non-zero value to
+// r's signal word [s] (release, after all of s's writes to r). r waits for the
+// word, reads, and the last block of r's kernel resets the word to 0. A word is
+// next written two LL calls later (the other half is used in between), after r
+// has reset it: DeepEP's "at most two results in flight".
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstdint>
+
+#include "bounded_wait.cuh"
+#include "deepep_kernels.h"
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 7)
+#define DEEPEP_HAVE_GIN 1
+#else
+#define DEEPEP_HAVE_GIN 0
+#endif
+
+namespace deepep {
+namespace ll {
+
+constexpr int kWarp = 32;
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / kWarp;
+constexpr int kSignalDispatch = 0;
+constexpr int kSignalCombine = 1;
+constexpr int kStateWaiting = 0, kStateArrived = 1, kStateMasked = 2;
+
+enum RemoteKind { kRemoteNone = 0, kRemoteEmulated = 1, kRemoteGin = 2 };
+
+__host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) / 16 * 16; }
+
+// Dispatch slot: header (source token, then one (expert, position) word per
+// top-k entry), then the payload (FP8 + fp32 scales, or BF16).
+__host__ __device__ constexpr int64_t dispatch_header_bytes(int num_topk) { return align16(16 + 4 * num_topk); }
+
+// ---------------------------------------------------------------- memory ops
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int atomic_add_release_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.add.release.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+// Data written by peers during this kernel: L2, never a stale L1 line.
+__device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
+__device__ __forceinline__ int4 ld_nc(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void st_na(int4* p, int4 v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ int load_topk(const void* topk, bool is_int32, int64_t i) {
+  return is_int32 ? __ldg(static_cast<const int32_t*>(topk) + i) : int(__ldg(static_cast<const int64_t*>(topk) + i));
+}
+
+__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
+  constexpr int kUnroll = 4;
+  int i = lane;
+  for (; i + (kUnroll - 1) * kWarp < n; i += kUnroll * kWarp) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld_cg(src + i + u * kWarp);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) st_na(dst + i + u * kWarp, v[u]);
+  }
+  for (; i < n; i += kWarp) st_na(dst + i, ld_cg(src + i));
+}
+
+// ---------------------------------------------------------------- transport
+// Peer addressing and signals for one call. `kRemote` selects how peers outside
+// the sender's node are reached; peers inside it always get LSA stores.
+template <int kRemote>
+struct Transport {
+  const DeepepLlCommon& c;
+  ncclDevComm const& dev_comm;
+
+  __device__ Transport(const DeepepLlCommon& common, ncclDevComm const& dc) : c(common), dev_comm(dc) {}
+
+  __device__ __forceinline__ ncclWindow_t window() const { return static_cast<ncclWindow_t>(c.window); }
+  __device__ __forceinline__ bool direct(int peer) const {
+    return kRemote == kRemoteNone || peer / c.node_size == c.rank / c.node_size;
+  }
+  // Peer's copy of window offset `offset`, through NVLink (LSA). Valid for direct
+  // peers, and for every peer in the emulated mode (one physical node).
+  __device__ __forceinline__ uint8_t* lsa(uint64_t offset, int peer) const {
+    return static_cast<uint8_t*>(ncclGetLsaPointer(window(), offset, peer - c.wait.lsa_base_rank));
+  }
+  __device__ __forceinline__ uint8_t* local(uint64_t offset) const {
+    return static_cast<uint8_t*>(ncclGetLocalPointer(window(), offset));
+  }
+  __device__ __forceinline__ uint64_t signal_offset(int kind, int src) const {
+    return c.signal_offset + 4ull * (uint64_t(kind) * c.num_ranks + src);
+  }
+#if DEEPEP_HAVE_GIN
+  __device__ __forceinline__ int gin_signal_id(int kind, int src) const {
+    return (c.parity * 2 + kind) * c.num_ranks + src;
+  }
+  __device__ __forceinline__ int gin_context(int peer) const {
+    return dev_comm.ginContextCount > 0 ? peer % dev_comm.ginContextCount : 0;
+  }
+#endif
+
+  // Remote path, data: `bytes` staged at local window offset `src_offset` go to
+  // the peer's `dst_offset`. The whole warp calls; the stage is complete and
+  // visible to this warp (syncthreads/syncwarp before).
+  __device__ __forceinline__ void put(int peer, uint64_t dst_offset, uint64_t src_offset, int64_t bytes,
+                                      int lane) const {
+    if constexpr (kRemote == kRemoteEmulated) {
+      warp_copy(reinterpret_cast<int4*>(lsa(dst_offset, peer)), reinterpret_cast<const int4*>(local(src_offset)),
+                int(bytes / 16), lane);
+    } else if constexpr (kRemote == kRemoteGin) {
+#if DEEPEP_HAVE_GIN
+      if (lane == 0) {
+        ncclGin gin(dev_comm, gin_context(peer));
+        gin.put(ncclTeamWorld(dev_comm), peer, window(), dst_offset, window(), src_offset, size_t(bytes));
+      }
+#endif
+    }
+  }
+
+  // put() for byte counts that need not be a multiple of 16 (small metadata).
+  __device__ __forceinline__ void put_bytes(int peer, uint64_t dst_offset, uint64_t src_offset, int64_t bytes,
+                                            int lane) const {
+    if constexpr (kRemote == kRemoteEmulated) {
+      uint8_t* dst = lsa(dst_offset, peer);
+      const uint8_t* src = local(src_offset);
+      for (int64_t i = lane; i < bytes; i += kWarp) dst[i] = __ldcg(src + i);
+    } else {
+      put(peer, dst_offset, src_offset, bytes, lane);
+    }
+  }
+
+  // Tells `peer` that all of this rank's writes of op `kind` to it are done
+  // (the caller fenced them: every writer released before counting itself done).
+  __device__ __forceinline__ void signal(int peer, int kind, uint32_t value) const {
+    if (kRemote == kRemoteGin && !direct(peer)) {
+#if DEEPEP_HAVE_GIN
+      ncclGin gin(dev_comm, gin_context(peer));
+      gin.signal(ncclTeamWorld(dev_comm), peer, ncclGin_SignalAdd{unsigned(gin_signal_id(kind, c.rank)), value});
+#endif
+      return;
+    }
+    __threadfence_system();
+    st_release_sys(reinterpret_cast<uint32_t*>(lsa(signal_offset(kind, c.rank), peer)), value);
+  }
+
+  __device__ __forceinline__ uint32_t read_signal(int kind, int src) const {
+    if (kRemote == kRemoteGin && !direct(src)) {
+#if DEEPEP_HAVE_GIN
+      ncclGin gin(dev_comm, 0);
+      return uint32_t(gin.readSignal(gin_signal_id(kind, src)));
+#endif
+    }
+    return ld_acquire_sys(reinterpret_cast<const uint32_t*>(local(signal_offset(kind, src))));
+  }
+
+  __device__ __forceinline__ void reset_signal(int kind, int src) const {
+    if (kRemote == kRemoteGin && !direct(src)) {
+#if DEEPEP_HAVE_GIN
+      ncclGin gin(dev_comm, 0);
+      gin.resetSignal(gin_signal_id(kind, src));
+#endif
+      return;
+    }
+    *reinterpret_cast<volatile uint32_t*>(local(signal_offset(kind, src))) = 0;
+  }
+
+  // One thread: waits for source `src`'s signal of op `kind` and agrees with the
+  // other blocks on the outcome (source_state). Returns the signal value, or 0 if
+  // the source is masked (before or, in shrink mode, by this wait's timeout). A
+  // timeout outside shrink mode records a stall and also returns 0.
+  __device__ uint32_t wait_source(int kind, int src, int64_t* wait_cycles) const {
+    int* state = c.source_state + kind * c.num_ranks + src;
+    if (c.shrink && __ldcg(c.mask + src) != 0) {
+      atomicCAS(state, kStateWaiting, kStateMasked);
+      return 0;
+    }
+    const long long start_clock = clock64();
+    const uint64_t start = global_time_ns();
+    uint32_t value = 0;
+    while (true) {
+      value = read_signal(kind, src);
+      if (value != 0) break;
+      const int s = *reinterpret_cast<volatile int*>(state);
+      if (s == kStateMasked) break;
+      if (c.shrink && *reinterpret_cast<volatile int*>(c.mask + src) != 0) break;
+      if (global_time_ns() - start > c.wait.timeout_ns) {
+        if (c.shrink) {
+          atomicExch(c.mask + src, 1);
+        } else {
+          record_stall(c.wait, src, kind == kSignalDispatch ? DEEPEP_WAIT_OP_LL_DISPATCH : DEEPEP_WAIT_OP_LL_COMBINE,
+                       src, 1, 0);
+        }
+        break;
+      }
+    }
+    if (wait_cycles != nullptr) *wait_cycles = clock64() - start_clock;
+    const int outcome = atomicCAS(state, kStateWaiting, value != 0 ? kStateArrived : kStateMasked);
+    const int final_state = outcome == kStateWaiting ? (value != 0 ? kStateArrived : kStateMasked) : outcome;
+    return final_state == kStateArrived ? (value != 0 ? value : read_signal(kind, src)) : 0u;
+  }
+};
+
+// Whether `peer` takes part in this call (shrink mode skips masked ranks).
+__device__ __forceinline__ bool peer_active(const DeepepLlCommon& c, int peer) {
+  return !c.shrink || __ldcg(c.mask + peer) == 0;
+}
+
+// Last block of a kernel (per op kind): resets the ticket and returns true once.
+__device__ __forceinline__ bool last_block(uint32_t* ticket) {
+  __shared__ int is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t t = atomicAdd(ticket, 1u);
+    is_last = (t == gridDim.x - 1);
+    if (is_last) *ticket = 0;
+  }
+  __syncthreads();
+  return is_last != 0;
+}
+
+}  // namespace ll
+}  // namespace deepep

@@ -1,0 +1,469 @@
+// Low-latency dispatch: deepep::ll::dispatch<...>.
+//
+// Send phase. Each token goes once to every rank that owns one of its experts
+// (not once per expert): the slot carries the token's top-k list with the row
+// each (token, expert) pair takes at the receiver, and the receiver fans the
+// payload out into its experts' packed rows. Row positions are deterministic:
+// within expert e, source ranks ascending; within a source, (token, k) ascending.
+//   * block b owns tokens t = b, b+G, ...: it counts, over the tokens before t,
+//     how many went to each of t's destination ranks (t's slot there) and how
+//     many chose each of t's experts (t's row inside the source block), then
+//     quantises t once and stores it into every destination slot;
+//   * block b also owns destinations d = b, b+G, ...: it sends d the count
+//     message (tokens and per-expert counts from this rank);
+//   * every writer releases its stores and adds to done[d]; the count block adds
+//     kDoneTag - n_d, so whoever brings done[d] to kDoneTag signals d.
+// Receive phase. Every block waits for all sources' signals, builds the begin
+// table from the count messages, then warps copy slots into the packed outputs.
+#include "ll_common.cuh"
+
+namespace deepep {
+namespace ll {
+
+constexpr int kDoneTag = 1 << 30;
+constexpr int kCountHeaderInts = 4;  // count message: [tokens, 0, 0, 0, per-expert counts...]
+
+__host__ __device__ constexpr int64_t dispatch_payload_bytes(int hidden, bool fp8) {
+  return fp8 ? int64_t(hidden) + 4 * (hidden / 128) : 2 * int64_t(hidden);
+}
+
+struct TokenRoute {
+  int expert[DEEPEP_LL_MAX_TOPK];
+  int pos[DEEPEP_LL_MAX_TOPK];   // row inside (expert, this source) block
+  int dst[DEEPEP_LL_MAX_TOPK];   // distinct destination ranks, first-seen order
+  int slot[DEEPEP_LL_MAX_TOPK];  // the token's slot at dst[i]
+  int num_dst;
+};
+
+__device__ __forceinline__ float half_warp_max(float v) {
+#pragma unroll
+  for (int m = 8; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+// DeepEP's per-128-channel scale: amax >= 1e-4; optionally a power of two.
+__device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& scale, float& scale_inv) {
+  if (round_scale) {
+    const uint32_t bits = __float_as_uint(amax * (1.0f / 448.0f));
+    const int exp = int((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffffu) != 0);
+    scale = __uint_as_float(uint32_t(127 - exp) << 23);
+    scale_inv = __uint_as_float(uint32_t(exp + 127) << 23);
+  } else {
+    scale_inv = amax * (1.0f / 448.0f);
+    scale = 448.0f / amax;
+  }
+}
+
+// Routing of token t (block-wide; the result lands in `route`, shared memory).
+__device__ void route_token(const DeepepLlDispatchParams& p, int t, TokenRoute& route, int* counters) {
+  const auto& c = p.common;
+  const int K = c.num_topk, El = c.num_local_experts;
+  const bool i32 = p.topk_idx_is_int32 != 0;
+  if (threadIdx.x < 2 * DEEPEP_LL_MAX_TOPK) counters[threadIdx.x] = 0;
+  if (threadIdx.x == 0) {
+    int nd = 0;
+    for (int k = 0; k < K; ++k) {
+      const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
+      route.expert[k] = e;
+      int dup = 0;
+      for (int k2 = 0; k2 < k; ++k2) dup += route.expert[k2] == e;
+      route.pos[k] = dup;  // duplicates inside the token come first in (token, k) order
+      if (e < 0) continue;
+      const int d = e / El;
+      bool seen = false;
+      for (int i = 0; i < nd; ++i) seen |= route.dst[i] == d;
+      if (!seen) route.dst[nd++] = d;
+    }
+    route.num_dst = nd;
+  }
+  __syncthreads();
+  int cpos[DEEPEP_LL_MAX_TOPK], cslot[DEEPEP_LL_MAX_TOPK];
+#pragma unroll
+  for (int k = 0; k < DEEPEP_LL_MAX_TOPK; ++k) cpos[k] = cslot[k] = 0;
+  const int nd = route.num_dst;
+  for (int tp = threadIdx.x; tp < t; tp += kThreads) {
+    uint32_t hit = 0;
+    for (int k2 = 0; k2 < K; ++k2) {
+      const int e2 = load_topk(p.topk_idx, i32, int64_t(tp) * K + k2);
+      if (e2 < 0) continue;
+      const int d2 = e2 / El;
+#pragma unroll
+      for (int k = 0; k < DEEPEP_LL_MAX_TOPK; ++k) {
+        if (k < K) cpos[k] += route.expert[k] == e2;
+        if (k < nd && route.dst[k] == d2) hit |= 1u << k;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < DEEPEP_LL_MAX_TOPK; ++k) cslot[k] += (hit >> k) & 1u;
+  }
+  const int lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int k = 0; k < DEEPEP_LL_MAX_TOPK; ++k) {
+    if (k >= K) break;
+    const int a = __reduce_add_sync(0xffffffffu, cpos[k]);
+    const int b = __reduce_add_sync(0xffffffffu, cslot[k]);
+    if (lane == 0) {
+      if (a) atomicAdd(&counters[k], a);
+      if (b) atomicAdd(&counters[DEEPEP_LL_MAX_TOPK + k], b);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < K) route.pos[threadIdx.x] += counters[threadIdx.x];
+  if (threadIdx.x < nd) route.slot[threadIdx.x] = counters[DEEPEP_LL_MAX_TOPK + threadIdx.x];
+  __syncthreads();
+}
+
+template <int kRemote>
+__device__ __forceinline__ void count_done(const Transport<kRemote>& tr, int d, int add) {
+  const int old = atomicAdd(tr.c.done + d, add);
+  if (old + add == kDoneTag) {
+    tr.c.done[d] = 0;
+    tr.signal(d, kSignalDispatch, 1u);
+  }
+}
+
+template <int kRemote, bool kFp8>
+__device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<kRemote>& tr, int* smem) {
+  const auto& c = p.common;
+  const int T = p.num_tokens, K = c.num_topk, El = c.num_local_experts, H = c.hidden, M = c.max_tokens;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const bool i32 = p.topk_idx_is_int32 != 0;
+  const int64_t slot_bytes = p.dispatch_slot_bytes;
+  const int64_t header = dispatch_header_bytes(K);
+  const int64_t count_bytes = p.count_bytes;
+  const int num_scales = H / 128;
+
+  // Count messages for the destinations this block owns.
+  int* hist = smem;  // [El + 1]
+  for (int d = blockIdx.x; d < c.num_ranks; d += gridDim.x) {
+    if (!peer_active(c, d)) continue;
+    for (int i = threadIdx.x; i <= El; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    for (int t = threadIdx.x; t < T; t += kThreads) {
+      bool any = false;
+      for (int k = 0; k < K; ++k) {
+        const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
+        if (e >= 0 && e / El == d) {
+          atomicAdd(&hist[1 + e - d * El], 1);
+          any = true;
+        }
+      }
+      if (any) atomicAdd(&hist[0], 1);
+    }
+    __syncthreads();
+    const bool direct = tr.direct(d);
+    const uint64_t dst_offset = c.count_offset + uint64_t(c.rank) * count_bytes;
+    const uint64_t stage_offset = c.staging_offset + uint64_t(M) * slot_bytes + uint64_t(d) * count_bytes;
+    int* msg = reinterpret_cast<int*>(direct ? tr.lsa(dst_offset, d) : tr.local(stage_offset));
+    for (int i = threadIdx.x; i < kCountHeaderInts + El; i += kThreads)
+      msg[i] = i == 0 ? hist[0] : (i < kCountHeaderInts ? 0 : hist[1 + i - kCountHeaderInts]);
+    __syncthreads();
+    if (!direct && warp == 0) tr.put(d, dst_offset, stage_offset, count_bytes, lane);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      count_done(tr, d, kDoneTag - hist[0]);
+    }
+    __syncthreads();
+  }
+
+  __shared__ TokenRoute route;
+  __shared__ int counters[2 * DEEPEP_LL_MAX_TOPK];
+  const int hidden_vec = H / 8;  // 16-byte groups of 8 bf16
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    route_token(p, t, route, counters);
+    const int nd = route.num_dst;
+    // Destination slot base pointers (direct) or the staging slot (remote).
+    uint8_t* dst_ptr[DEEPEP_LL_MAX_TOPK];
+    bool any_remote = false;
+    const uint64_t stage_offset = c.staging_offset + uint64_t(t) * slot_bytes;
+    uint8_t* stage = kRemote == kRemoteNone ? nullptr : tr.local(stage_offset);
+#pragma unroll
+    for (int i = 0; i < DEEPEP_LL_MAX_TOPK; ++i) {
+      dst_ptr[i] = nullptr;
+      if (i < nd && peer_active(c, route.dst[i])) {
+        const int d = route.dst[i];
+        if (tr.direct(d)) {
+          dst_ptr[i] = tr.lsa(c.dispatch_recv_offset + (uint64_t(c.rank) * M + route.slot[i]) * slot_bytes, d);
+        } else {
+          any_remote = true;
+        }
+      }
+    }
+    // Header: source token, then (position << 16 | expert) per top-k entry.
+    if (threadIdx.x <= K) {
+      const int k = threadIdx.x - 1;
+      const uint32_t word = threadIdx.x == 0 ? uint32_t(t)
+                                             : (route.expert[k] < 0 ? 0xffffu
+                                                                    : (uint32_t(route.pos[k]) << 16) |
+                                                                          uint32_t(route.expert[k] & 0xffff));
+#pragma unroll
+      for (int i = 0; i < DEEPEP_LL_MAX_TOPK; ++i)
+        if (dst_ptr[i] != nullptr) reinterpret_cast<uint32_t*>(dst_ptr[i])[threadIdx.x] = word;
+      if (any_remote) reinterpret_cast<uint32_t*>(stage)[threadIdx.x] = word;
+    }
+    // Payload: each warp converts 32 groups of 8 channels (two 128-channel blocks) per step.
+    const int4* x_row = static_cast<const int4*>(p.x) + int64_t(t) * hidden_vec;
+    for (int base = warp * kWarp; base < hidden_vec; base += kThreads) {
+      const int i = base + lane;
+      const bool valid = i < hidden_vec;  // half-warps are entirely valid or not (H % 128 == 0)
+      const int4 v = valid ? ld_nc(x_row + i) : make_int4(0, 0, 0, 0);
+      if constexpr (kFp8) {
+        const auto* bf = reinterpret_cast<const __nv_bfloat16*>(&v);
+        float f[8];
+        float amax = 1e-4f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          f[j] = __bfloat162float(bf[j]);
+          amax = fmaxf(amax, fabsf(f[j]));
+        }
+        amax = half_warp_max(amax);
+        float scale, scale_inv;
+        fp8_scales(amax, p.round_scale != 0, scale, scale_inv);
+        int2 packed;
+        auto* q = reinterpret_cast<__nv_fp8x2_storage_t*>(&packed);
+#pragma unroll
+        for (int j = 0; j < 8; j += 2)
+          q[j / 2] = __nv_cvt_float2_to_fp8x2(make_float2(f[j] * scale, f[j + 1] * scale), __NV_SATFINITE, __NV_E4M3);
+        if (valid) {
+          const bool writes_scale = (lane % 16) == 0;
+          const int64_t scale_at = header + H + 4 * int64_t(i / 16);
+#pragma unroll
+          for (int d = 0; d < DEEPEP_LL_MAX_TOPK; ++d) {
+            if (dst_ptr[d] == nullptr) continue;
+            *reinterpret_cast<int2*>(dst_ptr[d] + header + 8 * int64_t(i)) = packed;
+            if (writes_scale) *reinterpret_cast<float*>(dst_ptr[d] + scale_at) = scale_inv;
+          }
+          if (any_remote) {
+            *reinterpret_cast<int2*>(stage + header + 8 * int64_t(i)) = packed;
+            if (writes_scale) *reinterpret_cast<float*>(stage + scale_at) = scale_inv;
+          }
+        }
+        (void)num_scales;
+      } else {
+        if (valid) {
+#pragma unroll
+          for (int d = 0; d < DEEPEP_LL_MAX_TOPK; ++d)
+            if (dst_ptr[d] != nullptr) st_na(reinterpret_cast<int4*>(dst_ptr[d] + header) + i, v);
+          if (any_remote) st_na(reinterpret_cast<int4*>(stage + header) + i, v);
+        }
+      }
+    }
+    __syncthreads();
+    if (kRemote != kRemoteNone && any_remote) {
+      // Remote destinations: put the staged slot, one warp per destination.
+      for (int i = warp; i < nd; i += kWarps) {
+        const int d = route.dst[i];
+        if (tr.direct(d) || !peer_active(c, d)) continue;
+        tr.put(d, c.dispatch_recv_offset + (uint64_t(c.rank) * M + route.slot[i]) * slot_bytes, stage_offset,
+               slot_bytes, lane);
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      for (int i = 0; i < nd; ++i)
+        if (peer_active(c, route.dst[i])) count_done(tr, route.dst[i], 1);
+    }
+    __syncthreads();
+  }
+}
+
+template <int kRemote, bool kFp8>
+__device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<kRemote>& tr, int* smem) {
+  const auto& c = p.common;
+  const int R = c.num_ranks, El = c.num_local_experts, H = c.hidden, M = c.max_tokens, K = c.num_topk;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t slot_bytes = p.dispatch_slot_bytes;
+  const int64_t header = dispatch_header_bytes(K);
+  const int64_t rows_per_expert = int64_t(R) * M;
+  // smem: begin [R][El] (counts, then exclusive prefixes over sources), tokens [R], slot base [R + 1].
+  int* begin = smem;
+  int* tokens = begin + R * El;
+  int* slot_base = tokens + R;
+  for (int j = threadIdx.x; j < R; j += kThreads) {
+    int64_t cycles = 0;
+    const uint32_t v = tr.wait_source(kSignalDispatch, j, &cycles);
+    tokens[j] = v != 0 ? 1 : 0;  // active flag until the counts are read
+    if (blockIdx.x == 0 && p.dispatch_wait_recv_cost_stats != nullptr)
+      p.dispatch_wait_recv_cost_stats[j] += cycles;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < R * El; idx += kThreads) {
+    const int j = idx / El, e = idx % El;
+    const int* msg = reinterpret_cast<const int*>(tr.local(c.count_offset + uint64_t(j) * p.count_bytes));
+    begin[idx] = tokens[j] ? __ldcg(msg + kCountHeaderInts + e) : 0;
+  }
+  __syncthreads();
+  if (threadIdx.x < R) {
+    const int j = threadIdx.x;
+    const int* msg = reinterpret_cast<const int*>(tr.local(c.count_offset + uint64_t(j) * p.count_bytes));
+    tokens[j] = tokens[j] ? __ldcg(msg) : 0;
+  }
+  for (int j = threadIdx.x + kThreads; j < R; j += kThreads) {
+    const int* msg = reinterpret_cast<const int*>(tr.local(c.count_offset + uint64_t(j) * p.count_bytes));
+    tokens[j] = tokens[j] ? __ldcg(msg) : 0;
+  }
+  __syncthreads();
+  // Exclusive prefix over sources per expert; block 0 publishes counts and ranges.
+  for (int e = threadIdx.x; e < El; e += kThreads) {
+    int acc = 0;
+    for (int j = 0; j < R; ++j) {
+      const int n = begin[j * El + e];
+      begin[j * El + e] = acc;
+      if (blockIdx.x == 0) p.packed_recv_layout_range[int64_t(e) * R + j] = (int64_t(acc) << 32) | int64_t(uint32_t(n));
+      acc += n;
+    }
+    if (blockIdx.x == 0) {
+      p.packed_recv_count[e] = acc;
+      if (p.cumulative_local_expert_recv_stats != nullptr) p.cumulative_local_expert_recv_stats[e] += acc;
+    }
+  }
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int j = 0; j < R; ++j) {
+      slot_base[j] = acc;
+      acc += tokens[j];
+    }
+    slot_base[R] = acc;
+  }
+  __syncthreads();
+
+  const int total = slot_base[R];
+  const int payload_vec = kFp8 ? H / 16 : H / 8;  // 16-byte words of payload data (without scales)
+  const int num_scales = H / 128;
+  for (int w = blockIdx.x * kWarps + warp; w < total; w += gridDim.x * kWarps) {
+    int lo = 0, hi = R - 1;  // source j: slot_base[j] <= w < slot_base[j + 1]
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (slot_base[mid] <= w) lo = mid; else hi = mid - 1;
+    }
+    const int j = lo, i = w - slot_base[j];
+    const uint8_t* slot = tr.local(c.dispatch_recv_offset + (uint64_t(j) * M + i) * slot_bytes);
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(slot);
+    const int src_token = int(__ldcg(words));
+    uint32_t entry = lane < K ? __ldcg(words + 1 + lane) : 0xffffu;
+    const int expert = int(entry & 0xffffu);
+    const bool mine = expert != 0xffff && expert / El == c.rank;
+    uint32_t mask = __ballot_sync(0xffffffffu, mine);
+    // Row pointers of this slot's (expert, row) pairs, gathered by every lane.
+    int64_t rows[DEEPEP_LL_MAX_TOPK];
+    int num_rows = 0;
+    while (mask) {
+      const int k = __ffs(mask) - 1;
+      mask &= mask - 1;
+      const uint32_t ek = __shfl_sync(0xffffffffu, entry, k);
+      const int e = int(ek & 0xffffu) - c.rank * El;
+      const int row = begin[j * El + e] + int(ek >> 16);
+      rows[num_rows++] = int64_t(e) * rows_per_expert + row;
+    }
+    const int4* src = reinterpret_cast<const int4*>(slot + header);
+    int4* dst = static_cast<int4*>(p.packed_recv_x);
+    constexpr int kUnroll = 4;
+    for (int v0 = lane; v0 < payload_vec; v0 += kUnroll * kWarp) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * kWarp < payload_vec) v[u] = ld_cg(src + v0 + u * kWarp);
+      for (int r = 0; r < num_rows; ++r) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kWarp < payload_vec) st_na(dst + rows[r] * payload_vec + v0 + u * kWarp, v[u]);
+      }
+    }
+    if constexpr (kFp8) {
+      const float* scales = reinterpret_cast<const float*>(slot + header + H);
+      if (p.use_ue8m0) {
+        for (int g = lane; g < num_scales / 4; g += kWarp) {
+          const float4 s = __ldcg(reinterpret_cast<const float4*>(scales) + g);
+          const uint32_t packed = (__float_as_uint(s.x) >> 23) | ((__float_as_uint(s.y) >> 23) << 8) |
+                                  ((__float_as_uint(s.z) >> 23) << 16) | ((__float_as_uint(s.w) >> 23) << 24);
+          for (int r = 0; r < num_rows; ++r) {
+            const int64_t e = rows[r] / rows_per_expert, row = rows[r] % rows_per_expert;
+            static_cast<int32_t*>(p.packed_recv_x_scales)[(e * (num_scales / 4) + g) * rows_per_expert + row] =
+                int32_t(packed);
+          }
+        }
+      } else {
+        for (int s = lane; s < num_scales; s += kWarp) {
+          const float value = __ldcg(scales + s);
+          for (int r = 0; r < num_rows; ++r) {
+            const int64_t e = rows[r] / rows_per_expert, row = rows[r] % rows_per_expert;
+            static_cast<float*>(p.packed_recv_x_scales)[(e * num_scales + s) * rows_per_expert + row] = value;
+          }
+        }
+      }
+    }
+    if (lane < num_rows) {
+      int64_t r = rows[0];
+#pragma unroll
+      for (int q = 1; q < DEEPEP_LL_MAX_TOPK; ++q)
+        if (q == lane) r = rows[q];
+      p.packed_recv_src_info[r] = src_token;
+    }
+  }
+
+  if (last_block(c.ticket + kSignalDispatch)) {
+    for (int j = threadIdx.x; j < R; j += kThreads) {
+      tr.reset_signal(kSignalDispatch, j);
+      c.source_state[kSignalDispatch * R + j] = kStateWaiting;
+    }
+  }
+}
+
+template <int kRemote, bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1) dispatch(ncclDevComm dev_comm, DeepepLlDispatchParams p) {
+  extern __shared__ int smem[];
+  Transport<kRemote> tr(p.common, dev_comm);
+  if (p.common.phases & DEEPEP_LL_PHASE_SEND) dispatch_send<kRemote, kFp8>(p, tr, smem);
+  if (p.common.phases & DEEPEP_LL_PHASE_RECV) {
+    __syncthreads();
+    dispatch_recv<kRemote, kFp8>(p, tr, smem);
+  }
+}
+
+template <int kRemote, bool kFp8>
+int launch_dispatch(const ncclDevComm& dc, const DeepepLlDispatchParams& p, int num_blocks, cudaStream_t stream) {
+  const auto& c = p.common;
+  const size_t smem = sizeof(int) * (size_t(c.num_ranks) * c.num_local_experts + 2 * size_t(c.num_ranks) + 2 +
+                                     size_t(c.num_local_experts));
+  auto kernel = dispatch<kRemote, kFp8>;
+  if (smem > 48 * 1024) {
+    const cudaError_t rc = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (rc != cudaSuccess) return int(rc);
+  }
+  kernel<<<num_blocks, kThreads, smem, stream>>>(dc, p);
+  return int(cudaGetLastError());
+}
+
+}  // namespace ll
+}  // namespace deepep
+
+extern "C" int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t use_fp8) {
+  return deepep::ll::dispatch_header_bytes(num_topk) + deepep::ll::dispatch_payload_bytes(hidden, use_fp8 != 0);
+}
+
+extern "C" int deepep_ll_gin_compiled(void) { return DEEPEP_HAVE_GIN; }
+
+extern "C" int deepep_launch_ll_dispatch(const void* dev_comm, const DeepepLlDispatchParams* params, int remote_kind,
+                                         int num_blocks, void* stream) {
+  using namespace deepep::ll;
+  const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const bool fp8 = params->use_fp8 != 0;
+  switch (remote_kind) {
+    case kRemoteNone:
+      return fp8 ? launch_dispatch<kRemoteNone, true>(dc, *params, num_blocks, s)
+                 : launch_dispatch<kRemoteNone, false>(dc, *params, num_blocks, s);
+    case kRemoteEmulated:
+      return fp8 ? launch_dispatch<kRemoteEmulated, true>(dc, *params, num_blocks, s)
+                 : launch_dispatch<kRemoteEmulated, false>(dc, *params, num_blocks, s);
+#if DEEPEP_HAVE_GIN
+    case kRemoteGin:
+      return fp8 ? launch_dispatch<kRemoteGin, true>(dc, *params, num_blocks, s)
+                 : launch_dispatch<kRemoteGin, false>(dc, *params, num_blocks, s);
+#endif
+    default:
+      return int(cudaErrorInvalidValue);
+  }
+}

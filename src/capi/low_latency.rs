@@ -1,0 +1,104 @@
+//! C ABI: low-latency mode. Dispatch and combine take the caller's outputs and a
+//! `phases` field: 3 runs both phases; 1 runs the send phase only and writes the
+//! buffer half it used to `*buffer_idx`; a later call with phases 2 and that
+//! `*buffer_idx` runs the receive phase (DeepEP's return_recv_hook). Each send
+//! flips the buffer's half, as DeepEP does per call.
+use std::os::raw::{c_int, c_void};
+
+use super::{buffer::buffer_ref, ffi, out_ref};
+use crate::error::{DeepepStatus, Error};
+use crate::ll::{combine::{self, DeepepLowLatencyCombineArgs}, control, dispatch::{self, DeepepLowLatencyDispatchArgs}};
+use crate::tensor::DeepepTensor;
+
+fn args_ref<'a, T>(ptr: *const T) -> crate::error::Result<&'a T> {
+    // SAFETY: callers pass a valid struct pointer or NULL; NULL is rejected.
+    unsafe { ptr.as_ref() }.ok_or_else(|| Error::invalid("args must not be NULL"))
+}
+
+/// DeepEP's low_latency_dispatch; see `DeepepLowLatencyDispatchArgs`.
+#[no_mangle]
+pub extern "C" fn deepep_low_latency_dispatch(
+    buf: *const super::DeepepBuffer,
+    args: *const DeepepLowLatencyDispatchArgs,
+    stream: *mut c_void,
+    buffer_idx: *mut c_int,
+) -> DeepepStatus {
+    ffi(|| dispatch::dispatch(buffer_ref(buf)?, args_ref(args)?, stream, out_ref("buffer_idx", buffer_idx)?))
+}
+
+/// DeepEP's low_latency_combine; see `DeepepLowLatencyCombineArgs`.
+#[no_mangle]
+pub extern "C" fn deepep_low_latency_combine(
+    buf: *const super::DeepepBuffer,
+    args: *const DeepepLowLatencyCombineArgs,
+    stream: *mut c_void,
+    buffer_idx: *mut c_int,
+) -> DeepepStatus {
+    ffi(|| combine::combine(buffer_ref(buf)?, args_ref(args)?, stream, out_ref("buffer_idx", buffer_idx)?))
+}
+
+/// Collective: zeroes both halves' signals and resets the half to 0 (call it after
+/// normal-mode ops and before LL ops, as DeepEP requires). Waits for the device.
+#[no_mangle]
+pub extern "C" fn deepep_clean_low_latency_buffer(
+    buf: *const super::DeepepBuffer,
+    num_max_dispatch_tokens_per_rank: c_int,
+    hidden: c_int,
+    num_experts: c_int,
+) -> DeepepStatus {
+    ffi(|| control::clean(buffer_ref(buf)?, num_max_dispatch_tokens_per_rank as i64, hidden as i64, num_experts as i64))
+}
+
+/// Base pointer of the zero-copy combine view for the next LL call: BF16
+/// [E_l, R*M, H] with element strides (R*M*(H + H/64), H + H/64, 1).
+#[no_mangle]
+pub extern "C" fn deepep_get_next_low_latency_combine_buffer(
+    buf: *const super::DeepepBuffer,
+    num_max_dispatch_tokens_per_rank: c_int,
+    hidden: c_int,
+    num_experts: c_int,
+    out: *mut *mut c_void,
+) -> DeepepStatus {
+    ffi(|| {
+        let out = out_ref("out", out)?;
+        *out = std::ptr::null_mut();
+        *out = control::next_combine_buffer(
+            buffer_ref(buf)?,
+            num_max_dispatch_tokens_per_rank as i64,
+            hidden as i64,
+            num_experts as i64,
+        )?;
+        Ok(())
+    })
+}
+
+/// Shrink mode: masks (mask=true) or unmasks a rank, in stream order.
+#[no_mangle]
+pub extern "C" fn deepep_low_latency_update_mask_buffer(
+    buf: *const super::DeepepBuffer,
+    rank_to_mask: c_int,
+    mask: bool,
+    stream: *mut c_void,
+) -> DeepepStatus {
+    ffi(|| control::update_mask(buffer_ref(buf)?, rank_to_mask, mask, stream))
+}
+
+/// Shrink mode: copies the mask (1 = masked) into `mask_status`, an int32 [R] device tensor.
+#[no_mangle]
+pub extern "C" fn deepep_low_latency_query_mask_buffer(
+    buf: *const super::DeepepBuffer,
+    mask_status: *const DeepepTensor,
+    stream: *mut c_void,
+) -> DeepepStatus {
+    ffi(|| {
+        // SAFETY: a valid descriptor pointer or NULL (rejected).
+        let t = unsafe { mask_status.as_ref() }.ok_or_else(|| Error::invalid("mask_status must not be NULL"))?;
+        control::query_mask(buffer_ref(buf)?, t, stream)
+    })
+}
+
+/// Shrink mode: unmasks every rank, in stream order.
+#[no_mangle]
+pub extern "C" fn deepep_low_latency_clean_mask_buffer(buf: *const super::DeepepBuffer, stream: *mut c_void) -> DeepepStatus {
+    ffi(|| control::clean_mask(buffer_ref(buf)?, stream))
+}

@@ -1,0 +1,108 @@
+//! LL combine: checks the handle and inputs and launches `deepep::ll::combine`
+//! for the send phase, the receive phase, or both.
+use std::os::raw::c_void;
+
+use super::{check_region, common, phases_for, slots, LlLayout, LlShape, LlSlots};
+use crate::buffer::Buffer;
+use crate::ensure_arg;
+use crate::error::Result;
+use crate::kernels::{self, LlCombineParams, LL_MAX_TOPK, LL_PHASE_SEND};
+use crate::tensor::{check, check_opt, check_shape, DeepepDtype::*, DeepepTensor};
+
+/// Arguments of one LL combine (`Buffer::low_latency_combine`). Absent optional
+/// tensors have dtype 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DeepepLowLatencyCombineArgs {
+    /// [E_l, R*M, H] bfloat16, contiguous: the experts' outputs in the dispatch's packed
+    /// layout. With zero_copy the data is read from the zero-copy view instead.
+    pub x: DeepepTensor,
+    /// [T, K] int64 (or int32): the same top-k as the dispatch.
+    pub topk_idx: DeepepTensor,
+    /// [T, K] float32.
+    pub topk_weights: DeepepTensor,
+    /// The dispatch handle: src_info [E_l, R*M] int32 and layout_range [E_l, R] int64.
+    pub src_info: DeepepTensor,
+    pub layout_range: DeepepTensor,
+    /// Optional [R] int64: GPU cycles waited per expert rank are added.
+    pub combine_wait_recv_cost_stats: DeepepTensor,
+    /// [T, H] bfloat16 output.
+    pub out: DeepepTensor,
+    pub num_max_dispatch_tokens_per_rank: i32,
+    pub num_experts: i32,
+    pub use_logfmt: i32,
+    pub zero_copy: i32,
+    /// 1: send only (return_recv_hook), 2: receive only (the hook), 3: both.
+    pub phases: i32,
+    pub reserved: i32,
+}
+
+/// Launches the phases in `a.phases` on `stream` (NULL: the comm stream); the
+/// buffer half works as in [`super::dispatch::dispatch`].
+pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_void, buffer_idx: &mut i32) -> Result<()> {
+    let phases = phases_for(a.phases)?;
+    let r = buffer.layout.num_ranks as i64;
+    let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16], 3)?;
+    let (el, rows, h) = (x.dims()[0], x.dims()[1], x.dims()[2]);
+    let m = a.num_max_dispatch_tokens_per_rank as i64;
+    let shape = LlShape::new(m, h, a.num_experts as i64, r)?;
+    check_shape("x", &x, &[shape.local_experts(), r * m, h])?;
+    let topk = check("topk_idx", Some(&a.topk_idx), &[DEEPEP_DTYPE_INT64, DEEPEP_DTYPE_INT32], 2)?;
+    let (t, k) = (topk.dims()[0], topk.dims()[1]);
+    ensure_arg!(t <= m, "topk_idx has {t} tokens, more than num_max_dispatch_tokens_per_rank ({m})");
+    ensure_arg!(k >= 1 && k <= LL_MAX_TOPK, "topk_idx has {k} columns; low-latency mode supports 1 to {LL_MAX_TOPK}");
+    let weights = check("topk_weights", Some(&a.topk_weights), &[DEEPEP_DTYPE_FLOAT32], 2)?;
+    check_shape("topk_weights", &weights, &[t, k])?;
+    let src = check("src_info", Some(&a.src_info), &[DEEPEP_DTYPE_INT32], 2)?;
+    check_shape("src_info", &src, &[el, rows])?;
+    let range = check("layout_range", Some(&a.layout_range), &[DEEPEP_DTYPE_INT64], 2)?;
+    check_shape("layout_range", &range, &[el, r])?;
+    let out = check("out", Some(&a.out), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
+    check_shape("out", &out, &[t, h])?;
+    if let Some(s) = check_opt("combine_wait_recv_cost_stats", &a.combine_wait_recv_cost_stats, &[DEEPEP_DTYPE_INT64], 1)? {
+        check_shape("combine_wait_recv_cost_stats", &s, &[r])?;
+    }
+    let logfmt = a.use_logfmt != 0;
+    ensure_arg!(!(logfmt && a.zero_copy != 0), "zero_copy cannot be combined with use_logfmt (as in DeepEP)");
+    if phases & LL_PHASE_SEND == 0 {
+        ensure_arg!(*buffer_idx == 0 || *buffer_idx == 1, "buffer_idx must be 0 or 1 (from the send), got {}", *buffer_idx);
+    }
+    buffer.with_resources(|res| {
+        let stream = res.stream_or_comm(stream);
+        let (slots, combine_slot) = slots(res, shape, LL_MAX_TOPK, false, logfmt)?;
+        // Combine uses no dispatch area: leave it out of the size check.
+        let slots = LlSlots { dispatch_slot: 0, count_bytes: 0, ..slots };
+        let probe = LlLayout::new(shape, slots, buffer.rdma_offset() as u64, 0);
+        check_region(buffer, "low_latency_combine", shape, &probe)?;
+        let parity = if phases & LL_PHASE_SEND != 0 { buffer.next_ll_parity() } else { *buffer_idx };
+        let layout = LlLayout::new(shape, slots, buffer.rdma_offset() as u64, parity);
+        let params = LlCombineParams {
+            common: common(buffer, res, shape, &layout, k, phases, parity),
+            x: a.x.data,
+            topk_idx: a.topk_idx.data,
+            topk_weights: a.topk_weights.data.cast(),
+            src_info: a.src_info.data.cast(),
+            layout_range: a.layout_range.data.cast(),
+            out: a.out.data,
+            combine_wait_recv_cost_stats: if a.combine_wait_recv_cost_stats.dtype == 0 {
+                std::ptr::null_mut()
+            } else {
+                a.combine_wait_recv_cost_stats.data.cast()
+            },
+            num_tokens: t as i32,
+            topk_idx_is_int32: (topk.dtype == DEEPEP_DTYPE_INT32) as i32,
+            zero_copy: a.zero_copy,
+            use_logfmt: a.use_logfmt,
+            combine_slot_bytes: combine_slot as i32,
+            reserved: 0,
+        };
+        // SAFETY: params point at validated tensors and this buffer's live window/workspace.
+        let rc = unsafe {
+            kernels::deepep_launch_ll_combine(res.dev_comm.as_ptr(), &params, res.remote_kind, res.num_sms, stream)
+        };
+        kernels::launch_result("deepep::ll::combine", rc)?;
+        *buffer_idx = parity;
+        Ok(())
+    })
+}
+

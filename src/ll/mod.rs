@@ -1,0 +1,278 @@
+//! Low-latency (LL) mode: where each buffer half's regions lie inside the RDMA
+//! region ([`LlLayout`]), the checks every LL op shares, and the ops in
+//! [`dispatch`], [`combine`] and [`control`] (clean, masks, zero-copy view).
+pub mod combine;
+pub mod control;
+pub mod dispatch;
+
+use crate::buffer::{Buffer, Resources, LL_MAX_RANKS};
+use crate::config::low_latency_rdma_size_hint;
+use crate::ensure_arg;
+use crate::error::{Error, Result};
+use crate::kernels::{self, LlCommon};
+
+/// Largest `num_max_dispatch_tokens_per_rank` (row positions are 16-bit in the slot header).
+pub const MAX_TOKENS_PER_RANK: i64 = 1024;
+pub const MAX_LOCAL_EXPERTS: i64 = 1024;
+/// Expert ids travel as 16-bit values; 0xffff marks an empty top-k entry.
+pub const MAX_EXPERTS: i64 = 0xffff;
+
+fn align(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+/// The shape every LL op of one (M, H, E) configuration agrees on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlShape {
+    pub max_tokens: i64,
+    pub hidden: i64,
+    pub num_experts: i64,
+    pub num_ranks: i64,
+}
+
+impl LlShape {
+    /// DeepEP's limits, widened: any H % 128 == 0, M <= 1024, E % R == 0.
+    pub fn new(max_tokens: i64, hidden: i64, num_experts: i64, num_ranks: i64) -> Result<Self> {
+        ensure_arg!(
+            max_tokens > 0 && max_tokens <= MAX_TOKENS_PER_RANK,
+            "num_max_dispatch_tokens_per_rank must be in [1, {MAX_TOKENS_PER_RANK}], got {max_tokens}"
+        );
+        ensure_arg!(
+            hidden > 0 && hidden % 128 == 0,
+            "hidden must be a positive multiple of 128 (one FP8 scale per 128 channels), got {hidden}"
+        );
+        ensure_arg!(hidden <= 1 << 16, "hidden must be at most 65536, got {hidden}");
+        ensure_arg!(num_experts > 0, "num_experts must be positive, got {num_experts}");
+        ensure_arg!(
+            num_experts % num_ranks == 0,
+            "num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})"
+        );
+        ensure_arg!(
+            num_experts / num_ranks <= MAX_LOCAL_EXPERTS,
+            "num_experts / num_ranks ({}) must be at most {MAX_LOCAL_EXPERTS} local experts",
+            num_experts / num_ranks
+        );
+        ensure_arg!(num_experts <= MAX_EXPERTS, "num_experts must be at most {MAX_EXPERTS}, got {num_experts}");
+        ensure_arg!(
+            num_ranks <= LL_MAX_RANKS as i64,
+            "low-latency mode supports up to {LL_MAX_RANKS} ranks, the buffer has {num_ranks}"
+        );
+        Ok(Self { max_tokens, hidden, num_experts, num_ranks })
+    }
+
+    pub fn local_experts(&self) -> i64 {
+        self.num_experts / self.num_ranks
+    }
+}
+
+/// Byte offsets (inside the window) of one buffer half's LL regions, for one op.
+///
+/// The RDMA region is DeepEP's `[signal_0][signal_1][send_0][send_1][recv_0][recv_1]`
+/// sized by its hint formula. Half p's send part is the zero-copy combine view and
+/// also holds the dispatch area (staging, receive slots, count messages); its recv
+/// part holds the combine slots `[E][M]`. What does not fit there (small E, large
+/// top-k) goes to an extra area after DeepEP's regions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlLayout {
+    pub signal: u64,
+    pub view: u64,
+    pub combine_recv: u64,
+    pub staging: u64,
+    pub dispatch_recv: u64,
+    pub count: u64,
+    /// Bytes of the RDMA region this op needs (DeepEP's hint for M, H, E when everything fits).
+    pub required: u64,
+}
+
+/// Slot sizes that place the regions. `combine_slot` is the largest combine
+/// slot of any variant (BF16, LogFMT), so that every op places them alike.
+#[derive(Clone, Copy, Debug)]
+pub struct LlSlots {
+    pub dispatch_slot: u64,
+    pub count_bytes: u64,
+    pub combine_slot: u64,
+    pub remote: bool,
+}
+
+impl LlLayout {
+    /// `rdma_offset`: window offset of the RDMA region; `parity`: the half.
+    /// Signals and combine slots depend only on the shape (both ops agree on them);
+    /// extras go after DeepEP's regions as [signals x2][combine x2][dispatch x2].
+    pub fn new(shape: LlShape, slots: LlSlots, rdma_offset: u64, parity: i32) -> Self {
+        let (m, h, e, r) = (shape.max_tokens as u64, shape.hidden as u64, shape.num_experts as u64, shape.num_ranks as u64);
+        let scales = h / 128;
+        let dispatch_msg = 16 + (2 * h).max(h + 4 * scales);
+        let combine_msg = 4 * scales + 2 * h;
+        let send = (m * dispatch_msg).max(e * m * combine_msg);
+        let recv = (e * m * dispatch_msg).max(e * m * combine_msg);
+        let sig = align(4 * e, 128);
+        let deepep_end = 2 * sig + 2 * send + 2 * recv;
+        let p = parity as u64;
+
+        let signal_bytes = 8 * r;
+        let combine_bytes = e * m * slots.combine_slot;
+        let staging_bytes = if slots.remote { m * slots.dispatch_slot + r * slots.count_bytes } else { 0 };
+        let dispatch_bytes = staging_bytes + r * m * slots.dispatch_slot + r * slots.count_bytes;
+        let extra_signal = if signal_bytes <= sig { 0 } else { align(signal_bytes, 128) };
+        let extra_combine = if combine_bytes <= recv { 0 } else { align(combine_bytes, 128) };
+        let extra_dispatch = if dispatch_bytes <= send { 0 } else { align(dispatch_bytes, 128) };
+
+        let base = rdma_offset;
+        let signal = base + if extra_signal == 0 { p * sig } else { deepep_end + p * extra_signal };
+        let combine_recv = base
+            + if extra_combine == 0 { 2 * sig + 2 * send + p * recv } else { deepep_end + 2 * extra_signal + p * extra_combine };
+        let view = base + 2 * sig + p * send;
+        let staging = if extra_dispatch == 0 {
+            view
+        } else {
+            base + deepep_end + 2 * extra_signal + 2 * extra_combine + p * extra_dispatch
+        };
+        let dispatch_recv = staging + staging_bytes;
+        let count = dispatch_recv + r * m * slots.dispatch_slot;
+        let required = deepep_end + 2 * (extra_signal + extra_combine + extra_dispatch);
+        Self { signal, view, combine_recv, staging, dispatch_recv, count, required }
+    }
+}
+
+/// What the op needs from the buffer: the shape fits its rank count and its RDMA region.
+pub fn check_region(buffer: &Buffer, op: &str, shape: LlShape, layout: &LlLayout) -> Result<()> {
+    ensure_arg!(
+        buffer.args.low_latency_mode,
+        "{op} needs a buffer created with low_latency_mode=True (this one was created without it)"
+    );
+    let have = buffer.args.num_rdma_bytes as u64;
+    let hint = low_latency_rdma_size_hint(shape.max_tokens, shape.hidden, shape.num_ranks as i32, shape.num_experts as i32)?;
+    ensure_arg!(
+        layout.required <= have,
+        "num_rdma_bytes ({have}) is too small for this {op}: num_max_dispatch_tokens_per_rank={}, hidden={}, \
+         num_experts={} need {} B (Buffer.get_low_latency_rdma_size_hint gives {hint})",
+        shape.max_tokens,
+        shape.hidden,
+        shape.num_experts,
+        layout.required
+    );
+    Ok(())
+}
+
+/// Bytes of a dispatch count message: 4 header ints and one count per local expert.
+pub fn count_bytes(local_experts: i64) -> u64 {
+    align(4 * (4 + local_experts as u64), 16)
+}
+
+/// Slot sizes for a dispatch with `num_topk`/`use_fp8` (combine passes K = 16, BF16:
+/// it uses no dispatch area). Also returns this op's combine slot size.
+pub(crate) fn slots(res: &Resources, shape: LlShape, num_topk: i64, use_fp8: bool, use_logfmt: bool) -> Result<(LlSlots, i64)> {
+    let bf16 = kernels::ll_combine_slot_bytes(shape.hidden as i32, false).expect("BF16 combine slot");
+    let logfmt = kernels::ll_combine_slot_bytes(shape.hidden as i32, true);
+    let combine_slot = if use_logfmt {
+        logfmt.ok_or_else(|| Error::unsupported("use_logfmt: this build of deepep-nccl has no LogFMT combine"))?
+    } else {
+        bf16
+    };
+    let slots = LlSlots {
+        dispatch_slot: kernels::ll_dispatch_slot_bytes(shape.hidden as i32, num_topk as i32, use_fp8) as u64,
+        count_bytes: count_bytes(shape.local_experts()),
+        combine_slot: bf16.max(logfmt.unwrap_or(0)) as u64,
+        remote: res.remote_kind != kernels::LL_REMOTE_NONE,
+    };
+    Ok((slots, combine_slot))
+}
+
+/// The fields of the kernels' common block for one call.
+pub(crate) fn common(
+    buffer: &Buffer,
+    res: &Resources,
+    shape: LlShape,
+    layout: &LlLayout,
+    num_topk: i64,
+    phases: i32,
+    parity: i32,
+) -> LlCommon {
+    let ws = res.ll_workspace();
+    LlCommon {
+        window: res.window.handle().cast(),
+        signal_offset: layout.signal,
+        combine_recv_offset: layout.combine_recv,
+        view_offset: layout.view,
+        staging_offset: layout.staging,
+        dispatch_recv_offset: layout.dispatch_recv,
+        count_offset: layout.count,
+        done: ws.done,
+        source_state: ws.source_state,
+        ticket: ws.ticket,
+        mask: ws.mask,
+        wait: buffer.wait_context(res),
+        rank: buffer.args.rank,
+        num_ranks: buffer.args.num_ranks,
+        num_experts: shape.num_experts as i32,
+        num_local_experts: shape.local_experts() as i32,
+        max_tokens: shape.max_tokens as i32,
+        hidden: shape.hidden as i32,
+        num_topk: num_topk as i32,
+        node_size: res.node_size,
+        shrink: buffer.args.enable_shrink as i32,
+        phases,
+        parity,
+        reserved: 0,
+    }
+}
+
+/// `return_recv_hook`: send now, receive later with the same half; else both phases now.
+pub fn phases_for(phases: i32) -> Result<i32> {
+    ensure_arg!(
+        (1..=3).contains(&phases),
+        "phases must be 1 (send), 2 (receive) or 3 (both), got {phases}"
+    );
+    Ok(phases)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots_for(h: u64, k: u64, fp8: bool, remote: bool, el: i64) -> LlSlots {
+        let header = (16 + 4 * k).div_ceil(16) * 16;
+        let payload = if fp8 { h + 4 * (h / 128) } else { 2 * h };
+        LlSlots { dispatch_slot: header + payload, count_bytes: count_bytes(el), combine_slot: 2 * h, remote }
+    }
+
+    #[test]
+    fn deepep_hint_sized_buffers_suffice() {
+        for (m, h, e, r, k) in [(128, 7168, 288, 4, 8), (128, 7168, 256, 8, 8), (1024, 2048, 64, 4, 16), (1, 128, 8, 2, 1)] {
+            let shape = LlShape::new(m, h, e, r).unwrap();
+            let hint = low_latency_rdma_size_hint(m, h, r as i32, e as i32).unwrap() as u64;
+            for fp8 in [false, true] {
+                for remote in [false, true] {
+                    let l = LlLayout::new(shape, slots_for(h as u64, k, fp8, remote, e / r), 0, 1);
+                    assert!(l.required <= hint, "{m} {h} {e} {r} {k}: {} > {hint}", l.required);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn halves_do_not_overlap_and_dispatch_area_sits_in_the_view() {
+        let shape = LlShape::new(128, 7168, 288, 4).unwrap();
+        let s = slots_for(7168, 8, true, true, 72);
+        let (a, b) = (LlLayout::new(shape, s, 4096, 0), LlLayout::new(shape, s, 4096, 1));
+        assert!(a.signal < b.signal && a.view < b.view && a.combine_recv < b.combine_recv);
+        assert_eq!(a.staging, a.view);
+        assert!(a.count + 4 * s.count_bytes <= b.view);
+        assert!(b.combine_recv + 288 * 128 * s.combine_slot <= 4096 + a.required);
+    }
+
+    #[test]
+    fn argument_structs_have_the_sizes_python_packs() {
+        // compat/python/deep_ep_cpp/_low_latency.py packs these.
+        assert_eq!(std::mem::size_of::<dispatch::DeepepLowLatencyDispatchArgs>(), 9 * 80 + 24);
+        assert_eq!(std::mem::size_of::<combine::DeepepLowLatencyCombineArgs>(), 7 * 80 + 24);
+    }
+
+    #[test]
+    fn limits_name_the_argument() {
+        assert!(LlShape::new(2048, 7168, 288, 4).unwrap_err().message.contains("num_max_dispatch_tokens_per_rank"));
+        assert!(LlShape::new(128, 7000, 288, 4).unwrap_err().message.contains("hidden must be a positive multiple of 128"));
+        assert!(LlShape::new(128, 7168, 289, 4).unwrap_err().message.contains("divisible by the number of ranks"));
+        assert!(LlShape::new(128, 1536, 256, 8).is_ok());
+    }
+}
