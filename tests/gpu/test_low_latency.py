@@ -37,6 +37,7 @@ from normal_reference import gather_rows, ref_combine, ref_dispatch
 
 M = 128  # num_max_dispatch_tokens_per_rank, as DeepEP's test
 MAIN_H = 7168
+SMALL_H = 2048  # the hidden size of the cases on their own (smaller) buffers
 RANK_OFFSET = 128  # DeepEP's rank-valued x: every row holds rank - 128 (exact in BF16)
 ALL_MODES = tuple(MODES)  # bf16, fp8, fp8_round, fp8_ue8m0
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
@@ -230,18 +231,19 @@ def combine_reference(ctx, inp, mode, y_kind, y, ref, decode=None, masked=()):
                           layout=ref.layout)
 
 
-_LOGFMT = []
-
-
-def logfmt_decoder():
-    """logfmt_reference.logfmt_roundtrip if that module exists (written separately), else None."""
-    if not _LOGFMT:
-        try:
-            from logfmt_reference import logfmt_roundtrip
-        except ImportError:
-            logfmt_roundtrip = None
-        _LOGFMT.append(logfmt_roundtrip)
-    return _LOGFMT[0]
+def logfmt_decoders(hidden):
+    """[(name, decode rows)] from logfmt_reference.logfmt_roundtrip (a separate module; [] when
+    absent): DeepEP V1's chunked log-or-BF16 decision first, then the per-block decision."""
+    try:
+        import logfmt_reference as lf
+    except ImportError:
+        return []
+    out = []
+    if hasattr(lf, 'deepep_decision_blocks'):
+        blocks = lf.deepep_decision_blocks(hidden)
+        out.append((f'decision per {blocks} blocks (DeepEP V1)', lambda rows: lf.logfmt_roundtrip(rows, blocks)))
+    out.append(('decision per block', lambda rows: lf.logfmt_roundtrip(rows)))
+    return out
 
 
 # ---------------------------------------------------------------- checks (raise AssertionError)
@@ -344,6 +346,18 @@ def check_combined(name, got, want, rep):
     at = tuple((dist_ulp == worst).nonzero()[0].tolist())
     raise AssertionError(f'{name}: {differ} of {got.numel()} elements differ, up to {worst} BF16 ulp, e.g. at '
                          f'{list(at)}: got {got[at].item()}, expected {want[at].item()}')
+
+
+def check_combined_any(name, got, candidates, rep):
+    """check_combined against the first of several (label, reference thunk) that fits."""
+    errors = []
+    for label, want in candidates:
+        try:
+            check_combined(f'{name} [{label}]', got, want(), rep)
+            return label
+        except AssertionError as e:
+            errors.append(str(e))
+    raise AssertionError(' | '.join(errors))
 
 
 def check_combine_structure(res, inp, hook, is_async, target):
@@ -451,8 +465,13 @@ def one_round(ctx, buf, inp, mode, chk, hook=False, async_=None, y_kind='expert'
     chk.agree(ctx.group)
 
     y = expert_output(ctx, inp, out[0], y_kind)
-    decode = logfmt_decoder() if logfmt else None
-    want = None if (logfmt and decode is None) else combine_reference(ctx, inp, mode, y_kind, y, ref, decode)
+    if logfmt:  # local references only: they are tried lazily, rank by rank
+        assert y_kind in ('deq', 'expert'), 'LogFMT references need expert outputs derived from the received rows'
+        want = None
+        candidates = [(label, lambda d=d: combine_reference(ctx, inp, mode, y_kind, y, ref, d))
+                      for label, d in logfmt_decoders(inp.H)]
+    else:
+        want = combine_reference(ctx, inp, mode, y_kind, y, ref)
     results = {}
     for zc in zero_copy:
         if zc:
@@ -467,6 +486,8 @@ def one_round(ctx, buf, inp, mode, chk, hook=False, async_=None, y_kind='expert'
         label = f'combined_x ({mode}, hook={hook}, zero_copy={zc}{", logfmt" if logfmt else ""})'
         if want is not None:
             chk(check_combined, label, res[0], want, ctx.rep)
+        elif candidates:
+            chk(check_combined_any, label, res[0], candidates, ctx.rep)
         if (deepep or logfmt) and y_kind == 'deq':
             chk(deepep_combine_check, inp, res[0], fp8, round_scale, logfmt)
         results[zc] = res[0]
@@ -713,9 +734,8 @@ def stream_order(ctx):
 def logfmt_combine(ctx):
     """use_logfmt=True as DeepEP's --use-logfmt run: rank-valued and LogFMT-style x, BF16 and FP8
     dispatch, hook or not; DeepEP's tolerance always, and logfmt_reference (if present) within
-    1 BF16 ulp."""
-    decode = logfmt_decoder()
-    if decode is None and ctx.rank == 0:
+    1 BF16 ulp with either of its log-or-BF16 decision rules (the one that fits is reported)."""
+    if not logfmt_decoders(MAIN_H) and ctx.rank == 0:
         ctx.rep.info('tests/gpu/logfmt_reference.py not found: LogFMT combine checked with DeepEP tolerance only')
     chk = Checks()
     for xkind in ('rank', 'logfmt', 'rand'):
@@ -968,7 +988,7 @@ def virtual_nodes(ctx):
     chk = Checks()
     try:
         runs = (('randn', 'bf16', False, MAIN_H, (False, True)), ('rank', 'fp8', True, MAIN_H, (False,)),
-                ('wide', 'fp8_ue8m0', False, MAIN_H, (False, True)), ('randn', 'fp8_round', True, 2048, (False,)))
+                ('wide', 'fp8_ue8m0', False, MAIN_H, (False, True)), ('randn', 'fp8_round', True, SMALL_H, (False,)))
         for xkind, mode, hook, hidden, zero_copy in runs:
             inp = make_inputs(ctx, H=hidden, xkind=xkind, routing='deepep')
             ref = reference(ctx, inp, mode)
@@ -1001,14 +1021,14 @@ def virtual_nodes(ctx):
 def buffer_too_small(ctx):
     """A buffer from the hint for hidden 2048 refuses hidden 7168 naming num_rdma_bytes, then
     serves hidden 2048 exactly."""
-    buf = ll_buffer(ctx, M, 2048, ctx.E)
+    buf = ll_buffer(ctx, M, SMALL_H, ctx.E)
     chk = Checks()
     try:
         big = make_inputs(ctx, routing='random')
-        chk(expect_ll_error, 'dispatch of hidden 7168 on a buffer sized for 2048', RuntimeError,
+        chk(expect_ll_error, f'dispatch of hidden {MAIN_H} on a buffer sized for {SMALL_H}', RuntimeError,
             lambda: ll_dispatch(buf, big, 'bf16'), r'num_rdma_bytes')
         chk.agree(ctx.group)
-        inp = make_inputs(ctx, H=2048)
+        inp = make_inputs(ctx, H=SMALL_H)
         one_round(ctx, buf, inp, 'fp8_ue8m0', chk, hook=True)
     finally:
         destroy(ctx, buf)
@@ -1020,7 +1040,7 @@ def not_low_latency_buffer(ctx):
     chk = Checks()
     buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=64 << 20, explicitly_destroy=True)
     try:
-        inp = make_inputs(ctx, T=17, H=2048, routing='random')
+        inp = make_inputs(ctx, T=17, H=SMALL_H, routing='random')
         y = torch.zeros(inp.E // ctx.world, ctx.world * M, inp.H, dtype=BF16)
         handle = (torch.zeros(inp.E // ctx.world, ctx.world * M, dtype=I32),
                   torch.zeros(inp.E // ctx.world, ctx.world, dtype=I64), M, inp.H, inp.E)
@@ -1034,9 +1054,9 @@ def not_low_latency_buffer(ctx):
     chk.done()
 
 
-def normal_round(ctx, buf, chk, num_tokens=256, hidden=2048, num_experts=None, num_topk=8):
+def normal_round(ctx, buf, chk, num_tokens=256, hidden=None, num_experts=None, num_topk=8):
     """A normal-mode (intranode) dispatch + combine against normal_reference."""
-    num_experts = num_experts or ctx.E
+    num_experts, hidden = num_experts or ctx.E, hidden or SMALL_H
     x = torch.randn(num_tokens, hidden, dtype=BF16)
     topk = make_topk(ctx, 'random', num_tokens, num_topk, num_experts)
     weights = torch.randn(num_tokens, num_topk, dtype=F32)
@@ -1060,7 +1080,7 @@ def normal_round(ctx, buf, chk, num_tokens=256, hidden=2048, num_experts=None, n
 def mixed_modes(ctx):
     """One buffer with num_nvl_bytes (normal hint) and num_rdma_bytes (LL hint), low_latency_mode:
     normal dispatch/combine, clean_low_latency_buffer, LL rounds, normal again, clean, LL again."""
-    hidden, E, world = 2048, ctx.E, ctx.world
+    hidden, E, world = SMALL_H, ctx.E, ctx.world
     nvl = max(deep_ep.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(hidden * 2, world),
               deep_ep.Buffer.get_combine_config(world).get_nvl_buffer_size_hint(hidden * 2, world))
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, hidden, world, E)
@@ -1091,11 +1111,11 @@ def subgroup(ctx):
         return
     sctx = make_ctx(sub, ctx.rep)
     sctx.E = sctx.E256 = 256
-    buf = ll_buffer(sctx, M, 2048, 256)
+    buf = ll_buffer(sctx, M, SMALL_H, 256)
     chk = Checks()
     try:
         assert buf.rank == members.index(ctx.rank) and buf.group_size == 2, (buf.rank, buf.group_size)
-        inp = make_inputs(sctx, T=64, H=2048, E=256)
+        inp = make_inputs(sctx, T=64, H=SMALL_H, E=256)
         one_round(sctx, buf, inp, 'bf16', chk, y_kind='random', zero_copy=(False, True))
         one_round(sctx, buf, inp, 'fp8_ue8m0', chk, hook=True)
     finally:
@@ -1135,7 +1155,7 @@ def shrink(ctx):
     dispatch equals the reference with rank 1 sending nothing, their combine ignores rank 1's
     experts, and query reports exactly {1}. 4) Recovery on every rank: clean the mask, then
     clean_low_latency_buffer(M, H, E); a full round is exact again."""
-    hidden, E, world = 2048, ctx.E, ctx.world
+    hidden, E, world = SMALL_H, ctx.E, ctx.world
     name = 'shrink_rank1_skips_dispatch_then_recovers'
     buf = ll_buffer(ctx, M, hidden, E, enable_shrink=True)
     chk = Checks()
