@@ -408,11 +408,14 @@ def _round_f32_exact(value) -> float:
     def bits(x):
         return struct.unpack('<I', struct.pack('<f', x))[0]
 
-    def neighbours(x):
+    def from_bits(b):
+        return struct.unpack('<f', struct.pack('<I', b))[0]
+
+    def neighbours(x):  # x and the floats one ulp either side (the nearest is chosen below)
         b = bits(x)
-        up = struct.unpack('<f', struct.pack('<I', b + 1))[0]
-        down = struct.unpack('<f', struct.pack('<I', b - 1))[0] if b & 0x7fffffff else -struct.unpack('<f', struct.pack('<I', 1))[0]
-        return [x, up, down] if x >= 0 else [x, down, up]
+        if b & 0x7fffffff == 0:
+            return [x, from_bits(1), -from_bits(1)]
+        return [x, from_bits(b + 1), from_bits(b - 1)]
 
     guess = f32(float(value))
     best = None

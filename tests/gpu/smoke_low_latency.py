@@ -54,7 +54,7 @@ def smoke(rank, world, group, rep):
         topk[7] = -1
         weights = torch.randn(M, TOPK, dtype=torch.float32).abs()
         all_x, all_topk = gather_rows(x, group), gather_rows(topk, group)
-        factor = expert_scales(EXPERTS, 'cuda')
+        factor = expert_scales(EXPERTS, x.device)
 
         def round_trip(mode, hook):
             use_fp8, round_scale, use_ue8m0 = MODES[mode]
