@@ -2,6 +2,7 @@
 import socket
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -32,3 +33,41 @@ def spawn_workers(worker, world, args):
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     mp.spawn(worker, args=(world, port, args), nprocs=world)
+
+
+class AllToAllDispatcher:
+    """Megatron's 'alltoall' token dispatcher on torch/NCCL, as shared/bench/torch_alltoall_baseline.py
+    (index_select permute, counts exchange with a host sync, all_to_all_single with splits; combine
+    reverses it and sums the copies with index_add_ in fp32), BF16; -1 top-k slots are skipped."""
+
+    def __init__(self, inp, world, num_experts):
+        self.x, self.topk_idx, self.world = inp.x, inp.topk_idx, world
+        self.experts_per_rank = num_experts // world
+        self.recv, self.order, self.send_splits, self.recv_splits = self.dispatch()
+        self.recv_bytes = self.recv.numel() * 2
+
+    def dispatch(self):
+        x, num_tokens, dev = self.x, self.x.size(0), self.x.device
+        dst_rank = torch.where(self.topk_idx >= 0, self.topk_idx // self.experts_per_rank, self.world)
+        mask = torch.zeros(num_tokens, self.world + 1, dtype=torch.bool, device=dev)
+        mask.scatter_(1, dst_rank, True)  # token -> rank, de-duplicated; column `world` collects the -1 slots
+        mask = mask[:, :self.world]
+        send_counts = mask.sum(0)
+        order = mask.t().nonzero()[:, 1]  # tokens grouped by destination rank
+        send = x.index_select(0, order)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # host sync, as Megatron
+        recv = torch.empty(sum(recv_splits), x.size(1), dtype=x.dtype, device=dev)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits)
+        return recv, order, send_splits, recv_splits
+
+    def combine(self):
+        back = torch.empty(sum(self.send_splits), self.recv.size(1), dtype=self.recv.dtype, device=self.recv.device)
+        dist.all_to_all_single(back, self.recv, self.send_splits, self.recv_splits)
+        out = torch.zeros(self.x.size(0), self.x.size(1), dtype=torch.float32, device=self.x.device)
+        out.index_add_(0, self.order, back.float())
+        return out.to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------ profiler

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.profiler
 
 import deep_ep
-from bench_common import bench as deepep_bench, spawn_workers
+from bench_common import AllToAllDispatcher, bench as deepep_bench, spawn_workers
 
 HIDDEN = 7168
 NUM_EXPERTS = 256
@@ -306,40 +306,6 @@ def probe(buffer, inp, rank):
 
 
 # ------------------------------------------------------------------------ NCCL all-to-all
-class AllToAllDispatcher:
-    """Megatron's 'alltoall' token dispatcher on torch/NCCL, as shared/bench/
-    torch_alltoall_baseline.py: index_select permute, counts exchange with a host sync,
-    all_to_all_single with splits; combine reverses it and sums the copies with index_add_ in fp32."""
-
-    def __init__(self, inp, world):
-        self.x, self.topk_idx, self.world = inp.x, inp.topk_idx, world
-        self.experts_per_rank = NUM_EXPERTS // world
-        self.recv, self.order, self.send_splits, self.recv_splits = self.dispatch()
-        self.recv_bytes = self.recv.numel() * 2
-
-    def dispatch(self):
-        x, num_tokens, dev = self.x, self.x.size(0), self.x.device
-        dst_rank = self.topk_idx // self.experts_per_rank
-        mask = torch.zeros(num_tokens, self.world, dtype=torch.bool, device=dev)
-        mask.scatter_(1, dst_rank, True)  # token -> rank, de-duplicated
-        send_counts = mask.sum(0)
-        order = mask.t().nonzero()[:, 1]  # tokens grouped by destination rank
-        send = x.index_select(0, order)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # host sync, as Megatron
-        recv = torch.empty(sum(recv_splits), x.size(1), dtype=x.dtype, device=dev)
-        dist.all_to_all_single(recv, send, recv_splits, send_splits)
-        return recv, order, send_splits, recv_splits
-
-    def combine(self):
-        back = torch.empty(sum(self.send_splits), self.recv.size(1), dtype=self.recv.dtype, device=self.recv.device)
-        dist.all_to_all_single(back, self.recv, self.send_splits, self.recv_splits)
-        out = torch.zeros(self.x.size(0), self.x.size(1), dtype=torch.float32, device=self.x.device)
-        out.index_add_(0, self.order, back.float())
-        return out.to(torch.bfloat16)
-
-
 # ------------------------------------------------------------------------ worker
 def record(op, dtype, num_sms, num_tokens, nvl_chunk, recv_bytes, e2e, chunk_sweep=None):
     return {'op': op, 'dtype': dtype, 'num_sms': num_sms, 'num_tokens': num_tokens, 'nvl_chunk': nvl_chunk,
@@ -418,7 +384,7 @@ def worker(rank, world, port, args):
     inputs = {t: Inputs(buffer, t, rank) for t in tokens_list}
     for num_tokens in tokens_list:
         inp = inputs[num_tokens]
-        a2a = AllToAllDispatcher(inp, world)
+        a2a = AllToAllDispatcher(inp, world, NUM_EXPERTS)
         for name, fn in (('nccl_a2a_dispatch', a2a.dispatch), ('nccl_a2a_combine', a2a.combine)):
             baseline.append(record(name, 'bf16', None, num_tokens, None, a2a.recv_bytes, bench(fn, args.warmups, args.tests)))
         say(f'T={num_tokens}: NCCL all-to-all dispatch {baseline[-2]["e2e_us"][0]:.0f} us, '
@@ -450,7 +416,7 @@ def worker(rank, world, port, args):
     marker = KinetoMarker()
     for num_tokens in tokens_list:
         inp = inputs[num_tokens]
-        a2a = AllToAllDispatcher(inp, world)
+        a2a = AllToAllDispatcher(inp, world, NUM_EXPERTS)
         for rec in baseline:
             if rec['num_tokens'] == num_tokens:
                 add_kineto(rec, kineto(a2a.dispatch if rec['op'] == 'nccl_a2a_dispatch' else a2a.combine, marker))

@@ -2,7 +2,7 @@
 //! for the send phase, the receive phase, or both.
 use std::os::raw::c_void;
 
-use super::{check_region, common, phases_for, slots, LlLayout, LlShape, LlSlots};
+use super::{combine_layout, common, opt_ptr, phases_for, LlShape};
 use crate::buffer::Buffer;
 use crate::ensure_arg;
 use crate::error::Result;
@@ -69,13 +69,10 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
     }
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
-        let (slots, combine_slot) = slots(res, shape, LL_MAX_TOPK, false, logfmt)?;
-        // Combine uses no dispatch area: leave it out of the size check.
-        let slots = LlSlots { dispatch_slot: 0, count_bytes: 0, ..slots };
-        let probe = LlLayout::new(shape, slots, buffer.rdma_offset() as u64, 0);
-        check_region(buffer, "low_latency_combine", shape, &probe)?;
+        // The size check does not depend on the half: check before taking one.
+        let (_, combine_slot) = combine_layout(buffer, res, "low_latency_combine", shape, logfmt, 0)?;
         let parity = if phases & LL_PHASE_SEND != 0 { buffer.next_ll_parity() } else { *buffer_idx };
-        let layout = LlLayout::new(shape, slots, buffer.rdma_offset() as u64, parity);
+        let (layout, _) = combine_layout(buffer, res, "low_latency_combine", shape, logfmt, parity)?;
         let params = LlCombineParams {
             common: common(buffer, res, shape, &layout, k, phases, parity),
             x: a.x.data,
@@ -84,11 +81,7 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
             src_info: a.src_info.data.cast(),
             layout_range: a.layout_range.data.cast(),
             out: a.out.data,
-            combine_wait_recv_cost_stats: if a.combine_wait_recv_cost_stats.dtype == 0 {
-                std::ptr::null_mut()
-            } else {
-                a.combine_wait_recv_cost_stats.data.cast()
-            },
+            combine_wait_recv_cost_stats: opt_ptr(&a.combine_wait_recv_cost_stats),
             num_tokens: t as i32,
             topk_idx_is_int32: (topk.dtype == DEEPEP_DTYPE_INT32) as i32,
             zero_copy: a.zero_copy,

@@ -2,7 +2,7 @@
 //! zero-copy combine view (get_next_low_latency_combine_buffer).
 use std::os::raw::c_void;
 
-use super::{slots, LlLayout, LlShape, LlSlots};
+use super::{combine_layout, LlShape};
 use crate::buffer::Buffer;
 use crate::cuda;
 use crate::ensure_arg;
@@ -10,37 +10,30 @@ use crate::error::Result;
 use crate::tensor::{check, check_shape, DeepepDtype::*, DeepepTensor};
 
 fn shape_of(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> Result<LlShape> {
-    ensure_arg!(
-        buffer.args.low_latency_mode,
-        "low-latency calls need a buffer created with low_latency_mode=True (this one was created without it)"
-    );
     LlShape::new(max_tokens, hidden, num_experts, buffer.layout.num_ranks as i64)
 }
 
-/// Collective (DeepEP's clean_low_latency_buffer): barrier, zero both halves'
-/// signals and this rank's LL counters, barrier; the next LL call uses half 0.
+/// Collective (DeepEP's clean_low_latency_buffer): waits for the device, barrier, zeroes both
+/// halves' signals and this rank's LL counters, barrier; the next LL call uses half 0.
 pub fn clean(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> Result<()> {
     let shape = shape_of(buffer, max_tokens, hidden, num_experts)?;
-    buffer.with_resources(|_| cuda::context_synchronize())?;
+    let signals = buffer.with_resources(|res| {
+        let mut signals = [std::ptr::null_mut::<u8>(); 2];
+        for (parity, ptr) in signals.iter_mut().enumerate() {
+            let (layout, _) = combine_layout(buffer, res, "clean_low_latency_buffer", shape, false, parity as i32)?;
+            // SAFETY: the signal words lie inside this rank's window (combine_layout checked the size).
+            *ptr = unsafe { res.window.ptr().cast::<u8>().add(layout.signal as usize) };
+        }
+        cuda::context_synchronize()?;
+        Ok(signals)
+    })?;
     buffer.barrier()?;
     buffer.with_resources(|res| {
-        let (s, _) = slots(res, shape, 1, false, false)?;
-        let s = LlSlots { dispatch_slot: 0, count_bytes: 0, ..s };
-        for parity in 0..2 {
-            let layout = LlLayout::new(shape, s, buffer.rdma_offset() as u64, parity);
-            // SAFETY: the signal words lie inside this rank's window (checked by the layout's size).
-            let ptr = unsafe { res.window.ptr().cast::<u8>().add(layout.signal as usize) };
-            ensure_arg!(
-                layout.required as i64 <= buffer.args.num_rdma_bytes,
-                "num_rdma_bytes ({}) is too small for num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, \
-                 num_experts={num_experts}",
-                buffer.args.num_rdma_bytes
-            );
+        for ptr in signals {
             cuda::memset_zero(ptr.cast(), 8 * shape.num_ranks as usize)?;
         }
         let (counters, bytes) = res.ll_counters();
-        cuda::memset_zero(counters, bytes)?;
-        Ok(())
+        cuda::memset_zero(counters, bytes)
     })?;
     buffer.reset_ll_parity();
     buffer.barrier()
@@ -85,16 +78,9 @@ pub fn clean_mask(buffer: &Buffer, stream: *mut c_void) -> Result<()> {
 pub fn next_combine_buffer(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> Result<*mut c_void> {
     let shape = shape_of(buffer, max_tokens, hidden, num_experts)?;
     buffer.with_resources(|res| {
-        let (s, _) = slots(res, shape, 1, false, false)?;
-        let s = LlSlots { dispatch_slot: 0, count_bytes: 0, ..s };
-        let layout = LlLayout::new(shape, s, buffer.rdma_offset() as u64, buffer.peek_ll_parity());
-        ensure_arg!(
-            layout.required as i64 <= buffer.args.num_rdma_bytes,
-            "num_rdma_bytes ({}) is too small for num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, \
-             num_experts={num_experts}",
-            buffer.args.num_rdma_bytes
-        );
-        // SAFETY: the view lies inside this rank's window (the layout fits num_rdma_bytes).
+        let parity = buffer.peek_ll_parity();
+        let (layout, _) = combine_layout(buffer, res, "get_next_low_latency_combine_buffer", shape, false, parity)?;
+        // SAFETY: the view lies inside this rank's window (combine_layout checked the size).
         Ok(unsafe { res.window.ptr().cast::<u8>().add(layout.view as usize) }.cast())
     })
 }

@@ -2,7 +2,7 @@
 //! `deepep::ll::dispatch` for the send phase, the receive phase, or both.
 use std::os::raw::c_void;
 
-use super::{check_region, common, phases_for, slots, LlLayout, LlShape};
+use super::{check_region, common, opt_ptr, phases_for, slots, LlLayout, LlShape};
 use crate::buffer::Buffer;
 use crate::ensure_arg;
 use crate::error::Result;
@@ -101,14 +101,6 @@ fn check_column_major(name: &str, t: &TensorView<'_>, rows: i64, cols: i64) -> R
         s
     );
     Ok(())
-}
-
-fn opt_ptr<T>(t: &DeepepTensor) -> *mut T {
-    if t.dtype == 0 {
-        std::ptr::null_mut()
-    } else {
-        t.data.cast()
-    }
 }
 
 /// Launches the phases in `a.phases` on `stream` (NULL: the comm stream). A send

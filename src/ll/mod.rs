@@ -9,7 +9,7 @@ use crate::buffer::{Buffer, Resources, LL_MAX_RANKS};
 use crate::config::low_latency_rdma_size_hint;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
-use crate::kernels::{self, LlCommon};
+use crate::kernels::{self, LlCommon, LL_MAX_TOPK};
 
 /// Largest `num_max_dispatch_tokens_per_rank` (row positions are 16-bit in the slot header).
 pub const MAX_TOKENS_PER_RANK: i64 = 1024;
@@ -176,6 +176,32 @@ pub(crate) fn slots(res: &Resources, shape: LlShape, num_topk: i64, use_fp8: boo
         remote: res.remote_kind != kernels::LL_REMOTE_NONE,
     };
     Ok((slots, combine_slot))
+}
+
+/// The regions combine and the control calls use (signals, combine slots, the view; no
+/// dispatch area), checked against the buffer. Also returns this combine's slot size.
+pub(crate) fn combine_layout(
+    buffer: &Buffer,
+    res: &Resources,
+    op: &str,
+    shape: LlShape,
+    use_logfmt: bool,
+    parity: i32,
+) -> Result<(LlLayout, i64)> {
+    let (s, combine_slot) = slots(res, shape, LL_MAX_TOPK, false, use_logfmt)?;
+    let s = LlSlots { dispatch_slot: 0, count_bytes: 0, ..s };
+    let layout = LlLayout::new(shape, s, buffer.rdma_offset() as u64, parity);
+    check_region(buffer, op, shape, &layout)?;
+    Ok((layout, combine_slot))
+}
+
+/// Device pointer of an optional tensor (dtype 0 = absent: NULL).
+pub(crate) fn opt_ptr<T>(t: &crate::tensor::DeepepTensor) -> *mut T {
+    if t.dtype == 0 {
+        std::ptr::null_mut()
+    } else {
+        t.data.cast()
+    }
 }
 
 /// The fields of the kernels' common block for one call.

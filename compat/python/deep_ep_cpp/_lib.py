@@ -70,6 +70,25 @@ class DeepepTensor(ctypes.Structure):
 TENSOR_FORMAT = struct.Struct("@Pii4q4q")
 assert TENSOR_FORMAT.size == ctypes.sizeof(DeepepTensor)
 
+_ABSENT_TENSOR = (0,) * 11
+_ZERO_DIMS = (0, 0, 0, 0)
+
+
+def tensor_fields(name, t):
+    """The 11 DeepepTensor fields of t (strides in elements), or zeros for None (absent)."""
+    if t is None:
+        return _ABSENT_TENSOR
+    code = TORCH_DTYPE_CODES.get(t.dtype)
+    if code is None:
+        raise RuntimeError(f"deepep-nccl: {name} has unsupported dtype {t.dtype}")
+    shape = t.shape
+    n = len(shape)
+    if n > 4:
+        raise RuntimeError(f"deepep-nccl: {name} must have at most 4 dimensions, got {n}")
+    pad = _ZERO_DIMS[n:]
+    return (t.data_ptr(), code, n, *shape, *pad, *t.stride(), *pad)
+
+
 _PROTOTYPES = {
     "deepep_abi_version": (c_uint32, []),
     "deepep_library_version": (c_char_p, []),

@@ -8,38 +8,20 @@ import ctypes
 import struct
 
 from ._event import EventHandle
-from ._lib import TORCH_DTYPE_CODES as _DTYPE_CODES
-from ._lib import check, lib, raise_status
+from ._lib import check, lib, raise_status, tensor_fields
 from ._lib import torch as _torch
-from ._streams import without_torch_function
+from ._streams import StreamProtocol, without_torch_function
 
 _TENSOR = "Pii4q4q"
 _DISPATCH_ARGS = struct.Struct("@" + _TENSOR * 9 + "6i0P")
 _COMBINE_ARGS = struct.Struct("@" + _TENSOR * 7 + "6i0P")
-_ABSENT = (0,) * 11
-_ZEROS = (0, 0, 0, 0)
 _SEND, _RECV, _BOTH = 1, 2, 3
 # Byte offset of the `phases` field: after the tensors and M, num_experts, then 3 (dispatch:
 # use_fp8, round_scale, use_ue8m0) or 2 (combine: use_logfmt, zero_copy) ints.
 _DISPATCH_PHASES_AT = struct.calcsize("@" + _TENSOR * 9 + "5i")
 _COMBINE_PHASES_AT = struct.calcsize("@" + _TENSOR * 7 + "4i")
 
-_current_stream_key = getattr(_torch and _torch._C, "_cuda_getCurrentStream", None)
-
-
-def _desc(name, t):
-    """The 11 DeepepTensor fields of t (strides in elements), or zeros for None."""
-    if t is None:
-        return _ABSENT
-    code = _DTYPE_CODES.get(t.dtype)
-    if code is None:
-        raise RuntimeError(f"deepep-nccl: {name} has unsupported dtype {t.dtype}")
-    shape = t.shape
-    n = len(shape)
-    if n > 4:
-        raise RuntimeError(f"deepep-nccl: {name} must have at most 4 dimensions, got {n}")
-    pad = _ZEROS[n:]
-    return (t.data_ptr(), code, n, *shape, *pad, *t.stride(), *pad)
+_desc = tensor_fields
 
 
 class _DeviceView:
@@ -52,30 +34,21 @@ class _DeviceView:
         self.owner = owner
 
 
-class LowLatencyMode:
-    """Mixin for deep_ep_cpp.Buffer (needs _handle, _device_id, _num_ranks, _sync_event, the comm stream)."""
+class LowLatencyMode(StreamProtocol):
+    """Mixin for deep_ep_cpp.Buffer (needs _handle, _device_id, _num_ranks and the stream protocol)."""
 
     def _ll_init(self):
         self._ll_dispatch_args = ctypes.create_string_buffer(_DISPATCH_ARGS.size)
         self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
         self._ll_idx = ctypes.c_int()
         self._ll_idx_addr = ctypes.addressof(self._ll_idx)
-        self._ll_compute_key = None
-        self._ll_compute = None
-
-    def _ll_compute_stream(self):
-        key = _current_stream_key(self._device_id)
-        if key != self._ll_compute_key:
-            self._ll_compute_key = key
-            self._ll_compute = _torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-        return self._ll_compute
 
     def _ll_launch(self, fn, args_buffer, phases_at, async_, return_recv_hook):
         """Runs fn's send (hook) or both phases; returns (event, hook)."""
         if async_ and return_recv_hook:
             raise RuntimeError("deepep-nccl: async_finish and return_recv_hook cannot both be set (as in DeepEP)")
         handle = self._live_handle()
-        compute = self._ll_compute_stream()
+        compute = self._current_stream()
         if return_recv_hook:
             stream = compute
         else:
@@ -201,14 +174,14 @@ class LowLatencyMode:
 
     def low_latency_update_mask_buffer(self, rank_to_mask, mask):
         check(lib.deepep_low_latency_update_mask_buffer(self._live_handle(), rank_to_mask, bool(mask),
-                                                        self._ll_compute_stream().cuda_stream))
+                                                        self._current_stream().cuda_stream))
 
     @without_torch_function
     def low_latency_query_mask_buffer(self, mask_status):
         desc = ctypes.create_string_buffer(struct.calcsize("@" + _TENSOR))
         struct.pack_into("@" + _TENSOR, desc, 0, *_desc("mask_status", mask_status))
         check(lib.deepep_low_latency_query_mask_buffer(self._live_handle(), ctypes.addressof(desc),
-                                                       self._ll_compute_stream().cuda_stream))
+                                                       self._current_stream().cuda_stream))
 
     def low_latency_clean_mask_buffer(self):
-        check(lib.deepep_low_latency_clean_mask_buffer(self._live_handle(), self._ll_compute_stream().cuda_stream))
+        check(lib.deepep_low_latency_clean_mask_buffer(self._live_handle(), self._current_stream().cuda_stream))

@@ -6,8 +6,7 @@ call; outputs are allocated by torch (its caching allocator stays in charge)."""
 import ctypes
 import struct
 
-from ._lib import TORCH_DTYPE_CODES as _DTYPE_CODES
-from ._lib import lib, raise_status
+from ._lib import lib, raise_status, tensor_fields
 from ._lib import torch as _torch
 from ._streams import StreamProtocol, without_torch_function
 
@@ -17,24 +16,10 @@ _TENSOR = "Pii4q4q"
 _DISPATCH_ARGS = struct.Struct("@" + _TENSOR * 11 + "5i4i0P")
 _DISPATCH_OUTPUTS = struct.Struct("@" + _TENSOR * 5)
 _COMBINE_ARGS = struct.Struct("@" + _TENSOR * 10 + "5i0P")
-_ABSENT = (0,) * 11
 _MAX_LOCAL_EXPERTS = 1024
-_ZEROS = (0, 0, 0, 0)
 
 
-def _desc(name, t):
-    """The 11 DeepepTensor fields of t (strides in elements), or zeros for None."""
-    if t is None:
-        return _ABSENT
-    code = _DTYPE_CODES.get(t.dtype)
-    if code is None:
-        raise RuntimeError(f"deepep-nccl: {name} has unsupported dtype {t.dtype}")
-    shape = t.shape
-    n = len(shape)
-    if n > 4:
-        raise RuntimeError(f"deepep-nccl: {name} must have at most 4 dimensions, got {n}")
-    pad = _ZEROS[n:]
-    return (t.data_ptr(), code, n, *shape, *pad, *t.stride(), *pad)
+_desc = tensor_fields
 
 
 def _config_fields(config):

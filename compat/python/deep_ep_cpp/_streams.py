@@ -35,6 +35,15 @@ class StreamProtocol:
     _compute_key = None
     _compute_stream = None
 
+    def _current_stream(self):
+        """The device's current (compute) stream. torch.cuda.current_stream() builds a Stream
+        object per call (about 1 us): keep the last one while the current stream stays the same."""
+        key = _current_stream_key(self._device_id)
+        if key != self._compute_key:
+            self._compute_key = key
+            self._compute_stream = _torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        return self._compute_stream
+
     def _op_begin(self, previous_event, async_, allocate_on_comm_stream):
         """Orders the comm stream after the inputs; returns (comm, compute). When
         allocate_on_comm_stream, the comm stream is current until _op_allocated()."""
@@ -43,13 +52,7 @@ class StreamProtocol:
             comm = self.get_comm_stream()
         if allocate_on_comm_stream and (previous_event is None or not async_):
             raise RuntimeError("deepep-nccl: allocate_on_comm_stream requires previous_event and async")
-        # torch.cuda.current_stream() builds a Stream object per call (about 1 us): keep the last
-        # one while the current stream stays the same.
-        key = _current_stream_key(self._device_id)
-        if key != self._compute_key:
-            self._compute_key = key
-            self._compute_stream = _torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-        compute = self._compute_stream
+        compute = self._current_stream()
         if previous_event is not None:
             previous_event.event.wait(comm)
         else:
