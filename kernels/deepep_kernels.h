@@ -187,7 +187,7 @@ typedef struct DeepepCombineParams {
 typedef struct DeepepLlCommon {
   void* window;                   // ncclWindow_t
   uint64_t signal_offset;         // uint32 words: [R] dispatch signals, then [R] combine signals
-  uint64_t combine_recv_offset;   // combine slots [E][M] of combine_slot_bytes
+  uint64_t combine_recv_offset;   // combine area: [E][M] data slots (2H), then [E][M] metadata (4H/128)
   uint64_t view_offset;           // send half: the zero-copy combine view [E_l][R*M] (also combine staging)
   uint64_t staging_offset;        // dispatch staging slots [M] (remote path only)
   uint64_t dispatch_recv_offset;  // dispatch slots [R][M] of dispatch_slot_bytes
@@ -245,8 +245,7 @@ typedef struct DeepepLlCombineParams {
   int32_t topk_idx_is_int32;
   int32_t zero_copy;
   int32_t use_logfmt;
-  int32_t combine_slot_bytes;
-  int32_t reserved;
+  int32_t reserved[2];
 } DeepepLlCombineParams;
 
 enum DeepepKernelStruct {

@@ -18,14 +18,11 @@
 namespace deepep {
 namespace ll {
 
-// Bytes of one combine slot: BF16 row, or the LogFMT row (256-byte block areas + metadata).
-__host__ __device__ constexpr int64_t combine_slot_bytes(int hidden, bool logfmt) {
-#if DEEPEP_HAVE_LOGFMT
-  return logfmt ? align16(int64_t(hidden / 128) * (kLogfmtSlotBytes + kLogfmtMetaBytes)) : 2 * int64_t(hidden);
-#else
-  return 2 * int64_t(hidden);
-#endif
-}
+// The combine area: E * M data slots of one BF16 row (2H bytes; a LogFMT row uses the same
+// 256-byte block areas), then E * M metadata slots (4 bytes per 128-channel block, LogFMT only).
+// Per (expert, token) that is 2H + 4H/128 bytes, DeepEP's combine message, for any H % 128 == 0.
+__host__ __device__ constexpr int64_t combine_data_bytes(int hidden) { return 2 * int64_t(hidden); }
+__host__ __device__ constexpr int64_t combine_meta_bytes(int hidden) { return 4 * int64_t(hidden / 128); }
 
 template <int kRemote>
 __device__ __forceinline__ void combine_done(const Transport<kRemote>& tr, int home, int add, int expected) {
@@ -42,8 +39,9 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   const int R = c.num_ranks, El = c.num_local_experts, H = c.hidden, M = c.max_tokens;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t rows_per_expert = int64_t(R) * M;
-  const int64_t cslot = p.combine_slot_bytes;
+  const int64_t cslot = combine_data_bytes(H);
   const int64_t view_row_bytes = 2 * int64_t(H) + H / 32;  // DeepEP's (H + H/64) BF16 elements
+  const uint64_t meta_base = c.combine_recv_offset + uint64_t(c.num_experts) * M * cslot;
   // smem: prefix [El*R + 1] of block sizes in (expert, source) order; rows per home [R].
   int* prefix = smem;
   int* home_rows = prefix + El * R + 1;
@@ -101,30 +99,34 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     const uint64_t view_offset = c.view_offset + (uint64_t(e) * rows_per_expert + row) * view_row_bytes;
     const int4* src = zero_copy ? reinterpret_cast<const int4*>(tr.local(view_offset))
                                 : static_cast<const int4*>(p.x) + (int64_t(e) * rows_per_expert + row) * row_vec;
-    const uint64_t dst_offset = c.combine_recv_offset + (uint64_t(global_expert) * M + t) * cslot;
+    const uint64_t slot_index = uint64_t(global_expert) * M + t;
+    const uint64_t dst_offset = c.combine_recv_offset + slot_index * cslot;
     const bool direct = tr.direct(j);
     // Direct: store into j's slot. Remote: stage into the view row (unless zero-copy) and put.
     const int g_begin = chunk * groups / chunks, g_end = (chunk + 1) * groups / chunks;
     if constexpr (kLogfmt) {
 #if DEEPEP_HAVE_LOGFMT
       const int num_blocks = H / 128;
+      const uint64_t meta_offset = meta_base + slot_index * combine_meta_bytes(H);
+      // Staging (remote): the view row holds the blocks, then the metadata (its H/64 tail).
+      const int64_t stage_meta_at = combine_data_bytes(H);
       uint8_t* dst = direct ? tr.lsa(dst_offset, j) : tr.local(view_offset);
-      const int64_t meta_at = int64_t(num_blocks) * kLogfmtSlotBytes;
+      uint8_t* meta = direct ? tr.lsa(meta_offset, j) : tr.local(view_offset + stage_meta_at);
       for (int g = g_begin; g < g_end; ++g) {
         const int block = 2 * g + lane / 16;
         if (block >= num_blocks) continue;  // half-warp uniform
         const int4 v = ld_nc(src + g * kWarp + lane);
-        logfmt_encode_block(v, lane % 16, dst + int64_t(block) * kLogfmtSlotBytes,
-                            dst + meta_at + int64_t(block) * kLogfmtMetaBytes);
+        logfmt_encode_block(v, lane % 16, dst + int64_t(block) * kLogfmtSlotBytes, meta + int64_t(block) * kLogfmtMetaBytes);
       }
       __syncwarp();
       if (!direct) {
-        // Encoded into the view row (staging): put this chunk's block areas and metadata.
+        // Put this chunk's block areas and metadata.
         const int b0 = 2 * g_begin, b1 = min(2 * g_end, num_blocks);
         tr.put(j, dst_offset + b0 * kLogfmtSlotBytes, view_offset + b0 * kLogfmtSlotBytes,
                int64_t(b1 - b0) * kLogfmtSlotBytes, lane);
-        const int64_t m0 = meta_at + int64_t(b0) * kLogfmtMetaBytes, m1 = meta_at + int64_t(b1) * kLogfmtMetaBytes;
-        tr.put_bytes(j, dst_offset + m0, view_offset + m0, m1 - m0, lane);
+        tr.put_bytes(j, meta_offset + int64_t(b0) * kLogfmtMetaBytes,
+                     view_offset + stage_meta_at + int64_t(b0) * kLogfmtMetaBytes, int64_t(b1 - b0) * kLogfmtMetaBytes,
+                     lane);
       }
 #endif
     } else {
@@ -155,7 +157,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   const auto& c = p.common;
   const int R = c.num_ranks, El = c.num_local_experts, H = c.hidden, M = c.max_tokens, K = c.num_topk;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int64_t cslot = p.combine_slot_bytes;
+  const int64_t cslot = combine_data_bytes(H);
   const bool i32 = p.topk_idx_is_int32 != 0;
   int* active = smem;  // [R]
   for (int j = threadIdx.x; j < R; j += kThreads) {
@@ -168,6 +170,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   const int groups_total = (H + 255) / 256;
   const int items = p.num_tokens * groups_total;
   const uint8_t* recv = tr.local(c.combine_recv_offset);
+  const uint8_t* recv_meta = recv + int64_t(c.num_experts) * M * cslot;
   for (int w = blockIdx.x * kWarps + warp; w < items; w += gridDim.x * kWarps) {
     const int t = w / groups_total, g = w % groups_total;
     const bool lane_valid = g < groups || lane < 16;  // last half group when H % 256 == 128
@@ -178,15 +181,15 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
       if (e < 0 || !active[e / El]) continue;
       const float weight = __ldg(p.topk_weights + int64_t(t) * K + k);
-      const uint8_t* slot = recv + (int64_t(e) * M + t) * cslot;
+      const int64_t slot_index = int64_t(e) * M + t;
+      const uint8_t* slot = recv + slot_index * cslot;
       float v[8];
       if constexpr (kLogfmt) {
 #if DEEPEP_HAVE_LOGFMT
         const int block = 2 * g + lane / 16;
-        const int num_blocks = H / 128;
         if (lane_valid)
           logfmt_decode_block(slot + int64_t(block) * kLogfmtSlotBytes,
-                              slot + int64_t(num_blocks) * kLogfmtSlotBytes + int64_t(block) * kLogfmtMetaBytes,
+                              recv_meta + slot_index * combine_meta_bytes(H) + int64_t(block) * kLogfmtMetaBytes,
                               lane % 16, v);
         else
 #endif
@@ -257,9 +260,11 @@ int launch_combine_remote(const ncclDevComm& dc, const DeepepLlCombineParams& p,
 }  // namespace ll
 }  // namespace deepep
 
+// Bytes of the combine area per (expert, token): data slot plus metadata slot; -1 when this
+// build has no LogFMT and it is asked for.
 extern "C" int64_t deepep_ll_combine_slot_bytes(int32_t hidden, int32_t use_logfmt) {
   if (use_logfmt && !DEEPEP_HAVE_LOGFMT) return -1;
-  return deepep::ll::combine_slot_bytes(hidden, use_logfmt != 0);
+  return deepep::ll::combine_data_bytes(hidden) + deepep::ll::combine_meta_bytes(hidden);
 }
 
 extern "C" int deepep_launch_ll_combine(const void* dev_comm, const DeepepLlCombineParams* params, int remote_kind,

@@ -23,8 +23,9 @@ namespace ll {
 constexpr int kDoneTag = 1 << 30;
 constexpr int kCountHeaderInts = 4;  // count message: [tokens, 0, 0, 0, per-expert counts...]
 
+// Padded to 16 bytes so that every slot starts 16-byte aligned (H = 128: 128 + 4 scales).
 __host__ __device__ constexpr int64_t dispatch_payload_bytes(int hidden, bool fp8) {
-  return fp8 ? int64_t(hidden) + 4 * (hidden / 128) : 2 * int64_t(hidden);
+  return fp8 ? align16(int64_t(hidden) + 4 * (hidden / 128)) : 2 * int64_t(hidden);
 }
 
 struct TokenRoute {

@@ -58,20 +58,6 @@ constexpr int kLogfmtMaxCode = 511;
 constexpr uint32_t kLogfmtLogFlag = 0x8000u;  // meta bit 15: block is log-encoded
 constexpr int kLogfmtStoreLanes = kLogfmtLogBytes / 16;  // lanes that store 16 B in the log form
 
-// ------------------------------------------------------------------ row layout
-// An encoded row of H channels (H % 128 == 0): [data: H/128 slots of 256 B][meta: H/128 x 4 B,
-// padded to 16 B]. Block b: data at b * 256, meta at logfmt_row_meta_offset(H) + 4 * b.
-__host__ __device__ constexpr int64_t logfmt_num_blocks(int64_t hidden) { return hidden / kLogfmtBlockChannels; }
-__host__ __device__ constexpr int64_t logfmt_row_data_bytes(int64_t hidden) {
-  return logfmt_num_blocks(hidden) * kLogfmtSlotBytes;
-}
-__host__ __device__ constexpr int64_t logfmt_row_meta_bytes(int64_t hidden) {
-  return (logfmt_num_blocks(hidden) * kLogfmtMetaBytes + 15) / 16 * 16;
-}
-__host__ __device__ constexpr int64_t logfmt_row_meta_offset(int64_t hidden) { return logfmt_row_data_bytes(hidden); }
-__host__ __device__ constexpr int64_t logfmt_row_bytes(int64_t hidden) {
-  return logfmt_row_data_bytes(hidden) + logfmt_row_meta_bytes(hidden);
-}
 // Data bytes a block actually puts on the wire.
 __host__ __device__ constexpr int logfmt_block_wire_bytes(bool is_log) { return is_log ? kLogfmtLogBytes : kLogfmtSlotBytes; }
 // DeepEP V1 decides "log or BF16" per TMA chunk of one warp: 32 lanes x kNumSendUnrolls int4,
@@ -79,8 +65,6 @@ __host__ __device__ constexpr int logfmt_block_wire_bytes(bool is_log) { return 
 // chunk is log-encoded only if all of its blocks qualify. (DeepEP requires H % 512 == 0.)
 __host__ __device__ constexpr int logfmt_deepep_decision_blocks(int64_t hidden) { return hidden % 1024 == 0 ? 8 : 4; }
 
-static_assert(logfmt_row_bytes(7168) == 7168 * 2 + 224, "row size");
-static_assert(logfmt_row_bytes(128) == 256 + 16, "row size");
 
 // ------------------------------------------------------------------ deterministic scalar math
 namespace logfmt_detail {

@@ -262,8 +262,7 @@ pub struct LlCombineParams {
     pub topk_idx_is_int32: i32,
     pub zero_copy: i32,
     pub use_logfmt: i32,
-    pub combine_slot_bytes: i32,
-    pub reserved: i32,
+    pub reserved: [i32; 2],
 }
 
 #[repr(C)]

@@ -70,9 +70,9 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
         // The size check does not depend on the half: check before taking one.
-        let (_, combine_slot) = combine_layout(buffer, res, "low_latency_combine", shape, logfmt, 0)?;
+        combine_layout(buffer, res, "low_latency_combine", shape, logfmt, 0)?;
         let parity = if phases & LL_PHASE_SEND != 0 { buffer.next_ll_parity() } else { *buffer_idx };
-        let (layout, _) = combine_layout(buffer, res, "low_latency_combine", shape, logfmt, parity)?;
+        let layout = combine_layout(buffer, res, "low_latency_combine", shape, logfmt, parity)?;
         let params = LlCombineParams {
             common: common(buffer, res, shape, &layout, k, phases, parity),
             x: a.x.data,
@@ -86,8 +86,7 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
             topk_idx_is_int32: (topk.dtype == DEEPEP_DTYPE_INT32) as i32,
             zero_copy: a.zero_copy,
             use_logfmt: a.use_logfmt,
-            combine_slot_bytes: combine_slot as i32,
-            reserved: 0,
+            reserved: [0; 2],
         };
         // SAFETY: params point at validated tensors and this buffer's live window/workspace.
         let rc = unsafe {

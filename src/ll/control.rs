@@ -20,7 +20,7 @@ pub fn clean(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) ->
     let signals = buffer.with_resources(|res| {
         let mut signals = [std::ptr::null_mut::<u8>(); 2];
         for (parity, ptr) in signals.iter_mut().enumerate() {
-            let (layout, _) = combine_layout(buffer, res, "clean_low_latency_buffer", shape, false, parity as i32)?;
+            let layout = combine_layout(buffer, res, "clean_low_latency_buffer", shape, false, parity as i32)?;
             // SAFETY: the signal words lie inside this rank's window (combine_layout checked the size).
             *ptr = unsafe { res.window.ptr().cast::<u8>().add(layout.signal as usize) };
         }
@@ -79,7 +79,7 @@ pub fn next_combine_buffer(buffer: &Buffer, max_tokens: i64, hidden: i64, num_ex
     let shape = shape_of(buffer, max_tokens, hidden, num_experts)?;
     buffer.with_resources(|res| {
         let parity = buffer.peek_ll_parity();
-        let (layout, _) = combine_layout(buffer, res, "get_next_low_latency_combine_buffer", shape, false, parity)?;
+        let layout = combine_layout(buffer, res, "get_next_low_latency_combine_buffer", shape, false, parity)?;
         // SAFETY: the view lies inside this rank's window (combine_layout checked the size).
         Ok(unsafe { res.window.ptr().cast::<u8>().add(layout.view as usize) }.cast())
     })

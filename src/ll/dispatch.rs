@@ -115,7 +115,7 @@ pub fn dispatch(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs, stream: *mut 
     let fp8 = a.use_fp8 != 0;
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
-        let (slots, _) = slots(res, checked.shape, checked.num_topk, fp8, false)?;
+        let slots = slots(res, checked.shape, checked.num_topk, fp8, false)?;
         // Check the size before taking a half, so that a rejected call leaves the parity alone.
         let probe = LlLayout::new(checked.shape, slots, buffer.rdma_offset() as u64, 0);
         check_region(buffer, "low_latency_dispatch", checked.shape, &probe)?;

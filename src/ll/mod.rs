@@ -84,8 +84,8 @@ pub struct LlLayout {
     pub required: u64,
 }
 
-/// Slot sizes that place the regions. `combine_slot` is the largest combine
-/// slot of any variant (BF16, LogFMT), so that every op places them alike.
+/// Slot sizes that place the regions. `combine_slot` is the combine area's bytes per
+/// (expert, token): data and metadata, the same for BF16 and LogFMT.
 #[derive(Clone, Copy, Debug)]
 pub struct LlSlots {
     pub dispatch_slot: u64,
@@ -160,26 +160,21 @@ pub fn count_bytes(local_experts: i64) -> u64 {
 }
 
 /// Slot sizes for a dispatch with `num_topk`/`use_fp8` (combine passes K = 16, BF16:
-/// it uses no dispatch area). Also returns this op's combine slot size.
-pub(crate) fn slots(res: &Resources, shape: LlShape, num_topk: i64, use_fp8: bool, use_logfmt: bool) -> Result<(LlSlots, i64)> {
-    let bf16 = kernels::ll_combine_slot_bytes(shape.hidden as i32, false).expect("BF16 combine slot");
-    let logfmt = kernels::ll_combine_slot_bytes(shape.hidden as i32, true);
-    let combine_slot = if use_logfmt {
-        logfmt.ok_or_else(|| Error::unsupported("use_logfmt: this build of deepep-nccl has no LogFMT combine"))?
-    } else {
-        bf16
-    };
-    let slots = LlSlots {
+/// it uses no dispatch area). `use_logfmt` only checks that this build has LogFMT: both
+/// combine formats use the same area.
+pub(crate) fn slots(res: &Resources, shape: LlShape, num_topk: i64, use_fp8: bool, use_logfmt: bool) -> Result<LlSlots> {
+    let combine_slot = kernels::ll_combine_slot_bytes(shape.hidden as i32, use_logfmt)
+        .ok_or_else(|| Error::unsupported("use_logfmt: this build of deepep-nccl has no LogFMT combine"))?;
+    Ok(LlSlots {
         dispatch_slot: kernels::ll_dispatch_slot_bytes(shape.hidden as i32, num_topk as i32, use_fp8) as u64,
         count_bytes: count_bytes(shape.local_experts()),
-        combine_slot: bf16.max(logfmt.unwrap_or(0)) as u64,
+        combine_slot: combine_slot as u64,
         remote: res.remote_kind != kernels::LL_REMOTE_NONE,
-    };
-    Ok((slots, combine_slot))
+    })
 }
 
 /// The regions combine and the control calls use (signals, combine slots, the view; no
-/// dispatch area), checked against the buffer. Also returns this combine's slot size.
+/// dispatch area), checked against the buffer.
 pub(crate) fn combine_layout(
     buffer: &Buffer,
     res: &Resources,
@@ -187,12 +182,12 @@ pub(crate) fn combine_layout(
     shape: LlShape,
     use_logfmt: bool,
     parity: i32,
-) -> Result<(LlLayout, i64)> {
-    let (s, combine_slot) = slots(res, shape, LL_MAX_TOPK, false, use_logfmt)?;
+) -> Result<LlLayout> {
+    let s = slots(res, shape, LL_MAX_TOPK, false, use_logfmt)?;
     let s = LlSlots { dispatch_slot: 0, count_bytes: 0, ..s };
     let layout = LlLayout::new(shape, s, buffer.rdma_offset() as u64, parity);
     check_region(buffer, op, shape, &layout)?;
-    Ok((layout, combine_slot))
+    Ok(layout)
 }
 
 /// Device pointer of an optional tensor (dtype 0 = absent: NULL).
@@ -258,13 +253,15 @@ mod tests {
 
     fn slots_for(h: u64, k: u64, fp8: bool, remote: bool, el: i64) -> LlSlots {
         let header = (16 + 4 * k).div_ceil(16) * 16;
-        let payload = if fp8 { h + 4 * (h / 128) } else { 2 * h };
-        LlSlots { dispatch_slot: header + payload, count_bytes: count_bytes(el), combine_slot: 2 * h, remote }
+        let payload = if fp8 { (h + 4 * (h / 128)).div_ceil(16) * 16 } else { 2 * h };
+        LlSlots { dispatch_slot: header + payload, count_bytes: count_bytes(el), combine_slot: 2 * h + 4 * (h / 128), remote }
     }
 
     #[test]
     fn deepep_hint_sized_buffers_suffice() {
-        for (m, h, e, r, k) in [(128, 7168, 288, 4, 8), (128, 7168, 256, 8, 8), (1024, 2048, 64, 4, 16), (1, 128, 8, 2, 1)] {
+        for (m, h, e, r, k) in
+            [(128, 7168, 288, 4, 8), (128, 7168, 256, 8, 8), (1024, 2048, 64, 4, 16), (1, 128, 8, 2, 1), (128, 6400, 288, 4, 8)]
+        {
             let shape = LlShape::new(m, h, e, r).unwrap();
             let hint = low_latency_rdma_size_hint(m, h, r as i32, e as i32).unwrap() as u64;
             for fp8 in [false, true] {

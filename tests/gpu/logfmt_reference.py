@@ -77,12 +77,6 @@ def deepep_decision_blocks(hidden: int) -> int:
     return 8 if hidden % 1024 == 0 else 4
 
 
-def row_bytes(hidden: int) -> int:
-    """logfmt_row_bytes: H/128 slots of 256 B, then H/128 meta words padded to 16 B."""
-    nb = hidden // BLOCK
-    return nb * SLOT_BYTES + (nb * META_BYTES + 15) // 16 * 16
-
-
 # ---------------------------------------------------------------- deterministic float32 math
 def _c(v: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.float32, device=like.device)
@@ -290,4 +284,4 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 __all__ = ['logfmt_encode', 'logfmt_decode', 'logfmt_roundtrip', 'logfmt_is_log', 'logfmt_wire_bytes',
-           'deepep_decision_blocks', 'row_bytes', 'log2_bf16', 'det_log2', 'det_exp2', 'calc_diff']
+           'deepep_decision_blocks', 'log2_bf16', 'det_log2', 'det_exp2', 'calc_diff']

@@ -158,10 +158,11 @@ def make_x(ctx, kind, num_tokens, hidden):
     raise ValueError(kind)
 
 
-def make_inputs(ctx, T=None, H=None, K=8, E=None, routing='deepep', xkind='randn', m=None):
+def make_inputs(ctx, T=None, H=None, K=8, E=None, routing='deepep', xkind='randn', m=None, topk_int32=False):
     """One rank's LL inputs plus every rank's x and topk_idx (collective: all-gathers). T (default
     M) may be a tuple of per-rank token counts (rank % len); H defaults to 7168, E to 288 ('256'
-    for 256, both rounded up to a multiple of the rank count), m to M."""
+    for 256, both rounded up to a multiple of the rank count), m to M. topk_int32: the ops get
+    int32 top-k ids (accepted beside DeepEP's int64), the reference int64."""
     T, H, m = M if T is None else T, MAIN_H if H is None else H, M if m is None else m
     E = ctx.E if E is None else (ctx.E256 if E == '256' else E)
     if isinstance(T, tuple):
@@ -169,8 +170,11 @@ def make_inputs(ctx, T=None, H=None, K=8, E=None, routing='deepep', xkind='randn
     topk = make_topk(ctx, routing, T, K, E)
     x = make_x(ctx, xkind, T, H)
     weights = torch.randn(T, K, dtype=F32).abs()
+    all_topk = gather_rows(topk, ctx.group)
+    if topk_int32:
+        topk = topk.to(I32)
     return SimpleNamespace(x=x, topk=topk, weights=weights, T=T, H=H, K=K, E=E, M=m, xkind=xkind, routing=routing,
-                           all_x=gather_rows(x, ctx.group), all_topk=gather_rows(topk, ctx.group))
+                           all_x=gather_rows(x, ctx.group), all_topk=all_topk)
 
 
 def with_x(inp, x):
@@ -550,6 +554,7 @@ GENERIC = {
     'topk1': dict(K=1, modes=ALL_MODES),
     'topk16': dict(K=16, modes=('bf16', 'fp8_ue8m0'), hooks=(False, True)),
     'topk16_T37_H2048_zero_copy': dict(K=16, T=37, H=2048, zero_copy=(False, True)),
+    'topk_idx_int32': dict(topk_int32=True, modes=('bf16', 'fp8'), hooks=(False, True), zero_copy=(False, True)),
     'experts256_all_modes': dict(E='256', modes=ALL_MODES, hooks=(False, True)),
     'experts256_rank_valued_deepep_checks': dict(E='256', xkind='rank', modes=ALL_MODES, y_kind='deq', deepep=True),
     # routings
@@ -925,7 +930,6 @@ def bad_cases(ctx):
         'bad_x_float32': (False, lambda b, i, g: d(b, i, x=i.x.float()), RuntimeError, X_NAMED),
         'bad_x_fp8': (False, lambda b, i, g: d(b, i, x=i.x.to(FP8)), RuntimeError, X_NAMED),
         'bad_x_not_contiguous': (False, lambda b, i, g: d(b, i, x=i.x.t().contiguous().t()), RuntimeError, X_NAMED),
-        'bad_topk_int32': (False, lambda b, i, g: d(b, i, topk_idx=i.topk.int()), RuntimeError, r'topk_idx'),
         'bad_topk_rows_differ_from_x': (False, lambda b, i, g: d(b, i, topk_idx=i.topk[:-1]), RuntimeError,
                                         r'topk_idx'),
         'bad_use_ue8m0_without_round_scale': (False, lambda b, i, g: d(b, i, use_fp8=True, use_ue8m0=True),
@@ -951,7 +955,6 @@ def bad_cases(ctx):
                                      r'topk_weights'),
         'bad_combine_weights_shape': (True, lambda b, i, g: c(b, i, g, topk_weights=i.weights[:, :-1].contiguous()),
                                       RuntimeError, r'topk_weights'),
-        'bad_combine_topk_int32': (True, lambda b, i, g: c(b, i, g, topk_idx=i.topk.int()), RuntimeError, r'topk_idx'),
         'bad_combine_out_shape': (True, lambda b, i, g: c(b, i, g, out=torch.empty(i.T + 1, i.H, dtype=BF16)),
                                   RuntimeError, r'\bout\b'),
         'bad_combine_out_float32': (True, lambda b, i, g: c(b, i, g, out=torch.empty(i.T, i.H, dtype=F32)),

@@ -401,6 +401,8 @@ class Buffer:
         if kwargs.get("overlap"):
             raise RuntimeError("deepep-nccl: low_latency_combine(overlap=True) is not supported")
         src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts = handle
+        if x.dim() == 3 and x.shape[2] != hidden:
+            raise RuntimeError(f"deepep-nccl: x has hidden size {x.shape[2]}, the dispatch (handle) had {hidden}")
         combined_x, event, hook = self.runtime.low_latency_combine(
             x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
             num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook,

@@ -10,7 +10,7 @@ import struct
 from ._event import EventHandle
 from ._lib import check, lib, raise_status, tensor_fields
 from ._lib import torch as _torch
-from ._streams import StreamProtocol, without_torch_function
+from ._streams import StreamProtocol, stream_handle, without_torch_function
 
 _TENSOR = "Pii4q4q"
 _DISPATCH_ARGS = struct.Struct("@" + _TENSOR * 9 + "6i0P")
@@ -57,7 +57,7 @@ class LowLatencyMode(StreamProtocol):
             self._sync_event.wait(stream)
         phases = _SEND if return_recv_hook else _BOTH
         struct.pack_into("@i", args_buffer, phases_at, phases)
-        status = fn(handle, ctypes.addressof(args_buffer), stream.cuda_stream, self._ll_idx_addr)
+        status = fn(handle, ctypes.addressof(args_buffer), stream_handle(stream), self._ll_idx_addr)
         if status:
             raise_status(status)
         event = hook = None
@@ -71,7 +71,7 @@ class LowLatencyMode(StreamProtocol):
             saved = ctypes.create_string_buffer(args_buffer.raw, len(args_buffer.raw))
             struct.pack_into("@i", saved, phases_at, _RECV)
             idx = ctypes.c_int(self._ll_idx.value)
-            stream_ptr = stream.cuda_stream
+            stream_ptr = stream_handle(stream)
 
             def hook():
                 status = fn(self._live_handle(), ctypes.addressof(saved), stream_ptr, ctypes.addressof(idx))
@@ -174,14 +174,14 @@ class LowLatencyMode(StreamProtocol):
 
     def low_latency_update_mask_buffer(self, rank_to_mask, mask):
         check(lib.deepep_low_latency_update_mask_buffer(self._live_handle(), rank_to_mask, bool(mask),
-                                                        self._current_stream().cuda_stream))
+                                                        stream_handle(self._current_stream())))
 
     @without_torch_function
     def low_latency_query_mask_buffer(self, mask_status):
         desc = ctypes.create_string_buffer(struct.calcsize("@" + _TENSOR))
         struct.pack_into("@" + _TENSOR, desc, 0, *_desc("mask_status", mask_status))
         check(lib.deepep_low_latency_query_mask_buffer(self._live_handle(), ctypes.addressof(desc),
-                                                       self._current_stream().cuda_stream))
+                                                       stream_handle(self._current_stream())))
 
     def low_latency_clean_mask_buffer(self):
-        check(lib.deepep_low_latency_clean_mask_buffer(self._live_handle(), self._current_stream().cuda_stream))
+        check(lib.deepep_low_latency_clean_mask_buffer(self._live_handle(), stream_handle(self._current_stream())))

@@ -18,6 +18,16 @@ _current_stream_key = getattr(_torch and _torch._C, "_cuda_getCurrentStream", No
 _no_torch_function = _torch._C.DisableTorchFunction if _torch is not None else contextlib.nullcontext
 
 
+# The C ABI reads a NULL stream as "the buffer's comm stream"; torch's default stream has the
+# handle 0, so it travels as cudaStreamLegacy (the same stream, spelled explicitly).
+CUDA_STREAM_LEGACY = 1
+
+
+def stream_handle(stream):
+    """The C ABI's handle of a torch stream."""
+    return stream.cuda_stream or CUDA_STREAM_LEGACY
+
+
 def without_torch_function(method):
     """Runs an op's Python path with torch-function modes (and subclass hooks) disabled."""
 
