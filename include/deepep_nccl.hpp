@@ -6,6 +6,7 @@
 #include <array>
 #include <initializer_list>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -71,6 +72,76 @@ class Config {
     return Config(cfg, 0);
   }
   DeepepConfig cfg_{};
+};
+
+// A contiguous (row-major) descriptor for caller-owned device memory, at most DEEPEP_MAX_DIMS dims.
+inline DeepepTensor make_tensor(void* data, DeepepDtype dtype, std::initializer_list<int64_t> shape) {
+  if (shape.size() > DEEPEP_MAX_DIMS)
+    throw Error(DEEPEP_ERROR_INVALID_ARGUMENT, "make_tensor: at most " + std::to_string(DEEPEP_MAX_DIMS) +
+                                                   " dimensions, got " + std::to_string(shape.size()));
+  DeepepTensor t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int i = 0;
+  for (int64_t d : shape) t.shape[i++] = d;
+  int64_t stride = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    t.strides[d] = stride;
+    stride *= t.shape[d];
+  }
+  return t;
+}
+
+// The same with explicit element strides (e.g. the column-major FP8 scales of LL dispatch).
+inline DeepepTensor make_tensor(void* data, DeepepDtype dtype, std::initializer_list<int64_t> shape,
+                               std::initializer_list<int64_t> strides) {
+  if (strides.size() != shape.size())
+    throw Error(DEEPEP_ERROR_INVALID_ARGUMENT, "make_tensor: " + std::to_string(shape.size()) + " dimensions but " +
+                                                   std::to_string(strides.size()) + " strides");
+  DeepepTensor t = make_tensor(data, dtype, shape);
+  int i = 0;
+  for (int64_t s : strides) t.strides[i++] = s;
+  return t;
+}
+
+// The descriptor of an absent optional tensor in the argument structs (dtype 0).
+inline DeepepTensor absent_tensor() noexcept { return DeepepTensor{}; }
+
+// Streams: every op takes a cudaStream_t as void* (this header needs no CUDA headers). As in the
+// C ABI, nullptr means the buffer's comm stream, NOT CUDA's default stream (whose handle is also
+// 0): pass default_stream() to run on the legacy default stream.
+inline void* default_stream() noexcept { return reinterpret_cast<void*>(uintptr_t{1}); }  // == cudaStreamLegacy
+
+// get_low_latency_rdma_size_hint: a num_rdma_bytes that always suffices for LL calls of this shape.
+inline int64_t low_latency_rdma_size_hint(int64_t num_max_dispatch_tokens_per_rank, int64_t hidden, int num_ranks,
+                                          int num_experts) {
+  int64_t out = 0;
+  check(deepep_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, &out));
+  return out;
+}
+
+// Which phases an LL call runs (the C ABI's `phases`): send only is DeepEP's return_recv_hook,
+// receive only is the hook.
+enum class LowLatencyPhases : int32_t { send = 1, receive = 2, both = 3 };
+
+// The receive phase of a send-only LL call (DeepEP's hook). It keeps copies of the args, the
+// stream and the buffer half, so the caller may reuse its struct; the Buffer and every tensor
+// named in the args must outlive it. Call it once.
+class LowLatencyHook {
+ public:
+  LowLatencyHook() = default;
+  void operator()() const {
+    if (!recv_) throw Error(DEEPEP_ERROR_INVALID_ARGUMENT, "LowLatencyHook: empty hook");
+    recv_();
+  }
+  int buffer_idx() const noexcept { return buffer_idx_; }
+
+ private:
+  friend class Buffer;
+  LowLatencyHook(std::function<void()> recv, int buffer_idx) : recv_(std::move(recv)), buffer_idx_(buffer_idx) {}
+  std::function<void()> recv_;
+  int buffer_idx_ = -1;
 };
 
 struct BufferOptions {
@@ -154,6 +225,76 @@ class Buffer {
   void intranode_combine(const DeepepIntranodeCombineArgs& args, void* stream = nullptr) const {
     check(deepep_intranode_combine(buf_, &args, stream));
   }
+
+  // Low-latency (LL) mode: needs a buffer created with low_latency_mode and num_rdma_bytes from
+  // low_latency_rdma_size_hint. Every LL call flips the buffer half (DeepEP's double buffering).
+  // Streams as everywhere here: nullptr = the comm stream, default_stream() = CUDA's default.
+
+  // LL dispatch into the caller-allocated outputs of `args` (`phases` replaces args.phases).
+  // Returns the buffer half used: a receive-only call takes the half its send-only call
+  // returned, and the same args and stream.
+  int low_latency_dispatch(const DeepepLowLatencyDispatchArgs& args, void* stream = nullptr,
+                           LowLatencyPhases phases = LowLatencyPhases::both, int buffer_idx = -1) const {
+    DeepepLowLatencyDispatchArgs a = args;
+    a.phases = static_cast<int32_t>(phases);
+    check(deepep_low_latency_dispatch(buf_, &a, stream, &buffer_idx));
+    return buffer_idx;
+  }
+  // Send phase now; the returned hook launches the receive phase on the same stream.
+  LowLatencyHook low_latency_dispatch_send(const DeepepLowLatencyDispatchArgs& args, void* stream = nullptr) const {
+    const int idx = low_latency_dispatch(args, stream, LowLatencyPhases::send);
+    DeepepLowLatencyDispatchArgs a = args;
+    a.phases = static_cast<int32_t>(LowLatencyPhases::receive);
+    DeepepBuffer* buf = buf_;  // not `this`: a moved Buffer keeps the handle
+    return LowLatencyHook([buf, a, stream, idx] {
+      int i = idx;
+      check(deepep_low_latency_dispatch(buf, &a, stream, &i));
+    }, idx);
+  }
+  // LL combine of the experts' outputs (args.x, or the zero-copy view with args.zero_copy) into
+  // args.out, with the dispatch handle (src_info, layout_range). Halves as low_latency_dispatch.
+  int low_latency_combine(const DeepepLowLatencyCombineArgs& args, void* stream = nullptr,
+                          LowLatencyPhases phases = LowLatencyPhases::both, int buffer_idx = -1) const {
+    DeepepLowLatencyCombineArgs a = args;
+    a.phases = static_cast<int32_t>(phases);
+    check(deepep_low_latency_combine(buf_, &a, stream, &buffer_idx));
+    return buffer_idx;
+  }
+  LowLatencyHook low_latency_combine_send(const DeepepLowLatencyCombineArgs& args, void* stream = nullptr) const {
+    const int idx = low_latency_combine(args, stream, LowLatencyPhases::send);
+    DeepepLowLatencyCombineArgs a = args;
+    a.phases = static_cast<int32_t>(LowLatencyPhases::receive);
+    DeepepBuffer* buf = buf_;
+    return LowLatencyHook([buf, a, stream, idx] {
+      int i = idx;
+      check(deepep_low_latency_combine(buf, &a, stream, &i));
+    }, idx);
+  }
+  // Collective: call after normal-mode ops and before LL ops (or when (M, H, E) changes); the
+  // next LL call uses half 0. Waits for the device.
+  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) const {
+    check(deepep_clean_low_latency_buffer(buf_, num_max_dispatch_tokens_per_rank, hidden, num_experts));
+  }
+  // The zero-copy view of the next LL call's half: BF16 [E / R, R * M, H], rows H + H/64 apart.
+  // Write the experts' outputs there, then combine with zero_copy = 1 as the next LL call.
+  DeepepTensor get_next_low_latency_combine_buffer(int num_max_dispatch_tokens_per_rank, int hidden,
+                                                   int num_experts) const {
+    void* ptr = nullptr;
+    check(deepep_get_next_low_latency_combine_buffer(buf_, num_max_dispatch_tokens_per_rank, hidden, num_experts, &ptr));
+    const int64_t ranks = num_ranks(), rows = ranks * num_max_dispatch_tokens_per_rank, row = hidden + hidden / 64;
+    return make_tensor(ptr, DEEPEP_DTYPE_BFLOAT16, {num_experts / ranks, rows, hidden}, {rows * row, row, 1});
+  }
+  // Shrink mode (enable_shrink), in stream order: mask or unmask one rank; copy the mask
+  // (1 = masked) into an int32 [num_ranks] device tensor; unmask every rank.
+  void low_latency_update_mask_buffer(int rank_to_mask, bool mask, void* stream = nullptr) const {
+    check(deepep_low_latency_update_mask_buffer(buf_, rank_to_mask, mask, stream));
+  }
+  void low_latency_query_mask_buffer(const DeepepTensor& mask_status, void* stream = nullptr) const {
+    check(deepep_low_latency_query_mask_buffer(buf_, &mask_status, stream));
+  }
+  void low_latency_clean_mask_buffer(void* stream = nullptr) const {
+    check(deepep_low_latency_clean_mask_buffer(buf_, stream));
+  }
   DeepepBuffer* raw() const noexcept { return buf_; }
 
  private:
@@ -169,28 +310,6 @@ class Buffer {
   }
   DeepepBuffer* buf_ = nullptr;
 };
-
-// A contiguous (row-major) descriptor for caller-owned device memory, at most DEEPEP_MAX_DIMS dims.
-inline DeepepTensor make_tensor(void* data, DeepepDtype dtype, std::initializer_list<int64_t> shape) {
-  if (shape.size() > DEEPEP_MAX_DIMS)
-    throw Error(DEEPEP_ERROR_INVALID_ARGUMENT, "make_tensor: at most " + std::to_string(DEEPEP_MAX_DIMS) +
-                                                   " dimensions, got " + std::to_string(shape.size()));
-  DeepepTensor t{};
-  t.data = data;
-  t.dtype = dtype;
-  t.ndim = static_cast<int32_t>(shape.size());
-  int i = 0;
-  for (int64_t d : shape) t.shape[i++] = d;
-  int64_t stride = 1;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    t.strides[d] = stride;
-    stride *= t.shape[d];
-  }
-  return t;
-}
-
-// The descriptor of an absent optional tensor in the argument structs (dtype 0).
-inline DeepepTensor absent_tensor() noexcept { return DeepepTensor{}; }
 
 }  // namespace deepep
 

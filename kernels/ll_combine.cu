@@ -47,17 +47,20 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   int* home_rows = prefix + El * R + 1;
   for (int j = threadIdx.x; j < R; j += kThreads) home_rows[j] = 0;
   __syncthreads();
+  // All threads load the El*R counts at once (one memory round trip), then one warp scans them
+  // in shared memory.
+  for (int idx = threadIdx.x; idx < El * R; idx += kThreads) {
+    const int j = idx % R;
+    const int n = peer_active(c, j) ? int(uint32_t(__ldg(p.layout_range + idx))) : 0;
+    prefix[idx] = n;
+    if (n) atomicAdd(&home_rows[j], n);
+  }
+  __syncthreads();
   if (threadIdx.x < kWarp) {
-    // One warp scans El*R counts, 32 at a time.
     int carry = 0;
     for (int base = 0; base < El * R; base += kWarp) {
       const int idx = base + lane;
-      int n = 0;
-      if (idx < El * R) {
-        const int j = idx % R;
-        n = peer_active(c, j) ? int(uint32_t(__ldg(p.layout_range + idx))) : 0;
-        if (n) atomicAdd(&home_rows[j], n);
-      }
+      const int n = idx < El * R ? prefix[idx] : 0;
       int incl = n;
 #pragma unroll
       for (int s = 1; s < kWarp; s <<= 1) {
@@ -177,32 +180,56 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
     float acc[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
-      if (e < 0 || !active[e / El]) continue;
-      const float weight = __ldg(p.topk_weights + int64_t(t) * K + k);
-      const int64_t slot_index = int64_t(e) * M + t;
-      const uint8_t* slot = recv + slot_index * cslot;
-      float v[8];
-      if constexpr (kLogfmt) {
+    if constexpr (kLogfmt) {
+      for (int k = 0; k < K; ++k) {
+        const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
+        if (e < 0 || !active[e / El]) continue;
+        const float weight = __ldg(p.topk_weights + int64_t(t) * K + k);
+        float v[8];
 #if DEEPEP_HAVE_LOGFMT
+        const int64_t slot_index = int64_t(e) * M + t;
         const int block = 2 * g + lane / 16;
         if (lane_valid)
-          logfmt_decode_block(slot + int64_t(block) * kLogfmtSlotBytes,
+          logfmt_decode_block(recv + slot_index * cslot + int64_t(block) * kLogfmtSlotBytes,
                               recv_meta + slot_index * combine_meta_bytes(H) + int64_t(block) * kLogfmtMetaBytes,
                               lane % 16, v);
         else
 #endif
 #pragma unroll
           for (int q = 0; q < 8; ++q) v[q] = 0.0f;
-      } else {
-        int4 raw = lane_valid ? ld_cg(reinterpret_cast<const int4*>(slot) + g * kWarp + lane) : make_int4(0, 0, 0, 0);
-        const auto* bf = reinterpret_cast<const __nv_bfloat16*>(&raw);
 #pragma unroll
-        for (int q = 0; q < 8; ++q) v[q] = __bfloat162float(bf[q]);
+        for (int q = 0; q < 8; ++q) acc[q] = fmaf(v[q], weight, acc[q]);
       }
+    } else {
+      // Loads of kBatch top-k entries are issued together (ids, then weights and slots), then
+      // summed in top-k order: two memory round trips per batch instead of two per entry.
+      constexpr int kBatch = 8;
+      for (int k0 = 0; k0 < K; k0 += kBatch) {
+        int e[kBatch];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] = fmaf(v[q], weight, acc[q]);
+        for (int u = 0; u < kBatch; ++u) {
+          e[u] = k0 + u < K ? load_topk(p.topk_idx, i32, int64_t(t) * K + k0 + u) : -1;
+          if (e[u] >= 0 && !active[e[u] / El]) e[u] = -1;
+        }
+        int4 raw[kBatch];
+        float weight[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          raw[u] = make_int4(0, 0, 0, 0);
+          weight[u] = 0.0f;
+          if (e[u] >= 0) {
+            weight[u] = __ldg(p.topk_weights + int64_t(t) * K + k0 + u);
+            if (lane_valid) raw[u] = ld_cg(reinterpret_cast<const int4*>(recv + (int64_t(e[u]) * M + t) * cslot) + g * kWarp + lane);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (e[u] < 0) continue;
+          const auto* bf = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[q] = fmaf(__bfloat162float(bf[q]), weight[u], acc[q]);
+        }
+      }
     }
     if (lane_valid) {
       int4 packed;

@@ -61,21 +61,27 @@ __device__ void route_token(const DeepepLlDispatchParams& p, int t, TokenRoute& 
   const int K = c.num_topk, El = c.num_local_experts;
   const bool i32 = p.topk_idx_is_int32 != 0;
   if (threadIdx.x < 2 * DEEPEP_LL_MAX_TOPK) counters[threadIdx.x] = 0;
-  if (threadIdx.x == 0) {
-    int nd = 0;
-    for (int k = 0; k < K; ++k) {
-      const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
-      route.expert[k] = e;
-      int dup = 0;
-      for (int k2 = 0; k2 < k; ++k2) dup += route.expert[k2] == e;
-      route.pos[k] = dup;  // duplicates inside the token come first in (token, k) order
-      if (e < 0) continue;
-      const int d = e / El;
-      bool seen = false;
-      for (int i = 0; i < nd; ++i) seen |= route.dst[i] == d;
-      if (!seen) route.dst[nd++] = d;
+  if (threadIdx.x < kWarp) {
+    // Warp 0: lane k holds entry k; duplicates and first-seen destinations by shuffles.
+    const int lane = threadIdx.x;
+    const int e = lane < K ? load_topk(p.topk_idx, i32, int64_t(t) * K + lane) : -1;
+    const int d = e >= 0 ? e / El : -1;
+    int dup = 0;
+    bool first_dst = d >= 0;
+    for (int k2 = 0; k2 < K; ++k2) {
+      const int e2 = __shfl_sync(0xffffffffu, e, k2);
+      if (k2 < lane) {
+        dup += e2 == e;
+        first_dst &= d < 0 || e2 < 0 || e2 / El != d;
+      }
     }
-    route.num_dst = nd;
+    const uint32_t firsts = __ballot_sync(0xffffffffu, first_dst);
+    if (lane < K) {
+      route.expert[lane] = e;
+      route.pos[lane] = dup;  // duplicates inside the token come first in (token, k) order
+    }
+    if (first_dst) route.dst[__popc(firsts & ((1u << lane) - 1))] = d;
+    if (lane == 0) route.num_dst = __popc(firsts);
   }
   __syncthreads();
   int cpos[DEEPEP_LL_MAX_TOPK], cslot[DEEPEP_LL_MAX_TOPK];
@@ -134,11 +140,13 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
   const int64_t count_bytes = p.count_bytes;
   const int num_scales = H / 128;
 
-  // Count messages for the destinations this block owns.
-  int* hist = smem;  // [El + 1]
-  for (int d = blockIdx.x; d < c.num_ranks; d += gridDim.x) {
+  // Count messages for the destinations this block owns. Their done adds wait until the end
+  // of the send phase, so that one fence covers them and this block's tokens.
+  int* hist = smem;                 // [El + 1]
+  int* owned_tokens = hist + El + 1;  // [owned destinations]: tokens sent to each
+  for (int d = blockIdx.x, i = 0; d < c.num_ranks; d += gridDim.x, ++i) {
     if (!peer_active(c, d)) continue;
-    for (int i = threadIdx.x; i <= El; i += kThreads) hist[i] = 0;
+    for (int x = threadIdx.x; x <= El; x += kThreads) hist[x] = 0;
     __syncthreads();
     for (int t = threadIdx.x; t < T; t += kThreads) {
       bool any = false;
@@ -156,15 +164,11 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     const uint64_t dst_offset = c.count_offset + uint64_t(c.rank) * count_bytes;
     const uint64_t stage_offset = c.staging_offset + uint64_t(M) * slot_bytes + uint64_t(d) * count_bytes;
     int* msg = reinterpret_cast<int*>(direct ? tr.lsa(dst_offset, d) : tr.local(stage_offset));
-    for (int i = threadIdx.x; i < kCountHeaderInts + El; i += kThreads)
-      msg[i] = i == 0 ? hist[0] : (i < kCountHeaderInts ? 0 : hist[1 + i - kCountHeaderInts]);
+    for (int x = threadIdx.x; x < kCountHeaderInts + El; x += kThreads)
+      msg[x] = x == 0 ? hist[0] : (x < kCountHeaderInts ? 0 : hist[1 + x - kCountHeaderInts]);
+    if (threadIdx.x == 0) owned_tokens[i] = hist[0];
     __syncthreads();
     if (!direct && warp == 0) tr.put(d, dst_offset, stage_offset, count_bytes, lane);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      count_done(tr, d, kDoneTag - hist[0]);
-    }
     __syncthreads();
   }
 
@@ -261,12 +265,19 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
       }
       __syncthreads();
     }
-    if (threadIdx.x == 0) {
+    // One thread per destination: release this token's stores, then count it done.
+    if (threadIdx.x < nd && peer_active(c, route.dst[threadIdx.x])) {
       __threadfence_system();
-      for (int i = 0; i < nd; ++i)
-        if (peer_active(c, route.dst[i])) count_done(tr, route.dst[i], 1);
+      count_done(tr, route.dst[threadIdx.x], 1);
     }
     __syncthreads();
+  }
+  // The count messages' done adds (kDoneTag - tokens): whoever completes done[d] signals d.
+  for (int d = blockIdx.x + threadIdx.x * gridDim.x, i = threadIdx.x; d < c.num_ranks;
+       d += kThreads * gridDim.x, i += kThreads) {
+    if (!peer_active(c, d)) continue;
+    __threadfence_system();
+    count_done(tr, d, kDoneTag - owned_tokens[i]);
   }
 }
 
@@ -284,26 +295,17 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   int* slot_base = tokens + R;
   for (int j = threadIdx.x; j < R; j += kThreads) {
     int64_t cycles = 0;
-    const uint32_t v = tr.wait_source(kSignalDispatch, j, &cycles);
-    tokens[j] = v != 0 ? 1 : 0;  // active flag until the counts are read
+    slot_base[j] = tr.wait_source(kSignalDispatch, j, &cycles) != 0;  // active flag until the prefix
     if (blockIdx.x == 0 && p.dispatch_wait_recv_cost_stats != nullptr)
       p.dispatch_wait_recv_cost_stats[j] += cycles;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < R * El; idx += kThreads) {
-    const int j = idx / El, e = idx % El;
+  // One pass over every count message: [tokens, 0, 0, 0, per-expert counts].
+  for (int idx = threadIdx.x; idx < R * (El + 1); idx += kThreads) {
+    const int j = idx / (El + 1), x = idx % (El + 1);
     const int* msg = reinterpret_cast<const int*>(tr.local(c.count_offset + uint64_t(j) * p.count_bytes));
-    begin[idx] = tokens[j] ? __ldcg(msg + kCountHeaderInts + e) : 0;
-  }
-  __syncthreads();
-  if (threadIdx.x < R) {
-    const int j = threadIdx.x;
-    const int* msg = reinterpret_cast<const int*>(tr.local(c.count_offset + uint64_t(j) * p.count_bytes));
-    tokens[j] = tokens[j] ? __ldcg(msg) : 0;
-  }
-  for (int j = threadIdx.x + kThreads; j < R; j += kThreads) {
-    const int* msg = reinterpret_cast<const int*>(tr.local(c.count_offset + uint64_t(j) * p.count_bytes));
-    tokens[j] = tokens[j] ? __ldcg(msg) : 0;
+    const int v = slot_base[j] ? __ldcg(msg + (x == 0 ? 0 : kCountHeaderInts + x - 1)) : 0;
+    if (x == 0) tokens[j] = v; else begin[j * El + x - 1] = v;
   }
   __syncthreads();
   // Exclusive prefix over sources per expert; block 0 publishes counts and ranges.
@@ -360,7 +362,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     }
     const int4* src = reinterpret_cast<const int4*>(slot + header);
     int4* dst = static_cast<int4*>(p.packed_recv_x);
-    constexpr int kUnroll = 4;
+    constexpr int kUnroll = 8;
     for (int v0 = lane; v0 < payload_vec; v0 += kUnroll * kWarp) {
       int4 v[kUnroll];
 #pragma unroll

@@ -19,14 +19,15 @@ link=(-Iinclude -I"$CUDA_HOME/include" -Ltarget/release -ldeepep_nccl -L"$CUDA_H
 gcc -std=c11 -Wall -Wextra -Werror examples/c/layout_single_gpu.c "${link[@]}" -o target/examples/layout_c
 g++ -std=c++17 -Wall -Wextra -Werror examples/cpp/layout_single_gpu.cpp "${link[@]}" -o target/examples/layout_cpp
 g++ -std=c++17 -Wall -Wextra -Werror -pthread examples/cpp/normal_two_gpu.cpp "${link[@]}" -o target/examples/normal_cpp
+g++ -std=c++17 -Wall -Wextra -Werror -pthread examples/cpp/ll_two_gpu.cpp "${link[@]}" -o target/examples/ll_cpp
 passed=0; failed=0
-for exe in target/examples/layout_c target/examples/layout_cpp target/examples/normal_cpp; do
+for exe in target/examples/layout_c target/examples/layout_cpp target/examples/normal_cpp target/examples/ll_cpp; do
   set +e; out=$("$exe" 2>&1); rc=$?; set -e
   echo "$out"
   if [ -e /dev/nvidiactl ]; then want=0; else want=2; fi
   if [ "$rc" -eq "$want" ] && { [ "$want" -eq 0 ] || grep -q DEEPEP_ERROR_NO_DEVICE <<<"$out"; }; then
     passed=$((passed + 1)); echo "ok: $exe exited $rc"
-  elif [ "$want" -eq 0 ] && [ "$rc" -eq 3 ]; then  # normal_cpp on a single-GPU machine
+  elif [ "$want" -eq 0 ] && [ "$rc" -eq 3 ]; then  # normal_cpp / ll_cpp on a single-GPU machine
     passed=$((passed + 1)); echo "ok (skipped, needs 2 GPUs): $exe exited $rc"
   else
     failed=$((failed + 1)); echo "FAIL: $exe exited $rc, expected $want"
