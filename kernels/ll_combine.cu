@@ -135,9 +135,21 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     } else {
       int4* dst = reinterpret_cast<int4*>(direct ? tr.lsa(dst_offset, j) : tr.local(view_offset));
       if (direct || !zero_copy) {
-        for (int g = g_begin; g < g_end; ++g) {
-          const int i = g * kWarp + lane;
-          if (i < row_vec) st_na(dst + i, ld_nc(src + i));
+        // Loads of kUnroll groups go out together (the asm stores are compiler barriers, so a
+        // load-store loop would wait one memory latency per 512 bytes).
+        constexpr int kUnroll = 8;
+        for (int g0 = g_begin; g0 < g_end; g0 += kUnroll) {
+          int4 v[kUnroll];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int i = (g0 + u) * kWarp + lane;
+            if (g0 + u < g_end && i < row_vec) v[u] = ld_nc(src + i);
+          }
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int i = (g0 + u) * kWarp + lane;
+            if (g0 + u < g_end && i < row_vec) st_na(dst + i, v[u]);
+          }
         }
         __syncwarp();
       }

@@ -335,13 +335,19 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   const int total = slot_base[R];
   const int payload_vec = kFp8 ? H / 16 : H / 8;  // 16-byte words of payload data (without scales)
   const int num_scales = H / 128;
-  for (int w = blockIdx.x * kWarps + warp; w < total; w += gridDim.x * kWarps) {
-    int lo = 0, hi = R - 1;  // source j: slot_base[j] <= w < slot_base[j + 1]
+  // Each slot is split into chunks of whole 32-word groups across warps, so that every warp of
+  // the grid has work even when few tokens arrived (a one-token call spreads over many warps).
+  const int total_warps = gridDim.x * kWarps;
+  const int payload_groups = (payload_vec + kWarp - 1) / kWarp;
+  const int chunks = max(1, min(total > 0 ? total_warps / total : 1, payload_groups));
+  for (int w = blockIdx.x * kWarps + warp; w < total * chunks; w += total_warps) {
+    const int slot_idx = w / chunks, chunk = w % chunks;
+    int lo = 0, hi = R - 1;  // source j: slot_base[j] <= slot_idx < slot_base[j + 1]
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (slot_base[mid] <= w) lo = mid; else hi = mid - 1;
+      if (slot_base[mid] <= slot_idx) lo = mid; else hi = mid - 1;
     }
-    const int j = lo, i = w - slot_base[j];
+    const int j = lo, i = slot_idx - slot_base[j];
     const uint8_t* slot = tr.local(c.dispatch_recv_offset + (uint64_t(j) * M + i) * slot_bytes);
     const uint32_t* words = reinterpret_cast<const uint32_t*>(slot);
     const int src_token = int(__ldcg(words));
@@ -349,7 +355,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     const int expert = int(entry & 0xffffu);
     const bool mine = expert != 0xffff && expert / El == c.rank;
     uint32_t mask = __ballot_sync(0xffffffffu, mine);
-    // Row pointers of this slot's (expert, row) pairs, gathered by every lane.
+    // Row indices of this slot's (expert, row) pairs, gathered by every lane.
     int64_t rows[DEEPEP_LL_MAX_TOPK];
     int num_rows = 0;
     while (mask) {
@@ -362,22 +368,25 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     }
     const int4* src = reinterpret_cast<const int4*>(slot + header);
     int4* dst = static_cast<int4*>(p.packed_recv_x);
+    const int v_begin = (chunk * payload_groups / chunks) * kWarp;
+    const int v_end = min(((chunk + 1) * payload_groups / chunks) * kWarp, payload_vec);
     constexpr int kUnroll = 8;
-    for (int v0 = lane; v0 < payload_vec; v0 += kUnroll * kWarp) {
+    for (int v0 = v_begin + lane; v0 < v_end; v0 += kUnroll * kWarp) {
       int4 v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (v0 + u * kWarp < payload_vec) v[u] = ld_cg(src + v0 + u * kWarp);
+        if (v0 + u * kWarp < v_end) v[u] = ld_cg(src + v0 + u * kWarp);
       for (int r = 0; r < num_rows; ++r) {
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kWarp < payload_vec) st_na(dst + rows[r] * payload_vec + v0 + u * kWarp, v[u]);
+          if (v0 + u * kWarp < v_end) st_na(dst + rows[r] * payload_vec + v0 + u * kWarp, v[u]);
       }
     }
     if constexpr (kFp8) {
+      // Scales: the chunks of the slot take interleaved 32-lane groups of them.
       const float* scales = reinterpret_cast<const float*>(slot + header + H);
       if (p.use_ue8m0) {
-        for (int g = lane; g < num_scales / 4; g += kWarp) {
+        for (int g = chunk * kWarp + lane; g < num_scales / 4; g += chunks * kWarp) {
           const float4 s = __ldcg(reinterpret_cast<const float4*>(scales) + g);
           const uint32_t packed = (__float_as_uint(s.x) >> 23) | ((__float_as_uint(s.y) >> 23) << 8) |
                                   ((__float_as_uint(s.z) >> 23) << 16) | ((__float_as_uint(s.w) >> 23) << 24);
@@ -388,16 +397,16 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
           }
         }
       } else {
-        for (int s = lane; s < num_scales; s += kWarp) {
-          const float value = __ldcg(scales + s);
+        for (int sc = chunk * kWarp + lane; sc < num_scales; sc += chunks * kWarp) {
+          const float value = __ldcg(scales + sc);
           for (int r = 0; r < num_rows; ++r) {
             const int64_t e = rows[r] / rows_per_expert, row = rows[r] % rows_per_expert;
-            static_cast<float*>(p.packed_recv_x_scales)[(e * num_scales + s) * rows_per_expert + row] = value;
+            static_cast<float*>(p.packed_recv_x_scales)[(e * num_scales + sc) * rows_per_expert + row] = value;
           }
         }
       }
     }
-    if (lane < num_rows) {
+    if (chunk == 0 && lane < num_rows) {
       int64_t r = rows[0];
 #pragma unroll
       for (int q = 1; q < DEEPEP_LL_MAX_TOPK; ++q)
