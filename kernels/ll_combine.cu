@@ -26,7 +26,7 @@ __host__ __device__ constexpr int64_t combine_meta_bytes(int hidden) { return 4 
 
 template <int kRemote>
 __device__ __forceinline__ void combine_done(const Transport<kRemote>& tr, int home, int add, int expected) {
-  const int old = atomicAdd(tr.c.done + tr.c.num_ranks + home, add);
+  const int old = atomic_add_acq_rel_gpu(tr.c.done + tr.c.num_ranks + home, add);
   if (old + add == expected) {
     tr.c.done[tr.c.num_ranks + home] = 0;
     tr.signal(home, kSignalCombine, 1u);
@@ -161,7 +161,6 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     }
     __syncwarp();
     if (lane == 0) {
-      __threadfence_system();
       combine_done(tr, j, 1, home_rows[j] * chunks);
     }
   }

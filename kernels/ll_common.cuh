@@ -55,9 +55,12 @@ __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
 __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ int atomic_add_release_gpu(int* p, int v) {
+// Completion counters: each writer releases its stores (its own and, after a warp or block
+// barrier, its group's) by its add; the add that completes the count acquires all of them
+// before the sys-scope release of the signal. Cheaper than a full fence.sc.sys per writer.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
   int old;
-  asm volatile("atom.add.release.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
 // Data written by peers during this kernel: L2, never a stale L1 line.

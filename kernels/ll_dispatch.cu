@@ -122,7 +122,7 @@ __device__ void route_token(const DeepepLlDispatchParams& p, int t, TokenRoute& 
 
 template <int kRemote>
 __device__ __forceinline__ void count_done(const Transport<kRemote>& tr, int d, int add) {
-  const int old = atomicAdd(tr.c.done + d, add);
+  const int old = atomic_add_acq_rel_gpu(tr.c.done + d, add);
   if (old + add == kDoneTag) {
     tr.c.done[d] = 0;
     tr.signal(d, kSignalDispatch, 1u);
@@ -144,7 +144,10 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
   // of the send phase, so that one fence covers them and this block's tokens.
   int* hist = smem;                 // [El + 1]
   int* owned_tokens = hist + El + 1;  // [owned destinations]: tokens sent to each
-  for (int d = blockIdx.x, i = 0; d < c.num_ranks; d += gridDim.x, ++i) {
+  // Destination d's count belongs to block G - 1 - d (mod G): the last blocks, which carry no
+  // token when T + R <= G, so counting runs beside the token sends.
+  const int count_block = gridDim.x - 1 - blockIdx.x;
+  for (int d = count_block, i = 0; d < c.num_ranks; d += gridDim.x, ++i) {
     if (!peer_active(c, d)) continue;
     for (int x = threadIdx.x; x <= El; x += kThreads) hist[x] = 0;
     __syncthreads();
@@ -209,48 +212,58 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     }
     // Payload: each warp converts 32 groups of 8 channels (two 128-channel blocks) per step.
     const int4* x_row = static_cast<const int4*>(p.x) + int64_t(t) * hidden_vec;
-    for (int base = warp * kWarp; base < hidden_vec; base += kThreads) {
-      const int i = base + lane;
-      const bool valid = i < hidden_vec;  // half-warps are entirely valid or not (H % 128 == 0)
-      const int4 v = valid ? ld_nc(x_row + i) : make_int4(0, 0, 0, 0);
-      if constexpr (kFp8) {
-        const auto* bf = reinterpret_cast<const __nv_bfloat16*>(&v);
-        float f[8];
-        float amax = 1e-4f;
+    constexpr int kLoads = 2;  // the row's loads of kLoads steps go out together
+    for (int base0 = warp * kWarp; base0 < hidden_vec; base0 += kLoads * kThreads) {
+      int4 loaded[kLoads];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          f[j] = __bfloat162float(bf[j]);
-          amax = fmaxf(amax, fabsf(f[j]));
-        }
-        amax = half_warp_max(amax);
-        float scale, scale_inv;
-        fp8_scales(amax, p.round_scale != 0, scale, scale_inv);
-        int2 packed;
-        auto* q = reinterpret_cast<__nv_fp8x2_storage_t*>(&packed);
+      for (int u = 0; u < kLoads; ++u) {
+        const int i = base0 + u * kThreads + lane;
+        loaded[u] = i < hidden_vec ? ld_nc(x_row + i) : make_int4(0, 0, 0, 0);
+      }
 #pragma unroll
-        for (int j = 0; j < 8; j += 2)
-          q[j / 2] = __nv_cvt_float2_to_fp8x2(make_float2(f[j] * scale, f[j + 1] * scale), __NV_SATFINITE, __NV_E4M3);
-        if (valid) {
-          const bool writes_scale = (lane % 16) == 0;
-          const int64_t scale_at = header + H + 4 * int64_t(i / 16);
+      for (int u = 0; u < kLoads; ++u) {
+        const int i = base0 + u * kThreads + lane;
+        const bool valid = i < hidden_vec;  // half-warps are entirely valid or not (H % 128 == 0)
+        const int4 v = loaded[u];
+        if constexpr (kFp8) {
+          const auto* bf = reinterpret_cast<const __nv_bfloat16*>(&v);
+          float f[8];
+          float amax = 1e-4f;
 #pragma unroll
-          for (int d = 0; d < DEEPEP_LL_MAX_TOPK; ++d) {
-            if (dst_ptr[d] == nullptr) continue;
-            *reinterpret_cast<int2*>(dst_ptr[d] + header + 8 * int64_t(i)) = packed;
-            if (writes_scale) *reinterpret_cast<float*>(dst_ptr[d] + scale_at) = scale_inv;
+          for (int j = 0; j < 8; ++j) {
+            f[j] = __bfloat162float(bf[j]);
+            amax = fmaxf(amax, fabsf(f[j]));
           }
-          if (any_remote) {
-            *reinterpret_cast<int2*>(stage + header + 8 * int64_t(i)) = packed;
-            if (writes_scale) *reinterpret_cast<float*>(stage + scale_at) = scale_inv;
-          }
-        }
-        (void)num_scales;
-      } else {
-        if (valid) {
+          amax = half_warp_max(amax);
+          float scale, scale_inv;
+          fp8_scales(amax, p.round_scale != 0, scale, scale_inv);
+          int2 packed;
+          auto* q = reinterpret_cast<__nv_fp8x2_storage_t*>(&packed);
 #pragma unroll
-          for (int d = 0; d < DEEPEP_LL_MAX_TOPK; ++d)
-            if (dst_ptr[d] != nullptr) st_na(reinterpret_cast<int4*>(dst_ptr[d] + header) + i, v);
-          if (any_remote) st_na(reinterpret_cast<int4*>(stage + header) + i, v);
+          for (int j = 0; j < 8; j += 2)
+            q[j / 2] = __nv_cvt_float2_to_fp8x2(make_float2(f[j] * scale, f[j + 1] * scale), __NV_SATFINITE, __NV_E4M3);
+          if (valid) {
+            const bool writes_scale = (lane % 16) == 0;
+            const int64_t scale_at = header + H + 4 * int64_t(i / 16);
+#pragma unroll
+            for (int d = 0; d < DEEPEP_LL_MAX_TOPK; ++d) {
+              if (dst_ptr[d] == nullptr) continue;
+              *reinterpret_cast<int2*>(dst_ptr[d] + header + 8 * int64_t(i)) = packed;
+              if (writes_scale) *reinterpret_cast<float*>(dst_ptr[d] + scale_at) = scale_inv;
+            }
+            if (any_remote) {
+              *reinterpret_cast<int2*>(stage + header + 8 * int64_t(i)) = packed;
+              if (writes_scale) *reinterpret_cast<float*>(stage + scale_at) = scale_inv;
+            }
+          }
+          (void)num_scales;
+        } else {
+          if (valid) {
+#pragma unroll
+            for (int d = 0; d < DEEPEP_LL_MAX_TOPK; ++d)
+              if (dst_ptr[d] != nullptr) st_na(reinterpret_cast<int4*>(dst_ptr[d] + header) + i, v);
+            if (any_remote) st_na(reinterpret_cast<int4*>(stage + header) + i, v);
+          }
         }
       }
     }
@@ -267,16 +280,14 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     }
     // One thread per destination: release this token's stores, then count it done.
     if (threadIdx.x < nd && peer_active(c, route.dst[threadIdx.x])) {
-      __threadfence_system();
       count_done(tr, route.dst[threadIdx.x], 1);
     }
     __syncthreads();
   }
   // The count messages' done adds (kDoneTag - tokens): whoever completes done[d] signals d.
-  for (int d = blockIdx.x + threadIdx.x * gridDim.x, i = threadIdx.x; d < c.num_ranks;
+  for (int d = count_block + threadIdx.x * gridDim.x, i = threadIdx.x; d < c.num_ranks;
        d += kThreads * gridDim.x, i += kThreads) {
     if (!peer_active(c, d)) continue;
-    __threadfence_system();
     count_done(tr, d, kDoneTag - owned_tokens[i]);
   }
 }
