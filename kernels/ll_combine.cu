@@ -182,16 +182,25 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   __syncthreads();
   const int groups = H / 256;  // H % 256 == 0 here; H % 256 == 128 uses a half group below
   const int groups_total = (H + 255) / 256;
-  const int items = p.num_tokens * groups_total;
+  // A BF16 item is kSub consecutive 256-channel groups of one token: twice the loads in
+  // flight per warp, half the items (fewer rounds over the grid).
+  constexpr int kSub = kLogfmt ? 1 : 2;
+  const int item_groups = (groups_total + kSub - 1) / kSub;
+  const int items = p.num_tokens * item_groups;
   const uint8_t* recv = tr.local(c.combine_recv_offset);
   const uint8_t* recv_meta = recv + int64_t(c.num_experts) * M * cslot;
   for (int w = blockIdx.x * kWarps + warp; w < items; w += gridDim.x * kWarps) {
-    const int t = w / groups_total, g = w % groups_total;
-    const bool lane_valid = g < groups || lane < 16;  // last half group when H % 256 == 128
-    float acc[8];
+    const int t = w / item_groups, g0 = (w % item_groups) * kSub;
+    bool lane_valid[kSub];  // the last group is half when H % 256 == 128
 #pragma unroll
-    for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+    for (int sub = 0; sub < kSub; ++sub) lane_valid[sub] = g0 + sub < groups_total && (g0 + sub < groups || lane < 16);
+    float acc[kSub][8];
+#pragma unroll
+    for (int sub = 0; sub < kSub; ++sub)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[sub][q] = 0.0f;
     if constexpr (kLogfmt) {
+      const int g = g0;
       for (int k = 0; k < K; ++k) {
         const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
         if (e < 0 || !active[e / El]) continue;
@@ -200,7 +209,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
 #if DEEPEP_HAVE_LOGFMT
         const int64_t slot_index = int64_t(e) * M + t;
         const int block = 2 * g + lane / 16;
-        if (lane_valid)
+        if (lane_valid[0])
           logfmt_decode_block(recv + slot_index * cslot + int64_t(block) * kLogfmtSlotBytes,
                               recv_meta + slot_index * combine_meta_bytes(H) + int64_t(block) * kLogfmtMetaBytes,
                               lane % 16, v);
@@ -209,7 +218,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
 #pragma unroll
           for (int q = 0; q < 8; ++q) v[q] = 0.0f;
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = fmaf(v[q], weight, acc[q]);
+        for (int q = 0; q < 8; ++q) acc[0][q] = fmaf(v[q], weight, acc[0][q]);
       }
     } else {
       // Loads of kBatch top-k entries are issued together (ids, then weights and slots), then
@@ -222,32 +231,39 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
           e[u] = k0 + u < K ? load_topk(p.topk_idx, i32, int64_t(t) * K + k0 + u) : -1;
           if (e[u] >= 0 && !active[e[u] / El]) e[u] = -1;
         }
-        int4 raw[kBatch];
+        int4 raw[kBatch][kSub];
         float weight[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-          raw[u] = make_int4(0, 0, 0, 0);
           weight[u] = 0.0f;
-          if (e[u] >= 0) {
-            weight[u] = __ldg(p.topk_weights + int64_t(t) * K + k0 + u);
-            if (lane_valid) raw[u] = ld_cg(reinterpret_cast<const int4*>(recv + (int64_t(e[u]) * M + t) * cslot) + g * kWarp + lane);
+          const int4* slot = reinterpret_cast<const int4*>(recv + (int64_t(e[u] < 0 ? 0 : e[u]) * M + t) * cslot);
+#pragma unroll
+          for (int sub = 0; sub < kSub; ++sub) {
+            raw[u][sub] = make_int4(0, 0, 0, 0);
+            if (e[u] >= 0 && lane_valid[sub]) raw[u][sub] = ld_cg(slot + (g0 + sub) * kWarp + lane);
           }
+          if (e[u] >= 0) weight[u] = __ldg(p.topk_weights + int64_t(t) * K + k0 + u);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
           if (e[u] < 0) continue;
-          const auto* bf = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
 #pragma unroll
-          for (int q = 0; q < 8; ++q) acc[q] = fmaf(__bfloat162float(bf[q]), weight[u], acc[q]);
+          for (int sub = 0; sub < kSub; ++sub) {
+            const auto* bf = reinterpret_cast<const __nv_bfloat16*>(&raw[u][sub]);
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[sub][q] = fmaf(__bfloat162float(bf[q]), weight[u], acc[sub][q]);
+          }
         }
       }
     }
-    if (lane_valid) {
+#pragma unroll
+    for (int sub = 0; sub < kSub; ++sub) {
+      if (!lane_valid[sub]) continue;
       int4 packed;
       auto* out = reinterpret_cast<__nv_bfloat162*>(&packed);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) out[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-      st_na(static_cast<int4*>(p.out) + int64_t(t) * (H / 8) + g * kWarp + lane, packed);
+      for (int q = 0; q < 4; ++q) out[q] = __floats2bfloat162_rn(acc[sub][2 * q], acc[sub][2 * q + 1]);
+      st_na(static_cast<int4*>(p.out) + int64_t(t) * (H / 8) + (g0 + sub) * kWarp + lane, packed);
     }
   }
   if (last_block(c.ticket + kSignalCombine)) {

@@ -224,6 +224,9 @@ struct Transport {
       }
     }
     if (wait_cycles != nullptr) *wait_cycles = clock64() - start_clock;
+    // Outside shrink mode an arrived signal needs no agreement between blocks (only a timeout
+    // could disagree, and that is reported as a stall): skip the contended CAS.
+    if (!c.shrink && value != 0) return value;
     const int outcome = atomicCAS(state, kStateWaiting, value != 0 ? kStateArrived : kStateMasked);
     const int final_state = outcome == kStateWaiting ? (value != 0 ? kStateArrived : kStateMasked) : outcome;
     return final_state == kStateArrived ? (value != 0 ? value : read_signal(kind, src)) : 0u;
