@@ -177,7 +177,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   for (int j = threadIdx.x; j < R; j += kThreads) {
     int64_t cycles = 0;
     active[j] = tr.wait_source(kSignalCombine, j, &cycles) != 0;
-    if (blockIdx.x == 0 && p.combine_wait_recv_cost_stats != nullptr) p.combine_wait_recv_cost_stats[j] += cycles;
+    if (blockIdx.x == 0 && p.combine_wait_recv_cost_stats != nullptr) add_stat(p.combine_wait_recv_cost_stats + j, cycles);
   }
   __syncthreads();
   const int groups = H / 256;  // H % 256 == 0 here; H % 256 == 128 uses a half group below

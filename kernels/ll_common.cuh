@@ -233,6 +233,11 @@ struct Transport {
   }
 };
 
+// Stats counters: a fire-and-forget add (no round trip on the path to the data).
+__device__ __forceinline__ void add_stat(int64_t* p, int64_t v) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+}
+
 // Whether `peer` takes part in this call (shrink mode skips masked ranks).
 __device__ __forceinline__ bool peer_active(const DeepepLlCommon& c, int peer) {
   return !c.shrink || __ldcg(c.mask + peer) == 0;

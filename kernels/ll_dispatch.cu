@@ -308,7 +308,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     int64_t cycles = 0;
     slot_base[j] = tr.wait_source(kSignalDispatch, j, &cycles) != 0;  // active flag until the prefix
     if (blockIdx.x == 0 && p.dispatch_wait_recv_cost_stats != nullptr)
-      p.dispatch_wait_recv_cost_stats[j] += cycles;
+      add_stat(p.dispatch_wait_recv_cost_stats + j, cycles);
   }
   __syncthreads();
   // One pass over every count message: [tokens, 0, 0, 0, per-expert counts].
@@ -330,7 +330,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     }
     if (blockIdx.x == 0) {
       p.packed_recv_count[e] = acc;
-      if (p.cumulative_local_expert_recv_stats != nullptr) p.cumulative_local_expert_recv_stats[e] += acc;
+      if (p.cumulative_local_expert_recv_stats != nullptr) atomicAdd(p.cumulative_local_expert_recv_stats + e, acc);
     }
   }
   if (threadIdx.x == 0) {
@@ -360,6 +360,15 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     }
     const int j = lo, i = slot_idx - slot_base[j];
     const uint8_t* slot = tr.local(c.dispatch_recv_offset + (uint64_t(j) * M + i) * slot_bytes);
+    // The payload chunk's first loads do not depend on the header: issue them first.
+    const int4* src = reinterpret_cast<const int4*>(slot + header);
+    const int v_begin = (chunk * payload_groups / chunks) * kWarp;
+    const int v_end = min(((chunk + 1) * payload_groups / chunks) * kWarp, payload_vec);
+    constexpr int kUnroll = 8;
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (v_begin + lane + u * kWarp < v_end) v[u] = ld_cg(src + v_begin + lane + u * kWarp);
     const uint32_t* words = reinterpret_cast<const uint32_t*>(slot);
     const int src_token = int(__ldcg(words));
     uint32_t entry = lane < K ? __ldcg(words + 1 + lane) : 0xffffu;
@@ -377,16 +386,13 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
       const int row = begin[j * El + e] + int(ek >> 16);
       rows[num_rows++] = int64_t(e) * rows_per_expert + row;
     }
-    const int4* src = reinterpret_cast<const int4*>(slot + header);
     int4* dst = static_cast<int4*>(p.packed_recv_x);
-    const int v_begin = (chunk * payload_groups / chunks) * kWarp;
-    const int v_end = min(((chunk + 1) * payload_groups / chunks) * kWarp, payload_vec);
-    constexpr int kUnroll = 8;
     for (int v0 = v_begin + lane; v0 < v_end; v0 += kUnroll * kWarp) {
-      int4 v[kUnroll];
+      if (v0 != v_begin + lane) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (v0 + u * kWarp < v_end) v[u] = ld_cg(src + v0 + u * kWarp);
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kWarp < v_end) v[u] = ld_cg(src + v0 + u * kWarp);
+      }
       for (int r = 0; r < num_rows; ++r) {
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
