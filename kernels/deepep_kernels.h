@@ -309,6 +309,8 @@ int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t 
 int64_t deepep_ll_combine_slot_bytes(int32_t hidden, int32_t use_logfmt);
 // Whether this build has the NCCL GIN transport (NCCL >= 2.28.7 headers).
 int deepep_ll_gin_compiled(void);
+// Zeroes GIN signals [0, num_signals) of dev_comm (clean_low_latency_buffer); NotSupported without GIN.
+int deepep_launch_ll_reset_gin_signals(const void* dev_comm, int num_signals, void* stream);
 
 const char* deepep_cuda_error_string(int error);
 

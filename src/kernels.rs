@@ -327,6 +327,7 @@ extern "C" {
     pub fn deepep_ll_dispatch_slot_bytes(hidden: i32, num_topk: i32, use_fp8: i32) -> i64;
     pub fn deepep_ll_combine_slot_bytes(hidden: i32, use_logfmt: i32) -> i64;
     pub fn deepep_ll_gin_compiled() -> c_int;
+    pub fn deepep_launch_ll_reset_gin_signals(dev_comm: *const c_void, num_signals: c_int, stream: *mut c_void) -> c_int;
     pub fn deepep_cuda_error_string(error: c_int) -> *const c_char;
 }
 

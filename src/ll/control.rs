@@ -7,6 +7,7 @@ use crate::buffer::Buffer;
 use crate::cuda;
 use crate::ensure_arg;
 use crate::error::Result;
+use crate::kernels;
 use crate::tensor::{check, check_shape, DeepepDtype::*, DeepepTensor};
 
 fn shape_of(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> Result<LlShape> {
@@ -14,7 +15,8 @@ fn shape_of(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> 
 }
 
 /// Collective (DeepEP's clean_low_latency_buffer): waits for the device, barrier, zeroes both
-/// halves' signals and this rank's LL counters, barrier; the next LL call uses half 0.
+/// halves' signals (LSA words and, across nodes, the GIN signals) and this rank's LL counters,
+/// barrier; the next LL call uses half 0.
 pub fn clean(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> Result<()> {
     let shape = shape_of(buffer, max_tokens, hidden, num_experts)?;
     let signals = buffer.with_resources(|res| {
@@ -33,7 +35,19 @@ pub fn clean(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) ->
             cuda::memset_zero(ptr.cast(), 8 * shape.num_ranks as usize)?;
         }
         let (counters, bytes) = res.ll_counters();
-        cuda::memset_zero(counters, bytes)
+        cuda::memset_zero(counters, bytes)?;
+        if res.remote_kind == kernels::LL_REMOTE_GIN {
+            // Signal ids (parity * 2 + kind) * R + source: 4R of them (DevComm::new asked for 4R).
+            let stream = res.stream_or_comm(std::ptr::null_mut());
+            // SAFETY: dev_comm is this buffer's live device communicator; the kernel only
+            // resets signal ids below the count it was created with.
+            let rc = unsafe {
+                kernels::deepep_launch_ll_reset_gin_signals(res.dev_comm.as_ptr(), 4 * shape.num_ranks as i32, stream)
+            };
+            kernels::launch_result("deepep::ll::reset_gin_signals", rc)?;
+            cuda::context_synchronize()?;
+        }
+        Ok(())
     })?;
     buffer.reset_ll_parity();
     buffer.barrier()
