@@ -174,22 +174,41 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   const int64_t cslot = combine_data_bytes(H);
   const bool i32 = p.topk_idx_is_int32 != 0;
   int* active = smem;  // [R]
+  const int groups = H / 256;  // H % 256 == 0 here; H % 256 == 128 uses a half group below
+  const int groups_total = (H + 255) / 256;
+  // A BF16 item is kSub consecutive 256-channel groups of one token: twice the loads in
+  // flight per warp, half the items (fewer rounds over the grid).
+  constexpr int kSub = kLogfmt ? 1 : 2;
+  constexpr int kBatch = 8;  // top-k entries whose loads are issued together
+  const int item_groups = (groups_total + kSub - 1) / kSub;
+  const int items = p.num_tokens * item_groups;
+  const int first_item = blockIdx.x * kWarps + warp;
+  // The caller's top-k ids and weights of this warp's first item do not depend on the peers:
+  // load them before the wait.
+  int first_e[kBatch];
+  float first_weight[kBatch];
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    first_e[u] = -1;
+    first_weight[u] = 0.0f;
+  }
+  if (!kLogfmt && first_item < items) {
+    const int t = first_item / item_groups;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (u < K) first_e[u] = load_topk(p.topk_idx, i32, int64_t(t) * K + u);
+      if (u < K) first_weight[u] = __ldg(p.topk_weights + int64_t(t) * K + u);
+    }
+  }
   for (int j = threadIdx.x; j < R; j += kThreads) {
     int64_t cycles = 0;
     active[j] = tr.wait_source(kSignalCombine, j, &cycles) != 0;
     if (blockIdx.x == 0 && p.combine_wait_recv_cost_stats != nullptr) add_stat(p.combine_wait_recv_cost_stats + j, cycles);
   }
   __syncthreads();
-  const int groups = H / 256;  // H % 256 == 0 here; H % 256 == 128 uses a half group below
-  const int groups_total = (H + 255) / 256;
-  // A BF16 item is kSub consecutive 256-channel groups of one token: twice the loads in
-  // flight per warp, half the items (fewer rounds over the grid).
-  constexpr int kSub = kLogfmt ? 1 : 2;
-  const int item_groups = (groups_total + kSub - 1) / kSub;
-  const int items = p.num_tokens * item_groups;
   const uint8_t* recv = tr.local(c.combine_recv_offset);
   const uint8_t* recv_meta = recv + int64_t(c.num_experts) * M * cslot;
-  for (int w = blockIdx.x * kWarps + warp; w < items; w += gridDim.x * kWarps) {
+  for (int w = first_item; w < items; w += gridDim.x * kWarps) {
     const int t = w / item_groups, g0 = (w % item_groups) * kSub;
     bool lane_valid[kSub];  // the last group is half when H % 256 == 128
 #pragma unroll
@@ -223,12 +242,12 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
     } else {
       // Loads of kBatch top-k entries are issued together (ids, then weights and slots), then
       // summed in top-k order: two memory round trips per batch instead of two per entry.
-      constexpr int kBatch = 8;
       for (int k0 = 0; k0 < K; k0 += kBatch) {
+        const bool preloaded = w == first_item && k0 == 0;
         int e[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-          e[u] = k0 + u < K ? load_topk(p.topk_idx, i32, int64_t(t) * K + k0 + u) : -1;
+          e[u] = preloaded ? first_e[u] : (k0 + u < K ? load_topk(p.topk_idx, i32, int64_t(t) * K + k0 + u) : -1);
           if (e[u] >= 0 && !active[e[u] / El]) e[u] = -1;
         }
         int4 raw[kBatch][kSub];
@@ -242,7 +261,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
             raw[u][sub] = make_int4(0, 0, 0, 0);
             if (e[u] >= 0 && lane_valid[sub]) raw[u][sub] = ld_cg(slot + (g0 + sub) * kWarp + lane);
           }
-          if (e[u] >= 0) weight[u] = __ldg(p.topk_weights + int64_t(t) * K + k0 + u);
+          if (e[u] >= 0) weight[u] = preloaded ? first_weight[u] : __ldg(p.topk_weights + int64_t(t) * K + k0 + u);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {

@@ -300,23 +300,67 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   const int64_t slot_bytes = p.dispatch_slot_bytes;
   const int64_t header = dispatch_header_bytes(K);
   const int64_t rows_per_expert = int64_t(R) * M;
-  // smem: begin [R][El] (counts, then exclusive prefixes over sources), tokens [R], slot base [R + 1].
+  // smem: begin [R][El] (counts, then exclusive prefixes over sources), tokens [R], active [R + 1].
   int* begin = smem;
   int* tokens = begin + R * El;
-  int* slot_base = tokens + R;
+  int* active = tokens + R;
   for (int j = threadIdx.x; j < R; j += kThreads) {
     int64_t cycles = 0;
-    slot_base[j] = tr.wait_source(kSignalDispatch, j, &cycles) != 0;  // active flag until the prefix
+    active[j] = tr.wait_source(kSignalDispatch, j, &cycles) != 0;
     if (blockIdx.x == 0 && p.dispatch_wait_recv_cost_stats != nullptr)
       add_stat(p.dispatch_wait_recv_cost_stats + j, cycles);
   }
   __syncthreads();
+
+  // Work items: every potential slot (source j, slot i < M) split into chunks of whole 32-word
+  // groups. The mapping does not depend on the counts, so each warp issues its first item's
+  // loads (header, payload, first scales) right away, beside the count-message loads: one
+  // memory round trip after the wait instead of one per step. Slots past a source's count are
+  // skipped once the counts are known (their speculative loads are harmless window reads).
+  const int payload_vec = kFp8 ? H / 16 : H / 8;  // 16-byte words of payload data (without scales)
+  const int num_scales = H / 128;
+  const int total_warps = gridDim.x * kWarps;
+  const int payload_groups = (payload_vec + kWarp - 1) / kWarp;
+  const int potential = R * M;
+  const int chunks = max(1, min(total_warps / potential, payload_groups));
+  const int num_items = potential * chunks;
+  constexpr int kUnroll = 8;
+  int4 v[kUnroll];
+  uint32_t head_token = 0, head_entry = 0xffffu;
+  float scale_first = 0.0f;
+  float4 scale4_first = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  auto load_item = [&](int w) {
+    const int slot_idx = w / chunks, chunk = w % chunks;
+    const int j = slot_idx / M, i = slot_idx % M;
+    const uint8_t* slot = tr.local(c.dispatch_recv_offset + (uint64_t(j) * M + i) * slot_bytes);
+    const int4* src = reinterpret_cast<const int4*>(slot + header);
+    const int v_begin = (chunk * payload_groups / chunks) * kWarp;
+    const int v_end = min(((chunk + 1) * payload_groups / chunks) * kWarp, payload_vec);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (v_begin + lane + u * kWarp < v_end) v[u] = ld_cg(src + v_begin + lane + u * kWarp);
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(slot);
+    head_token = __ldcg(words);
+    head_entry = lane < K ? __ldcg(words + 1 + lane) : 0xffffu;
+    if constexpr (kFp8) {
+      const float* scales = reinterpret_cast<const float*>(slot + header + H);
+      const int g = chunk * kWarp + lane;
+      if (p.use_ue8m0) {
+        if (g < num_scales / 4) scale4_first = __ldcg(reinterpret_cast<const float4*>(scales) + g);
+      } else if (g < num_scales) {
+        scale_first = __ldcg(scales + g);
+      }
+    }
+  };
+  const int first_item = blockIdx.x * kWarps + warp;
+  if (first_item < num_items && active[first_item / chunks / M]) load_item(first_item);
+
   // One pass over every count message: [tokens, 0, 0, 0, per-expert counts].
   for (int idx = threadIdx.x; idx < R * (El + 1); idx += kThreads) {
     const int j = idx / (El + 1), x = idx % (El + 1);
     const int* msg = reinterpret_cast<const int*>(tr.local(c.count_offset + uint64_t(j) * p.count_bytes));
-    const int v = slot_base[j] ? __ldcg(msg + (x == 0 ? 0 : kCountHeaderInts + x - 1)) : 0;
-    if (x == 0) tokens[j] = v; else begin[j * El + x - 1] = v;
+    const int n = active[j] ? __ldcg(msg + (x == 0 ? 0 : kCountHeaderInts + x - 1)) : 0;
+    if (x == 0) tokens[j] = n; else begin[j * El + x - 1] = n;
   }
   __syncthreads();
   // Exclusive prefix over sources per expert; block 0 publishes counts and ranges.
@@ -333,46 +377,15 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
       if (p.cumulative_local_expert_recv_stats != nullptr) atomicAdd(p.cumulative_local_expert_recv_stats + e, acc);
     }
   }
-  if (threadIdx.x == 0) {
-    int acc = 0;
-    for (int j = 0; j < R; ++j) {
-      slot_base[j] = acc;
-      acc += tokens[j];
-    }
-    slot_base[R] = acc;
-  }
   __syncthreads();
 
-  const int total = slot_base[R];
-  const int payload_vec = kFp8 ? H / 16 : H / 8;  // 16-byte words of payload data (without scales)
-  const int num_scales = H / 128;
-  // Each slot is split into chunks of whole 32-word groups across warps, so that every warp of
-  // the grid has work even when few tokens arrived (a one-token call spreads over many warps).
-  const int total_warps = gridDim.x * kWarps;
-  const int payload_groups = (payload_vec + kWarp - 1) / kWarp;
-  const int chunks = max(1, min(total > 0 ? total_warps / total : 1, payload_groups));
-  for (int w = blockIdx.x * kWarps + warp; w < total * chunks; w += total_warps) {
+  for (int w = first_item; w < num_items; w += total_warps) {
     const int slot_idx = w / chunks, chunk = w % chunks;
-    int lo = 0, hi = R - 1;  // source j: slot_base[j] <= slot_idx < slot_base[j + 1]
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (slot_base[mid] <= slot_idx) lo = mid; else hi = mid - 1;
-    }
-    const int j = lo, i = slot_idx - slot_base[j];
+    const int j = slot_idx / M, i = slot_idx % M;
+    if (i >= tokens[j]) continue;  // warp-uniform; tokens[j] is 0 for an inactive source
+    if (w != first_item) load_item(w);
     const uint8_t* slot = tr.local(c.dispatch_recv_offset + (uint64_t(j) * M + i) * slot_bytes);
-    // The payload chunk's first loads do not depend on the header: issue them first.
-    const int4* src = reinterpret_cast<const int4*>(slot + header);
-    const int v_begin = (chunk * payload_groups / chunks) * kWarp;
-    const int v_end = min(((chunk + 1) * payload_groups / chunks) * kWarp, payload_vec);
-    constexpr int kUnroll = 8;
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (v_begin + lane + u * kWarp < v_end) v[u] = ld_cg(src + v_begin + lane + u * kWarp);
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(slot);
-    const int src_token = int(__ldcg(words));
-    uint32_t entry = lane < K ? __ldcg(words + 1 + lane) : 0xffffu;
-    const int expert = int(entry & 0xffffu);
+    const int expert = int(head_entry & 0xffffu);
     const bool mine = expert != 0xffff && expert / El == c.rank;
     uint32_t mask = __ballot_sync(0xffffffffu, mine);
     // Row indices of this slot's (expert, row) pairs, gathered by every lane.
@@ -381,14 +394,17 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     while (mask) {
       const int k = __ffs(mask) - 1;
       mask &= mask - 1;
-      const uint32_t ek = __shfl_sync(0xffffffffu, entry, k);
+      const uint32_t ek = __shfl_sync(0xffffffffu, head_entry, k);
       const int e = int(ek & 0xffffu) - c.rank * El;
       const int row = begin[j * El + e] + int(ek >> 16);
       rows[num_rows++] = int64_t(e) * rows_per_expert + row;
     }
+    const int4* src = reinterpret_cast<const int4*>(slot + header);
     int4* dst = static_cast<int4*>(p.packed_recv_x);
+    const int v_begin = (chunk * payload_groups / chunks) * kWarp;
+    const int v_end = min(((chunk + 1) * payload_groups / chunks) * kWarp, payload_vec);
     for (int v0 = v_begin + lane; v0 < v_end; v0 += kUnroll * kWarp) {
-      if (v0 != v_begin + lane) {
+      if (v0 != v_begin + lane) {  // the first batch came with load_item
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
           if (v0 + u * kWarp < v_end) v[u] = ld_cg(src + v0 + u * kWarp);
@@ -404,9 +420,9 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
       const float* scales = reinterpret_cast<const float*>(slot + header + H);
       if (p.use_ue8m0) {
         for (int g = chunk * kWarp + lane; g < num_scales / 4; g += chunks * kWarp) {
-          const float4 s = __ldcg(reinterpret_cast<const float4*>(scales) + g);
-          const uint32_t packed = (__float_as_uint(s.x) >> 23) | ((__float_as_uint(s.y) >> 23) << 8) |
-                                  ((__float_as_uint(s.z) >> 23) << 16) | ((__float_as_uint(s.w) >> 23) << 24);
+          const float4 s4 = g == chunk * kWarp + lane ? scale4_first : __ldcg(reinterpret_cast<const float4*>(scales) + g);
+          const uint32_t packed = (__float_as_uint(s4.x) >> 23) | ((__float_as_uint(s4.y) >> 23) << 8) |
+                                  ((__float_as_uint(s4.z) >> 23) << 16) | ((__float_as_uint(s4.w) >> 23) << 24);
           for (int r = 0; r < num_rows; ++r) {
             const int64_t e = rows[r] / rows_per_expert, row = rows[r] % rows_per_expert;
             static_cast<int32_t*>(p.packed_recv_x_scales)[(e * (num_scales / 4) + g) * rows_per_expert + row] =
@@ -415,7 +431,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
         }
       } else {
         for (int sc = chunk * kWarp + lane; sc < num_scales; sc += chunks * kWarp) {
-          const float value = __ldcg(scales + sc);
+          const float value = sc == chunk * kWarp + lane ? scale_first : __ldcg(scales + sc);
           for (int r = 0; r < num_rows; ++r) {
             const int64_t e = rows[r] / rows_per_expert, row = rows[r] % rows_per_expert;
             static_cast<float*>(p.packed_recv_x_scales)[(e * num_scales + sc) * rows_per_expert + row] = value;
@@ -428,7 +444,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
 #pragma unroll
       for (int q = 1; q < DEEPEP_LL_MAX_TOPK; ++q)
         if (q == lane) r = rows[q];
-      p.packed_recv_src_info[r] = src_token;
+      p.packed_recv_src_info[r] = int(head_token);
     }
   }
 
