@@ -1,5 +1,7 @@
 """Shared by the benchmarks: DeepEP's timing method and one process per GPU."""
+import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,21 @@ def spawn_workers(worker, world, args):
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     mp.spawn(worker, args=(world, port, args), nprocs=world)
+
+
+def init_worker(rank, world, port):
+    """A spawned worker's setup: its GPU and the NCCL process group. Returns say(msg), which
+    prints msg on rank 0 with the seconds since setup."""
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group('nccl', rank=rank, world_size=world, device_id=torch.device('cuda', rank))
+    started = time.time()
+
+    def say(msg):
+        if rank == 0:
+            print(f'[{time.time() - started:6.1f}s] {msg}', flush=True)
+
+    return say
 
 
 class AllToAllDispatcher:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from bench_common import bench, spawn_workers
+from bench_common import bench, init_worker, spawn_workers
 
 DEEPEP_V1_US = 34  # DeepEP V1 @ 567632d, 4x H200, same shape (shared/reference/baselines.md)
 
@@ -52,9 +52,7 @@ def torch_layout(topk_idx, num_experts, num_ranks):
 
 
 def worker(rank, world, port, args):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group('nccl', rank=rank, world_size=world, device_id=torch.device('cuda', rank))
+    init_worker(rank, world, port)
     group = dist.group.WORLD
     torch.manual_seed(rank)
     T, E, K = args.num_tokens, args.num_experts, args.num_topk

@@ -45,7 +45,6 @@ import os
 import random
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -56,7 +55,7 @@ from torch.profiler import record_function
 os.environ.setdefault('DEEPEP_GPU_TIMEOUT_SECS', '60')
 
 import deep_ep  # noqa: E402
-from bench_common import AllToAllDispatcher, bench, spawn_workers  # noqa: E402
+from bench_common import AllToAllDispatcher, bench, init_worker, spawn_workers  # noqa: E402
 from bench_normal import calc_diff, fmt, machine_info  # noqa: E402
 
 HIDDEN = 7168
@@ -456,15 +455,8 @@ def phase_events(ll, inp, args, supported, rank, world, out):
 
 
 def worker(rank, world, port, args):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group('nccl', rank=rank, world_size=world, device_id=torch.device('cuda', rank))
+    say = init_worker(rank, world, port)
     group = dist.group.WORLD
-    started = time.time()
-
-    def say(msg):
-        if rank == 0:
-            print(f'[{time.time() - started:6.1f}s] {msg}', flush=True)
 
     supported = probe(args, group, rank, world)
     info = machine_info(world) if rank == 0 else None

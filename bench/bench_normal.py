@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.profiler
 
 import deep_ep
-from bench_common import AllToAllDispatcher, bench as deepep_bench, spawn_workers
+from bench_common import AllToAllDispatcher, bench as deepep_bench, init_worker, spawn_workers
 
 HIDDEN = 7168
 NUM_EXPERTS = 256
@@ -349,15 +349,8 @@ def measure_host(buffer, inputs, rank, supported, say):
 
 
 def worker(rank, world, port, args):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group('nccl', rank=rank, world_size=world, device_id=torch.device('cuda', rank))
+    say = init_worker(rank, world, port)
     group = dist.group.WORLD
-    started = time.time()
-
-    def say(msg):
-        if rank == 0:
-            print(f'[{time.time() - started:6.1f}s] {msg}', flush=True)
 
     sms_list, tokens_list = args.sms, args.tokens
     hints = []
