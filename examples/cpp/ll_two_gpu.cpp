@@ -17,17 +17,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
-#include <exception>
 #include <limits>
-#include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "deepep_nccl.hpp"
+#include "example_util.hpp"
 
 namespace {
+
+using namespace example;
 
 constexpr int R = 2, T = 64, M = 128, H = 2048, E = 16, K = 4, EPR = E / R, RM = R * M, SCALES = H / 128;
 constexpr uint32_t kSeed = 0x5eedu;
@@ -39,18 +38,6 @@ uint32_t mix(uint32_t a) {  // a 32-bit integer hash
   a *= 0x846ca68bu;
   a ^= a >> 16;
   return a;
-}
-float bf16_to_float(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-uint16_t float_to_bf16(float f) {  // round to nearest even (finite inputs)
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
 }
 float fp8_e4m3_to_float(uint8_t b) {
   const int exp = (b >> 3) & 15, man = b & 7;
@@ -77,19 +64,7 @@ int64_t route(int s, int t, int k) {
 float weight(int s, int t, int k) { return 0.5f + 0.25f * static_cast<float>((s + 3 * t + 5 * k) % 4); }
 float factor(int64_t expert) { return 0.5f + 0.125f * static_cast<float>(expert % 8); }
 
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
 void sync(const char* what) { cuda_check(cudaDeviceSynchronize(), what); }
-
-// A cudaMalloc'd block, freed on scope exit.
-struct DeviceMemory {
-  void* ptr = nullptr;
-  explicit DeviceMemory(size_t bytes) { cuda_check(cudaMalloc(&ptr, bytes == 0 ? 1 : bytes), "cudaMalloc"); }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  ~DeviceMemory() { cudaFree(ptr); }
-};
 
 // A non-blocking stream of our own, destroyed on scope exit.
 struct Stream {
@@ -100,33 +75,9 @@ struct Stream {
   ~Stream() { cudaStreamDestroy(s); }
 };
 
-template <typename V>
-void upload(const DeviceMemory& dst, const std::vector<V>& src) {
-  cuda_check(cudaMemcpy(dst.ptr, src.data(), src.size() * sizeof(V), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
-}
-template <typename V>
-std::vector<V> download(const DeviceMemory& src, size_t count) {
-  std::vector<V> out(count);
-  cuda_check(cudaMemcpy(out.data(), src.ptr, count * sizeof(V), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-  return out;
-}
 void fill(const DeviceMemory& dst, int byte, size_t bytes) {
   cuda_check(cudaMemset(dst.ptr, byte, bytes), "cudaMemset");
 }
-
-// Check failures are counted, not thrown, so both ranks reach every collective call.
-struct Checker {
-  int rank;
-  int failures = 0;
-  void expect(bool ok, const std::string& what) {
-    if (ok) return;
-    if (++failures <= 10) std::fprintf(stderr, "rank %d: MISMATCH: %s\n", rank, what.c_str());
-  }
-  // Prints one summary line per stage: whether it added failures.
-  void stage(const char* name, int failures_before, const std::string& detail) const {
-    std::printf("rank %d: %-22s %s%s\n", rank, name, failures == failures_before ? "PASS" : "FAIL", detail.c_str());
-  }
-};
 
 // One received row: local expert e's row from source rank s, token t.
 struct Row {
@@ -403,39 +354,9 @@ int run_rank(int rank, const deepep::UniqueId& id) {
 }  // namespace
 
 int main() {
-  try {
-    std::printf("deepep-nccl %s, NCCL compiled %d\n", deepep_library_version(), deepep_nccl_compiled_version());
-    if (deepep::default_stream() != static_cast<void*>(cudaStreamLegacy)) {
-      std::fprintf(stderr, "ll_two_gpu: deepep::default_stream() is not cudaStreamLegacy\n");
-      return 1;
-    }
-    const int devices = deepep::device_count();
-    if (devices < R) {
-      std::fprintf(stderr, "ll_two_gpu: skipped: needs %d GPUs, found %d\n", R, devices);
-      return 3;
-    }
-    const deepep::UniqueId id = deepep::get_unique_id();
-    int results[R] = {1, 1};
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < R; ++rank) {
-      threads.emplace_back([rank, &id, &results] {
-        try {
-          results[rank] = run_rank(rank, id);
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-          results[rank] = 1;
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    if (results[0] != 0 || results[1] != 0) {
-      std::fprintf(stderr, "ll_two_gpu: FAIL\n");
-      return 1;
-    }
-    std::printf("ll_two_gpu: PASS\n");
-    return 0;
-  } catch (const deepep::Error& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return e.status() == DEEPEP_ERROR_NO_DEVICE ? 2 : 1;
+  if (deepep::default_stream() != static_cast<void*>(cudaStreamLegacy)) {
+    std::fprintf(stderr, "ll_two_gpu: deepep::default_stream() is not cudaStreamLegacy\n");
+    return 1;
   }
+  return example::run_ranks("ll_two_gpu", R, run_rank);
 }

@@ -12,16 +12,16 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
-#include <exception>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "deepep_nccl.hpp"
+#include "example_util.hpp"
 
 namespace {
+
+using namespace example;
 
 constexpr int R = 2, T = 64, H = 256, K = 2, E = 8, EPR = E / R, NUM_SMS = 8, C = NUM_SMS / 2;
 
@@ -45,51 +45,6 @@ int ranks_of(int s, int t) {
   for (int r = 0; r < R; ++r) n += sends_to(s, t, r);
   return n;
 }
-float bf16_to_float(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-uint16_t float_to_bf16(float f) {  // exact for the small integers used here
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
-// A cudaMalloc'd block, freed on scope exit.
-struct DeviceMemory {
-  void* ptr = nullptr;
-  explicit DeviceMemory(size_t bytes) { cuda_check(cudaMalloc(&ptr, bytes == 0 ? 1 : bytes), "cudaMalloc"); }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  ~DeviceMemory() { cudaFree(ptr); }
-};
-
-template <typename V>
-void upload(const DeviceMemory& dst, const std::vector<V>& src) {
-  cuda_check(cudaMemcpy(dst.ptr, src.data(), src.size() * sizeof(V), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
-}
-template <typename V>
-std::vector<V> download(const DeviceMemory& src, size_t count) {
-  std::vector<V> out(count);
-  cuda_check(cudaMemcpy(out.data(), src.ptr, count * sizeof(V), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-  return out;
-}
-
-// Check failures are counted, not thrown, so both ranks reach every collective call.
-struct Checker {
-  int rank;
-  int failures = 0;
-  void expect(bool ok, const std::string& what) {
-    if (ok) return;
-    if (++failures <= 10) std::fprintf(stderr, "rank %d: MISMATCH: %s\n", rank, what.c_str());
-  }
-};
 
 int run_rank(int rank, const deepep::UniqueId& id) {
   cuda_check(cudaSetDevice(rank), "cudaSetDevice");
@@ -262,36 +217,4 @@ int run_rank(int rank, const deepep::UniqueId& id) {
 
 }  // namespace
 
-int main() {
-  try {
-    std::printf("deepep-nccl %s, NCCL compiled %d\n", deepep_library_version(), deepep_nccl_compiled_version());
-    const int devices = deepep::device_count();
-    if (devices < R) {
-      std::fprintf(stderr, "normal_two_gpu: needs %d GPUs, found %d\n", R, devices);
-      return 3;
-    }
-    const deepep::UniqueId id = deepep::get_unique_id();
-    int results[R] = {1, 1};
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < R; ++rank) {
-      threads.emplace_back([rank, &id, &results] {
-        try {
-          results[rank] = run_rank(rank, id);
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-          results[rank] = 1;
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    if (results[0] != 0 || results[1] != 0) {
-      std::fprintf(stderr, "normal_two_gpu: FAILED\n");
-      return 1;
-    }
-    std::printf("normal_two_gpu: OK\n");
-    return 0;
-  } catch (const deepep::Error& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return e.status() == DEEPEP_ERROR_NO_DEVICE ? 2 : 1;
-  }
-}
+int main() { return example::run_ranks("normal_two_gpu", R, run_rank); }
