@@ -8,8 +8,9 @@
 //     bit patterns of max|x| / min|x| over the block (NaNs ignored; zeros count, so amin may be 0);
 //     bit 15 (the always-zero sign bit of amax) = 1 when the block is log-encoded.
 //   A block may be log-encoded iff amax < 1 (DeepEP: log2(amax) < 0) and amin < amax
-//     (DeepEP: log_amin < log_amax). DeepEP V1 additionally ANDs this over a chunk of 4 or 8
-//     blocks (see logfmt_deepep_decision_blocks); logfmt_encode_regs takes the final decision.
+//     (DeepEP: log_amin < log_amax). DeepEP V1 additionally ANDs this over one warp's TMA chunk,
+//     8 blocks if H % 1024 == 0 else 4 (tests/gpu/logfmt_reference.deepep_decision_blocks);
+//     logfmt_encode_regs takes the final decision.
 //   Not log-encoded: 256 data bytes = the 128 BF16 values, unchanged (bit-exact round trip).
 //   Log-encoded: 160 data bytes (the other 96 bytes of the 256-byte slot are not written):
 //     log_amax = log2(amax); log_amin = amin == 0 ? log_amax - 32 : max(log2(amin), log_amax - 32)
@@ -58,12 +59,6 @@ constexpr int kLogfmtMaxCode = 511;
 constexpr uint32_t kLogfmtLogFlag = 0x8000u;  // meta bit 15: block is log-encoded
 constexpr int kLogfmtStoreLanes = kLogfmtLogBytes / 16;  // lanes that store 16 B in the log form
 
-// Data bytes a block actually puts on the wire.
-__host__ __device__ constexpr int logfmt_block_wire_bytes(bool is_log) { return is_log ? kLogfmtLogBytes : kLogfmtSlotBytes; }
-// DeepEP V1 decides "log or BF16" per TMA chunk of one warp: 32 lanes x kNumSendUnrolls int4,
-// kNumSendUnrolls = 4 if H % 1024 == 0 else 2, i.e. 8 or 4 consecutive blocks from channel 0; a
-// chunk is log-encoded only if all of its blocks qualify. (DeepEP requires H % 512 == 0.)
-__host__ __device__ constexpr int logfmt_deepep_decision_blocks(int64_t hidden) { return hidden % 1024 == 0 ? 8 : 4; }
 
 
 // ------------------------------------------------------------------ deterministic scalar math
