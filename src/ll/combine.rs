@@ -2,7 +2,7 @@
 //! for the send phase, the receive phase, or both.
 use std::os::raw::c_void;
 
-use super::{combine_layout, common, opt_ptr, phases_for, LlShape};
+use super::{combine_layout, common, opt_ptr, phases_for, receive_half, LlShape};
 use crate::buffer::Buffer;
 use crate::ensure_arg;
 use crate::error::Result;
@@ -64,14 +64,12 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
     }
     let logfmt = a.use_logfmt != 0;
     ensure_arg!(!(logfmt && a.zero_copy != 0), "zero_copy cannot be combined with use_logfmt (as in DeepEP)");
-    if phases & LL_PHASE_SEND == 0 {
-        ensure_arg!(*buffer_idx == 0 || *buffer_idx == 1, "buffer_idx must be 0 or 1 (from the send), got {}", *buffer_idx);
-    }
+    let receive_only_half = if phases & LL_PHASE_SEND == 0 { Some(receive_half(*buffer_idx)?) } else { None };
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
         // The size check does not depend on the half: check before taking one.
         combine_layout(buffer, res, "low_latency_combine", shape, logfmt, 0)?;
-        let parity = if phases & LL_PHASE_SEND != 0 { buffer.next_ll_parity() } else { *buffer_idx };
+        let parity = receive_only_half.unwrap_or_else(|| buffer.next_ll_parity());
         let layout = combine_layout(buffer, res, "low_latency_combine", shape, logfmt, parity)?;
         let params = LlCombineParams {
             common: common(buffer, res, shape, &layout, k, phases, parity),

@@ -2,7 +2,7 @@
 //! `deepep::ll::dispatch` for the send phase, the receive phase, or both.
 use std::os::raw::c_void;
 
-use super::{check_region, common, opt_ptr, phases_for, slots, LlLayout, LlShape};
+use super::{check_region, common, opt_ptr, phases_for, receive_half, slots, LlLayout, LlShape};
 use crate::buffer::Buffer;
 use crate::ensure_arg;
 use crate::error::Result;
@@ -109,9 +109,7 @@ fn check_column_major(name: &str, t: &TensorView<'_>, rows: i64, cols: i64) -> R
 pub fn dispatch(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs, stream: *mut c_void, buffer_idx: &mut i32) -> Result<()> {
     let phases = phases_for(a.phases)?;
     let checked = check_args(buffer, a)?;
-    if phases & LL_PHASE_SEND == 0 {
-        ensure_arg!(*buffer_idx == 0 || *buffer_idx == 1, "buffer_idx must be 0 or 1 (from the send), got {}", *buffer_idx);
-    }
+    let receive_only_half = if phases & LL_PHASE_SEND == 0 { Some(receive_half(*buffer_idx)?) } else { None };
     let fp8 = a.use_fp8 != 0;
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
@@ -119,7 +117,7 @@ pub fn dispatch(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs, stream: *mut 
         // Check the size before taking a half, so that a rejected call leaves the parity alone.
         let probe = LlLayout::new(checked.shape, slots, buffer.rdma_offset() as u64, 0);
         check_region(buffer, "low_latency_dispatch", checked.shape, &probe)?;
-        let parity = if phases & LL_PHASE_SEND != 0 { buffer.next_ll_parity() } else { *buffer_idx };
+        let parity = receive_only_half.unwrap_or_else(|| buffer.next_ll_parity());
         let layout = LlLayout::new(checked.shape, slots, buffer.rdma_offset() as u64, parity);
         let params = LlDispatchParams {
             common: common(buffer, res, checked.shape, &layout, checked.num_topk, phases, parity),

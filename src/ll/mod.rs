@@ -247,6 +247,12 @@ pub fn phases_for(phases: i32) -> Result<i32> {
     Ok(phases)
 }
 
+/// The half a receive-only call uses: the one its send reported in `buffer_idx`.
+pub fn receive_half(buffer_idx: i32) -> Result<i32> {
+    ensure_arg!(buffer_idx == 0 || buffer_idx == 1, "buffer_idx must be 0 or 1 (from the send), got {buffer_idx}");
+    Ok(buffer_idx)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -289,6 +295,16 @@ mod tests {
         // compat/python/deep_ep_cpp/_low_latency.py packs these.
         assert_eq!(std::mem::size_of::<dispatch::DeepepLowLatencyDispatchArgs>(), 9 * 80 + 24);
         assert_eq!(std::mem::size_of::<combine::DeepepLowLatencyCombineArgs>(), 7 * 80 + 24);
+    }
+
+    #[test]
+    fn phases_and_receive_half_are_checked() {
+        assert!(phases_for(0).unwrap_err().message.contains("phases must be 1 (send), 2 (receive) or 3 (both)"));
+        assert!(phases_for(4).is_err());
+        assert_eq!(phases_for(2).unwrap(), 2);
+        assert!(receive_half(-1).unwrap_err().message.contains("buffer_idx must be 0 or 1"));
+        assert!(receive_half(2).is_err());
+        assert_eq!(receive_half(1).unwrap(), 1);
     }
 
     #[test]
