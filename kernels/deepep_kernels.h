@@ -181,6 +181,7 @@ typedef struct DeepepCombineParams {
 #define DEEPEP_LL_MAX_TOPK 16
 #define DEEPEP_LL_PHASE_SEND 1
 #define DEEPEP_LL_PHASE_RECV 2
+#define DEEPEP_LL_MAX_BLOCKS 1024  // grid limit of the LL kernels (recv_epoch has a slot per block)
 
 // Where the LL kernels of one call meet their peers: byte offsets of this call's
 // buffer half inside the window (identical on every rank), and local state.
@@ -194,7 +195,9 @@ typedef struct DeepepLlCommon {
   uint64_t count_offset;          // dispatch count messages [R] of count_bytes
   int32_t* done;                  // workspace [2R]: per-destination completion counters (dispatch, combine)
   int32_t* source_state;          // workspace [2R]: 0 waiting, 1 arrived, 2 masked (per kernel, reset at its end)
-  uint32_t* ticket;               // workspace [2]: last-block detection (dispatch, combine)
+  uint32_t* ticket;               // workspace [2]: last-block detection (dispatch, combine; shrink mode)
+  uint32_t* recv_epoch;           // workspace [2 kinds][2 halves][DEEPEP_LL_MAX_BLOCKS]: signal count each
+                                  // receive block has consumed (outside shrink mode)
   int32_t* mask;                  // workspace [R]: 1 = rank masked (shrink mode)
   DeepepWaitContext wait;
   int32_t rank;

@@ -200,9 +200,10 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       if (u < K) first_weight[u] = __ldg(p.topk_weights + int64_t(t) * K + u);
     }
   }
+  const uint32_t expected = tr.expected_signal(kSignalCombine);
   for (int j = threadIdx.x; j < R; j += kThreads) {
     int64_t cycles = 0;
-    active[j] = tr.wait_source(kSignalCombine, j, &cycles) != 0;
+    active[j] = tr.wait_source(kSignalCombine, j, expected, &cycles);
     if (blockIdx.x == 0 && p.combine_wait_recv_cost_stats != nullptr) add_stat(p.combine_wait_recv_cost_stats + j, cycles);
   }
   __syncthreads();
@@ -285,36 +286,26 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       st_na(static_cast<int4*>(p.out) + int64_t(t) * (H / 8) + (g0 + sub) * kWarp + lane, packed);
     }
   }
-  if (last_block(c.ticket + kSignalCombine)) {
-    for (int j = threadIdx.x; j < R; j += kThreads) {
-      tr.reset_signal(kSignalCombine, j);
-      c.source_state[kSignalCombine * R + j] = kStateWaiting;
-    }
-  }
+  tr.finish_receive(kSignalCombine, expected);
 }
 
-template <int kRemote, bool kLogfmt>
+template <int kRemote, bool kLogfmt, int kPhases>
 __global__ void __launch_bounds__(kThreads, 1) combine(ncclDevComm dev_comm, DeepepLlCombineParams p) {
   extern __shared__ int smem[];
   Transport<kRemote> tr(p.common, dev_comm);
-  if (p.common.phases & DEEPEP_LL_PHASE_SEND) combine_send<kRemote, kLogfmt>(p, tr, smem);
-  if (p.common.phases & DEEPEP_LL_PHASE_RECV) {
-    __syncthreads();
-    combine_recv<kRemote, kLogfmt>(p, tr, smem);
-  }
+  if constexpr ((kPhases & DEEPEP_LL_PHASE_SEND) != 0) combine_send<kRemote, kLogfmt>(p, tr, smem);
+  if constexpr (kPhases == (DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV)) __syncthreads();
+  if constexpr ((kPhases & DEEPEP_LL_PHASE_RECV) != 0) combine_recv<kRemote, kLogfmt>(p, tr, smem);
 }
 
 template <int kRemote, bool kLogfmt>
 int launch_combine(const ncclDevComm& dc, const DeepepLlCombineParams& p, int num_blocks, cudaStream_t stream) {
   const auto& c = p.common;
   const size_t smem = sizeof(int) * (size_t(c.num_local_experts) * c.num_ranks + 2 * size_t(c.num_ranks) + 2);
-  auto kernel = combine<kRemote, kLogfmt>;
-  if (smem > 48 * 1024) {
-    const cudaError_t rc = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (rc != cudaSuccess) return int(rc);
-  }
-  kernel<<<num_blocks, kThreads, smem, stream>>>(dc, p);
-  return int(cudaGetLastError());
+  return launch_for_phases(c.phases, combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_SEND>,
+                           combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_RECV>,
+                           combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV>, dc, p, smem,
+                           num_blocks, stream);
 }
 
 template <bool kLogfmt>

@@ -4,11 +4,14 @@
 // the bounded signal wait with shrink-mode masking, and small memory helpers.
 //
 // Protocol of one LL op (dispatch or combine) between sender s and receiver r:
-// s writes its data into r's half of the window, then adds a non-zero value to
-// r's signal word [s] (release, after all of s's writes to r). r waits for the
-// word, reads, and the last block of r's kernel resets the word to 0. A word is
-// next written two LL calls later (the other half is used in between), after r
-// has reset it: DeepEP's "at most two results in flight".
+// s writes its data into r's half of the window, then adds 1 to r's signal word
+// [s] of that half and op (release, after all of s's writes to r). The word thus
+// counts the ops s has sent to that half: each block of r's receive waits until
+// it exceeds the count the block consumed last time (recv_epoch, one slot per
+// block, so no block waits for the others at the end). In shrink mode a masked
+// source misses ops, so there the word is a flag instead: r waits for non-zero
+// and r's last block resets it. A word is next written two LL calls later (the
+// other half is used in between): DeepEP's "at most two results in flight".
 #pragma once
 
 #include <cuda_bf16.h>
@@ -52,8 +55,8 @@ __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void red_add_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 // Completion counters: each writer releases its stores (its own and, after a warp or block
 // barrier, its group's) by its add; the add that completes the count acquires all of them
@@ -159,8 +162,9 @@ struct Transport {
     }
   }
 
-  // Tells `peer` that all of this rank's writes of op `kind` to it are done
-  // (the caller fenced them: every writer released before counting itself done).
+  // Tells `peer`, by adding `value` to its signal word, that all of this rank's writes of op
+  // `kind` to it are done (the caller fenced them: every writer released before counting itself
+  // done).
   __device__ __forceinline__ void signal(int peer, int kind, uint32_t value) const {
     if (kRemote == kRemoteGin && !direct(peer)) {
 #if DEEPEP_HAVE_GIN
@@ -170,7 +174,7 @@ struct Transport {
       return;
     }
     __threadfence_system();
-    st_release_sys(reinterpret_cast<uint32_t*>(lsa(signal_offset(kind, c.rank), peer)), value);
+    red_add_release_sys(reinterpret_cast<uint32_t*>(lsa(signal_offset(kind, c.rank), peer)), value);
   }
 
   __device__ __forceinline__ uint32_t read_signal(int kind, int src) const {
@@ -194,22 +198,32 @@ struct Transport {
     *reinterpret_cast<volatile uint32_t*>(local(signal_offset(kind, src))) = 0;
   }
 
-  // One thread: waits for source `src`'s signal of op `kind` and agrees with the
-  // other blocks on the outcome (source_state). Returns the signal value, or 0 if
-  // the source is masked (before or, in shrink mode, by this wait's timeout). A
-  // timeout outside shrink mode records a stall and also returns 0.
-  __device__ uint32_t wait_source(int kind, int src, int64_t* wait_cycles) const {
+  // This block's consumed-signal count of op `kind` in this half (outside shrink mode).
+  __device__ __forceinline__ uint32_t* epoch_slot(int kind) const {
+    return c.recv_epoch + (kind * 2 + c.parity) * DEEPEP_LL_MAX_BLOCKS + blockIdx.x;
+  }
+  // The signal value a receive block waits for (shrink mode: any non-zero value).
+  __device__ __forceinline__ uint32_t expected_signal(int kind) const { return c.shrink ? 1u : *epoch_slot(kind) + 1u; }
+  __device__ __forceinline__ bool arrived(uint32_t value, uint32_t expected) const {
+    return c.shrink ? value != 0 : int32_t(value - expected) >= 0;
+  }
+
+  // One thread: waits for source `src`'s signal of op `kind` to reach `expected` and
+  // agrees with the other blocks on the outcome (source_state). Returns whether it
+  // arrived; false if the source is masked (before or, in shrink mode, by this wait's
+  // timeout). A timeout outside shrink mode records a stall and also returns false.
+  __device__ bool wait_source(int kind, int src, uint32_t expected, int64_t* wait_cycles) const {
     int* state = c.source_state + kind * c.num_ranks + src;
     if (c.shrink && __ldcg(c.mask + src) != 0) {
       atomicCAS(state, kStateWaiting, kStateMasked);
-      return 0;
+      return false;
     }
     const long long start_clock = clock64();
     const uint64_t start = global_time_ns();
     uint32_t value = 0;
     while (true) {
       value = read_signal(kind, src);
-      if (value != 0) break;
+      if (arrived(value, expected)) break;
       const int s = *reinterpret_cast<volatile int*>(state);
       if (s == kStateMasked) break;
       if (c.shrink && *reinterpret_cast<volatile int*>(c.mask + src) != 0) break;
@@ -218,19 +232,23 @@ struct Transport {
           atomicExch(c.mask + src, 1);
         } else {
           record_stall(c.wait, src, kind == kSignalDispatch ? DEEPEP_WAIT_OP_LL_DISPATCH : DEEPEP_WAIT_OP_LL_COMBINE,
-                       src, 1, 0);
+                       src, expected, value);
         }
         break;
       }
     }
     if (wait_cycles != nullptr) *wait_cycles = clock64() - start_clock;
+    const bool got = arrived(value, expected);
     // Outside shrink mode an arrived signal needs no agreement between blocks (only a timeout
     // could disagree, and that is reported as a stall): skip the contended CAS.
-    if (!c.shrink && value != 0) return value;
-    const int outcome = atomicCAS(state, kStateWaiting, value != 0 ? kStateArrived : kStateMasked);
-    const int final_state = outcome == kStateWaiting ? (value != 0 ? kStateArrived : kStateMasked) : outcome;
-    return final_state == kStateArrived ? (value != 0 ? value : read_signal(kind, src)) : 0u;
+    if (!c.shrink && got) return true;
+    const int outcome = atomicCAS(state, kStateWaiting, got ? kStateArrived : kStateMasked);
+    const int final_state = outcome == kStateWaiting ? (got ? kStateArrived : kStateMasked) : outcome;
+    return final_state == kStateArrived;
   }
+
+  // End of a receive of op `kind` (the whole block calls, after its last read of the half).
+  __device__ void finish_receive(int kind, uint32_t expected) const;
 };
 
 // Stats counters: a fire-and-forget add (no round trip on the path to the data).
@@ -255,6 +273,38 @@ __device__ __forceinline__ bool last_block(uint32_t* ticket) {
   }
   __syncthreads();
   return is_last != 0;
+}
+
+// Outside shrink mode the block records the count it consumed (its next receive of this half
+// waits for one more). In shrink mode the last block resets the flags and the agreement state.
+template <int kRemote>
+__device__ void Transport<kRemote>::finish_receive(int kind, uint32_t expected) const {
+  if (!c.shrink) {
+    if (threadIdx.x == 0) *epoch_slot(kind) = expected;
+    return;
+  }
+  if (last_block(c.ticket + kind)) {
+    for (int j = threadIdx.x; j < c.num_ranks; j += kThreads) {
+      reset_signal(kind, j);
+      c.source_state[kind * c.num_ranks + j] = kStateWaiting;
+    }
+  }
+}
+
+// Launches the instantiation of an LL kernel for the call's phases. Send-only, receive-only and
+// both are separate kernels so that each holds only the code it runs (a hook-mode receive kernel
+// is a third of the size of the kernel with both phases).
+template <typename Params>
+int launch_for_phases(int phases, void (*send)(ncclDevComm, Params), void (*recv)(ncclDevComm, Params),
+                      void (*both)(ncclDevComm, Params), const ncclDevComm& dc, const Params& p, size_t smem,
+                      int num_blocks, cudaStream_t stream) {
+  auto kernel = phases == DEEPEP_LL_PHASE_SEND ? send : phases == DEEPEP_LL_PHASE_RECV ? recv : both;
+  if (smem > 48 * 1024) {
+    const cudaError_t rc = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (rc != cudaSuccess) return int(rc);
+  }
+  kernel<<<num_blocks, kThreads, smem, stream>>>(dc, p);
+  return int(cudaGetLastError());
 }
 
 }  // namespace ll

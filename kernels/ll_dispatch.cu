@@ -304,9 +304,10 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   int* begin = smem;
   int* tokens = begin + R * El;
   int* active = tokens + R;
+  const uint32_t expected = tr.expected_signal(kSignalDispatch);
   for (int j = threadIdx.x; j < R; j += kThreads) {
     int64_t cycles = 0;
-    active[j] = tr.wait_source(kSignalDispatch, j, &cycles) != 0;
+    active[j] = tr.wait_source(kSignalDispatch, j, expected, &cycles);
     if (blockIdx.x == 0 && p.dispatch_wait_recv_cost_stats != nullptr)
       add_stat(p.dispatch_wait_recv_cost_stats + j, cycles);
   }
@@ -385,86 +386,75 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     if (i >= tokens[j]) continue;  // warp-uniform; tokens[j] is 0 for an inactive source
     if (w != first_item) load_item(w);
     const uint8_t* slot = tr.local(c.dispatch_recv_offset + (uint64_t(j) * M + i) * slot_bytes);
+    // Lane k holds top-k entry k: its local expert and packed row, if the expert is ours.
+    // The copies below take them by shuffle: no per-lane row arrays, no 64-bit division.
     const int expert = int(head_entry & 0xffffu);
     const bool mine = expert != 0xffff && expert / El == c.rank;
-    uint32_t mask = __ballot_sync(0xffffffffu, mine);
-    // Row indices of this slot's (expert, row) pairs, gathered by every lane.
-    int64_t rows[DEEPEP_LL_MAX_TOPK];
-    int num_rows = 0;
-    while (mask) {
-      const int k = __ffs(mask) - 1;
-      mask &= mask - 1;
-      const uint32_t ek = __shfl_sync(0xffffffffu, head_entry, k);
-      const int e = int(ek & 0xffffu) - c.rank * El;
-      const int row = begin[j * El + e] + int(ek >> 16);
-      rows[num_rows++] = int64_t(e) * rows_per_expert + row;
-    }
+    const int my_e = mine ? expert - c.rank * El : 0;
+    const int my_row = mine ? begin[j * El + my_e] + int(head_entry >> 16) : 0;
+    const uint32_t mine_mask = __ballot_sync(0xffffffffu, mine);
     const int4* src = reinterpret_cast<const int4*>(slot + header);
     int4* dst = static_cast<int4*>(p.packed_recv_x);
     const int v_begin = (chunk * payload_groups / chunks) * kWarp;
     const int v_end = min(((chunk + 1) * payload_groups / chunks) * kWarp, payload_vec);
-    for (int v0 = v_begin + lane; v0 < v_end; v0 += kUnroll * kWarp) {
-      if (v0 != v_begin + lane) {  // the first batch came with load_item
+    // Loops below are warp-uniform (bounds checked per lane inside): they hold shuffles.
+    for (int base = v_begin; base < v_end; base += kUnroll * kWarp) {
+      if (base != v_begin) {  // the first batch came with load_item
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kWarp < v_end) v[u] = ld_cg(src + v0 + u * kWarp);
+          if (base + lane + u * kWarp < v_end) v[u] = ld_cg(src + base + lane + u * kWarp);
       }
-      for (int r = 0; r < num_rows; ++r) {
+      for (uint32_t m = mine_mask; m != 0; m &= m - 1) {
+        const int k = __ffs(m) - 1;
+        const int64_t packed_row = int64_t(__shfl_sync(0xffffffffu, my_e, k)) * rows_per_expert +
+                                   __shfl_sync(0xffffffffu, my_row, k);
+        int4* row_dst = dst + packed_row * payload_vec + base + lane;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kWarp < v_end) st_na(dst + rows[r] * payload_vec + v0 + u * kWarp, v[u]);
+          if (base + lane + u * kWarp < v_end) st_na(row_dst + u * kWarp, v[u]);
       }
     }
     if constexpr (kFp8) {
-      // Scales: the chunks of the slot take interleaved 32-lane groups of them.
+      // Scales: the chunks of the slot take interleaved 32-lane groups of them. The scale
+      // tensor is [E_l][groups][R*M]: element (e, g, row) at (e * groups + g) * R*M + row.
       const float* scales = reinterpret_cast<const float*>(slot + header + H);
-      if (p.use_ue8m0) {
-        for (int g = chunk * kWarp + lane; g < num_scales / 4; g += chunks * kWarp) {
-          const float4 s4 = g == chunk * kWarp + lane ? scale4_first : __ldcg(reinterpret_cast<const float4*>(scales) + g);
-          const uint32_t packed = (__float_as_uint(s4.x) >> 23) | ((__float_as_uint(s4.y) >> 23) << 8) |
-                                  ((__float_as_uint(s4.z) >> 23) << 16) | ((__float_as_uint(s4.w) >> 23) << 24);
-          for (int r = 0; r < num_rows; ++r) {
-            const int64_t e = rows[r] / rows_per_expert, row = rows[r] % rows_per_expert;
-            static_cast<int32_t*>(p.packed_recv_x_scales)[(e * (num_scales / 4) + g) * rows_per_expert + row] =
-                int32_t(packed);
+      const bool ue8m0 = p.use_ue8m0 != 0;
+      const int scale_groups = ue8m0 ? num_scales / 4 : num_scales;
+      for (int g0 = chunk * kWarp; g0 < scale_groups; g0 += chunks * kWarp) {
+        const int g = g0 + lane;
+        const bool first = g0 == chunk * kWarp;
+        uint32_t word = 0;
+        if (g < scale_groups) {
+          if (ue8m0) {
+            const float4 s4 = first ? scale4_first : __ldcg(reinterpret_cast<const float4*>(scales) + g);
+            word = (__float_as_uint(s4.x) >> 23) | ((__float_as_uint(s4.y) >> 23) << 8) |
+                   ((__float_as_uint(s4.z) >> 23) << 16) | ((__float_as_uint(s4.w) >> 23) << 24);
+          } else {
+            word = __float_as_uint(first ? scale_first : __ldcg(scales + g));
           }
         }
-      } else {
-        for (int sc = chunk * kWarp + lane; sc < num_scales; sc += chunks * kWarp) {
-          const float value = sc == chunk * kWarp + lane ? scale_first : __ldcg(scales + sc);
-          for (int r = 0; r < num_rows; ++r) {
-            const int64_t e = rows[r] / rows_per_expert, row = rows[r] % rows_per_expert;
-            static_cast<float*>(p.packed_recv_x_scales)[(e * num_scales + sc) * rows_per_expert + row] = value;
-          }
+        for (uint32_t m = mine_mask; m != 0; m &= m - 1) {
+          const int k = __ffs(m) - 1;
+          const int e = __shfl_sync(0xffffffffu, my_e, k), row = __shfl_sync(0xffffffffu, my_row, k);
+          if (g < scale_groups)
+            static_cast<uint32_t*>(p.packed_recv_x_scales)[(int64_t(e) * scale_groups + g) * rows_per_expert + row] =
+                word;
         }
       }
     }
-    if (chunk == 0 && lane < num_rows) {
-      int64_t r = rows[0];
-#pragma unroll
-      for (int q = 1; q < DEEPEP_LL_MAX_TOPK; ++q)
-        if (q == lane) r = rows[q];
-      p.packed_recv_src_info[r] = int(head_token);
-    }
+    if (chunk == 0 && mine) p.packed_recv_src_info[int64_t(my_e) * rows_per_expert + my_row] = int(head_token);
   }
 
-  if (last_block(c.ticket + kSignalDispatch)) {
-    for (int j = threadIdx.x; j < R; j += kThreads) {
-      tr.reset_signal(kSignalDispatch, j);
-      c.source_state[kSignalDispatch * R + j] = kStateWaiting;
-    }
-  }
+  tr.finish_receive(kSignalDispatch, expected);
 }
 
-template <int kRemote, bool kFp8>
+template <int kRemote, bool kFp8, int kPhases>
 __global__ void __launch_bounds__(kThreads, 1) dispatch(ncclDevComm dev_comm, DeepepLlDispatchParams p) {
   extern __shared__ int smem[];
   Transport<kRemote> tr(p.common, dev_comm);
-  if (p.common.phases & DEEPEP_LL_PHASE_SEND) dispatch_send<kRemote, kFp8>(p, tr, smem);
-  if (p.common.phases & DEEPEP_LL_PHASE_RECV) {
-    __syncthreads();
-    dispatch_recv<kRemote, kFp8>(p, tr, smem);
-  }
+  if constexpr ((kPhases & DEEPEP_LL_PHASE_SEND) != 0) dispatch_send<kRemote, kFp8>(p, tr, smem);
+  if constexpr (kPhases == (DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV)) __syncthreads();
+  if constexpr ((kPhases & DEEPEP_LL_PHASE_RECV) != 0) dispatch_recv<kRemote, kFp8>(p, tr, smem);
 }
 
 template <int kRemote, bool kFp8>
@@ -472,13 +462,10 @@ int launch_dispatch(const ncclDevComm& dc, const DeepepLlDispatchParams& p, int 
   const auto& c = p.common;
   const size_t smem = sizeof(int) * (size_t(c.num_ranks) * c.num_local_experts + 2 * size_t(c.num_ranks) + 2 +
                                      size_t(c.num_local_experts));
-  auto kernel = dispatch<kRemote, kFp8>;
-  if (smem > 48 * 1024) {
-    const cudaError_t rc = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (rc != cudaSuccess) return int(rc);
-  }
-  kernel<<<num_blocks, kThreads, smem, stream>>>(dc, p);
-  return int(cudaGetLastError());
+  return launch_for_phases(c.phases, dispatch<kRemote, kFp8, DEEPEP_LL_PHASE_SEND>,
+                           dispatch<kRemote, kFp8, DEEPEP_LL_PHASE_RECV>,
+                           dispatch<kRemote, kFp8, DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV>, dc, p, smem,
+                           num_blocks, stream);
 }
 
 }  // namespace ll

@@ -31,6 +31,9 @@ const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 const WS_LL: usize = WORKSPACE_BYTES - (64 << 10);
 /// Largest rank count the LL workspace arrays hold.
 pub const LL_MAX_RANKS: i32 = 1024;
+/// recv_epoch: a u32 per (op kind, half, block).
+const LL_EPOCH_BYTES: usize = 4 * 4 * kernels::LL_MAX_BLOCKS as usize;
+const _: () = assert!(LL_MAX_RANKS as usize * 20 + 128 + LL_EPOCH_BYTES <= WORKSPACE_BYTES - WS_LL);
 /// Virtual-node setting: ranks [k*n, (k+1)*n) form one node; LL traffic between
 /// nodes takes the remote (GIN-protocol) path, emulated over NVLink.
 pub const VIRTUAL_NODE_ENV: &str = "DEEPEP_VIRTUAL_NODE_SIZE";
@@ -68,6 +71,7 @@ pub struct LlWorkspace {
     pub done: *mut i32,
     pub source_state: *mut i32,
     pub ticket: *mut u32,
+    pub recv_epoch: *mut u32,
     pub mask: *mut i32,
 }
 
@@ -115,19 +119,25 @@ impl Resources {
     pub fn layout_accumulators(&self) -> (*mut i32, i64) {
         (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WS_LL - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
     }
-    /// done [2R], source_state [2R], ticket [2], mask [R]: zero between LL kernels.
+    /// done [2R], source_state [2R], ticket [2] (zero between LL kernels), recv_epoch
+    /// [2 kinds][2 halves][LL_MAX_BLOCKS], mask [R].
     pub fn ll_workspace(&self) -> LlWorkspace {
         let r = LL_MAX_RANKS as usize * 4;
         LlWorkspace {
             done: self.workspace_at(WS_LL).cast(),
             source_state: self.workspace_at(WS_LL + 2 * r).cast(),
             ticket: self.workspace_at(WS_LL + 4 * r).cast(),
-            mask: self.workspace_at(WS_LL + 4 * r + 128).cast(),
+            recv_epoch: self.workspace_at(WS_LL + 4 * r + 128).cast(),
+            mask: self.workspace_at(WS_LL + 4 * r + 128 + LL_EPOCH_BYTES).cast(),
         }
     }
-    /// The LL counters without the mask (what clean_low_latency_buffer zeroes).
+    /// The LL counters and receive epochs, without the mask (what clean_low_latency_buffer zeroes).
     pub fn ll_counters(&self) -> (*mut c_void, usize) {
-        (self.workspace_at(WS_LL), LL_MAX_RANKS as usize * 16 + 128)
+        (self.workspace_at(WS_LL), LL_MAX_RANKS as usize * 16 + 128 + LL_EPOCH_BYTES)
+    }
+    /// Grid of the LL kernels: one block per SM, at most the blocks recv_epoch has slots for.
+    pub fn ll_blocks(&self) -> i32 {
+        self.num_sms.min(kernels::LL_MAX_BLOCKS)
     }
     /// Window geometry and device counters shared by the normal-mode kernels;
     /// `barrier_base` is [`NormalKernel::barrier_slot`] of the kernel to launch.

@@ -19,6 +19,8 @@ pub const WAIT_OP_LL_COMBINE: i32 = 7;
 pub const LL_MAX_TOPK: i64 = 16;
 pub const LL_PHASE_SEND: i32 = 1;
 pub const LL_PHASE_RECV: i32 = 2;
+/// Grid limit of the LL kernels (DEEPEP_LL_MAX_BLOCKS: recv_epoch has a slot per block).
+pub const LL_MAX_BLOCKS: i32 = 1024;
 /// How LL kernels reach peers outside the sender's node (`remote_kind`).
 pub const LL_REMOTE_NONE: i32 = 0;
 pub const LL_REMOTE_EMULATED: i32 = 1;
@@ -208,6 +210,7 @@ pub struct LlCommon {
     pub done: *mut i32,
     pub source_state: *mut i32,
     pub ticket: *mut u32,
+    pub recv_epoch: *mut u32,
     pub mask: *mut i32,
     pub wait: WaitContext,
     pub rank: i32,

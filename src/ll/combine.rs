@@ -88,7 +88,7 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
         };
         // SAFETY: params point at validated tensors and this buffer's live window/workspace.
         let rc = unsafe {
-            kernels::deepep_launch_ll_combine(res.dev_comm.as_ptr(), &params, res.remote_kind, res.num_sms, stream)
+            kernels::deepep_launch_ll_combine(res.dev_comm.as_ptr(), &params, res.remote_kind, res.ll_blocks(), stream)
         };
         kernels::launch_result("deepep::ll::combine", rc)?;
         *buffer_idx = parity;

@@ -221,6 +221,7 @@ pub(crate) fn common(
         done: ws.done,
         source_state: ws.source_state,
         ticket: ws.ticket,
+        recv_epoch: ws.recv_epoch,
         mask: ws.mask,
         wait: buffer.wait_context(res),
         rank: buffer.args.rank,
