@@ -118,7 +118,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
       for (int g = g_begin; g < g_end; ++g) {
         const int block = 2 * g + lane / 16;
         if (block >= num_blocks) continue;  // half-warp uniform
-        const int4 v = ld_nc(src + g * kWarp + lane);
+        const int4 v = ld_stream(src + g * kWarp + lane);
         logfmt_encode_block(v, lane % 16, dst + int64_t(block) * kLogfmtSlotBytes, meta + int64_t(block) * kLogfmtMetaBytes);
       }
       __syncwarp();
@@ -143,12 +143,12 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int i = (g0 + u) * kWarp + lane;
-            if (g0 + u < g_end && i < row_vec) v[u] = ld_nc(src + i);
+            if (g0 + u < g_end && i < row_vec) v[u] = ld_stream(src + i);
           }
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int i = (g0 + u) * kWarp + lane;
-            if (g0 + u < g_end && i < row_vec) st_na(dst + i, v[u]);
+            if (g0 + u < g_end && i < row_vec) st_stream(dst + i, v[u]);
           }
         }
         __syncwarp();
@@ -283,7 +283,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       auto* out = reinterpret_cast<__nv_bfloat162*>(&packed);
 #pragma unroll
       for (int q = 0; q < 4; ++q) out[q] = __floats2bfloat162_rn(acc[sub][2 * q], acc[sub][2 * q + 1]);
-      st_na(static_cast<int4*>(p.out) + int64_t(t) * (H / 8) + (g0 + sub) * kWarp + lane, packed);
+      st_stream(static_cast<int4*>(p.out) + int64_t(t) * (H / 8) + (g0 + sub) * kWarp + lane, packed);
     }
   }
   tr.finish_receive(kSignalCombine, expected);

@@ -24,6 +24,7 @@
 
 #include "bounded_wait.cuh"
 #include "deepep_kernels.h"
+#include "stream_ops.cuh"
 
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 7)
 #define DEEPEP_HAVE_GIN 1
@@ -68,18 +69,6 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
 }
 // Data written by peers during this kernel: L2, never a stale L1 line.
 __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
-__device__ __forceinline__ int4 ld_nc(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ void st_na(int4* p, int4 v) {
-  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
-}
 
 __device__ __forceinline__ int load_topk(const void* topk, bool is_int32, int64_t i) {
   return is_int32 ? __ldg(static_cast<const int32_t*>(topk) + i) : int(__ldg(static_cast<const int64_t*>(topk) + i));
@@ -93,9 +82,9 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) v[u] = ld_cg(src + i + u * kWarp);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) st_na(dst + i + u * kWarp, v[u]);
+    for (int u = 0; u < kUnroll; ++u) st_stream(dst + i + u * kWarp, v[u]);
   }
-  for (; i < n; i += kWarp) st_na(dst + i, ld_cg(src + i));
+  for (; i < n; i += kWarp) st_stream(dst + i, ld_cg(src + i));
 }
 
 // ---------------------------------------------------------------- transport

@@ -218,7 +218,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
         const int i = base0 + u * kThreads + lane;
-        loaded[u] = i < hidden_vec ? ld_nc(x_row + i) : make_int4(0, 0, 0, 0);
+        loaded[u] = i < hidden_vec ? ld_stream(x_row + i) : make_int4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
@@ -261,8 +261,8 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
           if (valid) {
 #pragma unroll
             for (int d = 0; d < DEEPEP_LL_MAX_TOPK; ++d)
-              if (dst_ptr[d] != nullptr) st_na(reinterpret_cast<int4*>(dst_ptr[d] + header) + i, v);
-            if (any_remote) st_na(reinterpret_cast<int4*>(stage + header) + i, v);
+              if (dst_ptr[d] != nullptr) st_stream(reinterpret_cast<int4*>(dst_ptr[d] + header) + i, v);
+            if (any_remote) st_stream(reinterpret_cast<int4*>(stage + header) + i, v);
           }
         }
       }
@@ -411,7 +411,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
         int4* row_dst = dst + packed_row * payload_vec + base + lane;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (base + lane + u * kWarp < v_end) st_na(row_dst + u * kWarp, v[u]);
+          if (base + lane + u * kWarp < v_end) st_stream(row_dst + u * kWarp, v[u]);
       }
     }
     if constexpr (kFp8) {

@@ -17,6 +17,7 @@
 
 #include "bounded_wait.cuh"
 #include "deepep_kernels.h"
+#include "stream_ops.cuh"
 
 namespace deepep {
 namespace normal {
@@ -50,19 +51,6 @@ __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
-}
-// Streaming load that skips L1: ring slots are rewritten by peers within one kernel.
-__device__ __forceinline__ int4 ld_stream(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ void st_stream(int4* p, int4 v) {
-  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
 }
 
 // put: one warp copies n 16-byte words; loads are batched so each lane keeps
