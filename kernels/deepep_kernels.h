@@ -187,6 +187,12 @@ typedef struct DeepepCombineParams {
 // buffer half inside the window (identical on every rank), and local state.
 typedef struct DeepepLlCommon {
   void* window;                   // ncclWindow_t
+  // The window's LSA mapping, read once at creation (deepep_launch_window_geometry): peer p's
+  // copy at lsa_base + p * lsa_stride, this rank's at local_base. Kernels form pointers from
+  // these parameters instead of loading the window struct first (one memory round trip less).
+  uint8_t* lsa_base;
+  uint64_t lsa_stride;
+  uint8_t* local_base;
   uint64_t signal_offset;         // uint32 words: [R] dispatch signals, then [R] combine signals
   uint64_t combine_recv_offset;   // combine area: [E][M] data slots (2H), then [E][M] metadata (4H/128)
   uint64_t view_offset;           // send half: the zero-copy combine view [E_l][R*M] (also combine staging)
@@ -288,6 +294,9 @@ int deepep_launch_lsa_barrier(const void* dev_comm, int index, DeepepWaitContext
 // `slots_offset`, barriers, then counts slots that do not hold `tag ^ peer`.
 int deepep_launch_lsa_peer_check(const void* dev_comm, void* window, size_t slots_offset, uint32_t tag,
                                  int barrier_index, DeepepWaitContext wait, int32_t* mismatches, void* stream);
+// Writes ncclGetLsaPointer(window, 0, p) for p < lsa_size to out[p], and
+// ncclGetLocalPointer(window, 0) to out[lsa_size] (one block; out in device memory).
+int deepep_launch_window_geometry(void* window, int lsa_size, uint64_t* out, void* stream);
 // get_dispatch_layout. The caller validated shapes; see layout.cu for the grid.
 int deepep_launch_dispatch_layout(const DeepepLayoutParams* params, void* stream);
 // Number of int32 partial-histogram elements a launch with these params needs.

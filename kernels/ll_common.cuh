@@ -102,13 +102,12 @@ struct Transport {
     return kRemote == kRemoteNone || peer / c.node_size == c.rank / c.node_size;
   }
   // Peer's copy of window offset `offset`, through NVLink (LSA). Valid for direct
-  // peers, and for every peer in the emulated mode (one physical node).
+  // peers, and for every peer in the emulated mode (one physical node). The mapping comes
+  // in the parameters (what ncclGetLsaPointer computes after loading the window struct).
   __device__ __forceinline__ uint8_t* lsa(uint64_t offset, int peer) const {
-    return static_cast<uint8_t*>(ncclGetLsaPointer(window(), offset, peer - c.wait.lsa_base_rank));
+    return c.lsa_base + uint64_t(peer - c.wait.lsa_base_rank) * c.lsa_stride + offset;
   }
-  __device__ __forceinline__ uint8_t* local(uint64_t offset) const {
-    return static_cast<uint8_t*>(ncclGetLocalPointer(window(), offset));
-  }
+  __device__ __forceinline__ uint8_t* local(uint64_t offset) const { return c.local_base + offset; }
   __device__ __forceinline__ uint64_t signal_offset(int kind, int src) const {
     return c.signal_offset + 4ull * (uint64_t(kind) * c.num_ranks + src);
   }
@@ -208,22 +207,26 @@ struct Transport {
       return false;
     }
     const long long start_clock = clock64();
-    const uint64_t start = global_time_ns();
-    uint32_t value = 0;
-    while (true) {
-      value = read_signal(kind, src);
-      if (arrived(value, expected)) break;
-      const int s = *reinterpret_cast<volatile int*>(state);
-      if (s == kStateMasked) break;
-      if (c.shrink && *reinterpret_cast<volatile int*>(c.mask + src) != 0) break;
-      if (global_time_ns() - start > c.wait.timeout_ns) {
-        if (c.shrink) {
-          atomicExch(c.mask + src, 1);
-        } else {
-          record_stall(c.wait, src, kind == kSignalDispatch ? DEEPEP_WAIT_OP_LL_DISPATCH : DEEPEP_WAIT_OP_LL_COMBINE,
-                       src, expected, value);
+    // First poll before anything else: in hook mode and on a late receiver the signal is
+    // already there (the caller's `expected` load is still in flight beside it).
+    uint32_t value = read_signal(kind, src);
+    if (!arrived(value, expected)) {
+      const uint64_t start = global_time_ns();
+      while (true) {
+        const int s = *reinterpret_cast<volatile int*>(state);
+        if (s == kStateMasked) break;
+        if (c.shrink && *reinterpret_cast<volatile int*>(c.mask + src) != 0) break;
+        if (global_time_ns() - start > c.wait.timeout_ns) {
+          if (c.shrink) {
+            atomicExch(c.mask + src, 1);
+          } else {
+            record_stall(c.wait, src, kind == kSignalDispatch ? DEEPEP_WAIT_OP_LL_DISPATCH : DEEPEP_WAIT_OP_LL_COMBINE,
+                         src, expected, value);
+          }
+          break;
         }
-        break;
+        value = read_signal(kind, src);
+        if (arrived(value, expected)) break;
       }
     }
     if (wait_cycles != nullptr) *wait_cycles = clock64() - start_clock;

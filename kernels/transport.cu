@@ -97,7 +97,20 @@ __global__ void __launch_bounds__(kControlThreads)
   }
 }
 
+__global__ void __launch_bounds__(kControlThreads)
+    window_geometry_kernel(ncclWindow_t window, int lsa_size, uint64_t* out) {
+  for (int p = threadIdx.x; p < lsa_size; p += blockDim.x)
+    out[p] = reinterpret_cast<uint64_t>(ncclGetLsaPointer(window, 0, p));
+  if (threadIdx.x == 0) out[lsa_size] = reinterpret_cast<uint64_t>(ncclGetLocalPointer(window, 0));
+}
+
 }  // namespace deepep
+
+extern "C" int deepep_launch_window_geometry(void* window, int lsa_size, uint64_t* out, void* stream) {
+  deepep::window_geometry_kernel<<<1, deepep::kControlThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<ncclWindow_t>(window), lsa_size, out);
+  return static_cast<int>(cudaGetLastError());
+}
 
 extern "C" int deepep_launch_lsa_barrier(const void* dev_comm, int index, DeepepWaitContext wait, void* stream) {
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);

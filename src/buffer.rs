@@ -10,7 +10,7 @@ use crate::config::{check_buffer_args, RankLayout};
 use crate::cuda::{self, DeviceMemory, HostMapped, PrimaryContext, Stream};
 use crate::error::{DeepepStatus, Error, Result};
 use crate::kernels::{self, StallRecord, WaitContext};
-use crate::nccl::{self, Communicator, DevComm, SymmetricWindow};
+use crate::nccl::{self, Communicator, DevComm, LsaGeometry, SymmetricWindow};
 
 /// Control region at the start of the window: peer-check slots at 0, the
 /// normal-mode notify exchange at NOTIFY_OFFSET, room for later modes.
@@ -99,6 +99,8 @@ pub(crate) struct Resources {
     pub dev_comm: DevComm,
     pub comm: Communicator,
     pub window: SymmetricWindow,
+    /// Where each LSA rank's copy of the window lies (the LL kernels' pointers).
+    pub lsa_geometry: LsaGeometry,
     pub lsa_base_rank: i32,
     pub lsa_size: i32,
     pub num_sms: i32,
@@ -271,6 +273,7 @@ impl Buffer {
             }
         })?;
         let info = dev_comm.info();
+        let lsa_geometry = window.lsa_geometry(info.lsa_rank, info.lsa_size)?;
         let (node_size, remote_kind) = if multi_node {
             (info.lsa_size, kernels::LL_REMOTE_GIN)
         } else if virtual_node < args.num_ranks {
@@ -284,6 +287,7 @@ impl Buffer {
             stall: HostMapped::new()?,
             fault: HostMapped::new()?,
             recv_counts: HostMapped::new()?,
+            lsa_geometry,
             lsa_base_rank: info.rank - info.lsa_rank,
             lsa_size: info.lsa_size,
             num_sms,

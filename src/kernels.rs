@@ -201,6 +201,9 @@ pub struct CombineParams {
 #[derive(Clone, Copy, Debug)]
 pub struct LlCommon {
     pub window: *mut c_void,
+    pub lsa_base: *mut u8,
+    pub lsa_stride: u64,
+    pub local_base: *mut u8,
     pub signal_offset: u64,
     pub combine_recv_offset: u64,
     pub view_offset: u64,
@@ -295,6 +298,7 @@ extern "C" {
     pub fn deepep_kernels_nccl_version() -> c_int;
     pub fn deepep_devcomm_requirements_init(reqs: *mut c_void, lsa_barrier_count: c_int, gin_signal_count: c_int);
     pub fn deepep_devcomm_info(dev_comm: *const c_void, out: *mut DevCommInfo);
+    pub fn deepep_launch_window_geometry(window: *mut c_void, lsa_size: c_int, out: *mut u64, stream: *mut c_void) -> c_int;
     pub fn deepep_launch_lsa_barrier(dev_comm: *const c_void, index: c_int, wait: WaitContext, stream: *mut c_void) -> c_int;
     pub fn deepep_launch_lsa_peer_check(
         dev_comm: *const c_void,

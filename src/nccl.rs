@@ -7,6 +7,7 @@ use std::os::raw::c_void;
 use nccl_sys as sys;
 
 use crate::error::{DeepepStatus, Error, Result};
+use crate::cuda::{self, DeviceMemory};
 use crate::kernels;
 
 fn nccl_error(what: &str, rc: sys::ncclResult_t, comm: sys::ncclComm_t) -> Error {
@@ -164,12 +165,60 @@ impl SymmetricWindow {
         self.window
     }
 
+    /// Where the window's LSA mapping puts each LSA rank's copy, read from the device API
+    /// itself (once, synchronously) so that the LL kernels can form pointers without loading
+    /// the window struct. NCCL maps the team's copies at a fixed stride; anything else is an
+    /// error here rather than a wrong address in a kernel.
+    pub fn lsa_geometry(&self, lsa_rank: i32, lsa_size: i32) -> Result<LsaGeometry> {
+        let n = lsa_size as usize;
+        let out = DeviceMemory::zeroed(8 * (n + 1))?;
+        // SAFETY: the window is registered; out holds lsa_size + 1 u64s; default stream, synced below.
+        let rc = unsafe {
+            kernels::deepep_launch_window_geometry(self.window.cast(), lsa_size, out.ptr().cast(), std::ptr::null_mut())
+        };
+        kernels::launch_result("window_geometry", rc)?;
+        cuda::context_synchronize()?;
+        let ptrs = cuda::copy_to_host::<u64>(out.ptr(), n + 1)?;
+        LsaGeometry::from_pointers(&ptrs[..n], ptrs[n], lsa_rank)
+    }
+
     /// Collective deregistration, then free.
     pub fn destroy(mut self, comm: &Communicator) -> Result<()> {
         let window = std::mem::replace(&mut self.window, std::ptr::null_mut());
         // SAFETY: window was registered on comm and is not used after this.
         check("ncclCommWindowDeregister", unsafe { sys::ncclCommWindowDeregister(comm.raw(), window) }, comm.raw())
         // Drop frees the memory.
+    }
+}
+
+/// The window's LSA mapping: LSA rank p's copy at `base + p * stride`, this rank's at `local`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LsaGeometry {
+    pub base: u64,
+    pub stride: u64,
+    pub local: u64,
+}
+
+impl LsaGeometry {
+    /// From the device API's pointers: `peers[p]` for every LSA rank, `local` for this rank.
+    pub fn from_pointers(peers: &[u64], local: u64, lsa_rank: i32) -> Result<Self> {
+        let base = *peers.first().ok_or_else(|| Error::internal("LSA team has no ranks"))?;
+        let stride = if peers.len() > 1 { peers[1].wrapping_sub(base) } else { 0 };
+        for (p, &ptr) in peers.iter().enumerate() {
+            let want = base.wrapping_add(stride.wrapping_mul(p as u64));
+            if ptr != want {
+                return Err(Error::internal(format!(
+                    "NCCL's LSA window mapping is not evenly strided: LSA rank {p} at {ptr:#x}, expected {want:#x} \
+                     (base {base:#x}, stride {stride:#x}); the LL kernels need NCCL's flat mapping"
+                )));
+            }
+        }
+        if peers.get(lsa_rank as usize) != Some(&local) {
+            return Err(Error::internal(format!(
+                "NCCL's local window pointer {local:#x} is not LSA rank {lsa_rank}'s copy in the flat mapping"
+            )));
+        }
+        Ok(Self { base, stride, local })
     }
 }
 
@@ -226,6 +275,17 @@ impl DevComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lsa_geometry_accepts_a_strided_mapping_and_names_a_broken_one() {
+        let g = LsaGeometry::from_pointers(&[0x1000, 0x5000, 0x9000], 0x5000, 1).unwrap();
+        assert_eq!(g, LsaGeometry { base: 0x1000, stride: 0x4000, local: 0x5000 });
+        assert_eq!(LsaGeometry::from_pointers(&[0x7000], 0x7000, 0).unwrap().stride, 0);
+        let uneven = LsaGeometry::from_pointers(&[0x1000, 0x5000, 0xa000], 0x1000, 0).unwrap_err();
+        assert!(uneven.message.contains("LSA rank 2 at 0xa000, expected 0x9000"), "{}", uneven.message);
+        let local = LsaGeometry::from_pointers(&[0x1000, 0x5000], 0x1000, 1).unwrap_err();
+        assert!(local.message.contains("not LSA rank 1's copy"), "{}", local.message);
+    }
 
     #[test]
     fn same_minor_matches_and_other_minors_name_both_versions() {
