@@ -1,6 +1,8 @@
 """Shared by the benchmarks: DeepEP's timing method and one process per GPU."""
+import json
 import os
 import socket
+import tempfile
 import time
 
 import torch
@@ -88,3 +90,16 @@ class AllToAllDispatcher:
 
 
 # ------------------------------------------------------------------------ profiler
+
+
+def trace_events(prof):
+    """The chrome-trace events of a finished torch.profiler session (exported through a temp file)."""
+    fd, path = tempfile.mkstemp(prefix='bench_trace_', suffix='.json')
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.remove(path)
+    return trace['traceEvents'] if isinstance(trace, dict) else trace

@@ -44,7 +44,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -55,7 +54,7 @@ from torch.profiler import record_function
 os.environ.setdefault('DEEPEP_GPU_TIMEOUT_SECS', '60')
 
 import deep_ep  # noqa: E402
-from bench_common import AllToAllDispatcher, bench, init_worker, spawn_workers  # noqa: E402
+from bench_common import AllToAllDispatcher, bench, init_worker, spawn_workers, trace_events  # noqa: E402
 from bench_normal import calc_diff, fmt, machine_info  # noqa: E402
 
 HIDDEN = 7168
@@ -295,24 +294,16 @@ class Profiler:
         torch.cuda.synchronize()
         dist.barrier()
         torch.cuda.synchronize()
-        fd, path = tempfile.mkstemp(prefix=f'bench_ll_{dist.get_rank()}_', suffix='.json')
-        os.close(fd)
-        try:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
-                with record_function(RANGE + 'marker'):
-                    self.marker()
-                for _ in range(iters):
-                    for label, fn, _ in steps:
-                        with record_function(RANGE + label):
-                            fn()
-                torch.cuda.synchronize()
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                trace = json.load(f)
-        finally:
-            os.remove(path)
-        events = trace['traceEvents'] if isinstance(trace, dict) else trace
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with record_function(RANGE + 'marker'):
+                self.marker()
+            for _ in range(iters):
+                for label, fn, _ in steps:
+                    with record_function(RANGE + label):
+                        fn()
+            torch.cuda.synchronize()
+        events = trace_events(prof)
         return attribute(events, {label: pred for label, _, pred in steps}, iters, fallback or {})
 
 

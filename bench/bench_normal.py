@@ -22,7 +22,6 @@ import os
 import re
 import socket
 import sys
-import tempfile
 import time
 
 import torch
@@ -30,7 +29,7 @@ import torch.distributed as dist
 import torch.profiler
 
 import deep_ep
-from bench_common import AllToAllDispatcher, bench as deepep_bench, init_worker, spawn_workers
+from bench_common import AllToAllDispatcher, bench as deepep_bench, init_worker, spawn_workers, trace_events
 
 HIDDEN = 7168
 NUM_EXPERTS = 256
@@ -116,20 +115,12 @@ def kineto(fn, marker, num_calls=KINETO_CALLS):
     the kernel intervals per call (kernel_us counts overlapping kernels twice, busy_us once)."""
     fn()  # the first call of a config outside the trace
     torch.cuda.synchronize()
-    fd, path = tempfile.mkstemp(prefix=f'bench_normal_{dist.get_rank()}_', suffix='.json')
-    os.close(fd)
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            marker()
-            for _ in range(num_calls):
-                fn()
-            torch.cuda.synchronize()
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    finally:
-        os.remove(path)
-    events = trace['traceEvents'] if isinstance(trace, dict) else trace
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        marker()
+        for _ in range(num_calls):
+            fn()
+        torch.cuda.synchronize()
+    events = trace_events(prof)
     gpu = [e for e in events if e.get('ph') == 'X' and e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')]
     marks = [e for e in gpu if e['cat'] == 'kernel' and 'allreduce' in e['name'].lower()]
     found = bool(marks)

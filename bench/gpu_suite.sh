@@ -4,23 +4,24 @@
 # one log per step; keeps going after a failure and exits non-zero if any step
 # failed. LOG_DIR (${OUT:-./gpu_logs}) ends with at most 8 files (the device
 # transport returns 8): summary.txt, logs.tgz (env + every step log),
-# bench_layout.json, bench_normal.json, bench_ll.json (5 files).
+# bench_layout.json, bench_normal.json, bench_ll.json, bench_ll_virtual.json (6 files).
 #
 # Knobs (environment):
 #   SUITE_STEPS       space-separated step names to run, in the suite's order
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
 #                     steps: smoke_normal test_normal example_normal bench_normal
-#                     smoke_low_latency test_low_latency example_ll bench_ll test_buffer
-#                     test_layout test_python quickstart bench_layout
+#                     smoke_low_latency test_low_latency example_ll bench_ll test_ll_virtual
+#                     bench_ll_virtual test_buffer test_layout test_python quickstart bench_layout
 #   BENCH_NORMAL_ARGS / BENCH_LL_ARGS  extra arguments of bench_normal.py / bench_low_latency.py
 #                     (e.g. BENCH_LL_ARGS=--quick)
 #   EXAMPLE_NORMAL / EXAMPLE_LL        the C++ example binaries
+#   DEEPEP_LL_VIRTUAL_LIBRARY          the virtual-rank library (scripts/test.sh builds it)
 #   DEEPEP_NCCL_LIBRARY, PYTHON
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_STEPS=(smoke_normal test_normal example_normal bench_normal
-           smoke_low_latency test_low_latency example_ll bench_ll
+           smoke_low_latency test_low_latency example_ll bench_ll test_ll_virtual bench_ll_virtual
            test_buffer test_layout test_python quickstart bench_layout)
 SUITE_STEPS=${SUITE_STEPS:-}
 for s in $SUITE_STEPS; do
@@ -105,6 +106,9 @@ step smoke_low_latency 120 "$PYTHON" tests/gpu/smoke_low_latency.py
 step test_low_latency 600 "$PYTHON" tests/gpu/test_low_latency.py
 example example_ll "$EXAMPLE_LL"
 step bench_ll 420 "$PYTHON" bench/bench_low_latency.py ${BENCH_LL_ARGS:-} --json "$LOG_DIR/bench_ll.json"
+# The LL kernels with 2-32 virtual ranks on one GPU (multi-source receive on any machine).
+step test_ll_virtual 300 "$PYTHON" tests/gpu/test_ll_virtual_ranks.py
+step bench_ll_virtual 300 "$PYTHON" bench/bench_ll_virtual_ranks.py --json "$LOG_DIR/bench_ll_virtual.json"
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py
 step test_layout 270 "$PYTHON" tests/gpu/test_layout.py
 step test_python 120 "$PYTHON" -m pytest -q tests/python

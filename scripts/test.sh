@@ -36,6 +36,13 @@ done
 echo "examples: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
 
+echo "== virtual-rank library of the LL kernels (tests/gpu/test_ll_virtual_ranks.py runs it on a GPU)"
+kernels_lib=$(ls -t target/release/build/deepep-nccl-*/out/libdeepep_kernels.a | head -1)
+mkdir -p target/ll_virtual
+"$CUDA_HOME/bin/nvcc" -std=c++17 -O2 -shared -Xcompiler -fPIC -Ikernels -isystem "$NCCL_HOME/include" \
+  tests/gpu/ll_virtual_ranks.cu "$kernels_lib" -L"$CUDA_HOME/lib" -cudart static -Xlinker --no-undefined \
+  -o target/ll_virtual/libll_virtual_ranks.so
+
 echo "== Python drop-in (CPU parts, no torch needed)"
 DEEPEP_NCCL_LIBRARY="$PWD/target/release/libdeepep_nccl.so" PYTHONPATH="$PWD/compat/python" \
   "$DEEPEP_VENV/bin/python" -m pytest -q tests/python

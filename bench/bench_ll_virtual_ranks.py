@@ -1,0 +1,116 @@
+"""Hook-mode LL receive kernels of R virtual ranks on ONE GPU (tests/gpu/ll_virtual.py).
+
+Each receiving rank's kernel reads only its own window, as on real hardware, so its GPU time is
+the per-rank receive time of an R-rank run; the senders' stores go to local memory instead of
+over NVLink, so send times are not reported. Per iteration: every rank's dispatch send, then per
+rank a BF16 matmul gap (as DeepEP's large_gemm_with_hook: caches are cold again) and that rank's
+dispatch receive; then the same for combine (random expert outputs). GPU time per kernel from
+torch.profiler, median over iterations and ranks. Use it for A/B work on the receive kernels
+when no multi-GPU machine is available; the product's numbers are bench_low_latency.py's.
+
+Usage: python bench/bench_ll_virtual_ranks.py [--ranks 4] [--tokens 1 16 128 256] [--json F]"""
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+import torch
+import torch.profiler
+
+from bench_common import trace_events  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'tests', 'gpu'))
+from ll_virtual import VirtualWorld  # noqa: E402
+from test_ll_virtual_ranks import MODES, make_inputs  # noqa: E402
+
+
+def kernel_times(fn, iters):
+    """fn() once untraced, then `iters` times under the profiler: {kernel name: [us, ...]}."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in trace_events(prof):
+        if e.get('ph') == 'X' and e.get('cat') == 'kernel':
+            times.setdefault(e['name'], []).append(float(e['dur']))
+    return times
+
+
+def receive_us(times, op):
+    """Median GPU time of the receive-only instantiation of deepep::ll::<op> (phases = 2)."""
+    pattern = re.compile(rf'll::{op}<\d+, (true|false), 2>')
+    durs = [d for name, ds in times.items() if pattern.search(name) for d in ds]
+    return statistics.median(durs) if durs else float('nan'), len(durs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--ranks', type=int, default=4)
+    parser.add_argument('--experts', type=int, default=288)
+    parser.add_argument('--hidden', type=int, default=7168)
+    parser.add_argument('--topk', type=int, default=8)
+    parser.add_argument('--max-tokens', type=int, default=None, help='M (default: max(128, T))')
+    parser.add_argument('--tokens', type=int, nargs='+', default=[1, 16, 128, 256])
+    parser.add_argument('--mode', choices=tuple(MODES), default='fp8')
+    parser.add_argument('--iters', type=int, default=20)
+    parser.add_argument('--json', default=None)
+    args = parser.parse_args()
+    torch.cuda.set_device(0)
+    props = torch.cuda.get_device_properties(0)
+    print(f'{props.name}, {props.multi_processor_count} SMs; {args.ranks} virtual ranks, hidden {args.hidden}, '
+          f'top-{args.topk} of {args.experts}, {args.mode} dispatch, BF16 combine; hook-mode receive kernels, '
+          f'median over {args.iters} iterations x {args.ranks} ranks (us)', flush=True)
+    gap_a = torch.randn(4096, 8192, dtype=torch.bfloat16, device='cuda')
+    gap_b = torch.randn(8192, 4096, dtype=torch.bfloat16, device='cuda')
+    gap_c = torch.empty(4096, 4096, dtype=torch.bfloat16, device='cuda')
+    use_fp8, round_scale, ue8m0 = MODES[args.mode]
+    mode = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=ue8m0)
+    rows = []
+    print('| T | dispatch recv | combine recv |\n| --- | --- | --- |', flush=True)
+    for tokens in args.tokens:
+        m = args.max_tokens or max(128, tokens)
+        world = VirtualWorld(args.ranks, args.experts, m, args.hidden)
+        all_x, all_topk = make_inputs(world, tokens, tokens, args.topk)
+        outs = [world.dispatch_outputs(use_fp8, ue8m0) for _ in range(args.ranks)]
+        el, nrows = world.local_experts, args.ranks * m
+        all_y = [torch.randn(el, nrows, args.hidden, device='cuda').to(torch.bfloat16) for _ in range(args.ranks)]
+        all_w = [torch.rand(t.shape, device='cuda') for t in all_topk]
+        combined = [torch.empty(t.size(0), args.hidden, dtype=torch.bfloat16, device='cuda') for t in all_topk]
+
+        def iteration():
+            world.parity ^= 1
+            for r in range(args.ranks):
+                world.dispatch_send(r, all_x[r], all_topk[r], outs[r], **mode)
+            for r in range(args.ranks):
+                torch.matmul(gap_a, gap_b, out=gap_c)
+                world.dispatch_recv(r, all_x[r], all_topk[r], outs[r], **mode)
+            world.parity ^= 1
+            for phases in (1, 2):
+                for r in range(args.ranks):
+                    if phases == 2:
+                        torch.matmul(gap_a, gap_b, out=gap_c)
+                    world._launch(world.lib.llv_combine, world.combine_fields(
+                        r, phases, all_y[r], all_topk[r], all_w[r], outs[r]['src_info'], outs[r]['layout_range'],
+                        combined[r]))
+
+        times = kernel_times(iteration, args.iters)
+        world.check_no_stall()
+        d_us, d_n = receive_us(times, 'dispatch')
+        c_us, c_n = receive_us(times, 'combine')
+        assert d_n == c_n == args.iters * args.ranks, f'kernels found: dispatch {d_n}, combine {c_n}'
+        rows.append({'tokens': tokens, 'max_tokens': m, 'dispatch_recv_us': d_us, 'combine_recv_us': c_us})
+        print(f'| {tokens} | {d_us:.1f} | {c_us:.1f} |', flush=True)
+        world = outs = all_y = None  # free before the next shape allocates
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump({'device': props.name, 'sms': props.multi_processor_count, 'args': vars(args), 'rows': rows},
+                      f, indent=1)
+
+
+if __name__ == '__main__':
+    main()

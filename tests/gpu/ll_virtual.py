@@ -1,0 +1,156 @@
+"""R virtual ranks of the LL kernels on one GPU (tests/gpu/ll_virtual_ranks.cu, driven by ctypes).
+
+The LL kernels take every window pointer as a parameter (rank p's window at base + p * stride),
+so R windows carved out of one allocation are, to them, R ranks of one LSA team. A call here
+launches every rank's send, then every rank's receive, on the current stream: the multi-source
+protocol (count messages, signals, per-source prefixes, the emulated remote path) runs on a
+machine with one GPU, and each receive kernel reads only its own window, as on real hardware.
+Outputs are torch tensors, one set per rank, to compare with tests/gpu/ll_reference.py.
+
+The library is built by scripts/test.sh (target/ll_virtual/libll_virtual_ranks.so) or named by
+DEEPEP_LL_VIRTUAL_LIBRARY."""
+import ctypes
+import os
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_LIBRARY = os.path.join(ROOT, 'target', 'll_virtual', 'libll_virtual_ranks.so')
+PHASE_SEND, PHASE_RECV = 1, 2
+REMOTE_NONE, REMOTE_EMULATED = 0, 1
+
+
+def load_library(path=None):
+    path = path or os.environ.get('DEEPEP_LL_VIRTUAL_LIBRARY', DEFAULT_LIBRARY)
+    if not os.path.isfile(path):
+        raise RuntimeError(f'{path} not found: build it with `bash scripts/test.sh` or set DEEPEP_LL_VIRTUAL_LIBRARY')
+    lib = ctypes.CDLL(path)
+    lib.llv_num_args.restype = ctypes.c_int
+    lib.llv_arg_name.restype = ctypes.c_char_p
+    lib.llv_arg_name.argtypes = [ctypes.c_int]
+    for fn in (lib.llv_window_bytes, lib.llv_workspace_bytes):
+        fn.restype = ctypes.c_int64
+    lib.llv_window_bytes.argtypes = [ctypes.c_void_p]
+    lib.llv_workspace_bytes.argtypes = [ctypes.c_int64]
+    for fn in (lib.llv_dispatch, lib.llv_combine):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+class VirtualWorld:
+    """num_ranks windows on the current GPU. node_size < num_ranks sends to ranks of other
+    (virtual) nodes through the emulated remote path (stage, put, signal)."""
+
+    def __init__(self, num_ranks, num_experts, max_tokens, hidden, node_size=None, num_blocks=None,
+                 timeout_s=10.0, library=None):
+        assert num_experts % num_ranks == 0, 'num_experts must divide evenly over the ranks'
+        self.lib = load_library(library)
+        self.names = [self.lib.llv_arg_name(i).decode() for i in range(self.lib.llv_num_args())]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.num_ranks, self.num_experts, self.max_tokens, self.hidden = num_ranks, num_experts, max_tokens, hidden
+        self.local_experts = num_experts // num_ranks
+        node_size = node_size or num_ranks
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self.base = dict(num_ranks=num_ranks, num_experts=num_experts, max_tokens=max_tokens, hidden=hidden,
+                         node_size=node_size, remote_kind=REMOTE_NONE if node_size >= num_ranks else REMOTE_EMULATED,
+                         num_blocks=num_blocks or min(props.multi_processor_count, 1024),
+                         timeout_ns=int(timeout_s * 1e9))
+        stride = (self.lib.llv_window_bytes(self._vector(self.base)) + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+        self.window = torch.zeros(num_ranks * stride, dtype=torch.uint8, device='cuda')
+        self.workspace = torch.zeros(num_ranks * self.lib.llv_workspace_bytes(num_ranks), dtype=torch.uint8,
+                                     device='cuda')
+        self.stall = torch.zeros(8, dtype=torch.int64, device='cuda')  # DeepepStallRecord (40 bytes)
+        self.stall_lock = torch.zeros(1, dtype=torch.int32, device='cuda')
+        self.base.update(world_base=self.window.data_ptr(), world_stride=stride,
+                         workspace_base=self.workspace.data_ptr(), stall_record=self.stall.data_ptr(),
+                         stall_lock=self.stall_lock.data_ptr())
+        self.parity = 1  # flips before every send, as the product's buffer does
+
+    def _vector(self, fields):
+        unknown = set(fields) - set(self.index)
+        assert not unknown, f'unknown llv arguments {unknown}'
+        vec = (ctypes.c_int64 * len(self.names))()
+        for name, value in fields.items():
+            vec[self.index[name]] = int(value)
+        return vec
+
+    def _launch(self, fn, fields):
+        vec = self._vector({**self.base, **fields})
+        rc = fn(vec, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        if rc != 0:
+            raise RuntimeError(f'{fn.__name__} returned cudaError {rc}')
+
+    def check_no_stall(self):
+        rec = self.stall.cpu()
+        words = rec.view(torch.int32).tolist()
+        if words[0] != 0:
+            raise RuntimeError(f'stall recorded: rank {words[1]} waited on peer {words[2]} (op {words[3]}, '
+                               f'counter {words[4]}, expected {rec[3].item()}, seen {rec[4].item()})')
+
+    # ------------------------------------------------------------ dispatch
+    def dispatch_outputs(self, use_fp8, use_ue8m0):
+        el, rows, h = self.local_experts, self.num_ranks * self.max_tokens, self.hidden
+        out = dict(
+            x=torch.empty(el, rows, h, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device='cuda'),
+            count=torch.empty(el, dtype=torch.int32, device='cuda'),
+            src_info=torch.empty(el, rows, dtype=torch.int32, device='cuda'),
+            layout_range=torch.empty(el, self.num_ranks, dtype=torch.int64, device='cuda'),
+            stats=torch.zeros(el, dtype=torch.int32, device='cuda'),
+            wait_stats=torch.zeros(self.num_ranks, dtype=torch.int64, device='cuda'),
+            scales=None)
+        if use_fp8:  # DeepEP's column-major [E_l, rows, groups] (stored [E_l, groups, rows])
+            groups = h // 512 if use_ue8m0 else h // 128
+            dtype = torch.int32 if use_ue8m0 else torch.float32
+            out['scales'] = torch.empty(el, groups, rows, dtype=dtype, device='cuda').transpose(1, 2)
+        return out
+
+    def dispatch_fields(self, rank, phases, x, topk, out, use_fp8=False, round_scale=False, use_ue8m0=False):
+        return dict(rank=rank, phases=phases, parity=self.parity, num_topk=topk.size(1), num_tokens=x.size(0),
+                    x=x.data_ptr(), topk_idx=topk.data_ptr(), topk_idx_is_int32=topk.dtype == torch.int32,
+                    use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                    packed_recv_x=out['x'].data_ptr(),
+                    packed_recv_x_scales=0 if out['scales'] is None else out['scales'].data_ptr(),
+                    packed_recv_count=out['count'].data_ptr(), packed_recv_src_info=out['src_info'].data_ptr(),
+                    packed_recv_layout_range=out['layout_range'].data_ptr(),
+                    cumulative_stats=out['stats'].data_ptr(), wait_stats=out['wait_stats'].data_ptr())
+
+    def dispatch_send(self, rank, x, topk, out, **mode):
+        self._launch(self.lib.llv_dispatch, self.dispatch_fields(rank, PHASE_SEND, x, topk, out, **mode))
+
+    def dispatch_recv(self, rank, x, topk, out, **mode):
+        self._launch(self.lib.llv_dispatch, self.dispatch_fields(rank, PHASE_RECV, x, topk, out, **mode))
+
+    def dispatch(self, all_x, all_topk, use_fp8=False, round_scale=False, use_ue8m0=False, outs=None):
+        """Every rank sends, then every rank receives (hook mode: no kernel waits for a peer that
+        has not launched). Returns one output dict per rank."""
+        mode = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        outs = outs or [self.dispatch_outputs(use_fp8, use_ue8m0) for _ in range(self.num_ranks)]
+        self.parity ^= 1
+        for r in range(self.num_ranks):
+            self.dispatch_send(r, all_x[r], all_topk[r], outs[r], **mode)
+        for r in range(self.num_ranks):
+            self.dispatch_recv(r, all_x[r], all_topk[r], outs[r], **mode)
+        return outs
+
+    # ------------------------------------------------------------ combine
+    def combine_fields(self, rank, phases, y, topk, weights, src_info, layout_range, out, use_logfmt=False,
+                       wait_stats=None):
+        return dict(rank=rank, phases=phases, parity=self.parity, num_topk=topk.size(1), num_tokens=topk.size(0),
+                    x=y.data_ptr(), topk_idx=topk.data_ptr(), topk_idx_is_int32=topk.dtype == torch.int32,
+                    topk_weights=weights.data_ptr(), src_info=src_info.data_ptr(),
+                    layout_range=layout_range.data_ptr(), out=out.data_ptr(), use_logfmt=use_logfmt,
+                    wait_stats=0 if wait_stats is None else wait_stats.data_ptr())
+
+    def combine(self, all_y, all_topk, all_weights, dispatch_outs, use_logfmt=False, outs=None):
+        """Every rank sends its expert outputs all_y[r] [E_l, R*M, H] back, then every rank
+        receives. dispatch_outs: the dispatch's per-rank outputs (src_info, layout_range)."""
+        outs = outs or [torch.empty(t.size(0), self.hidden, dtype=torch.bfloat16, device='cuda') for t in all_topk]
+        self.parity ^= 1
+        for phases in (PHASE_SEND, PHASE_RECV):
+            for r in range(self.num_ranks):
+                d = dispatch_outs[r]
+                self._launch(self.lib.llv_combine,
+                             self.combine_fields(r, phases, all_y[r], all_topk[r], all_weights[r], d['src_info'],
+                                                 d['layout_range'], outs[r], use_logfmt))
+        return outs

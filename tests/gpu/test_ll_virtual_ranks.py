@@ -1,0 +1,189 @@
+"""The LL kernels with 2-8 virtual ranks on ONE GPU (tests/gpu/ll_virtual.py), against the
+independent torch reference of ll_reference.py.
+
+What this covers that one real rank cannot: several sources per receiver (count messages, the
+per-source prefix of every expert's rows, layout_range, src_info), uneven token counts per
+source, the emulated remote path of virtual nodes, combine homes on every rank, and both buffer
+halves over repeated calls. Every output is compared bit for bit (combine: at most 1 BF16 ulp,
+as test_low_latency.py). The real multi-GPU path (NCCL window, NVLink) is test_low_latency.py's.
+
+Usage: python tests/gpu/test_ll_virtual_ranks.py [-k REGEX]"""
+import argparse
+import re
+import sys
+import time
+import traceback
+
+import torch
+
+from ll_reference import bf16_ulp_distance, expert_scales, ref_ll_combine, ref_ll_dispatch
+from ll_virtual import VirtualWorld
+
+MODES = {'bf16': (False, False, False), 'fp8': (True, False, False), 'fp8_round': (True, True, False),
+         'fp8_ue8m0': (True, True, True)}
+
+
+def make_topk(gen, tokens, num_topk, num_experts, routing):
+    """[T, K] int64 routing: distinct random experts ('random'), every token to expert 0 and the
+    rest -1 ('skewed'), random with a quarter of the slots -1 ('holes'), or with a repeated expert
+    per token ('dupes': the receiver must keep both copies, in (token, k) order)."""
+    if routing == 'skewed':
+        topk = torch.full((tokens, num_topk), -1, dtype=torch.int64)
+        topk[:, 0] = 0
+        return topk
+    scores = torch.rand(tokens, num_experts, generator=gen)
+    topk = scores.topk(num_topk, dim=1).indices
+    if routing == 'holes':
+        topk[torch.rand(tokens, num_topk, generator=gen) < 0.25] = -1
+    elif routing == 'dupes' and num_topk > 1:
+        topk[:, -1] = topk[:, 0]
+    return topk
+
+
+def make_inputs(world, seed, tokens, num_topk, routing='random', topk_int32=False):
+    """Per rank: x [T_r, H] BF16 (amplitude varies per 128-channel block, so FP8 scales differ)
+    and topk [T_r, K]. `tokens` is an int (every rank) or a list (per rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = tokens if isinstance(tokens, (list, tuple)) else [tokens] * world.num_ranks
+    all_x, all_topk = [], []
+    for t in counts:
+        amp = torch.rand(1, world.hidden // 128, 1, generator=gen) * 4 + 0.01
+        x = (torch.randn(t, world.hidden // 128, 128, generator=gen) * amp).view(t, world.hidden)
+        all_x.append(x.to(torch.bfloat16).cuda())
+        topk = make_topk(gen, t, num_topk, world.num_experts, routing)
+        all_topk.append((topk.to(torch.int32) if topk_int32 else topk).cuda())
+    return all_x, all_topk
+
+
+def check_equal(name, got, want, valid=None):
+    if got.dtype == torch.float8_e4m3fn:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    if valid is not None:
+        got, want = got[valid], want[valid]
+    if not torch.equal(got, want):
+        bad = (got != want).reshape(got.size(0), -1).any(1) if got.dim() else torch.tensor([True])
+        raise AssertionError(f'{name}: {int(bad.sum())} of {got.size(0) if got.dim() else 1} rows differ, '
+                             f'first at {int(bad.nonzero()[0])}')
+
+
+def check_dispatch(world, all_x, all_topk, outs, mode, stats_calls=1):
+    use_fp8, round_scale, ue8m0 = MODES[mode]
+    for r in range(world.num_ranks):
+        ref = ref_ll_dispatch(all_x, all_topk, r, world.num_experts, world.max_tokens, use_fp8, round_scale, ue8m0)
+        out = outs[r]
+        what = f'rank {r}'
+        check_equal(f'{what} packed_recv_count', out['count'], ref.count)
+        check_equal(f'{what} layout_range', out['layout_range'], ref.layout_range)
+        check_equal(f'{what} src_info', out['src_info'], ref.src_info, ref.valid)
+        check_equal(f'{what} packed_recv_x', out['x'], ref.x, ref.valid)
+        if use_fp8:
+            check_equal(f'{what} packed_recv_x_scales', out['scales'], ref.x_scales, ref.valid)
+        check_equal(f'{what} cumulative_local_expert_recv_stats', out['stats'], ref.count * stats_calls)
+        assert bool((out['wait_stats'] > 0).all()), f'{what} dispatch_wait_recv_cost_stats not added to'
+
+
+def check_combine(world, all_y, all_topk, all_w, got):
+    for r in range(world.num_ranks):
+        want = ref_ll_combine(all_y, all_topk, r, all_w[r], world.num_experts, world.max_tokens)
+        if torch.equal(got[r], want):
+            continue
+        ulps = bf16_ulp_distance(got[r], want)
+        if int(ulps.max()) > 1:
+            raise AssertionError(f'rank {r} combined_x: {int((ulps > 0).sum())} elements differ, up to '
+                                 f'{int(ulps.max())} BF16 ulp')
+
+
+def round_trip(world, seed, tokens, num_topk, modes, routing='random', topk_int32=False, rounds=1):
+    """`rounds` x (dispatch in each mode, then combine of random expert outputs): both buffer
+    halves, fresh data each time, every output checked."""
+    for i in range(rounds):
+        all_x, all_topk = make_inputs(world, seed + i, tokens, num_topk, routing, topk_int32)
+        for mode in modes:
+            use_fp8, round_scale, ue8m0 = MODES[mode]
+            outs = world.dispatch(all_x, all_topk, use_fp8, round_scale, ue8m0)
+            torch.cuda.synchronize()
+            world.check_no_stall()
+            check_dispatch(world, all_x, all_topk, outs, mode)
+            if mode == 'bf16':
+                bf16_outs = outs
+        gen = torch.Generator(device='cuda').manual_seed(seed + 1000 + i)
+        el, rows, h = world.local_experts, world.num_ranks * world.max_tokens, world.hidden
+        if routing == 'dupes':
+            # Both copies of a duplicated (token, expert) pair map to one combine slot (DeepEP's
+            # layout), so their outputs must agree: y = bf16(received row * factor of the expert).
+            factor = expert_scales(world.num_experts, 'cuda').view(world.num_ranks, el, 1, 1)
+            all_y = [(bf16_outs[r]['x'].float() * factor[r]).to(torch.bfloat16) for r in range(world.num_ranks)]
+        else:
+            all_y = [torch.randn(el, rows, h, device='cuda', generator=gen).to(torch.bfloat16)
+                     for _ in range(world.num_ranks)]
+        all_w = [torch.rand(t.shape, device='cuda', generator=gen) for t in all_topk]
+        got = world.combine(all_y, all_topk, all_w, outs)
+        torch.cuda.synchronize()
+        world.check_no_stall()
+        check_combine(world, all_y, all_topk, all_w, got)
+
+
+def cases():
+    all_modes = tuple(MODES)
+    # name: (world kwargs, round_trip kwargs)
+    return {
+        'r4_bench_shape_all_modes': (dict(num_ranks=4, num_experts=288, max_tokens=128, hidden=7168),
+                                     dict(seed=1, tokens=128, num_topk=8, modes=all_modes, rounds=2)),
+        'r4_uneven_tokens_int32_topk': (dict(num_ranks=4, num_experts=288, max_tokens=128, hidden=7168),
+                                        dict(seed=2, tokens=[128, 0, 1, 77], num_topk=8, modes=('fp8', 'bf16'),
+                                             topk_int32=True)),
+        'r8_top16_holes': (dict(num_ranks=8, num_experts=64, max_tokens=64, hidden=2048),
+                           dict(seed=3, tokens=[64, 1, 33, 0, 64, 5, 64, 17], num_topk=16, routing='holes',
+                                modes=all_modes)),
+        'r2_top1_skewed_h5120': (dict(num_ranks=2, num_experts=16, max_tokens=96, hidden=5120),
+                                 dict(seed=4, tokens=96, num_topk=1, routing='skewed', modes=all_modes)),
+        'r4_duplicate_experts_h6400': (dict(num_ranks=4, num_experts=32, max_tokens=40, hidden=6400),
+                                       dict(seed=5, tokens=40, num_topk=8, routing='dupes',
+                                            modes=('bf16', 'fp8', 'fp8_round'))),
+        'r2_m1024_h1024': (dict(num_ranks=2, num_experts=16, max_tokens=1024, hidden=1024),
+                           dict(seed=6, tokens=[1024, 700], num_topk=4, modes=('fp8', 'bf16'))),
+        'r4_virtual_nodes_of_2': (dict(num_ranks=4, num_experts=288, max_tokens=128, hidden=7168, node_size=2),
+                                  dict(seed=7, tokens=[128, 3, 64, 0], num_topk=8, modes=all_modes, rounds=2)),
+        'r8_virtual_nodes_of_4_h2048': (dict(num_ranks=8, num_experts=256, max_tokens=32, hidden=2048, node_size=4),
+                                        dict(seed=8, tokens=32, num_topk=8, routing='holes', modes=('fp8', 'bf16'))),
+        # More than 8 sources: the receive reads the count messages in two passes.
+        'r16_top8_h1024': (dict(num_ranks=16, num_experts=256, max_tokens=24, hidden=1024),
+                           dict(seed=10, tokens=[24, 0, 7] * 5 + [24], num_topk=8, routing='holes',
+                                modes=('fp8', 'bf16'))),
+        'r32_virtual_nodes_of_8_h512': (dict(num_ranks=32, num_experts=64, max_tokens=8, hidden=512, node_size=8),
+                                        dict(seed=11, tokens=8, num_topk=4, modes=('fp8_ue8m0', 'bf16'))),
+        'r4_small_grid': (dict(num_ranks=4, num_experts=288, max_tokens=128, hidden=7168, num_blocks=3),
+                          dict(seed=9, tokens=128, num_topk=8, modes=('fp8_ue8m0', 'bf16'))),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('-k', dest='pattern', default='', help='run only the cases whose name matches this regex')
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print('test_ll_virtual_ranks needs a GPU, found none')
+        return 1
+    torch.cuda.set_device(0)
+    passed, failed = 0, []
+    for name, (world_kw, trip_kw) in cases().items():
+        if not re.search(args.pattern, name):
+            continue
+        start = time.monotonic()
+        try:
+            world = VirtualWorld(**world_kw)
+            round_trip(world, **trip_kw)
+            del world
+            passed += 1
+            print(f'PASS {name} ({time.monotonic() - start:.1f} s)', flush=True)
+        except Exception as e:  # report every case
+            failed.append(name)
+            print(f'FAIL {name}: {e}', flush=True)
+            traceback.print_exc()
+    print(f'test_ll_virtual_ranks: {passed} passed, {len(failed)} failed' +
+          (f' ({", ".join(failed)})' if failed else ''))
+    return 1 if failed or passed == 0 else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
