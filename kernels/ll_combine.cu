@@ -169,7 +169,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
 template <int kRemote, bool kLogfmt>
 __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRemote>& tr, int* smem) {
   const auto& c = p.common;
-  const int R = c.num_ranks, El = c.num_local_experts, H = c.hidden, M = c.max_tokens, K = c.num_topk;
+  const int El = c.num_local_experts, H = c.hidden, M = c.max_tokens, K = c.num_topk;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t cslot = combine_data_bytes(H);
   const bool i32 = p.topk_idx_is_int32 != 0;
@@ -200,12 +200,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       if (u < K) first_weight[u] = __ldg(p.topk_weights + int64_t(t) * K + u);
     }
   }
-  const uint32_t expected = tr.expected_signal(kSignalCombine);
-  for (int j = threadIdx.x; j < R; j += kThreads) {
-    int64_t cycles = 0;
-    active[j] = tr.wait_source(kSignalCombine, j, expected, &cycles);
-    if (blockIdx.x == 0 && p.combine_wait_recv_cost_stats != nullptr) add_stat(p.combine_wait_recv_cost_stats + j, cycles);
-  }
+  const uint32_t expected = tr.wait_sources(kSignalCombine, active, p.combine_wait_recv_cost_stats);
   __syncthreads();
   const uint8_t* recv = tr.local(c.combine_recv_offset);
   const uint8_t* recv_meta = recv + int64_t(c.num_experts) * M * cslot;

@@ -200,16 +200,14 @@ struct Transport {
   // agrees with the other blocks on the outcome (source_state). Returns whether it
   // arrived; false if the source is masked (before or, in shrink mode, by this wait's
   // timeout). A timeout outside shrink mode records a stall and also returns false.
-  __device__ bool wait_source(int kind, int src, uint32_t expected, int64_t* wait_cycles) const {
+  // `value` is the caller's first poll (read_signal), issued before `expected` was loaded.
+  __device__ bool wait_source(int kind, int src, uint32_t expected, uint32_t value, int64_t* wait_cycles) const {
     int* state = c.source_state + kind * c.num_ranks + src;
     if (c.shrink && __ldcg(c.mask + src) != 0) {
       atomicCAS(state, kStateWaiting, kStateMasked);
       return false;
     }
     const long long start_clock = clock64();
-    // First poll before anything else: in hook mode and on a late receiver the signal is
-    // already there (the caller's `expected` load is still in flight beside it).
-    uint32_t value = read_signal(kind, src);
     if (!arrived(value, expected)) {
       const uint64_t start = global_time_ns();
       while (true) {
@@ -239,6 +237,11 @@ struct Transport {
     return final_state == kStateArrived;
   }
 
+  // The receive's wait, block-wide: thread j waits for source j (then j + kThreads, ...) and
+  // sets active[j]; block 0 adds each wait's cycles to `stats` (if not NULL). Returns the
+  // expected signal value, for finish_receive.
+  __device__ uint32_t wait_sources(int kind, int* active, int64_t* stats) const;
+
   // End of a receive of op `kind` (the whole block calls, after its last read of the half).
   __device__ void finish_receive(int kind, uint32_t expected) const;
 };
@@ -246,6 +249,20 @@ struct Transport {
 // Stats counters: a fire-and-forget add (no round trip on the path to the data).
 __device__ __forceinline__ void add_stat(int64_t* p, int64_t v) {
   atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+}
+
+template <int kRemote>
+__device__ uint32_t Transport<kRemote>::wait_sources(int kind, int* active, int64_t* stats) const {
+  // Each thread's first poll goes out before the block's epoch load, so that the two loads are
+  // in flight together: in hook mode the signal is already there, one memory round trip.
+  const uint32_t first = threadIdx.x < c.num_ranks ? read_signal(kind, threadIdx.x) : 0u;
+  const uint32_t expected = expected_signal(kind);
+  for (int j = threadIdx.x; j < c.num_ranks; j += kThreads) {
+    int64_t cycles = 0;
+    active[j] = wait_source(kind, j, expected, j == threadIdx.x ? first : read_signal(kind, j), &cycles);
+    if (blockIdx.x == 0 && stats != nullptr) add_stat(stats + j, cycles);
+  }
+  return expected;
 }
 
 // Whether `peer` takes part in this call (shrink mode skips masked ranks).

@@ -292,6 +292,46 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
   }
 }
 
+// Where work item w of the receive lies: source j, slot i, and its chunk's 16-byte words
+// [v_begin, v_end) of the payload (whole 32-word groups).
+struct ItemPlace {
+  int j, i, v_begin, v_end;
+  unsigned chunk;
+};
+__device__ __forceinline__ ItemPlace item_place(unsigned w, unsigned chunks, int max_tokens, int payload_groups,
+                                                int payload_vec) {
+  const unsigned slot_idx = w / chunks, chunk = w - slot_idx * chunks;
+  const unsigned j = slot_idx / unsigned(max_tokens);
+  ItemPlace it;
+  it.j = int(j);
+  it.i = int(slot_idx - j * unsigned(max_tokens));
+  it.chunk = chunk;
+  it.v_begin = int(chunk * unsigned(payload_groups) / chunks) * kWarp;
+  it.v_end = min(int((chunk + 1) * unsigned(payload_groups) / chunks) * kWarp, payload_vec);
+  return it;
+}
+
+constexpr int kFusedSources = 8;  // sources whose count messages one thread reads at once
+
+// Block 0 of the receive publishes layout_range[e][j] = (begin << 32) | count, and
+// packed_recv_count[e] (also added to the cumulative stats).
+__device__ __forceinline__ void publish_range(const DeepepLlDispatchParams& p, int e, int j, int begin, int n) {
+  p.packed_recv_layout_range[int64_t(e) * p.common.num_ranks + j] = (int64_t(begin) << 32) | int64_t(uint32_t(n));
+}
+__device__ __forceinline__ void publish_count(const DeepepLlDispatchParams& p, int e, int total) {
+  p.packed_recv_count[e] = total;
+  if (p.cumulative_local_expert_recv_stats != nullptr) atomicAdd(p.cumulative_local_expert_recv_stats + e, total);
+}
+
+// Makes the compiler compute the values here (before what follows, e.g. a wait's volatile
+// loads) instead of sinking the arithmetic to their first use.
+__device__ __forceinline__ void computed_here(int value) { asm volatile("" ::"r"(value)); }
+template <typename... Ts>
+__device__ __forceinline__ void computed_here(int value, Ts... values) {
+  computed_here(value);
+  computed_here(values...);
+}
+
 template <int kRemote, bool kFp8>
 __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<kRemote>& tr, int* smem) {
   const auto& c = p.common;
@@ -304,105 +344,137 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   int* begin = smem;
   int* tokens = begin + R * El;
   int* active = tokens + R;
-  const uint32_t expected = tr.expected_signal(kSignalDispatch);
-  for (int j = threadIdx.x; j < R; j += kThreads) {
-    int64_t cycles = 0;
-    active[j] = tr.wait_source(kSignalDispatch, j, expected, &cycles);
-    if (blockIdx.x == 0 && p.dispatch_wait_recv_cost_stats != nullptr)
-      add_stat(p.dispatch_wait_recv_cost_stats + j, cycles);
-  }
-  __syncthreads();
-
   // Work items: every potential slot (source j, slot i < M) split into chunks of whole 32-word
   // groups. The mapping does not depend on the counts, so each warp issues its first item's
-  // loads (header, payload, first scales) right away, beside the count-message loads: one
-  // memory round trip after the wait instead of one per step. Slots past a source's count are
-  // skipped once the counts are known (their speculative loads are harmless window reads).
+  // loads (header, payload, first scales) right after the wait, beside the count-message loads:
+  // one memory round trip instead of one per step. Slots past a source's count are skipped once
+  // the counts are known (their speculative loads are harmless window reads).
   const int payload_vec = kFp8 ? H / 16 : H / 8;  // 16-byte words of payload data (without scales)
   const int num_scales = H / 128;
   const int total_warps = gridDim.x * kWarps;
   const int payload_groups = (payload_vec + kWarp - 1) / kWarp;
-  const int potential = R * M;
-  const int chunks = max(1, min(total_warps / potential, payload_groups));
-  const int num_items = potential * chunks;
+  const unsigned potential = unsigned(R) * unsigned(M);
+  const unsigned chunks = max(1u, min(unsigned(total_warps) / potential, unsigned(payload_groups)));
+  const unsigned num_items = potential * chunks;
+  auto place_of = [&](unsigned w) { return item_place(w, chunks, M, payload_groups, payload_vec); };
+  // The first item's place (and this thread's first count word) are integer divisions (long
+  // dependent chains) of parameters: computed before the wait, beside the signal's round trip.
+  unsigned w = blockIdx.x * kWarps + warp;
+  const ItemPlace first = place_of(w);
+  computed_here(first.j, first.i, first.v_begin, first.v_end);
+  unsigned count_j = 0, count_x = 0;  // the two-pass count reading's first word (> kFusedSources sources)
+  if (R > kFusedSources) {
+    count_j = threadIdx.x / unsigned(El + 1);
+    count_x = threadIdx.x - count_j * unsigned(El + 1);
+    computed_here(int(count_j), int(count_x));
+  }
+  const uint32_t expected = tr.wait_sources(kSignalDispatch, active, p.dispatch_wait_recv_cost_stats);
+  __syncthreads();
+
   constexpr int kUnroll = 8;
   int4 v[kUnroll];
-  uint32_t head_token = 0, head_entry = 0xffffu;
-  float scale_first = 0.0f;
-  float4 scale4_first = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  auto load_item = [&](int w) {
-    const int slot_idx = w / chunks, chunk = w % chunks;
-    const int j = slot_idx / M, i = slot_idx % M;
-    const uint8_t* slot = tr.local(c.dispatch_recv_offset + (uint64_t(j) * M + i) * slot_bytes);
+  uint32_t head_token = 0, head_entry = 0xffffu, scale_word = 0;
+  const bool ue8m0 = p.use_ue8m0 != 0;
+  const int scale_groups = ue8m0 ? num_scales / 4 : num_scales;
+  auto count_msg = [&](int j) {
+    return reinterpret_cast<const int*>(tr.local(c.count_offset + uint64_t(j) * p.count_bytes));
+  };
+  auto slot_of = [&](const ItemPlace& it) {
+    return tr.local(c.dispatch_recv_offset + (uint64_t(it.j) * M + it.i) * slot_bytes);
+  };
+  // One scale word of this lane (g < scale_groups): fp32 bits, or 4 UE8M0 exponents packed.
+  auto scale_at = [&](const uint8_t* slot, int g) -> uint32_t {
+    const float* scales = reinterpret_cast<const float*>(slot + header + H);
+    if (!ue8m0) return __float_as_uint(__ldcg(scales + g));
+    const float4 s4 = __ldcg(reinterpret_cast<const float4*>(scales) + g);
+    return (__float_as_uint(s4.x) >> 23) | ((__float_as_uint(s4.y) >> 23) << 8) |
+           ((__float_as_uint(s4.z) >> 23) << 16) | ((__float_as_uint(s4.w) >> 23) << 24);
+  };
+  auto load_item = [&](const ItemPlace& it) {
+    const uint8_t* slot = slot_of(it);
     const int4* src = reinterpret_cast<const int4*>(slot + header);
-    const int v_begin = (chunk * payload_groups / chunks) * kWarp;
-    const int v_end = min(((chunk + 1) * payload_groups / chunks) * kWarp, payload_vec);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (v_begin + lane + u * kWarp < v_end) v[u] = ld_cg(src + v_begin + lane + u * kWarp);
+      if (it.v_begin + lane + u * kWarp < it.v_end) v[u] = ld_cg(src + it.v_begin + lane + u * kWarp);
     const uint32_t* words = reinterpret_cast<const uint32_t*>(slot);
     head_token = __ldcg(words);
     head_entry = lane < K ? __ldcg(words + 1 + lane) : 0xffffu;
-    if constexpr (kFp8) {
-      const float* scales = reinterpret_cast<const float*>(slot + header + H);
-      const int g = chunk * kWarp + lane;
-      if (p.use_ue8m0) {
-        if (g < num_scales / 4) scale4_first = __ldcg(reinterpret_cast<const float4*>(scales) + g);
-      } else if (g < num_scales) {
-        scale_first = __ldcg(scales + g);
+    const int g = int(it.chunk) * kWarp + lane;
+    if (kFp8 && g < scale_groups) scale_word = scale_at(slot, g);
+  };
+  if (w < num_items && active[first.j]) load_item(first);
+
+  // The count messages ([tokens, 0, 0, 0, per-expert counts]) -> begin[j][e], the exclusive
+  // prefix over sources of expert e's rows, and tokens[j]; block 0 publishes the counts and
+  // layout_range. Up to kFusedSources sources, thread e loads expert e's counts from every source
+  // at once and sums them in registers (thread El: the token counts); more sources take two
+  // passes (one word per thread, then the prefix in shared memory).
+  if (R <= kFusedSources) {
+    for (int e = threadIdx.x; e <= El; e += kThreads) {
+      int n[kFusedSources];
+#pragma unroll
+      for (int j = 0; j < kFusedSources; ++j)
+        n[j] = j < R && active[j] ? __ldcg(count_msg(j) + (e == El ? 0 : kCountHeaderInts + e)) : 0;
+      if (e == El) {
+#pragma unroll
+        for (int j = 0; j < kFusedSources; ++j)
+          if (j < R) tokens[j] = n[j];
+      } else {
+        int acc = 0;
+#pragma unroll
+        for (int j = 0; j < kFusedSources; ++j) {
+          if (j >= R) break;
+          begin[j * El + e] = acc;
+          if (blockIdx.x == 0) publish_range(p, e, j, acc, n[j]);
+          acc += n[j];
+        }
+        if (blockIdx.x == 0) publish_count(p, e, acc);
       }
     }
-  };
-  const int first_item = blockIdx.x * kWarps + warp;
-  if (first_item < num_items && active[first_item / chunks / M]) load_item(first_item);
-
-  // One pass over every count message: [tokens, 0, 0, 0, per-expert counts].
-  for (int idx = threadIdx.x; idx < R * (El + 1); idx += kThreads) {
-    const int j = idx / (El + 1), x = idx % (El + 1);
-    const int* msg = reinterpret_cast<const int*>(tr.local(c.count_offset + uint64_t(j) * p.count_bytes));
-    const int n = active[j] ? __ldcg(msg + (x == 0 ? 0 : kCountHeaderInts + x - 1)) : 0;
-    if (x == 0) tokens[j] = n; else begin[j * El + x - 1] = n;
-  }
-  __syncthreads();
-  // Exclusive prefix over sources per expert; block 0 publishes counts and ranges.
-  for (int e = threadIdx.x; e < El; e += kThreads) {
-    int acc = 0;
-    for (int j = 0; j < R; ++j) {
-      const int n = begin[j * El + e];
-      begin[j * El + e] = acc;
-      if (blockIdx.x == 0) p.packed_recv_layout_range[int64_t(e) * R + j] = (int64_t(acc) << 32) | int64_t(uint32_t(n));
-      acc += n;
+  } else {
+#pragma unroll 1
+    for (int idx = threadIdx.x, j = int(count_j), x = int(count_x); idx < R * (El + 1); idx += kThreads) {
+      if (idx != int(threadIdx.x)) {
+        j = int(unsigned(idx) / unsigned(El + 1));
+        x = idx - j * (El + 1);
+      }
+      const int n = active[j] ? __ldcg(count_msg(j) + (x == 0 ? 0 : kCountHeaderInts + x - 1)) : 0;
+      if (x == 0) tokens[j] = n; else begin[j * El + x - 1] = n;
     }
-    if (blockIdx.x == 0) {
-      p.packed_recv_count[e] = acc;
-      if (p.cumulative_local_expert_recv_stats != nullptr) atomicAdd(p.cumulative_local_expert_recv_stats + e, acc);
+    __syncthreads();
+    for (int e = threadIdx.x; e < El; e += kThreads) {
+      int acc = 0;
+      for (int j = 0; j < R; ++j) {
+        const int n = begin[j * El + e];
+        begin[j * El + e] = acc;
+        if (blockIdx.x == 0) publish_range(p, e, j, acc, n);
+        acc += n;
+      }
+      if (blockIdx.x == 0) publish_count(p, e, acc);
     }
   }
   __syncthreads();
 
-  for (int w = first_item; w < num_items; w += total_warps) {
-    const int slot_idx = w / chunks, chunk = w % chunks;
-    const int j = slot_idx / M, i = slot_idx % M;
-    if (i >= tokens[j]) continue;  // warp-uniform; tokens[j] is 0 for an inactive source
-    if (w != first_item) load_item(w);
-    const uint8_t* slot = tr.local(c.dispatch_recv_offset + (uint64_t(j) * M + i) * slot_bytes);
+  for (bool is_first = true; w < num_items; w += total_warps, is_first = false) {
+    const ItemPlace it = is_first ? first : place_of(w);
+    if (it.i >= tokens[it.j]) continue;  // warp-uniform; tokens[j] is 0 for an inactive source
+    if (!is_first) load_item(it);
+    const uint8_t* slot = slot_of(it);
     // Lane k holds top-k entry k: its local expert and packed row, if the expert is ours.
     // The copies below take them by shuffle: no per-lane row arrays, no 64-bit division.
-    const int expert = int(head_entry & 0xffffu);
-    const bool mine = expert != 0xffff && expert / El == c.rank;
-    const int my_e = mine ? expert - c.rank * El : 0;
-    const int my_row = mine ? begin[j * El + my_e] + int(head_entry >> 16) : 0;
+    const int local_expert = int(head_entry & 0xffffu) - c.rank * El;  // 0xffff (-1 slot) is never ours
+    const bool mine = local_expert >= 0 && local_expert < El;
+    const int my_e = mine ? local_expert : 0;
+    const int my_row = mine ? begin[it.j * El + my_e] + int(head_entry >> 16) : 0;
     const uint32_t mine_mask = __ballot_sync(0xffffffffu, mine);
     const int4* src = reinterpret_cast<const int4*>(slot + header);
     int4* dst = static_cast<int4*>(p.packed_recv_x);
-    const int v_begin = (chunk * payload_groups / chunks) * kWarp;
-    const int v_end = min(((chunk + 1) * payload_groups / chunks) * kWarp, payload_vec);
     // Loops below are warp-uniform (bounds checked per lane inside): they hold shuffles.
-    for (int base = v_begin; base < v_end; base += kUnroll * kWarp) {
-      if (base != v_begin) {  // the first batch came with load_item
+    for (int base = it.v_begin; base < it.v_end; base += kUnroll * kWarp) {
+      if (base != it.v_begin) {  // the first batch came with load_item
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (base + lane + u * kWarp < v_end) v[u] = ld_cg(src + base + lane + u * kWarp);
+          if (base + lane + u * kWarp < it.v_end) v[u] = ld_cg(src + base + lane + u * kWarp);
       }
       for (uint32_t m = mine_mask; m != 0; m &= m - 1) {
         const int k = __ffs(m) - 1;
@@ -411,28 +483,15 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
         int4* row_dst = dst + packed_row * payload_vec + base + lane;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (base + lane + u * kWarp < v_end) st_stream(row_dst + u * kWarp, v[u]);
+          if (base + lane + u * kWarp < it.v_end) st_stream(row_dst + u * kWarp, v[u]);
       }
     }
     if constexpr (kFp8) {
       // Scales: the chunks of the slot take interleaved 32-lane groups of them. The scale
       // tensor is [E_l][groups][R*M]: element (e, g, row) at (e * groups + g) * R*M + row.
-      const float* scales = reinterpret_cast<const float*>(slot + header + H);
-      const bool ue8m0 = p.use_ue8m0 != 0;
-      const int scale_groups = ue8m0 ? num_scales / 4 : num_scales;
-      for (int g0 = chunk * kWarp; g0 < scale_groups; g0 += chunks * kWarp) {
+      for (int g0 = int(it.chunk) * kWarp; g0 < scale_groups; g0 += int(chunks) * kWarp) {
         const int g = g0 + lane;
-        const bool first = g0 == chunk * kWarp;
-        uint32_t word = 0;
-        if (g < scale_groups) {
-          if (ue8m0) {
-            const float4 s4 = first ? scale4_first : __ldcg(reinterpret_cast<const float4*>(scales) + g);
-            word = (__float_as_uint(s4.x) >> 23) | ((__float_as_uint(s4.y) >> 23) << 8) |
-                   ((__float_as_uint(s4.z) >> 23) << 16) | ((__float_as_uint(s4.w) >> 23) << 24);
-          } else {
-            word = __float_as_uint(first ? scale_first : __ldcg(scales + g));
-          }
-        }
+        const uint32_t word = g0 == int(it.chunk) * kWarp || g >= scale_groups ? scale_word : scale_at(slot, g);
         for (uint32_t m = mine_mask; m != 0; m &= m - 1) {
           const int k = __ffs(m) - 1;
           const int e = __shfl_sync(0xffffffffu, my_e, k), row = __shfl_sync(0xffffffffu, my_row, k);
@@ -442,7 +501,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
         }
       }
     }
-    if (chunk == 0 && mine) p.packed_recv_src_info[int64_t(my_e) * rows_per_expert + my_row] = int(head_token);
+    if (it.chunk == 0 && mine) p.packed_recv_src_info[int64_t(my_e) * rows_per_expert + my_row] = int(head_token);
   }
 
   tr.finish_receive(kSignalDispatch, expected);
