@@ -183,8 +183,11 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   const int item_groups = (groups_total + kSub - 1) / kSub;
   const int items = p.num_tokens * item_groups;
   const int first_item = blockIdx.x * kWarps + warp;
-  // The caller's top-k ids and weights of this warp's first item do not depend on the peers:
-  // load them before the wait.
+  // The first item's token and group (integer division) and its top-k ids and weights do not
+  // depend on the peers: computed and loaded before the wait.
+  const int first_t = int(unsigned(first_item) / unsigned(item_groups));
+  const int first_g0 = (first_item - first_t * item_groups) * kSub;
+  computed_here(first_t, first_g0);
   int first_e[kBatch];
   float first_weight[kBatch];
 #pragma unroll
@@ -193,19 +196,23 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
     first_weight[u] = 0.0f;
   }
   if (!kLogfmt && first_item < items) {
-    const int t = first_item / item_groups;
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (u < K) first_e[u] = load_topk(p.topk_idx, i32, int64_t(t) * K + u);
-      if (u < K) first_weight[u] = __ldg(p.topk_weights + int64_t(t) * K + u);
+      if (u < K) first_e[u] = load_topk(p.topk_idx, i32, int64_t(first_t) * K + u);
+      if (u < K) first_weight[u] = __ldg(p.topk_weights + int64_t(first_t) * K + u);
     }
   }
   const uint32_t expected = tr.wait_sources(kSignalCombine, active, p.combine_wait_recv_cost_stats);
   __syncthreads();
   const uint8_t* recv = tr.local(c.combine_recv_offset);
   const uint8_t* recv_meta = recv + int64_t(c.num_experts) * M * cslot;
+  // Only shrink mode skips sources (masked ones); outside it a source that never arrived is a
+  // reported stall, so the per-entry owner lookup (a division by El) is left out.
+  auto skipped = [&](int e) { return c.shrink && !active[e / El]; };
   for (int w = first_item; w < items; w += gridDim.x * kWarps) {
-    const int t = w / item_groups, g0 = (w % item_groups) * kSub;
+    const bool is_first = w == first_item;
+    const int t = is_first ? first_t : int(unsigned(w) / unsigned(item_groups));
+    const int g0 = is_first ? first_g0 : (w - t * item_groups) * kSub;
     bool lane_valid[kSub];  // the last group is half when H % 256 == 128
 #pragma unroll
     for (int sub = 0; sub < kSub; ++sub) lane_valid[sub] = g0 + sub < groups_total && (g0 + sub < groups || lane < 16);
@@ -218,7 +225,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       const int g = g0;
       for (int k = 0; k < K; ++k) {
         const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
-        if (e < 0 || !active[e / El]) continue;
+        if (e < 0 || skipped(e)) continue;
         const float weight = __ldg(p.topk_weights + int64_t(t) * K + k);
         float v[8];
 #if DEEPEP_HAVE_LOGFMT
@@ -239,12 +246,12 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       // Loads of kBatch top-k entries are issued together (ids, then weights and slots), then
       // summed in top-k order: two memory round trips per batch instead of two per entry.
       for (int k0 = 0; k0 < K; k0 += kBatch) {
-        const bool preloaded = w == first_item && k0 == 0;
+        const bool preloaded = is_first && k0 == 0;
         int e[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
           e[u] = preloaded ? first_e[u] : (k0 + u < K ? load_topk(p.topk_idx, i32, int64_t(t) * K + k0 + u) : -1);
-          if (e[u] >= 0 && !active[e[u] / El]) e[u] = -1;
+          if (e[u] >= 0 && skipped(e[u])) e[u] = -1;
         }
         int4 raw[kBatch][kSub];
         float weight[kBatch];

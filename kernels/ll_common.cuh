@@ -87,6 +87,15 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
   for (; i < n; i += kWarp) st_stream(dst + i, ld_cg(src + i));
 }
 
+// Makes the compiler compute the values here (before what follows, e.g. a wait's volatile
+// loads) instead of sinking the arithmetic to their first use.
+__device__ __forceinline__ void computed_here(int value) { asm volatile("" ::"r"(value)); }
+template <typename... Ts>
+__device__ __forceinline__ void computed_here(int value, Ts... values) {
+  computed_here(value);
+  computed_here(values...);
+}
+
 // ---------------------------------------------------------------- transport
 // Peer addressing and signals for one call. `kRemote` selects how peers outside
 // the sender's node are reached; peers inside it always get LSA stores.

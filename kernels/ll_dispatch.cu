@@ -323,15 +323,6 @@ __device__ __forceinline__ void publish_count(const DeepepLlDispatchParams& p, i
   if (p.cumulative_local_expert_recv_stats != nullptr) atomicAdd(p.cumulative_local_expert_recv_stats + e, total);
 }
 
-// Makes the compiler compute the values here (before what follows, e.g. a wait's volatile
-// loads) instead of sinking the arithmetic to their first use.
-__device__ __forceinline__ void computed_here(int value) { asm volatile("" ::"r"(value)); }
-template <typename... Ts>
-__device__ __forceinline__ void computed_here(int value, Ts... values) {
-  computed_here(value);
-  computed_here(values...);
-}
-
 template <int kRemote, bool kFp8>
 __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<kRemote>& tr, int* smem) {
   const auto& c = p.common;
