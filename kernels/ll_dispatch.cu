@@ -348,17 +348,11 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   const unsigned chunks = max(1u, min(unsigned(total_warps) / potential, unsigned(payload_groups)));
   const unsigned num_items = potential * chunks;
   auto place_of = [&](unsigned w) { return item_place(w, chunks, M, payload_groups, payload_vec); };
-  // The first item's place (and this thread's first count word) are integer divisions (long
-  // dependent chains) of parameters: computed before the wait, beside the signal's round trip.
+  // The first item's place is integer divisions (long dependent chains) of parameters: computed
+  // before the wait, beside the signal's round trip.
   unsigned w = blockIdx.x * kWarps + warp;
   const ItemPlace first = place_of(w);
   computed_here(first.j, first.i, first.v_begin, first.v_end);
-  unsigned count_j = 0, count_x = 0;  // the two-pass count reading's first word (> kFusedSources sources)
-  if (R > kFusedSources) {
-    count_j = threadIdx.x / unsigned(El + 1);
-    count_x = threadIdx.x - count_j * unsigned(El + 1);
-    computed_here(int(count_j), int(count_x));
-  }
   const uint32_t expected = tr.wait_sources(kSignalDispatch, active, p.dispatch_wait_recv_cost_stats);
   __syncthreads();
 
@@ -423,12 +417,8 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
       }
     }
   } else {
-#pragma unroll 1
-    for (int idx = threadIdx.x, j = int(count_j), x = int(count_x); idx < R * (El + 1); idx += kThreads) {
-      if (idx != int(threadIdx.x)) {
-        j = int(unsigned(idx) / unsigned(El + 1));
-        x = idx - j * (El + 1);
-      }
+    for (int idx = threadIdx.x; idx < R * (El + 1); idx += kThreads) {
+      const int j = int(unsigned(idx) / unsigned(El + 1)), x = idx - j * (El + 1);
       const int n = active[j] ? __ldcg(count_msg(j) + (x == 0 ? 0 : kCountHeaderInts + x - 1)) : 0;
       if (x == 0) tokens[j] = n; else begin[j * El + x - 1] = n;
     }

@@ -191,12 +191,12 @@ impl SymmetricWindow {
     }
 }
 
-/// The window's LSA mapping: LSA rank p's copy at `base + p * stride`, this rank's at `local`.
+/// The window's LSA mapping: LSA rank p's copy at `base + p * stride`; this rank is `lsa_rank`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LsaGeometry {
     pub base: u64,
     pub stride: u64,
-    pub local: u64,
+    pub lsa_rank: i32,
 }
 
 impl LsaGeometry {
@@ -218,7 +218,12 @@ impl LsaGeometry {
                 "NCCL's local window pointer {local:#x} is not LSA rank {lsa_rank}'s copy in the flat mapping"
             )));
         }
-        Ok(Self { base, stride, local })
+        Ok(Self { base, stride, lsa_rank })
+    }
+
+    /// This rank's copy of the window.
+    pub fn local(&self) -> u64 {
+        self.base.wrapping_add(self.stride.wrapping_mul(self.lsa_rank as u64))
     }
 }
 
@@ -279,7 +284,8 @@ mod tests {
     #[test]
     fn lsa_geometry_accepts_a_strided_mapping_and_names_a_broken_one() {
         let g = LsaGeometry::from_pointers(&[0x1000, 0x5000, 0x9000], 0x5000, 1).unwrap();
-        assert_eq!(g, LsaGeometry { base: 0x1000, stride: 0x4000, local: 0x5000 });
+        assert_eq!(g, LsaGeometry { base: 0x1000, stride: 0x4000, lsa_rank: 1 });
+        assert_eq!(g.local(), 0x5000);
         assert_eq!(LsaGeometry::from_pointers(&[0x7000], 0x7000, 0).unwrap().stride, 0);
         let uneven = LsaGeometry::from_pointers(&[0x1000, 0x5000, 0xa000], 0x1000, 0).unwrap_err();
         assert!(uneven.message.contains("LSA rank 2 at 0xa000, expected 0x9000"), "{}", uneven.message);

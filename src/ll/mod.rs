@@ -214,7 +214,7 @@ pub(crate) fn common(
         window: res.window.handle().cast(),
         lsa_base: res.lsa_geometry.base as *mut u8,
         lsa_stride: res.lsa_geometry.stride,
-        local_base: res.lsa_geometry.local as *mut u8,
+        local_base: res.lsa_geometry.local() as *mut u8,
         signal_offset: layout.signal,
         combine_recv_offset: layout.combine_recv,
         view_offset: layout.view,
