@@ -93,9 +93,7 @@ def main():
                 for r in range(args.ranks):
                     if phases == 2:
                         torch.matmul(gap_a, gap_b, out=gap_c)
-                    world._launch(world.lib.llv_combine, world.combine_fields(
-                        r, phases, all_y[r], all_topk[r], all_w[r], outs[r]['src_info'], outs[r]['layout_range'],
-                        combined[r]))
+                    world.combine_rank(r, phases, all_y[r], all_topk[r], all_w[r], outs[r], combined[r])
 
         times = kernel_times(iteration, args.iters)
         world.check_no_stall()

@@ -142,6 +142,12 @@ class VirtualWorld:
                     layout_range=layout_range.data_ptr(), out=out.data_ptr(), use_logfmt=use_logfmt,
                     wait_stats=0 if wait_stats is None else wait_stats.data_ptr())
 
+    def combine_rank(self, rank, phases, y, topk, weights, dispatch_out, out, use_logfmt=False):
+        """One rank's combine phases (send 1, receive 2) of the current half."""
+        self._launch(self.lib.llv_combine,
+                     self.combine_fields(rank, phases, y, topk, weights, dispatch_out['src_info'],
+                                         dispatch_out['layout_range'], out, use_logfmt))
+
     def combine(self, all_y, all_topk, all_weights, dispatch_outs, use_logfmt=False, outs=None):
         """Every rank sends its expert outputs all_y[r] [E_l, R*M, H] back, then every rank
         receives. dispatch_outs: the dispatch's per-rank outputs (src_info, layout_range)."""
@@ -149,8 +155,6 @@ class VirtualWorld:
         self.parity ^= 1
         for phases in (PHASE_SEND, PHASE_RECV):
             for r in range(self.num_ranks):
-                d = dispatch_outs[r]
-                self._launch(self.lib.llv_combine,
-                             self.combine_fields(r, phases, all_y[r], all_topk[r], all_weights[r], d['src_info'],
-                                                 d['layout_range'], outs[r], use_logfmt))
+                self.combine_rank(r, phases, all_y[r], all_topk[r], all_weights[r], dispatch_outs[r], outs[r],
+                                  use_logfmt)
         return outs

@@ -109,6 +109,7 @@ def round_trip(world, seed, tokens, num_topk, modes, routing='random', topk_int3
         gen = torch.Generator(device='cuda').manual_seed(seed + 1000 + i)
         el, rows, h = world.local_experts, world.num_ranks * world.max_tokens, world.hidden
         if routing == 'dupes':
+            assert 'bf16' in modes, 'the duplicate-expert case derives its expert outputs from a BF16 dispatch'
             # Both copies of a duplicated (token, expert) pair map to one combine slot (DeepEP's
             # layout), so their outputs must agree: y = bf16(received row * factor of the expert).
             factor = expert_scales(world.num_experts, 'cuda').view(world.num_ranks, el, 1, 1)
