@@ -318,6 +318,8 @@ int deepep_launch_ll_combine(const void* dev_comm, const DeepepLlCombineParams* 
                              int num_blocks, void* stream);
 // Bytes of one dispatch slot (header + payload) and of one combine slot.
 int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t use_fp8);
+// Bytes of one dispatch count message (per-expert counts and the filled-slot bitmap).
+int64_t deepep_ll_count_bytes(int32_t num_local_experts, int32_t max_tokens);
 int64_t deepep_ll_combine_slot_bytes(int32_t hidden, int32_t use_logfmt);
 // Whether this build has the NCCL GIN transport (NCCL >= 2.28.7 headers).
 int deepep_ll_gin_compiled(void);

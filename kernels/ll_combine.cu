@@ -42,17 +42,22 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   const int64_t cslot = combine_data_bytes(H);
   const int64_t view_row_bytes = 2 * int64_t(H) + H / 32;  // DeepEP's (H + H/64) BF16 elements
   const uint64_t meta_base = c.combine_recv_offset + uint64_t(c.num_experts) * M * cslot;
-  // smem: prefix [El*R + 1] of block sizes in (expert, source) order; rows per home [R].
+  // smem: prefix [El*R + 1] of block sizes in (expert, source) order; each block's first packed
+  // row [El*R]; rows per home [R]; this block's written chunks per home [R].
   int* prefix = smem;
-  int* home_rows = prefix + El * R + 1;
-  for (int j = threadIdx.x; j < R; j += kThreads) home_rows[j] = 0;
+  int* block_begin = prefix + El * R + 1;
+  int* home_rows = block_begin + El * R;
+  int* home_written = home_rows + R;
+  for (int j = threadIdx.x; j < 2 * R; j += kThreads) home_rows[j] = 0;
   __syncthreads();
-  // All threads load the El*R counts at once (one memory round trip), then one warp scans them
-  // in shared memory.
+  // All threads load the El*R ranges at once (one memory round trip), then one warp scans the
+  // counts in shared memory.
   for (int idx = threadIdx.x; idx < El * R; idx += kThreads) {
     const int j = idx % R;
-    const int n = peer_active(c, j) ? int(uint32_t(__ldg(p.layout_range + idx))) : 0;
+    const int64_t range = __ldg(p.layout_range + idx);
+    const int n = peer_active(c, j) ? int(uint32_t(range)) : 0;
     prefix[idx] = n;
+    block_begin[idx] = int(range >> 32);
     if (n) atomicAdd(&home_rows[j], n);
   }
   __syncthreads();
@@ -95,8 +100,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
       if (prefix[mid] <= row_idx) lo = mid; else hi = mid - 1;
     }
     const int e = lo / R, j = lo % R;
-    const int64_t range = __ldg(p.layout_range + lo);
-    const int row = int(range >> 32) + (row_idx - prefix[lo]);
+    const int row = block_begin[lo] + (row_idx - prefix[lo]);
     const int t = __ldg(p.src_info + int64_t(e) * rows_per_expert + row);
     const int global_expert = c.rank * El + e;
     const uint64_t view_offset = c.view_offset + (uint64_t(e) * rows_per_expert + row) * view_row_bytes;
@@ -160,10 +164,13 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
       }
     }
     __syncwarp();
-    if (lane == 0) {
-      combine_done(tr, j, 1, home_rows[j] * chunks);
-    }
+    if (lane == 0) atomicAdd(&home_written[j], 1);
   }
+  // One release per (block, home) at the end, not one round trip per chunk: the barrier makes
+  // every warp's stores part of what thread j releases.
+  __syncthreads();
+  for (int j = threadIdx.x; j < R; j += kThreads)
+    if (home_written[j] > 0) combine_done(tr, j, home_written[j], home_rows[j] * chunks);
 }
 
 template <int kRemote, bool kLogfmt>
@@ -303,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine(ncclDevComm dev_comm, Dee
 template <int kRemote, bool kLogfmt>
 int launch_combine(const ncclDevComm& dc, const DeepepLlCombineParams& p, int num_blocks, cudaStream_t stream) {
   const auto& c = p.common;
-  const size_t smem = sizeof(int) * (size_t(c.num_local_experts) * c.num_ranks + 2 * size_t(c.num_ranks) + 2);
+  const size_t smem = sizeof(int) * (2 * size_t(c.num_local_experts) * c.num_ranks + 3 * size_t(c.num_ranks) + 2);
   return launch_for_phases(c.phases, combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_SEND>,
                            combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_RECV>,
                            combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV>, dc, p, smem,

@@ -5,23 +5,34 @@
 // each (token, expert) pair takes at the receiver, and the receiver fans the
 // payload out into its experts' packed rows. Row positions are deterministic:
 // within expert e, source ranks ascending; within a source, (token, k) ascending.
-//   * block b owns tokens t = b, b+G, ...: it counts, over the tokens before t,
-//     how many went to each of t's destination ranks (t's slot there) and how
-//     many chose each of t's experts (t's row inside the source block), then
-//     quantises t once and stores it into every destination slot;
-//   * block b also owns destinations d = b, b+G, ...: it sends d the count
-//     message (tokens and per-expert counts from this rank);
+//   * token t goes to slot t of every destination (slots are sparse: the count
+//     message's bitmap says which are filled), so a token needs no count of the
+//     tokens before it per destination;
+//   * block b owns tokens t = b, b+G, ...: it counts, per expert, the entries of
+//     the tokens before t (a shared-memory histogram; t's row inside the source
+//     block), then quantises t once and stores it into every destination slot;
+//   * block b also owns destinations d = G-1-b, ...: it sends d the count message
+//     (tokens, per-expert counts and the bitmap of filled slots);
 //   * every writer releases its stores and adds to done[d]; the count block adds
 //     kDoneTag - n_d, so whoever brings done[d] to kDoneTag signals d.
 // Receive phase. Every block waits for all sources' signals, builds the begin
 // table from the count messages, then warps copy slots into the packed outputs.
+//
+// Code size is latency here: after a GEMM every instruction line is a cold fetch, so
+// per-destination work runs in short loops over pointers kept in shared memory rather
+// than loops unrolled over the largest top-k.
 #include "ll_common.cuh"
 
 namespace deepep {
 namespace ll {
 
 constexpr int kDoneTag = 1 << 30;
-constexpr int kCountHeaderInts = 4;  // count message: [tokens, 0, 0, 0, per-expert counts...]
+// Count message: [tokens, 0, 0, 0][per-expert counts: El][filled-slot bitmap: ceil(M / 32)].
+constexpr int kCountHeaderInts = 4;
+__host__ __device__ constexpr int count_bitmap_words(int max_tokens) { return (max_tokens + 31) / 32; }
+__host__ __device__ constexpr int64_t count_message_bytes(int local_experts, int max_tokens) {
+  return align16(4 * int64_t(kCountHeaderInts + local_experts + count_bitmap_words(max_tokens)));
+}
 
 // Padded to 16 bytes so that every slot starts 16-byte aligned (H = 128: 128 + 4 scales).
 __host__ __device__ constexpr int64_t dispatch_payload_bytes(int hidden, bool fp8) {
@@ -30,10 +41,11 @@ __host__ __device__ constexpr int64_t dispatch_payload_bytes(int hidden, bool fp
 
 struct TokenRoute {
   int expert[DEEPEP_LL_MAX_TOPK];
-  int pos[DEEPEP_LL_MAX_TOPK];   // row inside (expert, this source) block
-  int dst[DEEPEP_LL_MAX_TOPK];   // distinct destination ranks, first-seen order
-  int slot[DEEPEP_LL_MAX_TOPK];  // the token's slot at dst[i]
+  int pos[DEEPEP_LL_MAX_TOPK];       // row inside (expert, this source) block
+  int dst[DEEPEP_LL_MAX_TOPK];       // distinct destination ranks, first-seen order
+  uint8_t* ptr[DEEPEP_LL_MAX_TOPK];  // slot t at dst[i] (LSA), or NULL (remote or masked)
   int num_dst;
+  int staged;  // some destination goes through the staging slot (remote path)
 };
 
 __device__ __forceinline__ float half_warp_max(float v) {
@@ -55,24 +67,50 @@ __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& 
   }
 }
 
-// Routing of token t (block-wide; the result lands in `route`, shared memory).
-__device__ void route_token(const DeepepLlDispatchParams& p, int t, TokenRoute& route, int* counters) {
+// Top-k entry i; an entry outside [0, E) counts as -1 (never a store outside the window).
+__device__ __forceinline__ int topk_entry(const DeepepLlDispatchParams& p, int64_t i) {
+  const int e = load_topk(p.topk_idx, p.topk_idx_is_int32 != 0, i);
+  return unsigned(e) < unsigned(p.common.num_experts) ? e : -1;
+}
+
+// Calls f(i, e) for every valid entry e = topk_idx[i], i < n (flat index), the block's threads
+// taking consecutive entries (coalesced); kEntryBatch loads per thread go out together.
+constexpr int kEntryBatch = 4;
+template <typename F>
+__device__ __forceinline__ void for_topk_entries(const DeepepLlDispatchParams& p, int n, F&& f) {
+#pragma unroll 1
+  for (int base = threadIdx.x; base < n; base += kEntryBatch * kThreads) {
+    int e[kEntryBatch];
+#pragma unroll
+    for (int u = 0; u < kEntryBatch; ++u) e[u] = base + u * kThreads < n ? topk_entry(p, base + u * kThreads) : -1;
+#pragma unroll
+    for (int u = 0; u < kEntryBatch; ++u)
+      if (e[u] >= 0) f(base + u * kThreads, e[u]);
+  }
+}
+
+// Routing of token t (block-wide; the result lands in `route`). `expert_hist` [E] is zero on
+// entry; on return it holds, per expert, the entries of the tokens before t.
+template <int kRemote>
+__device__ void route_token(const DeepepLlDispatchParams& p, const Transport<kRemote>& tr, int t,
+                            TokenRoute& route, int* expert_hist) {
   const auto& c = p.common;
-  const int K = c.num_topk, El = c.num_local_experts;
-  const bool i32 = p.topk_idx_is_int32 != 0;
-  if (threadIdx.x < 2 * DEEPEP_LL_MAX_TOPK) counters[threadIdx.x] = 0;
+  const int K = c.num_topk, El = c.num_local_experts, M = c.max_tokens;
+  // Warp 0's load of row t goes out first, then the entries of the tokens before t: the
+  // routing is one memory round trip.
+  const int lane = threadIdx.x % kWarp;
+  const int e = threadIdx.x < kWarp && lane < K ? topk_entry(p, int64_t(t) * K + lane) : -1;
+  for_topk_entries(p, t * K, [&](int, int e2) { atomicAdd(expert_hist + e2, 1); });
   if (threadIdx.x < kWarp) {
     // Warp 0: lane k holds entry k; duplicates and first-seen destinations by shuffles.
-    const int lane = threadIdx.x;
-    const int e = lane < K ? load_topk(p.topk_idx, i32, int64_t(t) * K + lane) : -1;
-    const int d = e >= 0 ? e / El : -1;
+    const int d = e >= 0 ? int(unsigned(e) / unsigned(El)) : -1;
     int dup = 0;
     bool first_dst = d >= 0;
     for (int k2 = 0; k2 < K; ++k2) {
-      const int e2 = __shfl_sync(0xffffffffu, e, k2);
+      const int e2 = __shfl_sync(0xffffffffu, e, k2), d2 = __shfl_sync(0xffffffffu, d, k2);
       if (k2 < lane) {
         dup += e2 == e;
-        first_dst &= d < 0 || e2 < 0 || e2 / El != d;
+        first_dst &= d2 != d;
       }
     }
     const uint32_t firsts = __ballot_sync(0xffffffffu, first_dst);
@@ -81,42 +119,23 @@ __device__ void route_token(const DeepepLlDispatchParams& p, int t, TokenRoute& 
       route.pos[lane] = dup;  // duplicates inside the token come first in (token, k) order
     }
     if (first_dst) route.dst[__popc(firsts & ((1u << lane) - 1))] = d;
-    if (lane == 0) route.num_dst = __popc(firsts);
-  }
-  __syncthreads();
-  int cpos[DEEPEP_LL_MAX_TOPK], cslot[DEEPEP_LL_MAX_TOPK];
-#pragma unroll
-  for (int k = 0; k < DEEPEP_LL_MAX_TOPK; ++k) cpos[k] = cslot[k] = 0;
-  const int nd = route.num_dst;
-  for (int tp = threadIdx.x; tp < t; tp += kThreads) {
-    uint32_t hit = 0;
-    for (int k2 = 0; k2 < K; ++k2) {
-      const int e2 = load_topk(p.topk_idx, i32, int64_t(tp) * K + k2);
-      if (e2 < 0) continue;
-      const int d2 = e2 / El;
-#pragma unroll
-      for (int k = 0; k < DEEPEP_LL_MAX_TOPK; ++k) {
-        if (k < K) cpos[k] += route.expert[k] == e2;
-        if (k < nd && route.dst[k] == d2) hit |= 1u << k;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < DEEPEP_LL_MAX_TOPK; ++k) cslot[k] += (hit >> k) & 1u;
-  }
-  const int lane = threadIdx.x % kWarp;
-#pragma unroll
-  for (int k = 0; k < DEEPEP_LL_MAX_TOPK; ++k) {
-    if (k >= K) break;
-    const int a = __reduce_add_sync(0xffffffffu, cpos[k]);
-    const int b = __reduce_add_sync(0xffffffffu, cslot[k]);
     if (lane == 0) {
-      if (a) atomicAdd(&counters[k], a);
-      if (b) atomicAdd(&counters[DEEPEP_LL_MAX_TOPK + k], b);
+      route.num_dst = __popc(firsts);
+      route.staged = 0;
     }
   }
   __syncthreads();
-  if (threadIdx.x < K) route.pos[threadIdx.x] += counters[threadIdx.x];
-  if (threadIdx.x < nd) route.slot[threadIdx.x] = counters[DEEPEP_LL_MAX_TOPK + threadIdx.x];
+  if (threadIdx.x < K && route.expert[threadIdx.x] >= 0)
+    route.pos[threadIdx.x] += expert_hist[route.expert[threadIdx.x]];
+  if (threadIdx.x < route.num_dst) {
+    const int d = route.dst[threadIdx.x];
+    uint8_t* ptr = nullptr;
+    if (peer_active(c, d)) {
+      if (tr.direct(d)) ptr = tr.lsa(c.dispatch_recv_offset + (uint64_t(c.rank) * M + t) * p.dispatch_slot_bytes, d);
+      else route.staged = 1;
+    }
+    route.ptr[threadIdx.x] = ptr;
+  }
   __syncthreads();
 }
 
@@ -129,75 +148,81 @@ __device__ __forceinline__ void count_done(const Transport<kRemote>& tr, int d, 
   }
 }
 
+// Shared memory of the send phase (ints): count hist [El + 1], bitmap [W], tokens sent to each
+// owned destination [ceil(R / G)], expert histogram [E].
+__host__ __device__ inline size_t dispatch_send_smem_ints(int num_ranks, int num_experts, int max_tokens, int grid) {
+  return size_t(num_experts / num_ranks + 1) + size_t(count_bitmap_words(max_tokens)) +
+         size_t((num_ranks + grid - 1) / grid) + size_t(num_experts);
+}
+
 template <int kRemote, bool kFp8>
 __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<kRemote>& tr, int* smem) {
   const auto& c = p.common;
   const int T = p.num_tokens, K = c.num_topk, El = c.num_local_experts, H = c.hidden, M = c.max_tokens;
+  const int E = c.num_experts, W = count_bitmap_words(M);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const bool i32 = p.topk_idx_is_int32 != 0;
   const int64_t slot_bytes = p.dispatch_slot_bytes;
   const int64_t header = dispatch_header_bytes(K);
   const int64_t count_bytes = p.count_bytes;
-  const int num_scales = H / 128;
+
+  int* hist = smem;                           // [El + 1]: tokens, then per-expert counts
+  int* bitmap = hist + El + 1;                // [W]
+  int* owned_tokens = bitmap + W;             // [owned destinations]: tokens sent to each
+  int* expert_hist = owned_tokens + (c.num_ranks + gridDim.x - 1) / gridDim.x;  // [E]
+#pragma unroll 1
+  for (int x = threadIdx.x; x < E; x += kThreads) expert_hist[x] = 0;
 
   // Count messages for the destinations this block owns. Their done adds wait until the end
   // of the send phase, so that one fence covers them and this block's tokens.
-  int* hist = smem;                 // [El + 1]
-  int* owned_tokens = hist + El + 1;  // [owned destinations]: tokens sent to each
   // Destination d's count belongs to block G - 1 - d (mod G): the last blocks, which carry no
   // token when T + R <= G, so counting runs beside the token sends.
   const int count_block = gridDim.x - 1 - blockIdx.x;
   for (int d = count_block, i = 0; d < c.num_ranks; d += gridDim.x, ++i) {
     if (!peer_active(c, d)) continue;
-    for (int x = threadIdx.x; x <= El; x += kThreads) hist[x] = 0;
+#pragma unroll 1
+    for (int x = threadIdx.x; x <= El + W; x += kThreads) hist[x] = 0;  // hist and bitmap
     __syncthreads();
-    for (int t = threadIdx.x; t < T; t += kThreads) {
-      bool any = false;
-      for (int k = 0; k < K; ++k) {
-        const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
-        if (e >= 0 && e / El == d) {
-          atomicAdd(&hist[1 + e - d * El], 1);
-          any = true;
-        }
+    for_topk_entries(p, T * K, [&](int i, int e) {
+      const int local = e - d * El;
+      if (unsigned(local) < unsigned(El)) {
+        const unsigned t = unsigned(i) / unsigned(K);
+        atomicAdd(&hist[1 + local], 1);
+        atomicOr(reinterpret_cast<unsigned*>(bitmap) + t / kWarp, 1u << (t % kWarp));
       }
-      if (any) atomicAdd(&hist[0], 1);
+    });
+    __syncthreads();
+    if (threadIdx.x < kWarp) {  // tokens sent to d: the bitmap's population
+      int n = 0;
+      for (int x = threadIdx.x; x < W; x += kWarp) n += __popc(unsigned(bitmap[x]));
+      n = __reduce_add_sync(0xffffffffu, n);
+      if (threadIdx.x == 0) hist[0] = n;
     }
     __syncthreads();
     const bool direct = tr.direct(d);
     const uint64_t dst_offset = c.count_offset + uint64_t(c.rank) * count_bytes;
     const uint64_t stage_offset = c.staging_offset + uint64_t(M) * slot_bytes + uint64_t(d) * count_bytes;
     int* msg = reinterpret_cast<int*>(direct ? tr.lsa(dst_offset, d) : tr.local(stage_offset));
-    for (int x = threadIdx.x; x < kCountHeaderInts + El; x += kThreads)
-      msg[x] = x == 0 ? hist[0] : (x < kCountHeaderInts ? 0 : hist[1 + x - kCountHeaderInts]);
+#pragma unroll 1
+    for (int x = threadIdx.x; x < kCountHeaderInts + El + W; x += kThreads)
+      msg[x] = x == 0 ? hist[0] : x < kCountHeaderInts ? 0 : x < kCountHeaderInts + El ? hist[1 + x - kCountHeaderInts]
+                                                                                         : bitmap[x - kCountHeaderInts - El];
     if (threadIdx.x == 0) owned_tokens[i] = hist[0];
     __syncthreads();
     if (!direct && warp == 0) tr.put(d, dst_offset, stage_offset, count_bytes, lane);
     __syncthreads();
   }
+  __syncthreads();  // expert_hist cleared
 
   __shared__ TokenRoute route;
-  __shared__ int counters[2 * DEEPEP_LL_MAX_TOPK];
   const int hidden_vec = H / 8;  // 16-byte groups of 8 bf16
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    route_token(p, t, route, counters);
+    route_token(p, tr, t, route, expert_hist);
     const int nd = route.num_dst;
-    // Destination slot base pointers (direct) or the staging slot (remote).
-    uint8_t* dst_ptr[DEEPEP_LL_MAX_TOPK];
-    bool any_remote = false;
+    const bool staged = kRemote != kRemoteNone && route.staged != 0;
     const uint64_t stage_offset = c.staging_offset + uint64_t(t) * slot_bytes;
     uint8_t* stage = kRemote == kRemoteNone ? nullptr : tr.local(stage_offset);
-#pragma unroll
-    for (int i = 0; i < DEEPEP_LL_MAX_TOPK; ++i) {
-      dst_ptr[i] = nullptr;
-      if (i < nd && peer_active(c, route.dst[i])) {
-        const int d = route.dst[i];
-        if (tr.direct(d)) {
-          dst_ptr[i] = tr.lsa(c.dispatch_recv_offset + (uint64_t(c.rank) * M + route.slot[i]) * slot_bytes, d);
-        } else {
-          any_remote = true;
-        }
-      }
-    }
+#pragma unroll 1
+    for (int x = threadIdx.x; x < E; x += kThreads) expert_hist[x] = 0;  // for the next token (read above)
     // Header: source token, then (position << 16 | expert) per top-k entry.
     if (threadIdx.x <= K) {
       const int k = threadIdx.x - 1;
@@ -205,10 +230,10 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
                                              : (route.expert[k] < 0 ? 0xffffu
                                                                     : (uint32_t(route.pos[k]) << 16) |
                                                                           uint32_t(route.expert[k] & 0xffff));
-#pragma unroll
-      for (int i = 0; i < DEEPEP_LL_MAX_TOPK; ++i)
-        if (dst_ptr[i] != nullptr) reinterpret_cast<uint32_t*>(dst_ptr[i])[threadIdx.x] = word;
-      if (any_remote) reinterpret_cast<uint32_t*>(stage)[threadIdx.x] = word;
+#pragma unroll 1
+      for (int i = 0; i < nd; ++i)
+        if (route.ptr[i] != nullptr) reinterpret_cast<uint32_t*>(route.ptr[i])[threadIdx.x] = word;
+      if (staged) reinterpret_cast<uint32_t*>(stage)[threadIdx.x] = word;
     }
     // Payload: each warp converts 32 groups of 8 channels (two 128-channel blocks) per step.
     const int4* x_row = static_cast<const int4*>(p.x) + int64_t(t) * hidden_vec;
@@ -244,37 +269,36 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
             q[j / 2] = __nv_cvt_float2_to_fp8x2(make_float2(f[j] * scale, f[j + 1] * scale), __NV_SATFINITE, __NV_E4M3);
           if (valid) {
             const bool writes_scale = (lane % 16) == 0;
-            const int64_t scale_at = header + H + 4 * int64_t(i / 16);
-#pragma unroll
-            for (int d = 0; d < DEEPEP_LL_MAX_TOPK; ++d) {
-              if (dst_ptr[d] == nullptr) continue;
-              *reinterpret_cast<int2*>(dst_ptr[d] + header + 8 * int64_t(i)) = packed;
-              if (writes_scale) *reinterpret_cast<float*>(dst_ptr[d] + scale_at) = scale_inv;
+            const int64_t data_at = header + 8 * int64_t(i), scale_at = header + H + 4 * int64_t(i / 16);
+#pragma unroll 1
+            for (int d = 0; d < nd; ++d) {
+              uint8_t* slot = route.ptr[d];
+              if (slot == nullptr) continue;
+              *reinterpret_cast<int2*>(slot + data_at) = packed;
+              if (writes_scale) *reinterpret_cast<float*>(slot + scale_at) = scale_inv;
             }
-            if (any_remote) {
-              *reinterpret_cast<int2*>(stage + header + 8 * int64_t(i)) = packed;
+            if (staged) {
+              *reinterpret_cast<int2*>(stage + data_at) = packed;
               if (writes_scale) *reinterpret_cast<float*>(stage + scale_at) = scale_inv;
             }
           }
-          (void)num_scales;
         } else {
           if (valid) {
-#pragma unroll
-            for (int d = 0; d < DEEPEP_LL_MAX_TOPK; ++d)
-              if (dst_ptr[d] != nullptr) st_stream(reinterpret_cast<int4*>(dst_ptr[d] + header) + i, v);
-            if (any_remote) st_stream(reinterpret_cast<int4*>(stage + header) + i, v);
+#pragma unroll 1
+            for (int d = 0; d < nd; ++d)
+              if (route.ptr[d] != nullptr) st_stream(reinterpret_cast<int4*>(route.ptr[d] + header) + i, v);
+            if (staged) st_stream(reinterpret_cast<int4*>(stage + header) + i, v);
           }
         }
       }
     }
     __syncthreads();
-    if (kRemote != kRemoteNone && any_remote) {
+    if (staged) {
       // Remote destinations: put the staged slot, one warp per destination.
       for (int i = warp; i < nd; i += kWarps) {
         const int d = route.dst[i];
         if (tr.direct(d) || !peer_active(c, d)) continue;
-        tr.put(d, c.dispatch_recv_offset + (uint64_t(c.rank) * M + route.slot[i]) * slot_bytes, stage_offset,
-               slot_bytes, lane);
+        tr.put(d, c.dispatch_recv_offset + (uint64_t(c.rank) * M + t) * slot_bytes, stage_offset, slot_bytes, lane);
       }
       __syncthreads();
     }
@@ -331,15 +355,17 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   const int64_t slot_bytes = p.dispatch_slot_bytes;
   const int64_t header = dispatch_header_bytes(K);
   const int64_t rows_per_expert = int64_t(R) * M;
-  // smem: begin [R][El] (counts, then exclusive prefixes over sources), tokens [R], active [R + 1].
+  // smem: begin [R][El] (counts, then exclusive prefixes over sources), filled-slot bitmaps
+  // [R][W], active [R + 1].
+  const int W = count_bitmap_words(M);
   int* begin = smem;
-  int* tokens = begin + R * El;
-  int* active = tokens + R;
+  int* filled = begin + R * El;
+  int* active = filled + R * W;
   // Work items: every potential slot (source j, slot i < M) split into chunks of whole 32-word
   // groups. The mapping does not depend on the counts, so each warp issues its first item's
   // loads (header, payload, first scales) right after the wait, beside the count-message loads:
-  // one memory round trip instead of one per step. Slots past a source's count are skipped once
-  // the counts are known (their speculative loads are harmless window reads).
+  // one memory round trip instead of one per step. Empty slots are skipped once the bitmaps are
+  // known (their speculative loads are harmless window reads).
   const int payload_vec = kFp8 ? H / 16 : H / 8;  // 16-byte words of payload data (without scales)
   const int num_scales = H / 128;
   const int total_warps = gridDim.x * kWarps;
@@ -389,38 +415,40 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   };
   if (w < num_items && active[first.j]) load_item(first);
 
-  // The count messages ([tokens, 0, 0, 0, per-expert counts]) -> begin[j][e], the exclusive
-  // prefix over sources of expert e's rows, and tokens[j]; block 0 publishes the counts and
-  // layout_range. Up to kFusedSources sources, thread e loads expert e's counts from every source
-  // at once and sums them in registers (thread El: the token counts); more sources take two
-  // passes (one word per thread, then the prefix in shared memory).
+  // The count messages -> begin[j][e], the exclusive prefix over sources of expert e's rows,
+  // and filled[j][*], source j's bitmap; block 0 publishes the counts and layout_range. Column x
+  // of a message (after its header) is expert x's count for x < El, then bitmap word x - El.
+  // Up to kFusedSources sources, thread x loads column x from every source at once (the counts
+  // are summed in registers); more sources take two passes (one word per thread, then the prefix
+  // in shared memory).
+  const int columns = El + W;
+  auto column = [&](int j, int x) { return __ldcg(count_msg(j) + kCountHeaderInts + x); };
   if (R <= kFusedSources) {
-    for (int e = threadIdx.x; e <= El; e += kThreads) {
+    for (int x = threadIdx.x; x < columns; x += kThreads) {
       int n[kFusedSources];
 #pragma unroll
-      for (int j = 0; j < kFusedSources; ++j)
-        n[j] = j < R && active[j] ? __ldcg(count_msg(j) + (e == El ? 0 : kCountHeaderInts + e)) : 0;
-      if (e == El) {
+      for (int j = 0; j < kFusedSources; ++j) n[j] = j < R && active[j] ? column(j, x) : 0;
+      if (x >= El) {
 #pragma unroll
         for (int j = 0; j < kFusedSources; ++j)
-          if (j < R) tokens[j] = n[j];
+          if (j < R) filled[j * W + x - El] = n[j];
       } else {
         int acc = 0;
 #pragma unroll
         for (int j = 0; j < kFusedSources; ++j) {
           if (j >= R) break;
-          begin[j * El + e] = acc;
-          if (blockIdx.x == 0) publish_range(p, e, j, acc, n[j]);
+          begin[j * El + x] = acc;
+          if (blockIdx.x == 0) publish_range(p, x, j, acc, n[j]);
           acc += n[j];
         }
-        if (blockIdx.x == 0) publish_count(p, e, acc);
+        if (blockIdx.x == 0) publish_count(p, x, acc);
       }
     }
   } else {
-    for (int idx = threadIdx.x; idx < R * (El + 1); idx += kThreads) {
-      const int j = int(unsigned(idx) / unsigned(El + 1)), x = idx - j * (El + 1);
-      const int n = active[j] ? __ldcg(count_msg(j) + (x == 0 ? 0 : kCountHeaderInts + x - 1)) : 0;
-      if (x == 0) tokens[j] = n; else begin[j * El + x - 1] = n;
+    for (int idx = threadIdx.x; idx < R * columns; idx += kThreads) {
+      const int j = int(unsigned(idx) / unsigned(columns)), x = idx - j * columns;
+      const int n = active[j] ? column(j, x) : 0;
+      if (x < El) begin[j * El + x] = n; else filled[j * W + x - El] = n;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < El; e += kThreads) {
@@ -438,7 +466,8 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
 
   for (bool is_first = true; w < num_items; w += total_warps, is_first = false) {
     const ItemPlace it = is_first ? first : place_of(w);
-    if (it.i >= tokens[it.j]) continue;  // warp-uniform; tokens[j] is 0 for an inactive source
+    // Warp-uniform; an inactive source's bitmap is zero.
+    if (((filled[it.j * W + (it.i >> 5)] >> (it.i & 31)) & 1) == 0) continue;
     if (!is_first) load_item(it);
     const uint8_t* slot = slot_of(it);
     // Lane k holds top-k entry k: its local expert and packed row, if the expert is ours.
@@ -500,8 +529,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch(ncclDevComm dev_comm, De
 template <int kRemote, bool kFp8>
 int launch_dispatch(const ncclDevComm& dc, const DeepepLlDispatchParams& p, int num_blocks, cudaStream_t stream) {
   const auto& c = p.common;
-  const size_t smem = sizeof(int) * (size_t(c.num_ranks) * c.num_local_experts + 2 * size_t(c.num_ranks) + 2 +
-                                     size_t(c.num_local_experts));
+  const size_t recv_ints = size_t(c.num_ranks) * (c.num_local_experts + count_bitmap_words(c.max_tokens)) +
+                          size_t(c.num_ranks) + 1;
+  const size_t send_ints = dispatch_send_smem_ints(c.num_ranks, c.num_experts, c.max_tokens, num_blocks);
+  const size_t smem = sizeof(int) * (recv_ints > send_ints ? recv_ints : send_ints);
   return launch_for_phases(c.phases, dispatch<kRemote, kFp8, DEEPEP_LL_PHASE_SEND>,
                            dispatch<kRemote, kFp8, DEEPEP_LL_PHASE_RECV>,
                            dispatch<kRemote, kFp8, DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV>, dc, p, smem,
@@ -513,6 +544,10 @@ int launch_dispatch(const ncclDevComm& dc, const DeepepLlDispatchParams& p, int 
 
 extern "C" int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t use_fp8) {
   return deepep::ll::dispatch_header_bytes(num_topk) + deepep::ll::dispatch_payload_bytes(hidden, use_fp8 != 0);
+}
+
+extern "C" int64_t deepep_ll_count_bytes(int32_t num_local_experts, int32_t max_tokens) {
+  return deepep::ll::count_message_bytes(num_local_experts, max_tokens);
 }
 
 extern "C" int deepep_ll_gin_compiled(void) { return DEEPEP_HAVE_GIN; }

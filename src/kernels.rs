@@ -332,6 +332,7 @@ extern "C" {
         stream: *mut c_void,
     ) -> c_int;
     pub fn deepep_ll_dispatch_slot_bytes(hidden: i32, num_topk: i32, use_fp8: i32) -> i64;
+    pub fn deepep_ll_count_bytes(num_local_experts: i32, max_tokens: i32) -> i64;
     pub fn deepep_ll_combine_slot_bytes(hidden: i32, use_logfmt: i32) -> i64;
     pub fn deepep_ll_gin_compiled() -> c_int;
     pub fn deepep_launch_ll_reset_gin_signals(dev_comm: *const c_void, num_signals: c_int, stream: *mut c_void) -> c_int;
@@ -395,6 +396,12 @@ pub fn combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64 {
 pub fn ll_dispatch_slot_bytes(hidden: i32, num_topk: i32, use_fp8: bool) -> i64 {
     // SAFETY: pure arithmetic.
     unsafe { deepep_ll_dispatch_slot_bytes(hidden, num_topk, use_fp8 as i32) }
+}
+
+/// Bytes of one LL dispatch count message (per-expert counts, then the filled-slot bitmap).
+pub fn ll_count_bytes(num_local_experts: i32, max_tokens: i32) -> i64 {
+    // SAFETY: pure arithmetic.
+    unsafe { deepep_ll_count_bytes(num_local_experts, max_tokens) }
 }
 
 /// Bytes of one LL combine slot; None when this build has no LogFMT.

@@ -154,9 +154,9 @@ pub fn check_region(buffer: &Buffer, op: &str, shape: LlShape, layout: &LlLayout
     Ok(())
 }
 
-/// Bytes of a dispatch count message: 4 header ints and one count per local expert.
-pub fn count_bytes(local_experts: i64) -> u64 {
-    align(4 * (4 + local_experts as u64), 16)
+/// Bytes of a dispatch count message (the kernels' layout: header, per-expert counts, bitmap).
+pub fn count_bytes(local_experts: i64, max_tokens: i64) -> u64 {
+    kernels::ll_count_bytes(local_experts as i32, max_tokens as i32) as u64
 }
 
 /// Slot sizes for a dispatch with `num_topk`/`use_fp8` (combine passes K = 16, BF16:
@@ -167,7 +167,7 @@ pub(crate) fn slots(res: &Resources, shape: LlShape, num_topk: i64, use_fp8: boo
         .ok_or_else(|| Error::unsupported("use_logfmt: this build of deepep-nccl has no LogFMT combine"))?;
     Ok(LlSlots {
         dispatch_slot: kernels::ll_dispatch_slot_bytes(shape.hidden as i32, num_topk as i32, use_fp8) as u64,
-        count_bytes: count_bytes(shape.local_experts()),
+        count_bytes: count_bytes(shape.local_experts(), shape.max_tokens),
         combine_slot: combine_slot as u64,
         remote: res.remote_kind != kernels::LL_REMOTE_NONE,
     })
@@ -261,10 +261,10 @@ pub fn receive_half(buffer_idx: i32) -> Result<i32> {
 mod tests {
     use super::*;
 
-    fn slots_for(h: u64, k: u64, fp8: bool, remote: bool, el: i64) -> LlSlots {
+    fn slots_for(h: u64, k: u64, fp8: bool, remote: bool, el: i64, m: i64) -> LlSlots {
         let header = (16 + 4 * k).div_ceil(16) * 16;
         let payload = if fp8 { (h + 4 * (h / 128)).div_ceil(16) * 16 } else { 2 * h };
-        LlSlots { dispatch_slot: header + payload, count_bytes: count_bytes(el), combine_slot: 2 * h + 4 * (h / 128), remote }
+        LlSlots { dispatch_slot: header + payload, count_bytes: count_bytes(el, m), combine_slot: 2 * h + 4 * (h / 128), remote }
     }
 
     #[test]
@@ -276,7 +276,7 @@ mod tests {
             let hint = low_latency_rdma_size_hint(m, h, r as i32, e as i32).unwrap() as u64;
             for fp8 in [false, true] {
                 for remote in [false, true] {
-                    let l = LlLayout::new(shape, slots_for(h as u64, k, fp8, remote, e / r), 0, 1);
+                    let l = LlLayout::new(shape, slots_for(h as u64, k, fp8, remote, e / r, m), 0, 1);
                     assert!(l.required <= hint, "{m} {h} {e} {r} {k}: {} > {hint}", l.required);
                 }
             }
@@ -286,7 +286,7 @@ mod tests {
     #[test]
     fn halves_do_not_overlap_and_dispatch_area_sits_in_the_view() {
         let shape = LlShape::new(128, 7168, 288, 4).unwrap();
-        let s = slots_for(7168, 8, true, true, 72);
+        let s = slots_for(7168, 8, true, true, 72, 128);
         let (a, b) = (LlLayout::new(shape, s, 4096, 0), LlLayout::new(shape, s, 4096, 1));
         assert!(a.signal < b.signal && a.view < b.view && a.combine_recv < b.combine_recv);
         assert_eq!(a.staging, a.view);

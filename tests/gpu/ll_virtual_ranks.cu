@@ -55,7 +55,6 @@ struct Half {
   int64_t signal, count, dispatch_recv, staging, combine_recv, view, end;
 };
 
-int64_t count_bytes(int64_t local_experts) { return align_up(4 * (4 + local_experts), 16); }
 
 Half half_layout(const int64_t* a, int64_t base) {
   const int64_t R = a[kArg_num_ranks], E = a[kArg_num_experts], M = a[kArg_max_tokens], H = a[kArg_hidden];
@@ -64,9 +63,9 @@ Half half_layout(const int64_t* a, int64_t base) {
   Half h{};
   h.signal = base;
   h.count = h.signal + align_up(8 * R, 128);
-  h.dispatch_recv = h.count + align_up(R * count_bytes(E / R), 128);
+  h.dispatch_recv = h.count + align_up(R * deepep_ll_count_bytes(int32_t(E / R), int32_t(M)), 128);
   h.staging = h.dispatch_recv + align_up(R * M * slot, 128);
-  h.combine_recv = h.staging + align_up(M * slot + R * count_bytes(E / R), 128);
+  h.combine_recv = h.staging + align_up(M * slot + R * deepep_ll_count_bytes(int32_t(E / R), int32_t(M)), 128);
   h.view = h.combine_recv + align_up(E * M * cslot, 128);
   h.end = h.view + align_up(E * M * (2 * H + H / 32), 128);
   return h;
@@ -166,7 +165,7 @@ __attribute__((visibility("default"))) int llv_dispatch(const int64_t* a, void* 
   p.use_ue8m0 = int32_t(a[kArg_use_ue8m0]);
   p.dispatch_slot_bytes =
       int32_t(deepep_ll_dispatch_slot_bytes(p.common.hidden, p.common.num_topk, p.use_fp8));
-  p.count_bytes = int32_t(count_bytes(p.common.num_local_experts));
+  p.count_bytes = int32_t(deepep_ll_count_bytes(p.common.num_local_experts, p.common.max_tokens));
   return deepep_launch_ll_dispatch(null_dev_comm(), &p, int(a[kArg_remote_kind]), int(a[kArg_num_blocks]),
                                    stream);
 }
