@@ -48,9 +48,10 @@ struct TokenRoute {
   int staged;  // some destination goes through the staging slot (remote path)
 };
 
-__device__ __forceinline__ float half_warp_max(float v) {
+// Max over the 8 lanes of an aligned lane group (one 128-channel block).
+__device__ __forceinline__ float lanes8_max(float v) {
 #pragma unroll
-  for (int m = 8; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  for (int m = 4; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
 }
 
@@ -235,60 +236,70 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
         if (route.ptr[i] != nullptr) reinterpret_cast<uint32_t*>(route.ptr[i])[threadIdx.x] = word;
       if (staged) reinterpret_cast<uint32_t*>(stage)[threadIdx.x] = word;
     }
-    // Payload: each warp converts 32 groups of 8 channels (two 128-channel blocks) per step.
     const int4* x_row = static_cast<const int4*>(p.x) + int64_t(t) * hidden_vec;
-    constexpr int kLoads = 2;  // the row's loads of kLoads steps go out together
-    for (int base0 = warp * kWarp; base0 < hidden_vec; base0 += kLoads * kThreads) {
-      int4 loaded[kLoads];
+    if constexpr (kFp8) {
+      // Payload: each lane converts 16 channels (two 16-byte loads) into one 16-byte store per
+      // destination; 8 lanes make a 128-channel block. H <= 8192: one step per warp.
+      const int lane_groups = H / 16;
+#pragma unroll 1
+      for (int g0 = warp * kWarp; g0 < lane_groups; g0 += kThreads) {
+        const int g = g0 + lane;
+        const bool valid = g < lane_groups;  // 8-lane groups are entirely valid or not (H % 128 == 0)
+        int4 v[2] = {make_int4(0, 0, 0, 0), make_int4(0, 0, 0, 0)};
+        if (valid) {
+          v[0] = ld_stream(x_row + 2 * g);
+          v[1] = ld_stream(x_row + 2 * g + 1);
+        }
+        const auto* bf = reinterpret_cast<const __nv_bfloat16*>(v);
+        float f[16];
+        float amax = 1e-4f;
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int i = base0 + u * kThreads + lane;
-        loaded[u] = i < hidden_vec ? ld_stream(x_row + i) : make_int4(0, 0, 0, 0);
+        for (int j = 0; j < 16; ++j) {
+          f[j] = __bfloat162float(bf[j]);
+          amax = fmaxf(amax, fabsf(f[j]));
+        }
+        amax = lanes8_max(amax);
+        float scale, scale_inv;
+        fp8_scales(amax, p.round_scale != 0, scale, scale_inv);
+        int4 packed;
+        auto* q = reinterpret_cast<__nv_fp8x2_storage_t*>(&packed);
+#pragma unroll
+        for (int j = 0; j < 16; j += 2)
+          q[j / 2] = __nv_cvt_float2_to_fp8x2(make_float2(f[j] * scale, f[j + 1] * scale), __NV_SATFINITE, __NV_E4M3);
+        if (valid) {
+          const bool writes_scale = (lane % 8) == 0;
+          const int64_t data_at = header + 16 * int64_t(g), scale_at = header + H + 4 * int64_t(g / 8);
+#pragma unroll 1
+          for (int d = 0; d < nd; ++d) {
+            uint8_t* slot = route.ptr[d];
+            if (slot == nullptr) continue;
+            *reinterpret_cast<int4*>(slot + data_at) = packed;
+            if (writes_scale) *reinterpret_cast<float*>(slot + scale_at) = scale_inv;
+          }
+          if (staged) {
+            *reinterpret_cast<int4*>(stage + data_at) = packed;
+            if (writes_scale) *reinterpret_cast<float*>(stage + scale_at) = scale_inv;
+          }
+        }
       }
+    } else {
+      // Payload: BF16 as is, 16 bytes per lane; the row's loads of kLoads steps go out together.
+      constexpr int kLoads = 2;
+      for (int base0 = warp * kWarp; base0 < hidden_vec; base0 += kLoads * kThreads) {
+        int4 loaded[kLoads];
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int i = base0 + u * kThreads + lane;
-        const bool valid = i < hidden_vec;  // half-warps are entirely valid or not (H % 128 == 0)
-        const int4 v = loaded[u];
-        if constexpr (kFp8) {
-          const auto* bf = reinterpret_cast<const __nv_bfloat16*>(&v);
-          float f[8];
-          float amax = 1e-4f;
+        for (int u = 0; u < kLoads; ++u) {
+          const int i = base0 + u * kThreads + lane;
+          loaded[u] = i < hidden_vec ? ld_stream(x_row + i) : make_int4(0, 0, 0, 0);
+        }
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            f[j] = __bfloat162float(bf[j]);
-            amax = fmaxf(amax, fabsf(f[j]));
-          }
-          amax = half_warp_max(amax);
-          float scale, scale_inv;
-          fp8_scales(amax, p.round_scale != 0, scale, scale_inv);
-          int2 packed;
-          auto* q = reinterpret_cast<__nv_fp8x2_storage_t*>(&packed);
-#pragma unroll
-          for (int j = 0; j < 8; j += 2)
-            q[j / 2] = __nv_cvt_float2_to_fp8x2(make_float2(f[j] * scale, f[j + 1] * scale), __NV_SATFINITE, __NV_E4M3);
-          if (valid) {
-            const bool writes_scale = (lane % 16) == 0;
-            const int64_t data_at = header + 8 * int64_t(i), scale_at = header + H + 4 * int64_t(i / 16);
+        for (int u = 0; u < kLoads; ++u) {
+          const int i = base0 + u * kThreads + lane;
+          if (i >= hidden_vec) continue;
 #pragma unroll 1
-            for (int d = 0; d < nd; ++d) {
-              uint8_t* slot = route.ptr[d];
-              if (slot == nullptr) continue;
-              *reinterpret_cast<int2*>(slot + data_at) = packed;
-              if (writes_scale) *reinterpret_cast<float*>(slot + scale_at) = scale_inv;
-            }
-            if (staged) {
-              *reinterpret_cast<int2*>(stage + data_at) = packed;
-              if (writes_scale) *reinterpret_cast<float*>(stage + scale_at) = scale_inv;
-            }
-          }
-        } else {
-          if (valid) {
-#pragma unroll 1
-            for (int d = 0; d < nd; ++d)
-              if (route.ptr[d] != nullptr) st_stream(reinterpret_cast<int4*>(route.ptr[d] + header) + i, v);
-            if (staged) st_stream(reinterpret_cast<int4*>(stage + header) + i, v);
-          }
+          for (int d = 0; d < nd; ++d)
+            if (route.ptr[d] != nullptr) st_stream(reinterpret_cast<int4*>(route.ptr[d] + header) + i, loaded[u]);
+          if (staged) st_stream(reinterpret_cast<int4*>(stage + header) + i, loaded[u]);
         }
       }
     }
