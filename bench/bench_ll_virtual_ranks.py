@@ -1,12 +1,14 @@
-"""Hook-mode LL receive kernels of R virtual ranks on ONE GPU (tests/gpu/ll_virtual.py).
+"""Hook-mode LL kernels of R virtual ranks on ONE GPU (tests/gpu/ll_virtual.py).
 
 Each receiving rank's kernel reads only its own window, as on real hardware, so its GPU time is
-the per-rank receive time of an R-rank run; the senders' stores go to local memory instead of
-over NVLink, so send times are not reported. Per iteration: every rank's dispatch send, then per
-rank a BF16 matmul gap (as DeepEP's large_gemm_with_hook: caches are cold again) and that rank's
-dispatch receive; then the same for combine (random expert outputs). GPU time per kernel from
-torch.profiler, median over iterations and ranks. Use it for A/B work on the receive kernels
-when no multi-GPU machine is available; the product's numbers are bench_low_latency.py's.
+the per-rank receive time of an R-rank run. The senders' stores go to local memory instead of
+over NVLink, so send times are the kernels' compute and latency without the NVLink transfer:
+use them for A/B work, not as the send time of an R-rank run. Per iteration: every rank's
+dispatch send, then every rank's receive, then the same for combine (random expert outputs),
+with a BF16 matmul gap (as DeepEP's large_gemm_with_hook: caches are cold again) before each
+kernel of the phase being timed: receives in one profiled run, sends in another. GPU time per
+kernel from torch.profiler, median over iterations and ranks. Use it for A/B work on the LL
+kernels when no multi-GPU machine is available; the product's numbers are bench_low_latency.py's.
 
 Usage: python bench/bench_ll_virtual_ranks.py [--ranks 4] [--tokens 1 16 128 256] [--json F]"""
 import argparse
@@ -40,9 +42,9 @@ def kernel_times(fn, iters):
     return times
 
 
-def receive_us(times, op):
-    """Median GPU time of the receive-only instantiation of deepep::ll::<op> (phases = 2)."""
-    pattern = re.compile(rf'll::{op}<\d+, (true|false), 2>')
+def phase_us(times, op, phase):
+    """Median GPU time of the send-only (phase 1) or receive-only (2) instantiation of deepep::ll::<op>."""
+    pattern = re.compile(rf'll::{op}<\d+, (true|false), {phase}>')
     durs = [d for name, ds in times.items() if pattern.search(name) for d in ds]
     return statistics.median(durs) if durs else float('nan'), len(durs)
 
@@ -62,15 +64,16 @@ def main():
     torch.cuda.set_device(0)
     props = torch.cuda.get_device_properties(0)
     print(f'{props.name}, {props.multi_processor_count} SMs; {args.ranks} virtual ranks, hidden {args.hidden}, '
-          f'top-{args.topk} of {args.experts}, {args.mode} dispatch, BF16 combine; hook-mode receive kernels, '
-          f'median over {args.iters} iterations x {args.ranks} ranks (us)', flush=True)
+          f'top-{args.topk} of {args.experts}, {args.mode} dispatch, BF16 combine; hook-mode kernels, '
+          f'median over {args.iters} iterations x {args.ranks} ranks (us; sends store locally, see above)', flush=True)
     gap_a = torch.randn(4096, 8192, dtype=torch.bfloat16, device='cuda')
     gap_b = torch.randn(8192, 4096, dtype=torch.bfloat16, device='cuda')
     gap_c = torch.empty(4096, 4096, dtype=torch.bfloat16, device='cuda')
     use_fp8, round_scale, ue8m0 = MODES[args.mode]
     mode = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=ue8m0)
     rows = []
-    print('| T | dispatch recv | combine recv |\n| --- | --- | --- |', flush=True)
+    print('| T | dispatch send (local) | dispatch recv | combine send (local) | combine recv |\n'
+          '| --- | --- | --- | --- | --- |', flush=True)
     for tokens in args.tokens:
         m = args.max_tokens or max(128, tokens)
         world = VirtualWorld(args.ranks, args.experts, m, args.hidden)
@@ -81,27 +84,34 @@ def main():
         all_w = [torch.rand(t.shape, device='cuda') for t in all_topk]
         combined = [torch.empty(t.size(0), args.hidden, dtype=torch.bfloat16, device='cuda') for t in all_topk]
 
-        def iteration():
+        def iteration(gapped_phase):
+            """One dispatch + combine of every rank; a matmul gap before each kernel of the phase
+            being timed (1: sends, 2: receives), the other phase's kernels back to back."""
+            def gap(phase):
+                if phase == gapped_phase:
+                    torch.matmul(gap_a, gap_b, out=gap_c)
             world.parity ^= 1
-            for r in range(args.ranks):
-                world.dispatch_send(r, all_x[r], all_topk[r], outs[r], **mode)
-            for r in range(args.ranks):
-                torch.matmul(gap_a, gap_b, out=gap_c)
-                world.dispatch_recv(r, all_x[r], all_topk[r], outs[r], **mode)
-            world.parity ^= 1
-            for phases in (1, 2):
+            for phase, call in ((1, world.dispatch_send), (2, world.dispatch_recv)):
                 for r in range(args.ranks):
-                    if phases == 2:
-                        torch.matmul(gap_a, gap_b, out=gap_c)
-                    world.combine_rank(r, phases, all_y[r], all_topk[r], all_w[r], outs[r], combined[r])
+                    gap(phase)
+                    call(r, all_x[r], all_topk[r], outs[r], **mode)
+            world.parity ^= 1
+            for phase in (1, 2):
+                for r in range(args.ranks):
+                    gap(phase)
+                    world.combine_rank(r, phase, all_y[r], all_topk[r], all_w[r], outs[r], combined[r])
 
-        times = kernel_times(iteration, args.iters)
+        row = {'tokens': tokens, 'max_tokens': m}
+        for phase, name in ((2, 'recv'), (1, 'send_local')):
+            times = kernel_times(lambda: iteration(phase), args.iters)
+            for op in ('dispatch', 'combine'):
+                us, n = phase_us(times, op, phase)
+                assert n == args.iters * args.ranks, f'{op} phase {phase}: {n} kernels found'
+                row[f'{op}_{name}_us'] = us
         world.check_no_stall()
-        d_us, d_n = receive_us(times, 'dispatch')
-        c_us, c_n = receive_us(times, 'combine')
-        assert d_n == c_n == args.iters * args.ranks, f'kernels found: dispatch {d_n}, combine {c_n}'
-        rows.append({'tokens': tokens, 'max_tokens': m, 'dispatch_recv_us': d_us, 'combine_recv_us': c_us})
-        print(f'| {tokens} | {d_us:.1f} | {c_us:.1f} |', flush=True)
+        rows.append(row)
+        print(f"| {tokens} | {row['dispatch_send_local_us']:.1f} | {row['dispatch_recv_us']:.1f} | "
+              f"{row['combine_send_local_us']:.1f} | {row['combine_recv_us']:.1f} |", flush=True)
         world = outs = all_y = None  # free before the next shape allocates
         torch.cuda.empty_cache()
     if args.json:
