@@ -205,7 +205,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   if (!kLogfmt && first_item < items) {
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (u < K) first_e[u] = load_topk(p.topk_idx, i32, int64_t(first_t) * K + u);
+      if (u < K) first_e[u] = load_topk(p.topk_idx, i32, int64_t(first_t) * K + u);  // checked after the wait
       if (u < K) first_weight[u] = __ldg(p.topk_weights + int64_t(first_t) * K + u);
     }
   }
@@ -231,7 +231,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
     if constexpr (kLogfmt) {
       const int g = g0;
       for (int k = 0; k < K; ++k) {
-        const int e = load_topk(p.topk_idx, i32, int64_t(t) * K + k);
+        const int e = load_expert(p.topk_idx, i32, int64_t(t) * K + k, c.num_experts);
         if (e < 0 || skipped(e)) continue;
         const float weight = __ldg(p.topk_weights + int64_t(t) * K + k);
         float v[8];
@@ -257,7 +257,9 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
         int e[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-          e[u] = preloaded ? first_e[u] : (k0 + u < K ? load_topk(p.topk_idx, i32, int64_t(t) * K + k0 + u) : -1);
+          e[u] = preloaded    ? valid_expert(first_e[u], c.num_experts)
+                 : k0 + u < K ? load_expert(p.topk_idx, i32, int64_t(t) * K + k0 + u, c.num_experts)
+                              : -1;
           if (e[u] >= 0 && skipped(e[u])) e[u] = -1;
         }
         int4 raw[kBatch][kSub];

@@ -70,8 +70,18 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
 // Data written by peers during this kernel: L2, never a stale L1 line.
 __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 
+// Top-k entry i, read as a 32-bit id (an int64 entry's low word, as DeepEP's kernels read it).
 __device__ __forceinline__ int load_topk(const void* topk, bool is_int32, int64_t i) {
   return is_int32 ? __ldg(static_cast<const int32_t*>(topk) + i) : int(__ldg(static_cast<const int64_t*>(topk) + i));
+}
+// An id outside [0, num_experts) (-1 included) counts as -1: a bad id is skipped instead of
+// addressing memory outside the window. Kept apart from the load so that a load issued before a
+// wait does not stall the wait on its value.
+__device__ __forceinline__ int valid_expert(int e, int num_experts) {
+  return unsigned(e) < unsigned(num_experts) ? e : -1;
+}
+__device__ __forceinline__ int load_expert(const void* topk, bool is_int32, int64_t i, int num_experts) {
+  return valid_expert(load_topk(topk, is_int32, i), num_experts);
 }
 
 __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {

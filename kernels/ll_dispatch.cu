@@ -68,10 +68,8 @@ __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& 
   }
 }
 
-// Top-k entry i; an entry outside [0, E) counts as -1 (never a store outside the window).
 __device__ __forceinline__ int topk_entry(const DeepepLlDispatchParams& p, int64_t i) {
-  const int e = load_topk(p.topk_idx, p.topk_idx_is_int32 != 0, i);
-  return unsigned(e) < unsigned(p.common.num_experts) ? e : -1;
+  return load_expert(p.topk_idx, p.topk_idx_is_int32 != 0, i, p.common.num_experts);
 }
 
 // Calls f(i, e) for every valid entry e = topk_idx[i], i < n (flat index), the block's threads
@@ -205,8 +203,10 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     int* msg = reinterpret_cast<int*>(direct ? tr.lsa(dst_offset, d) : tr.local(stage_offset));
 #pragma unroll 1
     for (int x = threadIdx.x; x < kCountHeaderInts + El + W; x += kThreads)
-      msg[x] = x == 0 ? hist[0] : x < kCountHeaderInts ? 0 : x < kCountHeaderInts + El ? hist[1 + x - kCountHeaderInts]
-                                                                                         : bitmap[x - kCountHeaderInts - El];
+      msg[x] = x == 0                         ? hist[0]
+               : x < kCountHeaderInts           ? 0
+               : x < kCountHeaderInts + El      ? hist[1 + x - kCountHeaderInts]
+                                                : bitmap[x - kCountHeaderInts - El];
     if (threadIdx.x == 0) owned_tokens[i] = hist[0];
     __syncthreads();
     if (!direct && warp == 0) tr.put(d, dst_offset, stage_offset, count_bytes, lane);

@@ -25,8 +25,10 @@ MODES = {'bf16': (False, False, False), 'fp8': (True, False, False), 'fp8_round'
 
 def make_topk(gen, tokens, num_topk, num_experts, routing):
     """[T, K] int64 routing: distinct random experts ('random'), every token to expert 0 and the
-    rest -1 ('skewed'), random with a quarter of the slots -1 ('holes'), or with a repeated expert
-    per token ('dupes': the receiver must keep both copies, in (token, k) order)."""
+    rest -1 ('skewed'), random with a quarter of the slots -1 ('holes'), with a repeated expert
+    per token ('dupes': the receiver must keep both copies, in (token, k) order), or with a fifth
+    of the slots out of range ('invalid': ids E, E + 7, 2**31 + 5 and -3, which the kernels skip like -1;
+    int64 ids are read as their low 32 bits, as DeepEP does)."""
     if routing == 'skewed':
         topk = torch.full((tokens, num_topk), -1, dtype=torch.int64)
         topk[:, 0] = 0
@@ -37,7 +39,16 @@ def make_topk(gen, tokens, num_topk, num_experts, routing):
         topk[torch.rand(tokens, num_topk, generator=gen) < 0.25] = -1
     elif routing == 'dupes' and num_topk > 1:
         topk[:, -1] = topk[:, 0]
+    elif routing == 'invalid':
+        bad = torch.tensor([num_experts, num_experts + 7, 2**31 + 5, -3])
+        pick = torch.randint(0, len(bad), topk.shape, generator=gen)
+        topk = torch.where(torch.rand(tokens, num_topk, generator=gen) < 0.2, bad[pick], topk)
     return topk
+
+
+def as_reference(topk, num_experts):
+    """The routing the kernels act on: ids outside [0, E) are skipped, like -1."""
+    return topk.masked_fill((topk < 0) | (topk >= num_experts), -1)
 
 
 def make_inputs(world, seed, tokens, num_topk, routing='random', topk_int32=False):
@@ -98,12 +109,13 @@ def round_trip(world, seed, tokens, num_topk, modes, routing='random', topk_int3
     halves, fresh data each time, every output checked."""
     for i in range(rounds):
         all_x, all_topk = make_inputs(world, seed + i, tokens, num_topk, routing, topk_int32)
+        ref_topk = [as_reference(t, world.num_experts) for t in all_topk]
         for mode in modes:
             use_fp8, round_scale, ue8m0 = MODES[mode]
             outs = world.dispatch(all_x, all_topk, use_fp8, round_scale, ue8m0)
             torch.cuda.synchronize()
             world.check_no_stall()
-            check_dispatch(world, all_x, all_topk, outs, mode)
+            check_dispatch(world, all_x, ref_topk, outs, mode)
             if mode == 'bf16':
                 bf16_outs = outs
         gen = torch.Generator(device='cuda').manual_seed(seed + 1000 + i)
@@ -121,7 +133,7 @@ def round_trip(world, seed, tokens, num_topk, modes, routing='random', topk_int3
         got = world.combine(all_y, all_topk, all_w, outs)
         torch.cuda.synchronize()
         world.check_no_stall()
-        check_combine(world, all_y, all_topk, all_w, got)
+        check_combine(world, all_y, ref_topk, all_w, got)
 
 
 def cases():
@@ -153,6 +165,9 @@ def cases():
                                 modes=('fp8', 'bf16'))),
         'r32_virtual_nodes_of_8_h512': (dict(num_ranks=32, num_experts=64, max_tokens=8, hidden=512, node_size=8),
                                         dict(seed=11, tokens=8, num_topk=4, modes=('fp8_ue8m0', 'bf16'))),
+        # Out-of-range expert ids (int64, one beyond 2**31) are skipped by dispatch and combine.
+        'r4_invalid_ids': (dict(num_ranks=4, num_experts=64, max_tokens=32, hidden=1024),
+                           dict(seed=12, tokens=[32, 5, 0, 32], num_topk=8, routing='invalid', modes=('fp8', 'bf16'))),
         'r4_small_grid': (dict(num_ranks=4, num_experts=288, max_tokens=128, hidden=7168, num_blocks=3),
                           dict(seed=9, tokens=128, num_topk=8, modes=('fp8_ue8m0', 'bf16'))),
     }
