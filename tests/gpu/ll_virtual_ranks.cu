@@ -189,6 +189,8 @@ __attribute__((visibility("default"))) int llv_combine(const int64_t* a, void* s
   return deepep_launch_ll_combine(null_dev_comm(), &p, int(a[kArg_remote_kind]), int(a[kArg_num_blocks]), stream);
 }
 
+// Timing builds: a copy of a kernel file with per-block timestamps defines deepep_stamps_copy,
+// and the library is compiled with -DDEEPEP_STAMPS (not part of the product or its tests).
 #ifdef DEEPEP_STAMPS
 int deepep_stamps_copy(void* dst, size_t bytes);
 __attribute__((visibility("default"))) int llv_stamps(void* dst, size_t bytes) { return deepep_stamps_copy(dst, bytes); }
