@@ -172,8 +172,7 @@ struct Transport {
   // Tells `peer`, by adding `value` to its signal word, that all of this rank's writes of op
   // `kind` to it are done. Every writer released its writes (gpu scope) before counting itself
   // done, and the caller acquired that count; this sys-scope release carries all of them to the
-  // peer (cumulativity), as DeepEP's LL kernels do. A full fence.sc.sys before it cost 0.5-0.8 us
-  // per send kernel.
+  // peer (cumulativity), as DeepEP's LL kernels do: no full fence.sc.sys is needed before it.
   __device__ __forceinline__ void signal(int peer, int kind, uint32_t value) const {
     if (kRemote == kRemoteGin && !direct(peer)) {
 #if DEEPEP_HAVE_GIN

@@ -154,11 +154,6 @@ pub fn check_region(buffer: &Buffer, op: &str, shape: LlShape, layout: &LlLayout
     Ok(())
 }
 
-/// Bytes of a dispatch count message (the kernels' layout: header, per-expert counts, bitmap).
-pub fn count_bytes(local_experts: i64, max_tokens: i64) -> u64 {
-    kernels::ll_count_bytes(local_experts as i32, max_tokens as i32) as u64
-}
-
 /// Slot sizes for a dispatch with `num_topk`/`use_fp8` (combine passes K = 16, BF16:
 /// it uses no dispatch area). `use_logfmt` only checks that this build has LogFMT: both
 /// combine formats use the same area.
@@ -167,7 +162,7 @@ pub(crate) fn slots(res: &Resources, shape: LlShape, num_topk: i64, use_fp8: boo
         .ok_or_else(|| Error::unsupported("use_logfmt: this build of deepep-nccl has no LogFMT combine"))?;
     Ok(LlSlots {
         dispatch_slot: kernels::ll_dispatch_slot_bytes(shape.hidden as i32, num_topk as i32, use_fp8) as u64,
-        count_bytes: count_bytes(shape.local_experts(), shape.max_tokens),
+        count_bytes: kernels::ll_count_bytes(shape.local_experts() as i32, shape.max_tokens as i32) as u64,
         combine_slot: combine_slot as u64,
         remote: res.remote_kind != kernels::LL_REMOTE_NONE,
     })
@@ -264,7 +259,12 @@ mod tests {
     fn slots_for(h: u64, k: u64, fp8: bool, remote: bool, el: i64, m: i64) -> LlSlots {
         let header = (16 + 4 * k).div_ceil(16) * 16;
         let payload = if fp8 { (h + 4 * (h / 128)).div_ceil(16) * 16 } else { 2 * h };
-        LlSlots { dispatch_slot: header + payload, count_bytes: count_bytes(el, m), combine_slot: 2 * h + 4 * (h / 128), remote }
+        LlSlots {
+            dispatch_slot: header + payload,
+            count_bytes: kernels::ll_count_bytes(el as i32, m as i32) as u64,
+            combine_slot: 2 * h + 4 * (h / 128),
+            remote,
+        }
     }
 
     #[test]
