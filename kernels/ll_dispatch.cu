@@ -12,7 +12,7 @@
 //     the tokens before t (a shared-memory histogram; t's row inside the source
 //     block), then quantises t once and stores it into every destination slot;
 //   * block b also owns destinations d = G-1-b, ...: it sends d the count message
-//     (tokens, per-expert counts and the bitmap of filled slots);
+//     (per-expert counts and the bitmap of filled slots);
 //   * every writer releases its stores and adds to done[d]; the count block adds
 //     kDoneTag - n_d, so whoever brings done[d] to kDoneTag signals d.
 // Receive phase. Every block waits for all sources' signals, builds the begin
@@ -27,11 +27,10 @@ namespace deepep {
 namespace ll {
 
 constexpr int kDoneTag = 1 << 30;
-// Count message: [tokens, 0, 0, 0][per-expert counts: El][filled-slot bitmap: ceil(M / 32)].
-constexpr int kCountHeaderInts = 4;
+// Count message: [per-expert counts: El][filled-slot bitmap: ceil(M / 32)].
 __host__ __device__ constexpr int count_bitmap_words(int max_tokens) { return (max_tokens + 31) / 32; }
 __host__ __device__ constexpr int64_t count_message_bytes(int local_experts, int max_tokens) {
-  return align16(4 * int64_t(kCountHeaderInts + local_experts + count_bitmap_words(max_tokens)));
+  return align16(4 * int64_t(local_experts + count_bitmap_words(max_tokens)));
 }
 
 // Padded to 16 bytes so that every slot starts 16-byte aligned (H = 128: 128 + 4 scales).
@@ -202,11 +201,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     const uint64_t stage_offset = c.staging_offset + uint64_t(M) * slot_bytes + uint64_t(d) * count_bytes;
     int* msg = reinterpret_cast<int*>(direct ? tr.lsa(dst_offset, d) : tr.local(stage_offset));
 #pragma unroll 1
-    for (int x = threadIdx.x; x < kCountHeaderInts + El + W; x += kThreads)
-      msg[x] = x == 0                         ? hist[0]
-               : x < kCountHeaderInts           ? 0
-               : x < kCountHeaderInts + El      ? hist[1 + x - kCountHeaderInts]
-                                                : bitmap[x - kCountHeaderInts - El];
+    for (int x = threadIdx.x; x < El + W; x += kThreads) msg[x] = x < El ? hist[1 + x] : bitmap[x - El];
     if (threadIdx.x == 0) owned_tokens[i] = hist[0];
     __syncthreads();
     if (!direct && warp == 0) tr.put(d, dst_offset, stage_offset, count_bytes, lane);
@@ -428,12 +423,12 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
 
   // The count messages -> begin[j][e], the exclusive prefix over sources of expert e's rows,
   // and filled[j][*], source j's bitmap; block 0 publishes the counts and layout_range. Column x
-  // of a message (after its header) is expert x's count for x < El, then bitmap word x - El.
+  // of a message is expert x's count for x < El, then bitmap word x - El.
   // Up to kFusedSources sources, thread x loads column x from every source at once (the counts
   // are summed in registers); more sources take two passes (one word per thread, then the prefix
   // in shared memory).
   const int columns = El + W;
-  auto column = [&](int j, int x) { return __ldcg(count_msg(j) + kCountHeaderInts + x); };
+  auto column = [&](int j, int x) { return __ldcg(count_msg(j) + x); };
   if (R <= kFusedSources) {
     for (int x = threadIdx.x; x < columns; x += kThreads) {
       int n[kFusedSources];
