@@ -4,14 +4,16 @@
 # one log per step; keeps going after a failure and exits non-zero if any step
 # failed. LOG_DIR (${OUT:-./gpu_logs}) ends with at most 8 files (the device
 # transport returns 8): summary.txt, logs.tgz (env + every step log),
-# bench_layout.json, bench_normal.json, bench_ll.json, bench_ll_virtual.json (6 files).
+# bench_layout.json, bench_normal.json, bench_ll.json, bench_ll_virtual.json, bench_ll_host.json
+# (7 files).
 #
 # Knobs (environment):
 #   SUITE_STEPS       space-separated step names to run, in the suite's order
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
 #                     steps: smoke_normal test_normal example_normal bench_normal
 #                     smoke_low_latency test_low_latency example_ll bench_ll test_ll_virtual
-#                     bench_ll_virtual test_buffer test_layout test_python quickstart bench_layout
+#                     bench_ll_virtual bench_ll_host test_buffer test_layout test_python quickstart
+#                     bench_layout
 #   BENCH_NORMAL_ARGS / BENCH_LL_ARGS  extra arguments of bench_normal.py / bench_low_latency.py
 #                     (e.g. BENCH_LL_ARGS=--quick)
 #   EXAMPLE_NORMAL / EXAMPLE_LL        the C++ example binaries
@@ -21,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_STEPS=(smoke_normal test_normal example_normal bench_normal
-           smoke_low_latency test_low_latency example_ll bench_ll test_ll_virtual bench_ll_virtual
+           smoke_low_latency test_low_latency example_ll bench_ll test_ll_virtual bench_ll_virtual bench_ll_host
            test_buffer test_layout test_python quickstart bench_layout)
 SUITE_STEPS=${SUITE_STEPS:-}
 for s in $SUITE_STEPS; do
@@ -109,6 +111,7 @@ step bench_ll 420 "$PYTHON" bench/bench_low_latency.py ${BENCH_LL_ARGS:-} --json
 # The LL kernels with 2-32 virtual ranks on one GPU (multi-source receive on any machine).
 step test_ll_virtual 300 "$PYTHON" tests/gpu/test_ll_virtual_ranks.py
 step bench_ll_virtual 300 "$PYTHON" bench/bench_ll_virtual_ranks.py --json "$LOG_DIR/bench_ll_virtual.json"
+step bench_ll_host 180 "$PYTHON" bench/bench_ll_host.py --json "$LOG_DIR/bench_ll_host.json"
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py
 step test_layout 270 "$PYTHON" tests/gpu/test_layout.py
 step test_python 120 "$PYTHON" -m pytest -q tests/python

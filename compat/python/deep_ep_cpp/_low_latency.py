@@ -8,6 +8,7 @@ import ctypes
 import struct
 
 from ._event import EventHandle
+from ._lib import DTYPE_BFLOAT16, DTYPE_FLOAT8_E4M3, DTYPE_FLOAT32, DTYPE_INT32, DTYPE_INT64
 from ._lib import check, lib, raise_status, tensor_fields
 from ._lib import torch as _torch
 from ._streams import StreamProtocol, stream_handle, without_torch_function
@@ -22,6 +23,57 @@ _DISPATCH_PHASES_AT = struct.calcsize("@" + _TENSOR * 9 + "5i")
 _COMBINE_PHASES_AT = struct.calcsize("@" + _TENSOR * 7 + "4i")
 
 _desc = tensor_fields
+
+# A dispatch's args start with its 4 input descriptors (x, topk_idx, the two stats tensors); the
+# 5 output descriptors follow, and only their data pointers change between calls of one shape.
+_DESC_BYTES = struct.calcsize("@" + _TENSOR)
+_DISPATCH_INPUTS = struct.Struct("@" + _TENSOR * 4)
+# Index of each output's data pointer in the args seen as 64-bit words.
+_DISPATCH_OUTPUT_POINTER_WORDS = tuple((4 + i) * _DESC_BYTES // 8 for i in range(5))
+_MAX_DISPATCH_SHAPES = 64
+
+
+def _descriptor(dtype_code, shape, strides):
+    """A DeepepTensor's fields after its data pointer."""
+    pad = (0,) * (4 - len(shape))
+    return (dtype_code, len(shape), *shape, *pad, *strides, *pad)
+
+
+class _DispatchShape:
+    """What a dispatch's outputs look like for one (M, H, E, flags): their allocation arguments,
+    and an args buffer with their descriptors and the int fields already packed."""
+
+    __slots__ = ("args", "words", "recv_x_shape", "recv_x_dtype", "scales_shape", "scales_strides", "scales_dtype",
+                 "local", "rows", "num_ranks")
+
+    def __init__(self, m, hidden, num_experts, num_ranks, use_fp8, round_scale, use_ue8m0):
+        torch = _torch
+        local = num_experts // num_ranks
+        rows = num_ranks * max(m, 0)  # an M out of range is the C ABI's to report
+        self.local, self.rows, self.num_ranks = local, rows, num_ranks
+        self.recv_x_shape = (local, rows, hidden)
+        self.recv_x_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+        recv_x = _descriptor(DTYPE_FLOAT8_E4M3 if use_fp8 else DTYPE_BFLOAT16, self.recv_x_shape,
+                             (rows * hidden, hidden, 1))
+        if use_fp8:
+            # DeepEP's column-major scales: [E_l, R*M, cols] with strides (cols*R*M, 1, R*M).
+            cols, code = (hidden // 512, DTYPE_INT32) if use_ue8m0 else (hidden // 128, DTYPE_FLOAT32)
+            self.scales_shape, self.scales_strides = (local, rows, cols), (cols * rows, 1, rows)
+            self.scales_dtype = torch.int32 if use_ue8m0 else torch.float32
+            scales = _descriptor(code, self.scales_shape, self.scales_strides)
+        else:
+            self.scales_shape = self.scales_strides = self.scales_dtype = None
+            scales = (0,) * 10
+        self.args = ctypes.create_string_buffer(_DISPATCH_ARGS.size)
+        _DISPATCH_ARGS.pack_into(
+            self.args, 0, *(0,) * (4 * 11),
+            0, *recv_x, 0, *scales,
+            0, *_descriptor(DTYPE_INT32, (local,), (1,)),
+            0, *_descriptor(DTYPE_INT32, (local, rows), (rows, 1)),
+            0, *_descriptor(DTYPE_INT64, (local, num_ranks), (num_ranks, 1)),
+            m, num_experts, int(use_fp8), int(round_scale), int(use_ue8m0), 0,
+        )
+        self.words = memoryview(self.args).cast("B").cast("Q")
 
 
 class _DeviceView:
@@ -38,7 +90,7 @@ class LowLatencyMode(StreamProtocol):
     """Mixin for deep_ep_cpp.Buffer (needs _handle, _device_id, _num_ranks and the stream protocol)."""
 
     def _ll_init(self):
-        self._ll_dispatch_args = ctypes.create_string_buffer(_DISPATCH_ARGS.size)
+        self._ll_dispatch_shapes = {}
         self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
         self._ll_idx = ctypes.c_int()
         self._ll_idx_addr = ctypes.addressof(self._ll_idx)
@@ -102,36 +154,41 @@ class LowLatencyMode(StreamProtocol):
         if num_experts <= 0 or num_experts % num_ranks:
             raise RuntimeError(f"deepep-nccl: num_experts ({num_experts}) must be a positive multiple of the number "
                                f"of ranks ({num_ranks})")
-        m = num_max_dispatch_tokens_per_rank
-        local = num_experts // num_ranks
-        rows = num_ranks * m
+        key = (num_max_dispatch_tokens_per_rank, hidden, num_experts, bool(use_fp8), bool(round_scale),
+               bool(use_ue8m0))
+        shape = self._ll_dispatch_shapes.get(key)
+        if shape is None:
+            if len(self._ll_dispatch_shapes) >= _MAX_DISPATCH_SHAPES:
+                self._ll_dispatch_shapes.clear()
+            shape = _DispatchShape(num_max_dispatch_tokens_per_rank, hidden, num_experts, num_ranks, *key[3:])
+            self._ll_dispatch_shapes[key] = shape
         device = self._device
+        empty = torch.empty
+        packed_recv_x = empty(shape.recv_x_shape, dtype=shape.recv_x_dtype, device=device)
         if use_fp8:
-            packed_recv_x = torch.empty((local, rows, hidden), dtype=torch.float8_e4m3fn, device=device)
-            if use_ue8m0:
-                packed_recv_x_scales = torch.empty((local, hidden // 512, rows), dtype=torch.int32,
-                                                   device=device).transpose(1, 2)
-            else:
-                packed_recv_x_scales = torch.empty((local, hidden // 128, rows), dtype=torch.float32,
-                                                   device=device).transpose(1, 2)
+            packed_recv_x_scales = torch.empty_strided(shape.scales_shape, shape.scales_strides,
+                                                       dtype=shape.scales_dtype, device=device)
+            scales_ptr = packed_recv_x_scales.data_ptr()
         else:
-            packed_recv_x = torch.empty((local, rows, hidden), dtype=torch.bfloat16, device=device)
-            packed_recv_x_scales = None
-        ints = torch.empty(local + local * rows, dtype=torch.int32, device=device)
-        packed_recv_count, packed_recv_src_info = ints.split_with_sizes((local, local * rows))
-        packed_recv_src_info = packed_recv_src_info.view(local, rows)
-        packed_recv_layout_range = torch.empty((local, num_ranks), dtype=torch.int64, device=device)
-        args = self._ll_dispatch_args
-        _DISPATCH_ARGS.pack_into(
+            packed_recv_x_scales, scales_ptr = None, 0
+        int32 = torch.int32
+        packed_recv_count = empty(shape.local, dtype=int32, device=device)
+        packed_recv_src_info = empty((shape.local, shape.rows), dtype=int32, device=device)
+        packed_recv_layout_range = empty((shape.local, num_ranks), dtype=torch.int64, device=device)
+        args = shape.args
+        _DISPATCH_INPUTS.pack_into(
             args, 0,
             *_desc("x", x), *_desc("topk_idx", topk_idx),
             *_desc("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats),
             *_desc("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats),
-            *_desc("packed_recv_x", packed_recv_x), *_desc("packed_recv_x_scales", packed_recv_x_scales),
-            *_desc("packed_recv_count", packed_recv_count), *_desc("packed_recv_src_info", packed_recv_src_info),
-            *_desc("packed_recv_layout_range", packed_recv_layout_range),
-            m, num_experts, int(use_fp8), int(round_scale), int(use_ue8m0), 0,
         )
+        words = shape.words
+        at_x, at_scales, at_count, at_src_info, at_layout_range = _DISPATCH_OUTPUT_POINTER_WORDS
+        words[at_x] = packed_recv_x.data_ptr()
+        words[at_scales] = scales_ptr
+        words[at_count] = packed_recv_count.data_ptr()
+        words[at_src_info] = packed_recv_src_info.data_ptr()
+        words[at_layout_range] = packed_recv_layout_range.data_ptr()
         event, hook = self._ll_launch(lib.deepep_low_latency_dispatch, args, _DISPATCH_PHASES_AT, async_, return_recv_hook)
         return (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
                 packed_recv_layout_range, event, hook)

@@ -1,0 +1,188 @@
+"""Host time of the low-latency calls: what `deep_ep.Buffer.low_latency_dispatch` / `low_latency_combine`
+cost the calling CPU thread per call (outside CUDA graphs, every MoE layer of a decode step pays it).
+
+Method: warm up, synchronize, then time N back-to-back calls with time.perf_counter (nothing waits for
+the GPU inside the loop; N is small enough that the launch queue never fills), synchronize; the median
+over rounds of the per-call mean, in us. Measured per op, once with plain defaults and once as DeepEP's
+tests run (torch.set_default_dtype(bfloat16), torch.set_default_device('cuda')). A torch op pair
+(`torch.empty` + `add_`) is timed the same way as a yardstick for this CPU.
+
+Shape as bench_low_latency.py (hidden 7168, top-8 of 288 experts, FP8 dispatch, BF16 combine).
+
+Run: python bench/bench_ll_host.py [--num-processes N] [--tokens 1 128] [--calls 200] [--rounds 7]
+     [--profile] [--json PATH]
+"""
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault('DEEPEP_GPU_TIMEOUT_SECS', '60')
+
+import deep_ep  # noqa: E402
+from bench_common import init_worker, spawn_workers  # noqa: E402
+
+
+def inputs(num_tokens, hidden, num_experts, num_topk):
+    x = torch.randn(num_tokens, hidden, dtype=torch.bfloat16, device='cuda') * 0.1
+    scores = torch.randn(num_tokens, num_experts, dtype=torch.float32, device='cuda').abs() + 1
+    topk_idx = torch.topk(scores, num_topk, dim=-1, largest=True, sorted=True)[1]
+    topk_weights = torch.randn(num_tokens, num_topk, dtype=torch.float32, device='cuda').abs()
+    return x, topk_idx, topk_weights
+
+
+def host_us(fn, calls, rounds):
+    """(median, min) over rounds of the mean host time of one fn() call, in us. Shared cloud
+    CPUs are noisy (a round can run at half speed): the min is the figure to compare builds by."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    means = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        means.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(means), min(means)
+
+
+def ops(buffer, num_tokens, args):
+    """name -> a zero-argument callable issuing one call (or one pair) of that op."""
+    x, topk_idx, topk_weights = inputs(num_tokens, args.hidden, args.num_experts, args.num_topk)
+    M, E = num_tokens, args.num_experts
+    _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, M, E)
+    local = E // dist.get_world_size()
+    expert_out = torch.randn(local, handle[0].size(1), args.hidden, dtype=torch.bfloat16, device='cuda')
+    stats = torch.zeros(local, dtype=torch.int, device='cuda')
+    yard = torch.zeros(num_tokens, args.hidden, dtype=torch.bfloat16, device='cuda')
+
+    def dispatch():
+        buffer.low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats)
+
+    def dispatch_hook():
+        buffer.low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats,
+                                    return_recv_hook=True)[-1]()
+
+    def combine():
+        buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+
+    def combine_hook():
+        buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle, return_recv_hook=True)[-1]()
+
+    def pair():
+        h = buffer.low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats)[2]
+        buffer.low_latency_combine(expert_out, topk_idx, topk_weights, h)
+
+    def torch_yardstick():
+        torch.empty(num_tokens, args.hidden, dtype=torch.bfloat16, device='cuda')
+        yard.add_(1)
+
+    return {'dispatch': dispatch, 'dispatch hook (send + hook())': dispatch_hook, 'combine': combine,
+            'combine hook (send + hook())': combine_hook, 'dispatch + combine': pair,
+            'torch.empty + add_ (yardstick)': torch_yardstick}
+
+
+def worker(rank, world, port, args):
+    init_worker(rank, world, port)
+    group = dist.new_group(list(range(world)))
+    M = max(args.tokens)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, args.hidden, world, args.num_experts)
+    buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True,
+                            num_qps_per_rank=args.num_experts // world, explicitly_destroy=True)
+    results = []
+    try:
+        for deepep_defaults in (False, True):
+            if deepep_defaults:
+                torch.set_default_dtype(torch.bfloat16)
+                torch.set_default_device('cuda')
+            for T in args.tokens:
+                for name, fn in ops(buffer, T, args).items():
+                    dist.barrier(group)
+                    us = host_us(fn, args.calls, args.rounds)
+                    gathered = [None] * world
+                    dist.all_gather_object(gathered, us, group=group)
+                    results.append({'op': name, 'num_tokens': T, 'deepep_defaults': deepep_defaults,
+                                    'host_us': gathered})
+                    if args.profile and rank == 0 and T == max(args.tokens) and name == 'dispatch + combine':
+                        profile(fn, deepep_defaults)
+        torch.set_default_device(None)
+        torch.set_default_dtype(torch.float32)
+    finally:
+        buffer.destroy()
+    if rank == 0:
+        report(results, world, args)
+    dist.barrier(group)
+    dist.destroy_process_group()
+
+
+def profile(fn, deepep_defaults):
+    """cProfile of 2000 calls: where the host time goes (rank 0)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(2000):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats('tottime').print_stats(25)
+    print(f'--- cProfile, dispatch + combine, DeepEP defaults {deepep_defaults} (tottime, 2000 calls) ---')
+    print(out.getvalue())
+
+
+def report(results, world, args):
+    gpu = torch.cuda.get_device_name()
+    print(f'\nHost time per call, us (median of {args.rounds} rounds of {args.calls} calls; rank average, '
+          f'min-max over {world} rank(s)); {gpu}, hidden {args.hidden}, top-{args.num_topk} of '
+          f'{args.num_experts}, FP8 dispatch')
+    print('| op | T | plain: median | min | DeepEP defaults (bf16, cuda): median | min |')
+    print('| --- | --- | --- | --- | --- | --- |')
+    table = {}
+    for r in results:
+        table.setdefault((r['op'], r['num_tokens']), {})[r['deepep_defaults']] = r['host_us']
+
+    def cell(values):
+        avg = sum(values) / len(values)
+        return f'{avg:.1f}' if len(values) == 1 else f'{avg:.1f} ({min(values):.1f}-{max(values):.1f})'
+
+    def cells(per_rank):
+        return f'{cell([m for m, _ in per_rank])} | {cell([b for _, b in per_rank])}'
+
+    for (op, T), by_mode in table.items():
+        print(f'| {op} | {T} | {cells(by_mode[False])} | {cells(by_mode[True])} |')
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump({'tool': 'bench/bench_ll_host.py', 'gpu': gpu, 'world_size': world,
+                       'settings': vars(args), 'results': results}, f, indent=1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--num-processes', type=int, default=1)
+    parser.add_argument('--tokens', type=int, nargs='+', default=[1, 128])
+    parser.add_argument('--hidden', type=int, default=7168)
+    parser.add_argument('--num-experts', type=int, default=288)
+    parser.add_argument('--num-topk', type=int, default=8)
+    parser.add_argument('--calls', type=int, default=200)
+    parser.add_argument('--rounds', type=int, default=7)
+    parser.add_argument('--profile', action='store_true', help='also print a cProfile of the pair (rank 0)')
+    parser.add_argument('--json', default=None)
+    args = parser.parse_args()
+    if args.num_processes == 1:
+        # One rank runs in this process (no spawn, no rendezvous beyond a local port).
+        port = random.randint(20000, 60000)
+        worker(0, 1, port, args)
+    else:
+        spawn_workers(worker, args.num_processes, args)
+
+
+if __name__ == '__main__':
+    main()
