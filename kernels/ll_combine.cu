@@ -85,7 +85,9 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   // the last group has only its first half-warp.
   const int groups = (H + 255) / 256;
   const int row_bytes = 2 * H;
-  int chunks = total_rows > 0 ? (total_warps + total_rows - 1) / total_rows : 1;
+  // At most one chunk per warp (rounded down): rounding up left a second round for a few warps
+  // (T=16, 4 ranks: 2176 chunks on 2112 warps, 1.3 us more than 2048).
+  int chunks = total_rows > 0 ? total_warps / total_rows : 1;
   chunks = max(1, min(chunks, groups));
   // Homes that get no rows still need their signal.
   for (int j = blockIdx.x * kThreads + threadIdx.x; j < R; j += gridDim.x * kThreads)
