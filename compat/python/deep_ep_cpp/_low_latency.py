@@ -11,7 +11,7 @@ from ._event import EventHandle
 from ._lib import DTYPE_BFLOAT16, DTYPE_FLOAT8_E4M3, DTYPE_FLOAT32, DTYPE_INT32, DTYPE_INT64
 from ._lib import check, lib, raise_status, tensor_fields
 from ._lib import torch as _torch
-from ._streams import StreamProtocol, stream_handle, without_torch_function
+from ._streams import StreamProtocol, stream_handle, stream_wait_stream, without_torch_function
 
 _TENSOR = "Pii4q4q"
 _DISPATCH_ARGS = struct.Struct("@" + _TENSOR * 9 + "6i0P")
@@ -105,8 +105,7 @@ class LowLatencyMode(StreamProtocol):
             stream = compute
         else:
             stream = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
-            self._sync_event.record(compute)
-            self._sync_event.wait(stream)
+            stream_wait_stream(self._sync_event, stream, compute)
         phases = _SEND if return_recv_hook else _BOTH
         struct.pack_into("@i", args_buffer, phases_at, phases)
         status = fn(handle, ctypes.addressof(args_buffer), stream_handle(stream), self._ll_idx_addr)
@@ -116,11 +115,11 @@ class LowLatencyMode(StreamProtocol):
         if async_:
             event = EventHandle(stream)
         elif not return_recv_hook:
-            self._sync_event.record(stream)
-            self._sync_event.wait(compute)
+            stream_wait_stream(self._sync_event, compute, stream)
         if return_recv_hook:
             # The hook owns a copy of the arguments (the shared struct is reused by the next call).
-            saved = ctypes.create_string_buffer(args_buffer.raw, len(args_buffer.raw))
+            raw = args_buffer.raw
+            saved = ctypes.create_string_buffer(raw, len(raw))
             struct.pack_into("@i", saved, phases_at, _RECV)
             idx = ctypes.c_int(self._ll_idx.value)
             stream_ptr = stream_handle(stream)

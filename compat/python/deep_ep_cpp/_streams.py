@@ -18,6 +18,19 @@ _current_stream_key = getattr(_torch and _torch._C, "_cuda_getCurrentStream", No
 _no_torch_function = _torch._C.DisableTorchFunction if _torch is not None else contextlib.nullcontext
 
 
+# torch.cuda.Event.record/wait are Python wrappers that look the current stream up when given
+# none; the ops always pass one, so they call the C methods underneath (one frame less each).
+_event_base = getattr(_torch and _torch._C, "_CudaEventBase", None)
+_event_record = _event_base.record if _event_base is not None else None
+_event_wait = _event_base.wait if _event_base is not None else None
+
+
+def stream_wait_stream(event, waiter, signaler):
+    """Orders waiter's later work after signaler's work so far (through event)."""
+    _event_record(event, signaler)
+    _event_wait(event, waiter)
+
+
 # The C ABI reads a NULL stream as "the buffer's comm stream"; torch's default stream has the
 # handle 0, so it travels as cudaStreamLegacy (the same stream, spelled explicitly).
 CUDA_STREAM_LEGACY = 1
@@ -66,8 +79,7 @@ class StreamProtocol:
         if previous_event is not None:
             previous_event.event.wait(comm)
         else:
-            self._sync_event.record(compute)
-            self._sync_event.wait(comm)
+            stream_wait_stream(self._sync_event, comm, compute)
         if allocate_on_comm_stream:
             _torch.cuda.set_stream(comm)
         return comm, compute
@@ -88,6 +100,5 @@ class StreamProtocol:
                     if allocate_on_comm_stream:
                         t.record_stream(compute)
             return event
-        self._sync_event.record(comm)
-        self._sync_event.wait(compute)
+        stream_wait_stream(self._sync_event, compute, comm)
         return None
