@@ -544,6 +544,17 @@ DeepepStatus deepep_check_buffer_args(int rank,
                                       bool low_latency_mode);
 
 /**
+ * Checks a low-latency shape against the LL kernels' limits (M, hidden, experts per rank,
+ * ranks) without a buffer, with the messages dispatch and combine give. Bindings that allocate
+ * the outputs call it before allocating, so that an M of a million fails here, not in an
+ * out-of-memory error.
+ */
+DeepepStatus deepep_low_latency_check_shape(int64_t num_max_dispatch_tokens_per_rank,
+                                            int64_t hidden,
+                                            int num_ranks,
+                                            int num_experts);
+
+/**
  * DeepEP's low_latency_dispatch; see `DeepepLowLatencyDispatchArgs`.
  */
 DeepepStatus deepep_low_latency_dispatch(const DeepepBuffer *buf,

@@ -152,6 +152,19 @@ fn config_helpers_follow_deepep() {
 }
 
 #[test]
+fn low_latency_shapes_are_checked_without_a_buffer() {
+    assert_eq!(deepep_low_latency_check_shape(128, 7168, 4, 288), DEEPEP_SUCCESS);
+    assert_eq!(deepep_low_latency_check_shape(1024, 6400, 32, 256), DEEPEP_SUCCESS);
+    let limit = "num_max_dispatch_tokens_per_rank must be in [1, 1024], got";
+    expect_err(deepep_low_latency_check_shape(1025, 7168, 4, 288), DEEPEP_ERROR_INVALID_ARGUMENT, limit);
+    expect_err(deepep_low_latency_check_shape(1_000_000, 7168, 4, 288), DEEPEP_ERROR_INVALID_ARGUMENT, "got 1000000");
+    expect_err(deepep_low_latency_check_shape(0, 7168, 4, 288), DEEPEP_ERROR_INVALID_ARGUMENT, limit);
+    expect_err(deepep_low_latency_check_shape(128, 7000, 4, 288), DEEPEP_ERROR_INVALID_ARGUMENT, "multiple of 128");
+    expect_err(deepep_low_latency_check_shape(128, 7168, 5, 288), DEEPEP_ERROR_INVALID_ARGUMENT, "divisible by the number of ranks");
+    expect_err(deepep_low_latency_check_shape(128, 7168, 0, 288), DEEPEP_ERROR_INVALID_ARGUMENT, "num_ranks must be positive");
+}
+
+#[test]
 fn committed_header_declares_every_exported_function() {
     let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/deepep_nccl.h")).unwrap();
     let source: String = ["mod.rs", "buffer.rs", "config.rs"]

@@ -7,12 +7,30 @@ use std::os::raw::{c_int, c_void};
 
 use super::{buffer::buffer_ref, ffi, out_ref};
 use crate::error::{DeepepStatus, Error};
-use crate::ll::{combine::{self, DeepepLowLatencyCombineArgs}, control, dispatch::{self, DeepepLowLatencyDispatchArgs}};
+use crate::ll::{combine::{self, DeepepLowLatencyCombineArgs}, control, dispatch::{self, DeepepLowLatencyDispatchArgs}, LlShape};
 use crate::tensor::DeepepTensor;
 
 fn args_ref<'a, T>(ptr: *const T) -> crate::error::Result<&'a T> {
     // SAFETY: callers pass a valid struct pointer or NULL; NULL is rejected.
     unsafe { ptr.as_ref() }.ok_or_else(|| Error::invalid("args must not be NULL"))
+}
+
+/// Checks a low-latency shape against the LL kernels' limits (M, hidden, experts per rank,
+/// ranks) without a buffer, with the messages dispatch and combine give. Bindings that allocate
+/// the outputs call it before allocating, so that an M of a million fails here, not in an
+/// out-of-memory error.
+#[no_mangle]
+pub extern "C" fn deepep_low_latency_check_shape(
+    num_max_dispatch_tokens_per_rank: i64,
+    hidden: i64,
+    num_ranks: c_int,
+    num_experts: c_int,
+) -> DeepepStatus {
+    ffi(|| {
+        crate::ensure_arg!(num_ranks > 0, "num_ranks must be positive, got {num_ranks}");
+        LlShape::new(num_max_dispatch_tokens_per_rank, hidden, num_experts as i64, num_ranks as i64)?;
+        Ok(())
+    })
 }
 
 /// DeepEP's low_latency_dispatch; see `DeepepLowLatencyDispatchArgs`.

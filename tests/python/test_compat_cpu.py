@@ -418,6 +418,22 @@ def test_low_latency_dispatch_output_descriptors(monkeypatch, use_fp8, use_ue8m0
     assert fields[99:] == (128, 288, int(use_fp8), int(use_fp8), int(use_ue8m0), 0)
 
 
+@pytest.mark.parametrize(
+    "m, hidden, message",
+    [
+        (1025, 7168, r"num_max_dispatch_tokens_per_rank must be in \[1, 1024\], got 1025"),
+        (10**6, 7168, r"num_max_dispatch_tokens_per_rank must be in \[1, 1024\], got 1000000"),
+        (128, 7000, r"hidden must be a positive multiple of 128"),
+    ],
+)
+def test_low_latency_dispatch_checks_limits_before_allocating(m, hidden, message):
+    # The outputs are sized by M: an M out of range must fail by its limit before any allocation.
+    from deep_ep_cpp import _low_latency
+
+    with pytest.raises(RuntimeError, match=message):
+        _low_latency._DispatchShape(m, hidden, 288, 4, True, False, False)
+
+
 @pytest.mark.parametrize("method, num_args, feature", NOT_IMPLEMENTED)
 def test_unimplemented_methods_keep_deepeps_arity(method, num_args, feature):
     buffer = _buffer()

@@ -119,6 +119,7 @@ _PROTOTYPES = {
     "deepep_intranode_dispatch_prepare": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]),
     "deepep_intranode_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_intranode_combine": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_low_latency_check_shape": (c_int, [c_int64, c_int64, c_int, c_int]),
     "deepep_low_latency_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_low_latency_combine": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_clean_low_latency_buffer": (c_int, [c_void_p, c_int, c_int, c_int]),

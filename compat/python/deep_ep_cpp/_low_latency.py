@@ -47,9 +47,11 @@ class _DispatchShape:
                  "local", "rows", "num_ranks")
 
     def __init__(self, m, hidden, num_experts, num_ranks, use_fp8, round_scale, use_ue8m0):
+        # The limits first: the outputs of an out-of-range M could take more memory than the GPU has.
+        check(lib.deepep_low_latency_check_shape(m, hidden, num_ranks, num_experts))
         torch = _torch
         local = num_experts // num_ranks
-        rows = num_ranks * max(m, 0)  # an M out of range is the C ABI's to report
+        rows = num_ranks * m
         self.local, self.rows, self.num_ranks = local, rows, num_ranks
         self.recv_x_shape = (local, rows, hidden)
         self.recv_x_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
