@@ -121,6 +121,12 @@ inline int64_t low_latency_rdma_size_hint(int64_t num_max_dispatch_tokens_per_ra
   return out;
 }
 
+// Throws if an LL shape is outside the kernels' limits; check before allocating the outputs.
+inline void low_latency_check_shape(int64_t num_max_dispatch_tokens_per_rank, int64_t hidden, int num_ranks,
+                                    int num_experts) {
+  check(deepep_low_latency_check_shape(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts));
+}
+
 // Which phases an LL call runs (the C ABI's `phases`): send only is DeepEP's return_recv_hook,
 // receive only is the hook.
 enum class LowLatencyPhases : int32_t { send = 1, receive = 2, both = 3 };

@@ -89,6 +89,7 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   cuda_check(cudaFree(nullptr), "cudaFree(0) (context init)");  // make the primary context current
   Checker chk{rank};
 
+  deepep::low_latency_check_shape(M, H, R, E);  // throws naming the limit, before any allocation
   deepep::BufferOptions opts;
   opts.num_rdma_bytes = deepep::low_latency_rdma_size_hint(M, H, R, E);
   opts.low_latency_mode = true;
