@@ -55,7 +55,6 @@ struct Half {
   int64_t signal, count, dispatch_recv, staging, combine_recv, view, end;
 };
 
-
 Half half_layout(const int64_t* a, int64_t base) {
   const int64_t R = a[kArg_num_ranks], E = a[kArg_num_experts], M = a[kArg_max_tokens], H = a[kArg_hidden];
   const int64_t slot = deepep_ll_dispatch_slot_bytes(int32_t(H), DEEPEP_LL_MAX_TOPK, 0);  // the largest slot
@@ -63,9 +62,10 @@ Half half_layout(const int64_t* a, int64_t base) {
   Half h{};
   h.signal = base;
   h.count = h.signal + align_up(8 * R, 128);
-  h.dispatch_recv = h.count + align_up(R * deepep_ll_count_bytes(int32_t(E / R), int32_t(M)), 128);
+  const int64_t counts = R * deepep_ll_count_bytes(int32_t(E / R), int32_t(M));
+  h.dispatch_recv = h.count + align_up(counts, 128);
   h.staging = h.dispatch_recv + align_up(R * M * slot, 128);
-  h.combine_recv = h.staging + align_up(M * slot + R * deepep_ll_count_bytes(int32_t(E / R), int32_t(M)), 128);
+  h.combine_recv = h.staging + align_up(M * slot + counts, 128);
   h.view = h.combine_recv + align_up(E * M * cslot, 128);
   h.end = h.view + align_up(E * M * (2 * H + H / 32), 128);
   return h;

@@ -419,19 +419,21 @@ def test_low_latency_dispatch_output_descriptors(monkeypatch, use_fp8, use_ue8m0
 
 
 @pytest.mark.parametrize(
-    "m, hidden, message",
+    "m, hidden, num_experts, message",
     [
-        (1025, 7168, r"num_max_dispatch_tokens_per_rank must be in \[1, 1024\], got 1025"),
-        (10**6, 7168, r"num_max_dispatch_tokens_per_rank must be in \[1, 1024\], got 1000000"),
-        (128, 7000, r"hidden must be a positive multiple of 128"),
+        (1025, 7168, 288, r"num_max_dispatch_tokens_per_rank must be in \[1, 1024\], got 1025"),
+        (10**6, 7168, 288, r"num_max_dispatch_tokens_per_rank must be in \[1, 1024\], got 1000000"),
+        (128, 7000, 288, r"hidden must be a positive multiple of 128"),
+        (128, 7168, 289, r"num_experts \(289\) must be divisible by the number of ranks \(4\)"),
+        (128, 7168, 0, r"num_experts must be positive"),
     ],
 )
-def test_low_latency_dispatch_checks_limits_before_allocating(m, hidden, message):
-    # The outputs are sized by M: an M out of range must fail by its limit before any allocation.
+def test_low_latency_dispatch_checks_limits_before_allocating(m, hidden, num_experts, message):
+    # The outputs are sized by M and E: a shape out of range must fail by its limit before any allocation.
     from deep_ep_cpp import _low_latency
 
     with pytest.raises(RuntimeError, match=message):
-        _low_latency._DispatchShape(m, hidden, 288, 4, True, False, False)
+        _low_latency._DispatchShape(m, hidden, num_experts, 4, True, False, False)
 
 
 @pytest.mark.parametrize("method, num_args, feature", NOT_IMPLEMENTED)

@@ -44,7 +44,7 @@ class _DispatchShape:
     and an args buffer with their descriptors and the int fields already packed."""
 
     __slots__ = ("args", "words", "recv_x_shape", "recv_x_dtype", "scales_shape", "scales_strides", "scales_dtype",
-                 "local", "rows", "num_ranks")
+                 "local", "rows")
 
     def __init__(self, m, hidden, num_experts, num_ranks, use_fp8, round_scale, use_ue8m0):
         # The limits first: the outputs of an out-of-range M could take more memory than the GPU has.
@@ -52,7 +52,7 @@ class _DispatchShape:
         torch = _torch
         local = num_experts // num_ranks
         rows = num_ranks * m
-        self.local, self.rows, self.num_ranks = local, rows, num_ranks
+        self.local, self.rows = local, rows
         self.recv_x_shape = (local, rows, hidden)
         self.recv_x_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         recv_x = _descriptor(DTYPE_FLOAT8_E4M3 if use_fp8 else DTYPE_BFLOAT16, self.recv_x_shape,
@@ -152,9 +152,7 @@ class LowLatencyMode(StreamProtocol):
             raise RuntimeError(f"deepep-nccl: x must be on the buffer's device cuda:{self._device_id}, got {x.device}")
         hidden = x.shape[1]
         num_ranks = self._num_ranks
-        if num_experts <= 0 or num_experts % num_ranks:
-            raise RuntimeError(f"deepep-nccl: num_experts ({num_experts}) must be a positive multiple of the number "
-                               f"of ranks ({num_ranks})")
+        # A new shape is checked against the limits (num_experts included) when it is first seen.
         key = (num_max_dispatch_tokens_per_rank, hidden, num_experts, bool(use_fp8), bool(round_scale),
                bool(use_ue8m0))
         shape = self._ll_dispatch_shapes.get(key)
