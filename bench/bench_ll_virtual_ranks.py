@@ -44,7 +44,7 @@ def kernel_times(fn, iters):
 
 def phase_us(times, op, phase):
     """Median GPU time of the send-only (phase 1) or receive-only (2) instantiation of deepep::ll::<op>."""
-    pattern = re.compile(rf'll::{op}<\d+, (true|false), {phase}>')
+    pattern = re.compile(rf'll::{op}<\d+, (true|false), {phase}\b')
     durs = [d for name, ds in times.items() if pattern.search(name) for d in ds]
     return statistics.median(durs) if durs else float('nan'), len(durs)
 

@@ -175,7 +175,9 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     if (home_written[j] > 0) combine_done(tr, j, home_written[j], home_rows[j] * chunks);
 }
 
-template <int kRemote, bool kLogfmt>
+// An item is kSub consecutive 256-channel groups of one token (LogFMT: kSub = 1; see
+// launch_combine).
+template <int kRemote, bool kLogfmt, int kSub>
 __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRemote>& tr, int* smem) {
   const auto& c = p.common;
   const int El = c.num_local_experts, H = c.hidden, M = c.max_tokens, K = c.num_topk;
@@ -185,9 +187,6 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   int* active = smem;  // [R]
   const int groups = H / 256;  // H % 256 == 0 here; H % 256 == 128 uses a half group below
   const int groups_total = (H + 255) / 256;
-  // A BF16 item is kSub consecutive 256-channel groups of one token: twice the loads in
-  // flight per warp, half the items (fewer rounds over the grid).
-  constexpr int kSub = kLogfmt ? 1 : 2;
   constexpr int kBatch = 8;  // top-k entries whose loads are issued together
   const int item_groups = (groups_total + kSub - 1) / kSub;
   const int items = p.num_tokens * item_groups;
@@ -302,23 +301,38 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   tr.finish_receive(kSignalCombine, expected);
 }
 
-template <int kRemote, bool kLogfmt, int kPhases>
+template <int kRemote, bool kLogfmt, int kPhases, int kSub>
 __global__ void __launch_bounds__(kThreads, 1) combine(ncclDevComm dev_comm, DeepepLlCombineParams p) {
   extern __shared__ int smem[];
   Transport<kRemote> tr(p.common, dev_comm);
   if constexpr ((kPhases & DEEPEP_LL_PHASE_SEND) != 0) combine_send<kRemote, kLogfmt>(p, tr, smem);
   if constexpr (kPhases == (DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV)) __syncthreads();
-  if constexpr ((kPhases & DEEPEP_LL_PHASE_RECV) != 0) combine_recv<kRemote, kLogfmt>(p, tr, smem);
+  if constexpr ((kPhases & DEEPEP_LL_PHASE_RECV) != 0) combine_recv<kRemote, kLogfmt, kSub>(p, tr, smem);
 }
 
-template <int kRemote, bool kLogfmt>
-int launch_combine(const ncclDevComm& dc, const DeepepLlCombineParams& p, int num_blocks, cudaStream_t stream) {
+template <int kRemote, bool kLogfmt, int kSub>
+int launch_combine_sub(const ncclDevComm& dc, const DeepepLlCombineParams& p, int num_blocks, cudaStream_t stream) {
   const auto& c = p.common;
   const size_t smem = sizeof(int) * (2 * size_t(c.num_local_experts) * c.num_ranks + 3 * size_t(c.num_ranks) + 2);
-  return launch_for_phases(c.phases, combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_SEND>,
-                           combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_RECV>,
-                           combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV>, dc, p, smem,
+  return launch_for_phases(c.phases, combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_SEND, 1>,
+                           combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_RECV, kSub>,
+                           combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV, kSub>, dc, p, smem,
                            num_blocks, stream);
+}
+
+// The receive's BF16 items: one 256-channel group each while they fit in one round of the grid's
+// warps (T <= 75 at H = 7168 on 132 SMs: 0.3-0.7 us less at T = 1..64), else two, twice the
+// loads in flight per warp and half the rounds (one group is 1.6 us slower at T = 128). Separate
+// kernels: one kernel holding both bodies was 0.3-0.4 us slower at T >= 128 (cold code fetch).
+template <int kRemote, bool kLogfmt>
+int launch_combine(const ncclDevComm& dc, const DeepepLlCombineParams& p, int num_blocks, cudaStream_t stream) {
+  if constexpr (kLogfmt) {
+    return launch_combine_sub<kRemote, true, 1>(dc, p, num_blocks, stream);
+  } else {
+    const int64_t single_items = int64_t(p.num_tokens) * ((p.common.hidden + 255) / 256);
+    return single_items <= int64_t(num_blocks) * kWarps ? launch_combine_sub<kRemote, false, 1>(dc, p, num_blocks, stream)
+                                                        : launch_combine_sub<kRemote, false, 2>(dc, p, num_blocks, stream);
+  }
 }
 
 template <bool kLogfmt>

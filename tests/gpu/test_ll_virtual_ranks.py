@@ -153,6 +153,10 @@ def cases():
         'r4_duplicate_experts_h6400': (dict(num_ranks=4, num_experts=32, max_tokens=40, hidden=6400),
                                        dict(seed=5, tokens=40, num_topk=8, routing='dupes',
                                             modes=('bf16', 'fp8', 'fp8_round'))),
+        # H % 256 == 128: the combine receive's last 256-channel group is half a warp, both with one
+        # group per item (T=5, 77) and with two (T=128: more items than warps).
+        'r4_half_group_h7296': (dict(num_ranks=4, num_experts=32, max_tokens=128, hidden=7296),
+                                dict(seed=13, tokens=[128, 5, 0, 77], num_topk=8, modes=('bf16', 'fp8', 'fp8_round'))),
         'r2_m1024_h1024': (dict(num_ranks=2, num_experts=16, max_tokens=1024, hidden=1024),
                            dict(seed=6, tokens=[1024, 700], num_topk=4, modes=('fp8', 'bf16'))),
         'r4_virtual_nodes_of_2': (dict(num_ranks=4, num_experts=288, max_tokens=128, hidden=7168, node_size=2),
