@@ -373,10 +373,9 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   int* filled = begin + R * El;
   int* active = filled + R * W;
   // Work items: every potential slot (source j, slot i < M) split into chunks of whole 32-word
-  // groups (placed by item_place). An item's loads wait for the bitmaps: issuing every potential
-  // slot's payload right after the wait, beside the count messages, measured the same at T=128
-  // and up to 0.4 us slower otherwise (when T < M most potential slots are empty, and reading
-  // them delays the useful loads).
+  // groups (placed by item_place). Only the first item may be loaded before the bitmaps are
+  // known (see first_loaded): loading every potential slot's payload then was up to 0.4 us slower
+  // when T < M (most potential slots empty; their reads delay the useful ones).
   const int payload_vec = kFp8 ? H / 16 : H / 8;  // 16-byte words of payload data (without scales)
   const int num_scales = H / 128;
   const int total_warps = gridDim.x * kWarps;
@@ -424,6 +423,14 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   // Warp-uniform; an inactive source's bitmap is zero.
   auto is_filled = [&](const ItemPlace& it) { return ((filled[it.j * W + (it.i >> 5)] >> (it.i & 31)) & 1) != 0; };
 
+  // The first item's loads go out beside the count messages when its slot is likely filled: a
+  // slot index below this rank's own T (a hint only; the bitmap decides). This takes a memory
+  // round trip off the items that are, without the reads of empty slots that cost when T < M.
+  bool first_loaded = false;
+  if (w < num_items && first.i < p.num_tokens && active[first.j]) {
+    load_item(first);
+    first_loaded = true;
+  }
   // The count messages -> begin[j][e], the exclusive prefix over sources of expert e's rows,
   // and filled[j][*], source j's bitmap; block 0 publishes the counts and layout_range. Column x
   // of a message is expert x's count for x < El, then bitmap word x - El.
@@ -479,7 +486,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   for (bool is_first = true; w < num_items; w += total_warps, is_first = false) {
     const ItemPlace it = is_first ? first : place_of(w);
     if (!is_filled(it)) continue;
-    load_item(it);
+    if (!(is_first && first_loaded)) load_item(it);
     const uint8_t* slot = slot_of(it);
     // Lane k holds top-k entry k: its local expert and packed row, if the expert is ours.
     // The copies below take them by shuffle: no per-lane row arrays, no 64-bit division.
