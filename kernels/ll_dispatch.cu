@@ -22,6 +22,7 @@
 // per-destination work runs in short loops over pointers kept in shared memory rather
 // than loops unrolled over the largest top-k.
 #include "ll_common.cuh"
+#include "ll_dispatch_items.cuh"
 
 namespace deepep {
 namespace ll {
@@ -322,29 +323,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
   }
 }
 
-// Where work item w of the receive lies: source j, slot i, and its chunk's 16-byte words
-// [v_begin, v_end) of the payload (whole 32-word groups).
-struct ItemPlace {
-  int j, i, v_begin, v_end;
-  unsigned chunk;
-};
-__device__ __forceinline__ ItemPlace item_place(unsigned w, unsigned chunks, unsigned potential, int max_tokens,
-                                                int payload_groups, int payload_vec) {
-  // Chunk c of the items takes the slots shifted by c * potential / chunks (a bijection per
-  // chunk), so the warps of one block copy different slots: a block's stores are the sum of
-  // many slots' fan-outs, not one slot's four chunks (balances the SMs' store traffic).
-  const unsigned base = w / chunks, chunk = w - base * chunks;
-  unsigned slot_idx = base + chunk * (potential / chunks);
-  if (slot_idx >= potential) slot_idx -= potential;
-  const unsigned j = slot_idx / unsigned(max_tokens);
-  ItemPlace it;
-  it.j = int(j);
-  it.i = int(slot_idx - j * unsigned(max_tokens));
-  it.chunk = chunk;
-  it.v_begin = int(chunk * unsigned(payload_groups) / chunks) * kWarp;
-  it.v_end = min(int((chunk + 1) * unsigned(payload_groups) / chunks) * kWarp, payload_vec);
-  return it;
-}
+static_assert(kItemGroupWords == kWarp, "an item group is one 16-byte word per lane");
 
 constexpr int kFusedSources = 8;  // sources whose count messages one thread reads at once
 
@@ -381,7 +360,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   const int total_warps = gridDim.x * kWarps;
   const int payload_groups = (payload_vec + kWarp - 1) / kWarp;
   const unsigned potential = unsigned(R) * unsigned(M);
-  const unsigned chunks = max(1u, min(unsigned(total_warps) / potential, unsigned(payload_groups)));
+  const unsigned chunks = receive_chunks(total_warps, potential, payload_groups);
   const unsigned num_items = potential * chunks;
   auto place_of = [&](unsigned w) { return item_place(w, chunks, potential, M, payload_groups, payload_vec); };
   // The first item's place is integer divisions (long dependent chains) of parameters: computed
