@@ -23,6 +23,8 @@ namespace ll {
 // Per (expert, token) that is 2H + 4H/128 bytes, DeepEP's combine message, for any H % 128 == 0.
 __host__ __device__ constexpr int64_t combine_data_bytes(int hidden) { return 2 * int64_t(hidden); }
 __host__ __device__ constexpr int64_t combine_meta_bytes(int hidden) { return 4 * int64_t(hidden / 128); }
+// 256-channel groups of a BF16 row (one int4 per lane); the last is half a warp when H % 256 == 128.
+__host__ __device__ constexpr int combine_groups(int hidden) { return (hidden + 255) / 256; }
 
 template <int kRemote>
 __device__ __forceinline__ void combine_done(const Transport<kRemote>& tr, int home, int add, int expected) {
@@ -83,7 +85,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   const int total_warps = gridDim.x * kWarps;
   // Chunks of whole 256-channel groups (one int4 per lane per step); when H % 256 == 128
   // the last group has only its first half-warp.
-  const int groups = (H + 255) / 256;
+  const int groups = combine_groups(H);
   const int row_bytes = 2 * H;
   // At most one chunk per warp (rounded down): rounding up left a second round for a few warps
   // (T=16, 4 ranks: 2176 chunks on 2112 warps, 1.3 us more than 2048).
@@ -186,7 +188,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   const bool i32 = p.topk_idx_is_int32 != 0;
   int* active = smem;  // [R]
   const int groups = H / 256;  // H % 256 == 0 here; H % 256 == 128 uses a half group below
-  const int groups_total = (H + 255) / 256;
+  const int groups_total = combine_groups(H);
   constexpr int kBatch = 8;  // top-k entries whose loads are issued together
   const int item_groups = (groups_total + kSub - 1) / kSub;
   const int items = p.num_tokens * item_groups;
@@ -329,7 +331,7 @@ int launch_combine(const ncclDevComm& dc, const DeepepLlCombineParams& p, int nu
   if constexpr (kLogfmt) {
     return launch_combine_sub<kRemote, true, 1>(dc, p, num_blocks, stream);
   } else {
-    const int64_t single_items = int64_t(p.num_tokens) * ((p.common.hidden + 255) / 256);
+    const int64_t single_items = int64_t(p.num_tokens) * combine_groups(p.common.hidden);
     return single_items <= int64_t(num_blocks) * kWarps ? launch_combine_sub<kRemote, false, 1>(dc, p, num_blocks, stream)
                                                         : launch_combine_sub<kRemote, false, 2>(dc, p, num_blocks, stream);
   }
