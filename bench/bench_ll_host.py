@@ -7,7 +7,8 @@ over rounds of the per-call mean, in us. Measured per op, once with plain defaul
 tests run (torch.set_default_dtype(bfloat16), torch.set_default_device('cuda')). A torch op pair
 (`torch.empty` + `add_`) is timed the same way as a yardstick for this CPU.
 
-Shape as bench_low_latency.py (hidden 7168, top-8 of 288 experts, FP8 dispatch, BF16 combine).
+Shape and inputs as bench_low_latency.py (hidden 7168, top-8 of 288 experts, DeepEP's routing with
+10 masked slots, FP8 dispatch, BF16 combine).
 
 Run: python bench/bench_ll_host.py [--num-processes N] [--tokens 1 128] [--calls 200] [--rounds 7]
      [--profile] [--json PATH]
@@ -27,16 +28,8 @@ import torch.distributed as dist
 
 os.environ.setdefault('DEEPEP_GPU_TIMEOUT_SECS', '60')
 
-import deep_ep  # noqa: E402
 from bench_common import init_worker, spawn_workers  # noqa: E402
-
-
-def inputs(num_tokens, hidden, num_experts, num_topk):
-    x = torch.randn(num_tokens, hidden, dtype=torch.bfloat16, device='cuda') * 0.1
-    scores = torch.randn(num_tokens, num_experts, dtype=torch.float32, device='cuda').abs() + 1
-    topk_idx = torch.topk(scores, num_topk, dim=-1, largest=True, sorted=True)[1]
-    topk_weights = torch.randn(num_tokens, num_topk, dtype=torch.float32, device='cuda').abs()
-    return x, topk_idx, topk_weights
+from bench_low_latency import HIDDEN, NUM_EXPERTS, NUM_MASKED, NUM_TOPK, Inputs, make_buffer  # noqa: E402
 
 
 def host_us(fn, calls, rounds):
@@ -57,12 +50,11 @@ def host_us(fn, calls, rounds):
 
 def ops(buffer, num_tokens, args):
     """name -> a zero-argument callable issuing one call (or one pair) of that op."""
-    x, topk_idx, topk_weights = inputs(num_tokens, args.hidden, args.num_experts, args.num_topk)
+    inp = Inputs(args, num_tokens, dist.get_rank(), dist.get_world_size())
+    x, topk_idx, topk_weights, stats = inp.x, inp.topk_idx, inp.topk_weights, inp.stats
     M, E = num_tokens, args.num_experts
     _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, M, E)
-    local = E // dist.get_world_size()
-    expert_out = torch.randn(local, handle[0].size(1), args.hidden, dtype=torch.bfloat16, device='cuda')
-    stats = torch.zeros(local, dtype=torch.int, device='cuda')
+    expert_out = torch.randn(stats.numel(), handle[0].size(1), args.hidden, dtype=torch.bfloat16, device='cuda')
     yard = torch.zeros(num_tokens, args.hidden, dtype=torch.bfloat16, device='cuda')
 
     def dispatch():
@@ -94,10 +86,7 @@ def ops(buffer, num_tokens, args):
 def worker(rank, world, port, args):
     init_worker(rank, world, port)
     group = dist.new_group(list(range(world)))
-    M = max(args.tokens)
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, args.hidden, world, args.num_experts)
-    buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True,
-                            num_qps_per_rank=args.num_experts // world, explicitly_destroy=True)
+    buffer, _ = make_buffer(group, max(args.tokens), args, world)
     results = []
     try:
         for deepep_defaults in (False, True):
@@ -168,9 +157,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--num-processes', type=int, default=1)
     parser.add_argument('--tokens', type=int, nargs='+', default=[1, 128])
-    parser.add_argument('--hidden', type=int, default=7168)
-    parser.add_argument('--num-experts', type=int, default=288)
-    parser.add_argument('--num-topk', type=int, default=8)
+    parser.add_argument('--hidden', type=int, default=HIDDEN)
+    parser.add_argument('--num-experts', type=int, default=NUM_EXPERTS)
+    parser.add_argument('--num-topk', type=int, default=NUM_TOPK)
+    parser.add_argument('--masked-slots', type=int, default=NUM_MASKED)
+    parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--calls', type=int, default=200)
     parser.add_argument('--rounds', type=int, default=7)
     parser.add_argument('--profile', action='store_true', help='also print a cProfile of the pair (rank 0)')
