@@ -10,6 +10,10 @@ tests run (torch.set_default_dtype(bfloat16), torch.set_default_device('cuda')).
 Shape and inputs as bench_low_latency.py (hidden 7168, top-8 of 288 experts, DeepEP's routing with
 10 masked slots, FP8 dispatch, BF16 combine).
 
+With several processes (default: every visible GPU) each rank runs the same loop; the non-graph
+calls do not wait for the GPU, so this is each rank's CPU cost while its peers run theirs.
+M per T as bench_low_latency.py (T rounded up so that R*M % 4 == 0).
+
 Run: python bench/bench_ll_host.py [--num-processes N] [--tokens 1 128] [--calls 200] [--rounds 7]
      [--profile] [--json PATH]
 """
@@ -21,6 +25,7 @@ import os
 import pstats
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -29,7 +34,8 @@ import torch.distributed as dist
 os.environ.setdefault('DEEPEP_GPU_TIMEOUT_SECS', '60')
 
 from bench_common import init_worker, spawn_workers  # noqa: E402
-from bench_low_latency import HIDDEN, NUM_EXPERTS, NUM_MASKED, NUM_TOPK, Inputs, make_buffer  # noqa: E402
+from bench_low_latency import (HIDDEN, NUM_EXPERTS, NUM_MASKED, NUM_TOPK, Inputs, make_buffer,  # noqa: E402
+                               max_tokens_for)
 
 
 def host_us(fn, calls, rounds):
@@ -52,7 +58,7 @@ def ops(buffer, num_tokens, args):
     """name -> a zero-argument callable issuing one call (or one pair) of that op."""
     inp = Inputs(args, num_tokens, dist.get_rank(), dist.get_world_size())
     x, topk_idx, topk_weights, stats = inp.x, inp.topk_idx, inp.topk_weights, inp.stats
-    M, E = num_tokens, args.num_experts
+    M, E = max_tokens_for(num_tokens, dist.get_world_size(), 't'), args.num_experts
     _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, M, E)
     expert_out = torch.randn(stats.numel(), handle[0].size(1), args.hidden, dtype=torch.bfloat16, device='cuda')
     yard = torch.zeros(num_tokens, args.hidden, dtype=torch.bfloat16, device='cuda')
@@ -86,7 +92,7 @@ def ops(buffer, num_tokens, args):
 def worker(rank, world, port, args):
     init_worker(rank, world, port)
     group = dist.new_group(list(range(world)))
-    buffer, _ = make_buffer(group, max(args.tokens), args, world)
+    buffer, _ = make_buffer(group, max(max_tokens_for(T, world, 't') for T in args.tokens), args, world)
     results = []
     try:
         for deepep_defaults in (False, True):
@@ -155,7 +161,8 @@ def report(results, world, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--num-processes', type=int, default=1)
+    parser.add_argument('--num-processes', type=int, default=torch.cuda.device_count(),
+                        help='processes (GPUs); default: all visible')
     parser.add_argument('--tokens', type=int, nargs='+', default=[1, 128])
     parser.add_argument('--hidden', type=int, default=HIDDEN)
     parser.add_argument('--num-experts', type=int, default=NUM_EXPERTS)
@@ -167,6 +174,10 @@ def main():
     parser.add_argument('--profile', action='store_true', help='also print a cProfile of the pair (rank 0)')
     parser.add_argument('--json', default=None)
     args = parser.parse_args()
+    if args.num_processes < 1 or args.num_processes > torch.cuda.device_count():
+        sys.exit(f'--num-processes {args.num_processes}: {torch.cuda.device_count()} GPUs visible')
+    if args.num_experts % args.num_processes:
+        sys.exit(f'--num-experts {args.num_experts} must be divisible by the number of processes')
     if args.num_processes == 1:
         # One rank runs in this process (no spawn, no rendezvous beyond a local port).
         port = random.randint(20000, 60000)
