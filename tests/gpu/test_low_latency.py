@@ -11,8 +11,8 @@ reference on every output; T 0/1/37/128 and uneven per rank; hidden 128/1536/204
 top-k 1/8/16; 288 and 256 experts; skewed, -1-heavy, all -1 and duplicate routings; two results in
 flight; odd call counts; stats; events and hooks; stream order; LogFMT; kernels per call (profiler);
 CUDA graphs; bad input; then, each on its own Buffer: virtual nodes, a too-small and a non-LL
-buffer, mixing normal and LL mode, a 2-rank subgroup, shrink mode, and (last, it leaves its buffer
-unusable) a stalled peer without shrink.
+buffer, mixing normal and LL mode, a subgroup of the last ranks, shrink mode, and (last, it
+leaves its buffer unusable) a stalled peer without shrink.
 
 With more than one expert output per token in play, expert g returns bf16(received row * a
 per-expert factor), so the combine reference needs only local data; a few cases use random
@@ -1118,9 +1118,10 @@ def mixed_modes(ctx):
 
 
 def subgroup(ctx):
-    """A Buffer over the last two ranks (group ranks differ from global ranks): BF16 and FP8
-    rounds exact, gathers over that group. Other ranks only join the new_group call."""
-    members = [ctx.world - 2, ctx.world - 1]
+    """A Buffer over the last two ranks (the last one with 2 GPUs): group ranks differ from
+    global ranks. BF16 and FP8 rounds exact, gathers over that group. Other ranks only join the
+    new_group call."""
+    members = list(range(ctx.world - min(2, ctx.world - 1), ctx.world))
     sub = dist.new_group(members)  # collective over the whole job
     if ctx.rank not in members:
         return
@@ -1129,7 +1130,7 @@ def subgroup(ctx):
     buf = ll_buffer(sctx, M, SMALL_H, 256)
     chk = Checks()
     try:
-        assert buf.rank == members.index(ctx.rank) and buf.group_size == 2, (buf.rank, buf.group_size)
+        assert buf.rank == members.index(ctx.rank) and buf.group_size == len(members), (buf.rank, buf.group_size)
         inp = make_inputs(sctx, T=64, H=SMALL_H, E=256)
         one_round(sctx, buf, inp, 'bf16', chk, y_kind='random', zero_copy=(False, True))
         one_round(sctx, buf, inp, 'fp8_ue8m0', chk, hook=True)
@@ -1284,8 +1285,8 @@ def own_buffer_cases(ctx):
     if ctx.world in (2, 4, 8):  # normal mode: one NVLink domain of 2, 4 or 8 ranks
         out['bad_low_latency_mode_false'] = lambda: not_low_latency_buffer(ctx)
         out['mixed_normal_and_low_latency'] = lambda: mixed_modes(ctx)
-    if ctx.world >= 3:
-        out['subgroup_last_two_ranks'] = lambda: subgroup(ctx)
+    if ctx.world >= 2:  # a group whose ranks are not the global ones
+        out['subgroup_last_two_ranks' if ctx.world >= 3 else 'subgroup_last_rank'] = lambda: subgroup(ctx)
     if ctx.world >= 2:  # a peer to mask or to stall
         out[SHRINK_CASE] = lambda: shrink(ctx)
         out[STALL_CASE] = lambda: stalled_peer(ctx)  # last: leaves its buffer unusable
