@@ -352,9 +352,10 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   int* filled = begin + R * El;
   int* active = filled + R * W;
   // Work items: every potential slot (source j, slot i < M) split into chunks of whole 32-word
-  // groups (placed by item_place). Only the first item may be loaded before the bitmaps are
-  // known (see first_loaded): loading every potential slot's payload then was up to 0.4 us slower
-  // when T < M (most potential slots empty; their reads delay the useful ones).
+  // groups (chunk-major, then slot-major, spread over the blocks: item_place, first_item). Only
+  // the first item may be loaded before the bitmaps are known (see first_loaded): loading every
+  // potential slot's payload then was up to 0.4 us slower when T < M (most potential slots
+  // empty; their reads delay the useful ones).
   const int payload_vec = kFp8 ? H / 16 : H / 8;  // 16-byte words of payload data (without scales)
   const int num_scales = H / 128;
   const int total_warps = gridDim.x * kWarps;
@@ -362,10 +363,10 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   const unsigned potential = unsigned(R) * unsigned(M);
   const unsigned chunks = receive_chunks(total_warps, potential, payload_groups);
   const unsigned num_items = potential * chunks;
-  auto place_of = [&](unsigned w) { return item_place(w, chunks, potential, M, payload_groups, payload_vec); };
+  auto place_of = [&](unsigned q) { return item_place(q, chunks, potential, R, payload_groups, payload_vec); };
   // The first item's place is integer divisions (long dependent chains) of parameters: computed
   // before the wait, beside the signal's round trip.
-  unsigned w = blockIdx.x * kWarps + warp;
+  unsigned w = first_item(blockIdx.x, warp, gridDim.x);
   const ItemPlace first = place_of(w);
   computed_here(first.j, first.i, first.v_begin, first.v_end);
   auto slot_of = [&](const ItemPlace& it) {

@@ -16,29 +16,38 @@ __host__ __device__ inline unsigned receive_chunks(int total_warps, unsigned pot
   return chunks > 1u ? chunks : 1u;
 }
 
-// Where work item w lies: source j, slot i, and its chunk's 16-byte words [v_begin, v_end) of
-// the payload (whole groups).
+// Where work item q < potential * chunks lies: source j, slot i, and its chunk's 16-byte words
+// [v_begin, v_end) of the payload (whole groups). Items run chunk-major, then slot-major (i,
+// then the source j): each chunk's filled slots (i < T of every source) are one run of items
+// whatever M is.
 struct ItemPlace {
   int j, i, v_begin, v_end;
   unsigned chunk;
 };
-__host__ __device__ __forceinline__ ItemPlace item_place(unsigned w, unsigned chunks, unsigned potential,
-                                                         int max_tokens, int payload_groups, int payload_vec) {
-  // Chunk c of the items takes the slots shifted by c * potential / chunks (a bijection per
-  // chunk), so the warps of one block copy different slots: a block's stores are the sum of
-  // many slots' fan-outs, not one slot's four chunks (balances the SMs' store traffic).
-  const unsigned base = w / chunks, chunk = w - base * chunks;
-  unsigned slot_idx = base + chunk * (potential / chunks);
-  if (slot_idx >= potential) slot_idx -= potential;
-  const unsigned j = slot_idx / unsigned(max_tokens);
+__host__ __device__ __forceinline__ ItemPlace item_place(unsigned q, unsigned chunks, unsigned potential,
+                                                         int num_sources, int payload_groups, int payload_vec) {
+  const unsigned chunk = q / potential, base = q - chunk * potential;
+  const unsigned i = base / unsigned(num_sources);
   ItemPlace it;
-  it.j = int(j);
-  it.i = int(slot_idx - j * unsigned(max_tokens));
+  it.i = int(i);
+  it.j = int(base - i * unsigned(num_sources));
   it.chunk = chunk;
   it.v_begin = int(chunk * unsigned(payload_groups) / chunks) * kItemGroupWords;
   const int end = int((chunk + 1) * unsigned(payload_groups) / chunks) * kItemGroupWords;
   it.v_end = end < payload_vec ? end : payload_vec;
   return it;
+}
+
+// The first item of warp `warp` of block `block` in a grid of `grid` blocks; a warp's later
+// items follow every grid * warps_per_block. Warp k of the blocks takes items [k*G, (k+1)*G),
+// block b the one at k*G + b:
+//   * every run of items spreads evenly over the blocks: with T < M the filled slots are one
+//     run per chunk, which the earlier block-major order crowded onto a few blocks (4 ranks,
+//     T=16, M=512: 12 us instead of 7);
+//   * a block's warps take items G apart, across the chunks' runs: different slots and a mix of
+//     chunks, so the scale and src_info stores of chunks 0 and 1 spread over the blocks.
+__host__ __device__ __forceinline__ unsigned first_item(int block, int warp, int grid) {
+  return unsigned(warp) * unsigned(grid) + unsigned(block);
 }
 
 }  // namespace ll

@@ -1,12 +1,15 @@
 // CPU test of the LL dispatch receive's work items (kernels/ll_dispatch_items.cuh): for many
 // shapes and grids, the items cover every (source, slot, chunk) exactly once, a slot's chunks
-// tile its payload in whole 32-word groups, and a grid of 132 blocks gives each block's 16
-// warps distinct slots at the benchmark shape. Built and run by scripts/test.sh (no GPU).
+// tile its payload in whole 32-word groups, the warps of a grid take every item exactly once,
+// a grid of 132 blocks gives each block's 16 warps distinct slots at the benchmark shape, and
+// when T < M the filled slots' items spread evenly over the blocks. Built and run by
+// scripts/test.sh (no GPU).
 #include <cstdio>
 #include <vector>
 
 #include "ll_dispatch_items.cuh"
 
+using deepep::ll::first_item;
 using deepep::ll::item_place;
 using deepep::ll::ItemPlace;
 using deepep::ll::kItemGroupWords;
@@ -26,7 +29,10 @@ static int failures = 0;
     }                                                      \
   } while (0)
 
-static void check_shape(int R, int M, int H, bool fp8, int total_warps) {
+static constexpr int kWarpsPerBlock = 16;
+
+static void check_shape(int R, int M, int H, bool fp8, int grid) {
+  const int total_warps = grid * kWarpsPerBlock;
   const int payload_vec = fp8 ? H / 16 : H / 8;
   const int payload_groups = (payload_vec + kItemGroupWords - 1) / kItemGroupWords;
   const unsigned potential = unsigned(R) * unsigned(M);
@@ -37,7 +43,7 @@ static void check_shape(int R, int M, int H, bool fp8, int total_warps) {
   std::vector<int> seen(size_t(potential) * chunks, 0);
   std::vector<int> begin_of(seen.size(), -1), end_of(seen.size(), -1);
   for (unsigned w = 0; w < potential * chunks; ++w) {
-    const ItemPlace it = item_place(w, chunks, potential, M, payload_groups, payload_vec);
+    const ItemPlace it = item_place(w, chunks, potential, R, payload_groups, payload_vec);
     const bool in_range = it.j >= 0 && it.j < R && it.i >= 0 && it.i < M && it.chunk < chunks;
     EXPECT(in_range, "R=%d M=%d H=%d w=%u -> (%d, %d, %u)", R, M, H, w, it.j, it.i, it.chunk);
     if (!in_range) continue;
@@ -60,6 +66,36 @@ static void check_shape(int R, int M, int H, bool fp8, int total_warps) {
     EXPECT(expect_begin == payload_vec, "R=%d M=%d H=%d slot %zu: chunks end at %d of %d", R, M, H, slot,
            expect_begin, payload_vec);
   }
+  // The grid's warps (first item, then every total_warps) take each item exactly once.
+  std::vector<int> taken(size_t(potential) * chunks, 0);
+  for (int block = 0; block < grid; ++block)
+    for (int warp = 0; warp < kWarpsPerBlock; ++warp)
+      for (unsigned q = first_item(block, warp, grid); q < potential * chunks; q += unsigned(total_warps)) ++taken[q];
+  for (size_t q = 0; q < taken.size(); ++q)
+    EXPECT(taken[q] == 1, "R=%d M=%d H=%d grid %d: item %zu taken %d times", R, M, H, grid, q, taken[q]);
+}
+
+// T < M: the items of the filled slots (i < T at every source) are spread over the blocks: no
+// block holds more than the even share of each chunk's run, rounded up.
+static void check_spread(int R, int M, int T, int H, int grid) {
+  const int payload_vec = H / 16, payload_groups = (payload_vec + kItemGroupWords - 1) / kItemGroupWords;
+  const int total_warps = grid * kWarpsPerBlock;
+  const unsigned potential = unsigned(R) * unsigned(M);
+  const unsigned chunks = receive_chunks(total_warps, potential, payload_groups);
+  std::vector<int> per_block(grid, 0);
+  int filled = 0;
+  for (int block = 0; block < grid; ++block)
+    for (int warp = 0; warp < kWarpsPerBlock; ++warp)
+      for (unsigned q = first_item(block, warp, grid); q < potential * chunks; q += unsigned(total_warps))
+        if (item_place(q, chunks, potential, R, payload_groups, payload_vec).i < T) {
+          ++per_block[block];
+          ++filled;
+        }
+  EXPECT(filled == int(unsigned(R * T) * chunks), "R=%d M=%d T=%d: %d filled items", R, M, T, filled);
+  const int share = int(chunks) * ((R * T + grid - 1) / grid);
+  for (int block = 0; block < grid; ++block)
+    EXPECT(per_block[block] <= share, "R=%d M=%d T=%d grid %d: block %d holds %d filled items, even share %d", R, M,
+           T, grid, block, per_block[block], share);
 }
 
 int main() {
@@ -73,22 +109,32 @@ int main() {
       for (int H : hiddens)
         for (int fp8 = 0; fp8 < 2; ++fp8)
           for (int g : grids) {
-            check_shape(R, M, H, fp8 != 0, g * 16);
+            check_shape(R, M, H, fp8 != 0, g);
             ++shapes;
           }
+  for (int R : {2, 4, 8})
+    for (int M : {128, 256, 1024})
+      for (int T : {1, 16, 64, 100})
+        for (int g : {132, 78}) check_spread(R, M, T, 7168, g);
   // The benchmark shape (4 ranks, M = 128, FP8 H = 7168, 132 blocks): the 16 warps of a block
-  // copy 16 different slots, so a block's stores are many slots' fan-outs.
+  // copy 16 different slots, so a block's stores are many slots' fan-outs, and hold every
+  // chunk (chunks 0 and 1 carry the scales and src_info: one chunk per block would unbalance).
   {
-    const int R = 4, M = 128, payload_vec = 7168 / 16, payload_groups = payload_vec / kItemGroupWords;
-    const unsigned potential = R * M, chunks = receive_chunks(132 * 16, potential, payload_groups);
-    for (unsigned block = 0; block * 16 < potential * chunks; ++block) {
-      std::vector<int> slots;
-      for (unsigned w = block * 16; w < block * 16 + 16 && w < potential * chunks; ++w) {
-        const ItemPlace it = item_place(w, chunks, potential, M, payload_groups, payload_vec);
+    const int R = 4, M = 128, grid = 132, payload_vec = 7168 / 16, payload_groups = payload_vec / kItemGroupWords;
+    const unsigned potential = R * M, chunks = receive_chunks(grid * kWarpsPerBlock, potential, payload_groups);
+    for (int block = 0; block < grid; ++block) {
+      std::vector<int> slots, chunk_seen(chunks, 0);
+      for (int warp = 0; warp < kWarpsPerBlock; ++warp) {
+        const unsigned q = first_item(block, warp, grid);
+        if (q >= potential * chunks) continue;
+        const ItemPlace it = item_place(q, chunks, potential, R, payload_groups, payload_vec);
         const int slot = it.j * M + it.i;
-        for (int s : slots) EXPECT(s != slot, "block %u holds slot %d twice", block, slot);
+        for (int s : slots) EXPECT(s != slot, "block %d holds slot %d twice", block, slot);
         slots.push_back(slot);
+        ++chunk_seen[it.chunk];
       }
+      for (unsigned c = 0; c < chunks && slots.size() >= chunks; ++c)
+        EXPECT(chunk_seen[c] > 0, "block %d holds no item of chunk %u", block, c);
     }
   }
   if (failures != 0) {
