@@ -22,7 +22,7 @@
 // per-destination work runs in short loops over pointers kept in shared memory rather
 // than loops unrolled over the largest top-k.
 #include "ll_common.cuh"
-#include "ll_dispatch_items.cuh"
+#include "ll_work_items.cuh"
 
 namespace deepep {
 namespace ll {

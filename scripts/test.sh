@@ -45,9 +45,9 @@ mkdir -p target/ll_virtual
 
 echo "== host tests of kernel helpers (the LL dispatch receive's work items)"
 mkdir -p target/host_tests
-"$CUDA_HOME/bin/nvcc" -std=c++17 -O2 -Ikernels tests/host/ll_dispatch_items_test.cu -L"$CUDA_HOME/lib" \
-  -o target/host_tests/ll_dispatch_items
-target/host_tests/ll_dispatch_items
+"$CUDA_HOME/bin/nvcc" -std=c++17 -O2 -Ikernels tests/host/ll_work_items_test.cu -L"$CUDA_HOME/lib" \
+  -o target/host_tests/ll_work_items
+target/host_tests/ll_work_items
 
 echo "== Python drop-in (CPU parts, no torch needed)"
 DEEPEP_NCCL_LIBRARY="$PWD/target/release/libdeepep_nccl.so" PYTHONPATH="$PWD/compat/python" \

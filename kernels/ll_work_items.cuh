@@ -1,6 +1,7 @@
-// Work items of the LL dispatch receive: every potential slot (source j, slot i < M) split
+// Work items of the LL receive kernels: how the grid's warps take items (first_item, both
+// receives), and the dispatch receive's items: every potential slot (source j, slot i < M) split
 // into chunks of whole 32-word groups of the payload. Host and device, so that CPU tests check
-// the mapping (tests/host/ll_dispatch_items_test.cu).
+// the mapping (tests/host/ll_work_items_test.cu).
 #pragma once
 
 namespace deepep {

@@ -1,13 +1,13 @@
-// CPU test of the LL dispatch receive's work items (kernels/ll_dispatch_items.cuh): for many
-// shapes and grids, the items cover every (source, slot, chunk) exactly once, a slot's chunks
-// tile its payload in whole 32-word groups, the warps of a grid take every item exactly once,
-// a grid of 132 blocks gives each block's 16 warps distinct slots at the benchmark shape, and
-// when T < M the filled slots' items spread evenly over the blocks. Built and run by
-// scripts/test.sh (no GPU).
+// CPU test of the LL receives' work items (kernels/ll_work_items.cuh): for many shapes and
+// grids, the dispatch items cover every (source, slot, chunk) exactly once, a slot's chunks tile
+// its payload in whole 32-word groups, the warps of a grid take every item exactly once
+// (first_item, as both receives hand out items), a grid of 132 blocks gives each block's 16
+// warps distinct slots and a mix of chunks at the benchmark shape, and when T < M the filled
+// slots' items spread evenly over the blocks. Built and run by scripts/test.sh (no GPU).
 #include <cstdio>
 #include <vector>
 
-#include "ll_dispatch_items.cuh"
+#include "ll_work_items.cuh"
 
 using deepep::ll::first_item;
 using deepep::ll::item_place;
@@ -138,9 +138,9 @@ int main() {
     }
   }
   if (failures != 0) {
-    std::printf("ll_dispatch_items: %d failures over %d shapes\n", failures, shapes);
+    std::printf("ll_work_items: %d failures over %d shapes\n", failures, shapes);
     return 1;
   }
-  std::printf("ll_dispatch_items: %d shapes ok\n", shapes);
+  std::printf("ll_work_items: %d shapes ok\n", shapes);
   return 0;
 }
