@@ -10,7 +10,11 @@ kernel of the phase being timed: receives in one profiled run, sends in another.
 kernel from torch.profiler, median over iterations and ranks. Use it for A/B work on the LL
 kernels when no multi-GPU machine is available; the product's numbers are bench_low_latency.py's.
 
-Usage: python bench/bench_ll_virtual_ranks.py [--ranks 4] [--tokens 1 16 128 256] [--json F]"""
+Shapes: each T with M = max(128, T) (or --max-tokens), then with --large-m each T below it again
+with that M: decode frameworks size M for their largest batch and call with fewer tokens, so
+the receive must not slow down with empty slots.
+
+Usage: python bench/bench_ll_virtual_ranks.py [--ranks 4] [--tokens 1 16 128 256] [--large-m 512] [--json F]"""
 import argparse
 import json
 import os
@@ -57,6 +61,7 @@ def main():
     parser.add_argument('--topk', type=int, default=8)
     parser.add_argument('--max-tokens', type=int, default=None, help='M (default: max(128, T))')
     parser.add_argument('--tokens', type=int, nargs='+', default=[1, 16, 128, 256])
+    parser.add_argument('--large-m', type=int, default=None, help='also each T below this M with this M')
     parser.add_argument('--mode', choices=tuple(MODES), default='fp8')
     parser.add_argument('--iters', type=int, default=20)
     parser.add_argument('--json', default=None)
@@ -72,10 +77,12 @@ def main():
     use_fp8, round_scale, ue8m0 = MODES[args.mode]
     mode = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=ue8m0)
     rows = []
-    print('| T | dispatch send (local) | dispatch recv | combine send (local) | combine recv |\n'
-          '| --- | --- | --- | --- | --- |', flush=True)
-    for tokens in args.tokens:
-        m = args.max_tokens or max(128, tokens)
+    print('| T | M | dispatch send (local) | dispatch recv | combine send (local) | combine recv |\n'
+          '| --- | --- | --- | --- | --- | --- |', flush=True)
+    shapes = [(t, args.max_tokens or max(128, t)) for t in args.tokens]
+    if args.large_m:
+        shapes += [(t, args.large_m) for t in args.tokens if t < args.large_m]
+    for tokens, m in shapes:
         world = VirtualWorld(args.ranks, args.experts, m, args.hidden)
         all_x, all_topk = make_inputs(world, tokens, tokens, args.topk)
         outs = [world.dispatch_outputs(use_fp8, ue8m0) for _ in range(args.ranks)]
@@ -110,7 +117,7 @@ def main():
                 row[f'{op}_{name}_us'] = us
         world.check_no_stall()
         rows.append(row)
-        print(f"| {tokens} | {row['dispatch_send_local_us']:.1f} | {row['dispatch_recv_us']:.1f} | "
+        print(f"| {tokens} | {m} | {row['dispatch_send_local_us']:.1f} | {row['dispatch_recv_us']:.1f} | "
               f"{row['combine_send_local_us']:.1f} | {row['combine_recv_us']:.1f} |", flush=True)
         world = outs = all_y = None  # free before the next shape allocates
         torch.cuda.empty_cache()

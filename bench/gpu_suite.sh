@@ -110,7 +110,7 @@ example example_ll "$EXAMPLE_LL"
 step bench_ll 420 "$PYTHON" bench/bench_low_latency.py ${BENCH_LL_ARGS:-} --json "$LOG_DIR/bench_ll.json"
 # The LL kernels with 2-32 virtual ranks on one GPU (multi-source receive on any machine).
 step test_ll_virtual 300 "$PYTHON" tests/gpu/test_ll_virtual_ranks.py
-step bench_ll_virtual 300 "$PYTHON" bench/bench_ll_virtual_ranks.py --json "$LOG_DIR/bench_ll_virtual.json"
+step bench_ll_virtual 300 "$PYTHON" bench/bench_ll_virtual_ranks.py --large-m 512 --json "$LOG_DIR/bench_ll_virtual.json"
 step bench_ll_host 180 "$PYTHON" bench/bench_ll_host.py --json "$LOG_DIR/bench_ll_host.json"
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py
 step test_layout 270 "$PYTHON" tests/gpu/test_layout.py
