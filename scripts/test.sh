@@ -43,7 +43,7 @@ mkdir -p target/ll_virtual
   tests/gpu/ll_virtual_ranks.cu "$kernels_lib" -L"$CUDA_HOME/lib" -cudart static -Xlinker --no-undefined \
   -o target/ll_virtual/libll_virtual_ranks.so
 
-echo "== host tests of kernel helpers (the LL dispatch receive's work items)"
+echo "== host tests of kernel helpers (the LL receives' work items)"
 mkdir -p target/host_tests
 "$CUDA_HOME/bin/nvcc" -std=c++17 -O2 -Ikernels tests/host/ll_work_items_test.cu -L"$CUDA_HOME/lib" \
   -o target/host_tests/ll_work_items

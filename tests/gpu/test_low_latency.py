@@ -1285,9 +1285,8 @@ def own_buffer_cases(ctx):
     if ctx.world in (2, 4, 8):  # normal mode: one NVLink domain of 2, 4 or 8 ranks
         out['bad_low_latency_mode_false'] = lambda: not_low_latency_buffer(ctx)
         out['mixed_normal_and_low_latency'] = lambda: mixed_modes(ctx)
-    if ctx.world >= 2:  # a group whose ranks are not the global ones
+    if ctx.world >= 2:  # a group whose ranks are not the global ones; a peer to mask or to stall
         out['subgroup_last_two_ranks' if ctx.world >= 3 else 'subgroup_last_rank'] = lambda: subgroup(ctx)
-    if ctx.world >= 2:  # a peer to mask or to stall
         out[SHRINK_CASE] = lambda: shrink(ctx)
         out[STALL_CASE] = lambda: stalled_peer(ctx)  # last: leaves its buffer unusable
     return out

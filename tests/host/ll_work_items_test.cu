@@ -31,6 +31,15 @@ static int failures = 0;
 
 static constexpr int kWarpsPerBlock = 16;
 
+// Calls f(block, q) for every item q < num_items that a grid of `grid` blocks hands out (each
+// warp's first item, then every grid * kWarpsPerBlock), as the receive kernels loop.
+template <typename F>
+static void for_each_grid_item(int grid, unsigned num_items, F&& f) {
+  for (int block = 0; block < grid; ++block)
+    for (int warp = 0; warp < kWarpsPerBlock; ++warp)
+      for (unsigned q = first_item(block, warp, grid); q < num_items; q += unsigned(grid * kWarpsPerBlock)) f(block, q);
+}
+
 static void check_shape(int R, int M, int H, bool fp8, int grid) {
   const int total_warps = grid * kWarpsPerBlock;
   const int payload_vec = fp8 ? H / 16 : H / 8;
@@ -68,9 +77,7 @@ static void check_shape(int R, int M, int H, bool fp8, int grid) {
   }
   // The grid's warps (first item, then every total_warps) take each item exactly once.
   std::vector<int> taken(size_t(potential) * chunks, 0);
-  for (int block = 0; block < grid; ++block)
-    for (int warp = 0; warp < kWarpsPerBlock; ++warp)
-      for (unsigned q = first_item(block, warp, grid); q < potential * chunks; q += unsigned(total_warps)) ++taken[q];
+  for_each_grid_item(grid, potential * chunks, [&](int, unsigned q) { ++taken[q]; });
   for (size_t q = 0; q < taken.size(); ++q)
     EXPECT(taken[q] == 1, "R=%d M=%d H=%d grid %d: item %zu taken %d times", R, M, H, grid, q, taken[q]);
 }
@@ -84,13 +91,12 @@ static void check_spread(int R, int M, int T, int H, int grid) {
   const unsigned chunks = receive_chunks(total_warps, potential, payload_groups);
   std::vector<int> per_block(grid, 0);
   int filled = 0;
-  for (int block = 0; block < grid; ++block)
-    for (int warp = 0; warp < kWarpsPerBlock; ++warp)
-      for (unsigned q = first_item(block, warp, grid); q < potential * chunks; q += unsigned(total_warps))
-        if (item_place(q, chunks, potential, R, payload_groups, payload_vec).i < T) {
-          ++per_block[block];
-          ++filled;
-        }
+  for_each_grid_item(grid, potential * chunks, [&](int block, unsigned q) {
+    if (item_place(q, chunks, potential, R, payload_groups, payload_vec).i < T) {
+      ++per_block[block];
+      ++filled;
+    }
+  });
   EXPECT(filled == int(unsigned(R * T) * chunks), "R=%d M=%d T=%d: %d filled items", R, M, T, filled);
   const int share = int(chunks) * ((R * T + grid - 1) / grid);
   for (int block = 0; block < grid; ++block)
