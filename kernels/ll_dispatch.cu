@@ -375,7 +375,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   const uint32_t expected = tr.wait_sources(kSignalDispatch, active, p.dispatch_wait_recv_cost_stats);
   __syncthreads();
 
-  constexpr int kUnroll = 8;
+  constexpr int kUnroll = kItemMaxGroups;  // a chunk is one batch of loads
   int4 v[kUnroll];
   uint32_t head_token = 0, head_entry = 0xffffu, scale_word = 0;
   const bool ue8m0 = p.use_ue8m0 != 0;

@@ -1,6 +1,6 @@
 // CPU test of the LL receives' work items (kernels/ll_work_items.cuh): for many shapes and
 // grids, the dispatch items cover every (source, slot, chunk) exactly once, a slot's chunks tile
-// its payload in whole 32-word groups, the warps of a grid take every item exactly once
+// its payload in whole 32-word groups, at most one load batch (kItemMaxGroups groups) each, the warps of a grid take every item exactly once
 // (first_item, as both receives hand out items), a grid of 132 blocks gives each block's 16
 // warps distinct slots and a mix of chunks at the benchmark shape, and when T < M the filled
 // slots' items spread evenly over the blocks. Built and run by scripts/test.sh (no GPU).
@@ -13,6 +13,7 @@ using deepep::ll::first_item;
 using deepep::ll::item_place;
 using deepep::ll::ItemPlace;
 using deepep::ll::kItemGroupWords;
+using deepep::ll::kItemMaxGroups;
 using deepep::ll::receive_chunks;
 
 static int failures = 0;
@@ -47,7 +48,10 @@ static void check_shape(int R, int M, int H, bool fp8, int grid) {
   const unsigned potential = unsigned(R) * unsigned(M);
   const unsigned chunks = receive_chunks(total_warps, potential, payload_groups);
   EXPECT(chunks >= 1 && chunks <= unsigned(payload_groups), "R=%d M=%d H=%d chunks=%u", R, M, H, chunks);
-  if (potential <= unsigned(total_warps))
+  // Fewer chunks than one round of the grid's warps needs only where a chunk would otherwise
+  // exceed one load batch (kItemMaxGroups groups).
+  const unsigned fewest = unsigned(payload_groups + kItemMaxGroups - 1) / kItemMaxGroups;
+  if (potential <= unsigned(total_warps) && chunks > fewest)
     EXPECT(chunks * potential <= unsigned(total_warps), "R=%d M=%d H=%d: more items than warps", R, M, H);
   std::vector<int> seen(size_t(potential) * chunks, 0);
   std::vector<int> begin_of(seen.size(), -1), end_of(seen.size(), -1);
@@ -62,6 +66,8 @@ static void check_shape(int R, int M, int H, bool fp8, int grid) {
     end_of[key] = it.v_end;
     EXPECT(it.v_begin % kItemGroupWords == 0 && it.v_begin < it.v_end && it.v_end <= payload_vec,
            "R=%d M=%d H=%d w=%u: words [%d, %d) of %d", R, M, H, w, it.v_begin, it.v_end, payload_vec);
+    EXPECT(it.v_end - it.v_begin <= kItemMaxGroups * kItemGroupWords, "R=%d M=%d H=%d w=%u: chunk of %d words", R,
+           M, H, w, it.v_end - it.v_begin);
   }
   for (size_t slot = 0; slot < potential; ++slot) {
     int expect_begin = 0;
