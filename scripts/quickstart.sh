@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 . scripts/toolchain.sh
 cargo build --release
 cp target/release/libdeepep_nccl.so compat/python/deep_ep_cpp/
+cp include/deepep_nccl.h compat/python/deep_ep_cpp/  # for the compiled host path (_fast.py)
 PYTHON=${PYTHON:-python3}
 "$PYTHON" -m pip install -q --disable-pip-version-check ./compat/python
 echo "installed deep_ep + deep_ep_cpp into $("$PYTHON" -c 'import sys; print(sys.prefix)')"

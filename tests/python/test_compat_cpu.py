@@ -234,6 +234,32 @@ def test_missing_library_names_every_path_tried(tmp_path):
     assert str(package / "libdeepep_nccl.so") in result.stderr
 
 
+def test_compiled_host_path_falls_back_without_torch(monkeypatch):
+    from deep_ep_cpp import _fast
+
+    if _fast.torch is not None:
+        pytest.skip("torch is installed: the build is exercised by the GPU suite")
+    for setting, expect_module in (("", None), ("0", None)):
+        monkeypatch.setattr(_fast, "_tried", False)
+        monkeypatch.setenv("DEEPEP_NCCL_FAST", setting)
+        assert _fast.module() is expect_module
+    # Required but unavailable: an ImportError that says why, not a silent fallback.
+    monkeypatch.setattr(_fast, "_tried", False)
+    monkeypatch.setenv("DEEPEP_NCCL_FAST", "1")
+    with pytest.raises(ImportError, match="compiled host path is unavailable: no torch"):
+        _fast.module()
+
+
+def test_compiled_host_path_sources_ship_with_the_package():
+    from deep_ep_cpp import _fast
+
+    assert _fast._SOURCE.is_file()
+    # A source checkout finds the C header in include/; an install gets a copy (quickstart.sh).
+    assert _fast._header_dir() is not None and (_fast._header_dir() / "deepep_nccl.h").is_file()
+    pyproject = (Path(_fast.__file__).parents[1] / "pyproject.toml").read_text()
+    assert '"*.cpp"' in pyproject and '"*.h"' in pyproject
+
+
 # --- Buffer: constructor checks ----------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ runs on the compute stream and hook() launches the receive phase on that same st
 import ctypes
 import struct
 
+from . import _fast
 from ._event import EventHandle
 from ._lib import DTYPE_BFLOAT16, DTYPE_FLOAT8_E4M3, DTYPE_FLOAT32, DTYPE_INT32, DTYPE_INT64
 from ._lib import check, lib, raise_status, tensor_fields
@@ -44,9 +45,9 @@ class _DispatchShape:
     and an args buffer with their descriptors and the int fields already packed."""
 
     __slots__ = ("args", "words", "recv_x_shape", "recv_x_dtype", "scales_shape", "scales_strides", "scales_dtype",
-                 "local", "rows")
+                 "local", "rows", "plan")
 
-    def __init__(self, m, hidden, num_experts, num_ranks, use_fp8, round_scale, use_ue8m0):
+    def __init__(self, m, hidden, num_experts, num_ranks, use_fp8, round_scale, use_ue8m0, fast=None, device_id=0):
         # The limits first: the outputs of an out-of-range M could take more memory than the GPU has.
         check(lib.deepep_low_latency_check_shape(m, hidden, num_ranks, num_experts))
         torch = _torch
@@ -76,6 +77,10 @@ class _DispatchShape:
             m, num_experts, int(use_fp8), int(round_scale), int(use_ue8m0), 0,
         )
         self.words = memoryview(self.args).cast("B").cast("Q")
+        # The compiled path fills the same struct (its outputs' descriptors and ints set above).
+        self.plan = None if fast is None else fast.LlDispatchPlan(
+            ctypes.addressof(self.args), self.recv_x_shape, bool(use_fp8), self.scales_shape or (),
+            self.scales_strides or (), bool(use_ue8m0), local, rows, num_ranks, device_id)
 
 
 class _DeviceView:
@@ -92,25 +97,32 @@ class LowLatencyMode(StreamProtocol):
     """Mixin for deep_ep_cpp.Buffer (needs _handle, _device_id, _num_ranks and the stream protocol)."""
 
     def _ll_init(self):
+        # Built (once per machine) or loaded here, in the collective constructor, not in a first
+        # dispatch that peers may already wait on.
+        self._ll_fast = _fast.module()
+        if self._ll_fast is not None:
+            assert self._ll_fast.DISPATCH_ARGS_BYTES == _DISPATCH_ARGS.size
+            assert self._ll_fast.COMBINE_ARGS_BYTES == _COMBINE_ARGS.size
+        self._ll_dispatch_fn = ctypes.cast(lib.deepep_low_latency_dispatch, ctypes.c_void_p).value
+        self._ll_combine_fn = ctypes.cast(lib.deepep_low_latency_combine, ctypes.c_void_p).value
         self._ll_dispatch_shapes = {}
         self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
         self._ll_idx = ctypes.c_int()
         self._ll_idx_addr = ctypes.addressof(self._ll_idx)
 
-    def _ll_launch(self, fn, args_buffer, phases_at, async_, return_recv_hook):
-        """Runs fn's send (hook) or both phases; returns (event, hook)."""
+    def _ll_streams(self, async_, return_recv_hook):
+        """(compute stream, launch stream, phases) of an LL call."""
         if async_ and return_recv_hook:
             raise RuntimeError("deepep-nccl: async_finish and return_recv_hook cannot both be set (as in DeepEP)")
-        handle = self._live_handle()
         compute = self._current_stream()
         if return_recv_hook:
-            stream = compute
-        else:
-            stream = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
-            stream_wait_stream(self._sync_event, stream, compute)
-        phases = _SEND if return_recv_hook else _BOTH
-        struct.pack_into("@i", args_buffer, phases_at, phases)
-        status = fn(handle, ctypes.addressof(args_buffer), stream_handle(stream), self._ll_idx_addr)
+            return compute, compute, _SEND
+        stream = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
+        stream_wait_stream(self._sync_event, stream, compute)
+        return compute, stream, _BOTH
+
+    def _ll_finish(self, status, fn, args_buffer, phases_at, compute, stream, async_, return_recv_hook):
+        """Raises for a failed launch; returns (event, hook)."""
         if status:
             raise_status(status)
         event = hook = None
@@ -132,6 +144,14 @@ class LowLatencyMode(StreamProtocol):
                     raise_status(status)
         return event, hook
 
+    def _ll_launch(self, fn, args_buffer, phases_at, async_, return_recv_hook):
+        """The ctypes path: runs fn's send (hook) or both phases; returns (event, hook)."""
+        handle = self._live_handle()
+        compute, stream, phases = self._ll_streams(async_, return_recv_hook)
+        struct.pack_into("@i", args_buffer, phases_at, phases)
+        status = fn(handle, ctypes.addressof(args_buffer), stream_handle(stream), self._ll_idx_addr)
+        return self._ll_finish(status, fn, args_buffer, phases_at, compute, stream, async_, return_recv_hook)
+
     @without_torch_function
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         check(lib.deepep_clean_low_latency_buffer(self._live_handle(), num_max_dispatch_tokens_per_rank, hidden,
@@ -143,24 +163,30 @@ class LowLatencyMode(StreamProtocol):
                              return_recv_hook):
         """DeepEP's 7-tuple: (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
         packed_recv_layout_range, event, hook)."""
-        self._live_handle()
-        torch = _torch
-        if x.dim() != 2 or x.dtype != torch.bfloat16:
-            raise RuntimeError(f"deepep-nccl: x must be a 2-D bfloat16 tensor [T, H], got {x.dtype} of shape "
-                               f"{tuple(x.shape)}")
-        if x.get_device() != self._device_id:
-            raise RuntimeError(f"deepep-nccl: x must be on the buffer's device cuda:{self._device_id}, got {x.device}")
-        hidden = x.shape[1]
-        num_ranks = self._num_ranks
-        # A new shape is checked against the limits (num_experts included) when it is first seen.
+        handle = self._live_handle()
+        shapes = self._ll_dispatch_shapes
+        hidden = x.shape[1] if x.dim() == 2 else -1  # -1: a new key, where x is checked
         key = (num_max_dispatch_tokens_per_rank, hidden, num_experts, bool(use_fp8), bool(round_scale),
                bool(use_ue8m0))
-        shape = self._ll_dispatch_shapes.get(key)
+        shape = shapes.get(key)
         if shape is None:
-            if len(self._ll_dispatch_shapes) >= _MAX_DISPATCH_SHAPES:
-                self._ll_dispatch_shapes.clear()
-            shape = _DispatchShape(num_max_dispatch_tokens_per_rank, hidden, num_experts, num_ranks, *key[3:])
-            self._ll_dispatch_shapes[key] = shape
+            # A new shape is checked against the limits (num_experts included) when it is first seen.
+            self._check_ll_x(x)
+            if len(shapes) >= _MAX_DISPATCH_SHAPES:
+                shapes.clear()
+            shape = _DispatchShape(num_max_dispatch_tokens_per_rank, hidden, num_experts, self._num_ranks,
+                                   *key[3:], self._ll_fast, self._device_id)
+            shapes[key] = shape
+        if shape.plan is not None:
+            compute, stream, phases = self._ll_streams(async_, return_recv_hook)
+            result = shape.plan.run(self._ll_dispatch_fn, handle, x, topk_idx, cumulative_local_expert_recv_stats,
+                                    dispatch_wait_recv_cost_stats, phases, stream_handle(stream), self._ll_idx_addr)
+            if result[0] != self._ll_fast.BAD_INPUT:
+                return result[1:] + self._ll_finish(result[0], lib.deepep_low_latency_dispatch, shape.args,
+                                                    _DISPATCH_PHASES_AT, compute, stream, async_, return_recv_hook)
+            # Input the compiled path does not take: the ctypes path below names the argument.
+        self._check_ll_x(x)
+        torch = _torch
         device = self._device
         empty = torch.empty
         packed_recv_x = empty(shape.recv_x_shape, dtype=shape.recv_x_dtype, device=device)
@@ -173,7 +199,7 @@ class LowLatencyMode(StreamProtocol):
         int32 = torch.int32
         packed_recv_count = empty(shape.local, dtype=int32, device=device)
         packed_recv_src_info = empty((shape.local, shape.rows), dtype=int32, device=device)
-        packed_recv_layout_range = empty((shape.local, num_ranks), dtype=torch.int64, device=device)
+        packed_recv_layout_range = empty((shape.local, self._num_ranks), dtype=torch.int64, device=device)
         args = shape.args
         _DISPATCH_INPUTS.pack_into(
             args, 0,
@@ -192,12 +218,32 @@ class LowLatencyMode(StreamProtocol):
         return (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
                 packed_recv_layout_range, event, hook)
 
+    def _check_ll_x(self, x):
+        if x.dim() != 2 or x.dtype != _torch.bfloat16:
+            raise RuntimeError(f"deepep-nccl: x must be a 2-D bfloat16 tensor [T, H], got {x.dtype} of shape "
+                               f"{tuple(x.shape)}")
+        if x.get_device() != self._device_id:
+            raise RuntimeError(f"deepep-nccl: x must be on the buffer's device cuda:{self._device_id}, got {x.device}")
+
     @without_torch_function
     def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
                             num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_,
                             return_recv_hook, out=None):
         """DeepEP's (combined_x, event, hook)."""
-        self._live_handle()
+        handle = self._live_handle()
+        args = self._ll_combine_args
+        fast = self._ll_fast
+        if fast is not None:
+            compute, stream, phases = self._ll_streams(async_, return_recv_hook)
+            result = fast.ll_combine(
+                self._ll_combine_fn, handle, ctypes.addressof(args), self._device_id, x, topk_idx, topk_weights,
+                src_info, layout_range, combine_wait_recv_cost_stats, out, num_max_dispatch_tokens_per_rank,
+                num_experts, bool(use_logfmt), bool(zero_copy), phases, stream_handle(stream), self._ll_idx_addr)
+            if result[0] != fast.BAD_INPUT:
+                event, hook = self._ll_finish(result[0], lib.deepep_low_latency_combine, args, _COMBINE_PHASES_AT,
+                                              compute, stream, async_, return_recv_hook)
+                return result[1], event, hook
+            # Input the compiled path does not take: the ctypes path below names the argument.
         torch = _torch
         if x.dim() != 3:
             raise RuntimeError(f"deepep-nccl: x must be [E_l, R*M, H], got shape {tuple(x.shape)}")
@@ -206,7 +252,6 @@ class LowLatencyMode(StreamProtocol):
             combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self._device)
         else:
             combined_x = out
-        args = self._ll_combine_args
         _COMBINE_ARGS.pack_into(
             args, 0,
             *_desc("x", x), *_desc("topk_idx", topk_idx), *_desc("topk_weights", topk_weights),
