@@ -4,7 +4,8 @@ cost the calling CPU thread per call (outside CUDA graphs, every MoE layer of a 
 Method: warm up, synchronize, then time N back-to-back calls with time.perf_counter (nothing waits for
 the GPU inside the loop; N is small enough that the launch queue never fills), synchronize; the median
 over rounds of the per-call mean, in us. Measured per op, once with plain defaults and once as DeepEP's
-tests run (torch.set_default_dtype(bfloat16), torch.set_default_device('cuda')). A torch op pair
+tests run (torch.set_default_dtype(bfloat16), torch.set_default_device('cuda')), and per host path:
+the compiled one (deep_ep_cpp/_fast.cpp) when it loaded, and the ctypes one. A torch op pair
 (`torch.empty` + `add_`) is timed the same way as a yardstick for this CPU.
 
 Shape and inputs as bench_low_latency.py (hidden 7168, top-8 of 288 experts, DeepEP's routing with
@@ -94,23 +95,32 @@ def worker(rank, world, port, args):
     group = dist.new_group(list(range(world)))
     buffer, _ = make_buffer(group, max(max_tokens_for(T, world, 't') for T in args.tokens), args, world)
     results = []
+    runtime = buffer.runtime
+    compiled = runtime._ll_fast
+    # Both host paths side by side when the compiled one loaded (deep_ep_cpp/_fast.py): the
+    # ops pick it per shape, so switching clears the shape cache.
+    paths = ('compiled', 'ctypes') if compiled is not None else ('ctypes',)
     try:
-        for deepep_defaults in (False, True):
-            if deepep_defaults:
-                torch.set_default_dtype(torch.bfloat16)
-                torch.set_default_device('cuda')
-            for T in args.tokens:
-                for name, fn in ops(buffer, T, args).items():
-                    dist.barrier(group)
-                    us = host_us(fn, args.calls, args.rounds)
-                    gathered = [None] * world
-                    dist.all_gather_object(gathered, us, group=group)
-                    results.append({'op': name, 'num_tokens': T, 'deepep_defaults': deepep_defaults,
-                                    'host_us': gathered})
-                    if args.profile and rank == 0 and T == max(args.tokens) and name == 'dispatch + combine':
-                        profile(fn, deepep_defaults)
-        torch.set_default_device(None)
-        torch.set_default_dtype(torch.float32)
+        for path in paths:
+            runtime._ll_fast = compiled if path == 'compiled' else None
+            runtime._ll_dispatch_shapes.clear()
+            for deepep_defaults in (False, True):
+                if deepep_defaults:
+                    torch.set_default_dtype(torch.bfloat16)
+                    torch.set_default_device('cuda')
+                for T in args.tokens:
+                    for name, fn in ops(buffer, T, args).items():
+                        dist.barrier(group)
+                        us = host_us(fn, args.calls, args.rounds)
+                        gathered = [None] * world
+                        dist.all_gather_object(gathered, us, group=group)
+                        results.append({'op': name, 'num_tokens': T, 'deepep_defaults': deepep_defaults,
+                                        'host_path': path, 'host_us': gathered})
+                        if args.profile and rank == 0 and T == max(args.tokens) and name == 'dispatch + combine':
+                            profile(fn, deepep_defaults)
+                torch.set_default_device(None)
+                torch.set_default_dtype(torch.float32)
+        runtime._ll_fast = compiled
     finally:
         buffer.destroy()
     if rank == 0:
@@ -138,11 +148,11 @@ def report(results, world, args):
     print(f'\nHost time per call, us (median of {args.rounds} rounds of {args.calls} calls; rank average, '
           f'min-max over {world} rank(s)); {gpu}, hidden {args.hidden}, top-{args.num_topk} of '
           f'{args.num_experts}, FP8 dispatch')
-    print('| op | T | plain: median | min | DeepEP defaults (bf16, cuda): median | min |')
-    print('| --- | --- | --- | --- | --- | --- |')
+    print('| host path | op | T | plain: median | min | DeepEP defaults (bf16, cuda): median | min |')
+    print('| --- | --- | --- | --- | --- | --- | --- |')
     table = {}
     for r in results:
-        table.setdefault((r['op'], r['num_tokens']), {})[r['deepep_defaults']] = r['host_us']
+        table.setdefault((r['host_path'], r['op'], r['num_tokens']), {})[r['deepep_defaults']] = r['host_us']
 
     def cell(values):
         avg = sum(values) / len(values)
@@ -151,8 +161,8 @@ def report(results, world, args):
     def cells(per_rank):
         return f'{cell([m for m, _ in per_rank])} | {cell([b for _, b in per_rank])}'
 
-    for (op, T), by_mode in table.items():
-        print(f'| {op} | {T} | {cells(by_mode[False])} | {cells(by_mode[True])} |')
+    for (path, op, T), by_mode in table.items():
+        print(f'| {path} | {op} | {T} | {cells(by_mode[False])} | {cells(by_mode[True])} |')
     if args.json:
         with open(args.json, 'w') as f:
             json.dump({'tool': 'bench/bench_ll_host.py', 'gpu': gpu, 'world_size': world,
