@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 from ._lib import torch
@@ -99,5 +100,8 @@ def module():
     except Exception as e:  # a missing compiler or header is a supported setup: fall back
         if setting == "1":
             raise ImportError(f"deepep-nccl: the compiled host path is unavailable: {e}") from e
+        if torch is not None:  # worth saying: each LL call now costs about 1.7x the host time
+            warnings.warn(f"deepep-nccl: the LL ops take the ctypes path (compiled host path unavailable: {e}; "
+                          "DEEPEP_NCCL_FAST=0 silences this)", RuntimeWarning, stacklevel=2)
         _module = None
     return _module

@@ -94,12 +94,13 @@ class _DeviceView:
 
 
 class LowLatencyMode(StreamProtocol):
-    """Mixin for deep_ep_cpp.Buffer (needs _handle, _device_id, _num_ranks and the stream protocol)."""
+    """Mixin for deep_ep_cpp.Buffer (needs _handle, _device_id, _num_ranks, _low_latency_mode and the
+    stream protocol)."""
 
     def _ll_init(self):
         # Built (once per machine) or loaded here, in the collective constructor, not in a first
-        # dispatch that peers may already wait on.
-        self._ll_fast = _fast.module()
+        # dispatch that peers may already wait on; only LL buffers run the LL ops.
+        self._ll_fast = _fast.module() if self._low_latency_mode else None
         if self._ll_fast is not None:
             assert self._ll_fast.DISPATCH_ARGS_BYTES == _DISPATCH_ARGS.size
             assert self._ll_fast.COMBINE_ARGS_BYTES == _COMBINE_ARGS.size
