@@ -11,9 +11,9 @@
 #   SUITE_STEPS       space-separated step names to run, in the suite's order
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
 #                     steps: smoke_normal test_normal example_normal bench_normal
-#                     smoke_low_latency test_low_latency test_ll_ctypes example_ll bench_ll test_ll_virtual
-#                     bench_ll_virtual bench_ll_host test_buffer test_layout test_python quickstart
-#                     bench_layout
+#                     smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll
+#                     bench_ll test_ll_virtual bench_ll_virtual bench_ll_host test_buffer test_layout
+#                     test_python quickstart bench_layout
 #   BENCH_NORMAL_ARGS / BENCH_LL_ARGS  extra arguments of bench_normal.py / bench_low_latency.py
 #                     (e.g. BENCH_LL_ARGS=--quick)
 #   EXAMPLE_NORMAL / EXAMPLE_LL        the C++ example binaries
@@ -23,8 +23,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_STEPS=(smoke_normal test_normal example_normal bench_normal
-           smoke_low_latency test_low_latency test_ll_ctypes example_ll bench_ll test_ll_virtual bench_ll_virtual
-           bench_ll_host
+           smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
+           test_ll_virtual bench_ll_virtual bench_ll_host
            test_buffer test_layout test_python quickstart bench_layout)
 SUITE_STEPS=${SUITE_STEPS:-}
 for s in $SUITE_STEPS; do
@@ -106,6 +106,7 @@ step test_normal 600 "$PYTHON" tests/gpu/test_normal.py
 example example_normal "$EXAMPLE_NORMAL"
 step bench_normal 420 "$PYTHON" bench/bench_normal.py ${BENCH_NORMAL_ARGS:-} --json "$LOG_DIR/bench_normal.json"
 step smoke_low_latency 120 "$PYTHON" tests/gpu/smoke_low_latency.py
+step test_fast_build 300 "$PYTHON" tests/gpu/test_fast_build.py
 # The LL ops' compiled host path (deep_ep_cpp/_fast.py) is required here, so that a failed build
 # fails the suite instead of testing the ctypes path twice; test_ll_ctypes runs that one.
 step test_low_latency 600 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_low_latency.py
