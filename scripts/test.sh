@@ -53,6 +53,25 @@ echo "== Python drop-in (CPU parts, no torch needed)"
 DEEPEP_NCCL_LIBRARY="$PWD/target/release/libdeepep_nccl.so" PYTHONPATH="$PWD/compat/python" \
   "$DEEPEP_VENV/bin/python" -m pytest -q tests/python
 
+echo "== the LL ops' compiled host path compiles against torch 2.11's headers (the GPU suite builds and runs it)"
+TORCH_HEADERS=${DEEPEP_TORCH_HEADERS:-.whl/torch-2.11.0-include}
+if [ ! -f "$TORCH_HEADERS/torch/include/torch/extension.h" ]; then
+  rm -rf .whl/torch-wheel "$TORCH_HEADERS"
+  "$DEEPEP_VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps torch==2.11.0 -d .whl/torch-wheel
+  # Only the headers (62 MB of the 530 MB wheel) are kept.
+  "$DEEPEP_VENV/bin/python" - "$TORCH_HEADERS" .whl/torch-wheel/torch-*.whl <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[2]) as wheel:
+    wheel.extractall(sys.argv[1], [n for n in wheel.namelist() if n.startswith("torch/include/")])
+PY
+  rm -rf .whl/torch-wheel
+fi
+g++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror -DTORCH_EXTENSION_NAME=_deepep_fast -DTORCH_API_INCLUDE_EXTENSION_H \
+  -Iinclude -isystem "$TORCH_HEADERS/torch/include" -isystem "$TORCH_HEADERS/torch/include/torch/csrc/api/include" \
+  -isystem "$("$DEEPEP_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+  compat/python/deep_ep_cpp/_fast.cpp
+echo "compat/python/deep_ep_cpp/_fast.cpp: ok"
+
 echo "== kernels and host code compile against NCCL 2.32.3 too"
 NEWER_VENV=${DEEPEP_NEWER_NCCL_VENV:-.venv-nccl2323}
 deepep_install_wheels "$NEWER_VENV" nvidia-nccl-cu13==2.32.3
