@@ -6,8 +6,8 @@ DEEPEP_NCCL_FAST=0. The ops then take the ctypes path, which gives the same resu
 the host time. DEEPEP_NCCL_FAST=1 makes a failure an ImportError instead of a fallback.
 
 The build is one compiler call against the running torch's headers and libraries (no ninja),
-into DEEPEP_NCCL_FAST_CACHE (default ~/.cache/deepep_nccl), keyed by the sources, torch and
-Python versions; concurrent processes (one per rank) wait on a file lock for the first build."""
+into DEEPEP_NCCL_FAST_CACHE (default ~/.cache/deepep_nccl), keyed by the sources, the torch and
+Python versions and the compiler; concurrent processes (one per rank) wait on a file lock for the first build."""
 import fcntl
 import hashlib
 import importlib.util
@@ -36,15 +36,22 @@ def _header_dir():
     return None
 
 
-def _build(target, header_dir):
+def _compiler():
+    """torch's choice of C++ compiler (CXX, else c++): one whose C++ runtime matches torch's. A
+    module built by another (the system g++ 13 beside torch's /opt/gcc) crashed on any C++ throw."""
     from torch.utils import cpp_extension
 
-    # torch's choice of compiler (CXX, else c++): one whose C++ runtime matches torch's. A module
-    # built by another (the system g++ 13 beside torch's /opt/gcc) crashed on any C++ throw.
     get_compiler = getattr(cpp_extension, "get_cxx_compiler", None)
     compiler = get_compiler() if get_compiler is not None else os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
+    path = shutil.which(compiler)
+    if path is None:
         raise RuntimeError(f"no C++ compiler {compiler!r} (set CXX)")
+    return path
+
+
+def _build(target, header_dir, compiler):
+    from torch.utils import cpp_extension
+
     lib_dirs = cpp_extension.library_paths()
     cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-DTORCH_EXTENSION_NAME={_NAME}",
            "-DTORCH_API_INCLUDE_EXTENSION_H",
@@ -65,9 +72,10 @@ def _load():
     header_dir = _header_dir()
     if header_dir is None:
         raise RuntimeError("deepep_nccl.h not found")
+    compiler = _compiler()
     key = hashlib.sha256()
     for part in (_SOURCE.read_bytes(), (header_dir / "deepep_nccl.h").read_bytes(), torch.__version__.encode(),
-                 sys.version.encode()):
+                 sys.version.encode(), compiler.encode()):
         key.update(part)
     cache = Path(os.environ.get("DEEPEP_NCCL_FAST_CACHE") or Path.home() / ".cache" / "deepep_nccl")
     directory = cache / key.hexdigest()[:20]
@@ -78,7 +86,7 @@ def _load():
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not target.is_file():
                 partial = directory / f"partial-{os.getpid()}.so"
-                _build(partial, header_dir)
+                _build(partial, header_dir, compiler)
                 os.replace(partial, target)
     spec = importlib.util.spec_from_file_location(_NAME, target)
     mod = importlib.util.module_from_spec(spec)
