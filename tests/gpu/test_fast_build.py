@@ -3,7 +3,8 @@ torch and its C++ compiler (no GPU needed; about 40 s):
 
 * 4 processes load it at once into an empty cache: one build, all get the module, the cache holds
   the module and its lock, no partial files;
-* a later process loads the cached module without building (fast);
+* a later process loads the cached module without building (fast), and `python -m
+  deep_ep_cpp._fast` (the ahead-of-time build) names it;
 * a compiler that fails: the default falls back (None, a RuntimeWarning naming the reason),
   DEEPEP_NCCL_FAST=1 raises ImportError with the compiler's error, DEEPEP_NCCL_FAST=0 never
   tries.
@@ -75,6 +76,12 @@ def main():
               cached.get("module") in modules and cached["seconds"] < 0.5 * built,
               f"{cached} vs first build {built:.1f} s")
 
+        env = dict(os.environ, PYTHONPATH=str(REPO / "compat" / "python"), DEEPEP_NCCL_FAST_CACHE=str(cache))
+        prebuilt = subprocess.run([sys.executable, "-m", "deep_ep_cpp._fast"], env=env, capture_output=True,
+                                  text=True, timeout=600)
+        check("prebuild_command_names_the_module", prebuilt.returncode == 0 and cached.get("module") is not None
+              and cached["module"] in prebuilt.stdout, prebuilt.stdout + prebuilt.stderr[-2000:])
+
         broken = Path(tmp) / "broken-cache"
         fallback = outcome(probe(broken, CXX="/bin/false"))
         check("failed_build_falls_back_with_warning", fallback.get("module") is None and any(
@@ -85,7 +92,7 @@ def main():
         off = outcome(probe(Path(tmp) / "unused", DEEPEP_NCCL_FAST="0"))
         check("disabled_never_builds", off.get("module") is None and not off["warnings"] and
               not (Path(tmp) / "unused").exists(), str(off))
-    print(f"test_fast_build: {7 - failures} passed, {failures} failed (first build {built:.1f} s)")
+    print(f"test_fast_build: {8 - failures} passed, {failures} failed (first build {built:.1f} s)")
     return 1 if failures else 0
 
 

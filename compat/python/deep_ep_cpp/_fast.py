@@ -113,3 +113,10 @@ def module():
                           "DEEPEP_NCCL_FAST=0 silences this)", RuntimeWarning, stacklevel=2)
         _module = None
     return _module
+
+
+if __name__ == "__main__":
+    # `python -m deep_ep_cpp._fast`: build (or find) the module now, e.g. while building a container
+    # image, so that the first Buffer does not wait for the compiler.
+    os.environ.setdefault("DEEPEP_NCCL_FAST", "1")
+    print(f"deepep-nccl compiled host path: {module().__file__}")
