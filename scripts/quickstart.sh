@@ -12,4 +12,8 @@ PYTHON=${PYTHON:-python3}
 "$PYTHON" -m pip install -q --disable-pip-version-check ./compat/python
 echo "installed deep_ep + deep_ep_cpp into $("$PYTHON" -c 'import sys; print(sys.prefix)')"
 # Run from outside the repo so the installed package (not compat/python) is used.
-cd /tmp && exec "$PYTHON" "$OLDPWD/examples/quickstart.py"
+cd /tmp
+# The LL ops' compiled host path, built now rather than in the first Buffer (optional: without
+# a C++ compiler the ops take the ctypes path).
+"$PYTHON" -m deep_ep_cpp._fast || echo "compiled host path unavailable: the LL ops use the ctypes path"
+exec "$PYTHON" "$OLDPWD/examples/quickstart.py"

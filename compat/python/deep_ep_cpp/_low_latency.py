@@ -1,5 +1,6 @@
 """deep_ep_cpp.Buffer's low-latency ops with DeepEP's positional signatures and tuples, each a
-short translation to the C ABI (deepep_low_latency_*).
+short translation to the C ABI (deepep_low_latency_*): through the compiled host path (_fast.py)
+when it loaded, else through ctypes (also for input the compiled path does not take).
 
 Streams as DeepEP: without a hook the kernel runs on the comm stream after the compute stream
 (async: an EventHandle, else the compute stream waits); with return_recv_hook the send phase
