@@ -146,9 +146,8 @@ class LowLatencyMode(StreamProtocol):
                     raise_status(status)
         return event, hook
 
-    def _ll_launch(self, fn, args_buffer, phases_at, async_, return_recv_hook):
+    def _ll_launch(self, handle, fn, args_buffer, phases_at, async_, return_recv_hook):
         """The ctypes path: runs fn's send (hook) or both phases; returns (event, hook)."""
-        handle = self._live_handle()
         compute, stream, phases = self._ll_streams(async_, return_recv_hook)
         struct.pack_into("@i", args_buffer, phases_at, phases)
         status = fn(handle, ctypes.addressof(args_buffer), stream_handle(stream), self._ll_idx_addr)
@@ -216,7 +215,8 @@ class LowLatencyMode(StreamProtocol):
         words[at_count] = packed_recv_count.data_ptr()
         words[at_src_info] = packed_recv_src_info.data_ptr()
         words[at_layout_range] = packed_recv_layout_range.data_ptr()
-        event, hook = self._ll_launch(lib.deepep_low_latency_dispatch, args, _DISPATCH_PHASES_AT, async_, return_recv_hook)
+        event, hook = self._ll_launch(handle, lib.deepep_low_latency_dispatch, args, _DISPATCH_PHASES_AT, async_,
+                                      return_recv_hook)
         return (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
                 packed_recv_layout_range, event, hook)
 
@@ -261,7 +261,8 @@ class LowLatencyMode(StreamProtocol):
             *_desc("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats), *_desc("out", combined_x),
             num_max_dispatch_tokens_per_rank, num_experts, int(use_logfmt), int(zero_copy), 0, 0,
         )
-        event, hook = self._ll_launch(lib.deepep_low_latency_combine, args, _COMBINE_PHASES_AT, async_, return_recv_hook)
+        event, hook = self._ll_launch(handle, lib.deepep_low_latency_combine, args, _COMBINE_PHASES_AT, async_,
+                                      return_recv_hook)
         return combined_x, event, hook
 
     @without_torch_function
