@@ -246,8 +246,19 @@ def test_compiled_host_path_falls_back_without_torch(monkeypatch):
     # Required but unavailable: an ImportError that says why, not a silent fallback.
     monkeypatch.setattr(_fast, "_tried", False)
     monkeypatch.setenv("DEEPEP_NCCL_FAST", "1")
-    with pytest.raises(ImportError, match="compiled host path is unavailable: no torch"):
-        _fast.module()
+    for _ in range(2):  # every Buffer, not only the first
+        with pytest.raises(ImportError, match="compiled host path is unavailable: no torch"):
+            _fast.module()
+
+
+def test_compiled_host_path_setting_is_checked(monkeypatch):
+    from deep_ep_cpp import _fast
+
+    monkeypatch.setattr(_fast, "_tried", False)
+    monkeypatch.setenv("DEEPEP_NCCL_FAST", "yes")
+    for _ in range(2):  # every Buffer, not only the first
+        with pytest.raises(ImportError, match=r"DEEPEP_NCCL_FAST must be 0, 1 or unset, got 'yes'"):
+            _fast.module()
 
 
 def test_compiled_host_path_sources_ship_with_the_package():

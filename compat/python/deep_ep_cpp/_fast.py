@@ -99,14 +99,17 @@ def module():
     global _module, _tried
     if _tried:
         return _module
-    _tried = True
     setting = os.environ.get("DEEPEP_NCCL_FAST", "")
+    if setting not in ("", "0", "1"):
+        raise ImportError(f"deepep-nccl: DEEPEP_NCCL_FAST must be 0, 1 or unset, got {setting!r}")
+    _tried = True
     if setting == "0":
         return None
     try:
         _module = _load()
     except Exception as e:  # a missing compiler or header is a supported setup: fall back
         if setting == "1":
+            _tried = False  # every Buffer raises, not only the first
             raise ImportError(f"deepep-nccl: the compiled host path is unavailable: {e}") from e
         if torch is not None:  # worth saying: each LL call now costs about 1.7x the host time
             warnings.warn(f"deepep-nccl: the LL ops take the ctypes path (compiled host path unavailable: {e}; "
