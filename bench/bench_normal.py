@@ -12,7 +12,8 @@ the host wait for the receive counts), and BF16 combine of the BF16-dispatched r
   3. GB/s = received bytes / time, DeepEP's counting: BF16 recv_x.numel()*2, FP8 that times
      (1 + 4/128)/2, combine the BF16 dispatch bytes. Times and bytes are averaged over ranks.
 Also: the Megatron-style NCCL all-to-all dispatcher in the same process group (same routing),
-and the host time per call of the Python layer (plain and under torch.set_default_device('cuda')).
+and the host time per call of the Python layer (plain and under torch.set_default_device('cuda')),
+on both host paths (the compiled one, deep_ep_cpp/_fast.cpp, and ctypes).
 
 Run: python bench/bench_normal.py [--json PATH] [--quick] [--world N]
 """
@@ -309,33 +310,54 @@ def add_kineto(rec, result):
                kernel_breakdown=breakdown, kernel_marker_found=found)
 
 
+HOST_ROUNDS = 3  # per (op, mode): the paths alternate, best round kept (the CPU's speed drifts)
+
+
+def host_ops(buffer, inp, supported):
+    """{op name: a call of it} for the host measurement at HOST_SMS."""
+    fns = {'get_dispatch_layout': lambda: buffer.get_dispatch_layout(inp.topk_idx, NUM_EXPERTS)}
+    if supported['dispatch']:
+        pt = Point(buffer, inp, HOST_SMS)
+        dcfg = deep_ep.Config(HOST_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
+        ccfg = deep_ep.Config(HOST_SMS, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
+        fns['dispatch (cached)'] = lambda: buffer.dispatch(inp.x, handle=pt.handle, config=dcfg)
+        fns['dispatch (non-cached)'] = lambda: buffer.dispatch(inp.x, config=dcfg, **inp.layout)
+        if supported['combine']:
+            fns['combine'] = lambda: buffer.combine(pt.recv_x, pt.handle, config=ccfg)
+    return fns
+
+
 def measure_host(buffer, inputs, rank, supported, say):
-    """Host us per call of the Python layer at HOST_SMS, plain and under set_default_device('cuda')."""
+    """Host us per call of the Python layer at HOST_SMS, plain and under set_default_device('cuda'),
+    on each host path: the compiled one (deep_ep_cpp/_fast.cpp) when it loaded, and ctypes. The
+    paths alternate within each (op, mode), HOST_ROUNDS times, and each keeps its best round."""
+    runtime = buffer.runtime
+    compiled = runtime._normal_fast
+    paths = {'compiled': compiled, 'ctypes': None} if compiled is not None else {'ctypes': None}
     rows = []
-    for num_tokens, inp in inputs.items():
-        fns = {'get_dispatch_layout': lambda inp=inp: buffer.get_dispatch_layout(inp.topk_idx, NUM_EXPERTS)}
-        if supported['dispatch']:
-            pt = Point(buffer, inp, HOST_SMS)
-            dcfg = deep_ep.Config(HOST_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
-            ccfg = deep_ep.Config(HOST_SMS, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
-            fns['dispatch (cached)'] = lambda inp=inp, pt=pt: buffer.dispatch(inp.x, handle=pt.handle, config=dcfg)
-            fns['dispatch (non-cached)'] = lambda inp=inp: buffer.dispatch(inp.x, config=dcfg, **inp.layout)
-            if supported['combine']:
-                fns['combine'] = lambda pt=pt: buffer.combine(pt.recv_x, pt.handle, config=ccfg)
-        for name, fn in fns.items():
-            row = {'op': name, 'num_tokens': num_tokens, 'num_sms': HOST_SMS, 'calls': HOST_CALLS[num_tokens]}
-            for mode in ('plain', 'default_device_cuda'):
-                if mode == 'default_device_cuda':
-                    torch.set_default_device('cuda')
-                try:
-                    launch_us, wall_us = host_loop(fn, HOST_CALLS[num_tokens])
-                finally:
-                    if mode == 'default_device_cuda':
+    try:
+        for num_tokens, inp in inputs.items():
+            for name, fn in host_ops(buffer, inp, supported).items():
+                per_path = {path: {'op': name, 'path': path, 'num_tokens': num_tokens, 'num_sms': HOST_SMS,
+                                   'calls': HOST_CALLS[num_tokens]} for path in paths}
+                for mode in ('plain', 'default_device_cuda'):
+                    torch.set_default_device('cuda' if mode == 'default_device_cuda' else None)
+                    try:
+                        for _ in range(HOST_ROUNDS):
+                            for path, ops in paths.items():
+                                runtime._normal_fast = ops
+                                launch_us, wall_us = host_loop(fn, HOST_CALLS[num_tokens])
+                                best = per_path[path].get(mode)
+                                if best is None or launch_us < best['launch_us']:
+                                    per_path[path][mode] = {'launch_us': launch_us, 'wall_us': wall_us}
+                    finally:
                         torch.set_default_device(None)
-                row[mode] = {'launch_us': launch_us, 'wall_us': wall_us}
-            rows.append(row)
-            say(f'host {name:22s} T={num_tokens:5d}: plain {row["plain"]["launch_us"]:.1f} us/call, '
-                f'default_device=cuda {row["default_device_cuda"]["launch_us"]:.1f} us/call (rank 0)')
+                for path, row in per_path.items():
+                    rows.append(row)
+                    say(f'host {path:8s} {name:22s} T={num_tokens:5d}: plain {row["plain"]["launch_us"]:.1f} us/call, '
+                        f'default_device=cuda {row["default_device_cuda"]["launch_us"]:.1f} us/call (rank 0)')
+    finally:
+        runtime._normal_fast = compiled
     return rows
 
 
@@ -531,11 +553,11 @@ def print_reference(rows, baseline):
 def print_host(host):
     print(f'\nHost time per call of the Python layer ({HOST_SMS} SMs; N back-to-back calls, one synchronize at '
           f'the end; "launch" = loop time until the last call returns, "wall" = including the synchronize; '
-          f'rank average):')
-    print(f'{"op":22s} {"T":>5s} {"N":>4s} {"plain launch":>12s} {"plain wall":>10s} '
+          f'best of {HOST_ROUNDS} rounds, the host paths alternating; rank average):')
+    print(f'{"path":8s} {"op":22s} {"T":>5s} {"N":>4s} {"plain launch":>12s} {"plain wall":>10s} '
           f'{"dflt-cuda launch":>16s} {"dflt-cuda wall":>14s}')
     for r in host:
-        print(f'{r["op"]:22s} {r["num_tokens"]:5d} {r["calls"]:4d} {r["plain"]["launch_us"]:12.1f} '
+        print(f'{r.get("path", "ctypes"):8s} {r["op"]:22s} {r["num_tokens"]:5d} {r["calls"]:4d} {r["plain"]["launch_us"]:12.1f} '
               f'{r["plain"]["wall_us"]:10.1f} {r["default_device_cuda"]["launch_us"]:16.1f} '
               f'{r["default_device_cuda"]["wall_us"]:14.1f}')
     print('(at T=128 kernels are short, so "launch" is the Python call itself; non-cached dispatch includes its '
@@ -545,7 +567,7 @@ def print_host(host):
 def merge_host(per_rank_host):
     rows = []
     for recs in zip(*per_rank_host):
-        row = {k: recs[0][k] for k in ('op', 'num_tokens', 'num_sms', 'calls')}
+        row = {k: recs[0][k] for k in ('op', 'path', 'num_tokens', 'num_sms', 'calls')}
         for mode in ('plain', 'default_device_cuda'):
             row[mode] = {k: sum(r[mode][k] for r in recs) / len(recs) for k in ('launch_us', 'wall_us')}
             row[mode]['per_rank_launch_us'] = [r[mode]['launch_us'] for r in recs]

@@ -10,10 +10,10 @@
 # Knobs (environment):
 #   SUITE_STEPS       space-separated step names to run, in the suite's order
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
-#                     steps: smoke_normal test_normal example_normal bench_normal
-#                     smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll
-#                     bench_ll test_ll_virtual bench_ll_virtual bench_ll_host test_buffer test_layout
-#                     test_python quickstart bench_layout
+#                     steps: smoke_normal test_normal test_normal_ctypes example_normal
+#                     bench_normal smoke_low_latency test_fast_build test_low_latency test_ll_ctypes
+#                     example_ll bench_ll test_ll_virtual bench_ll_virtual bench_ll_host test_buffer
+#                     test_layout test_layout_ctypes test_python quickstart bench_layout
 #   BENCH_NORMAL_ARGS / BENCH_LL_ARGS  extra arguments of bench_normal.py / bench_low_latency.py
 #                     (e.g. BENCH_LL_ARGS=--quick)
 #   EXAMPLE_NORMAL / EXAMPLE_LL        the C++ example binaries
@@ -22,10 +22,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(smoke_normal test_normal example_normal bench_normal
+ALL_STEPS=(smoke_normal test_normal test_normal_ctypes example_normal bench_normal
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
            test_ll_virtual bench_ll_virtual bench_ll_host
-           test_buffer test_layout test_python quickstart bench_layout)
+           test_buffer test_layout test_layout_ctypes test_python quickstart bench_layout)
 SUITE_STEPS=${SUITE_STEPS:-}
 for s in $SUITE_STEPS; do
     case " ${ALL_STEPS[*]} " in
@@ -102,13 +102,15 @@ example() {
 }
 
 step smoke_normal 200 "$PYTHON" tests/gpu/smoke_normal.py
-step test_normal 600 "$PYTHON" tests/gpu/test_normal.py
+# The ops' compiled host path (deep_ep_cpp/_fast.py) is required in test_normal, test_low_latency
+# and test_layout, so that a failed build fails the suite instead of testing the ctypes path
+# twice; the *_ctypes steps run the same tests on that path.
+step test_normal 600 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_normal.py
+step test_normal_ctypes 600 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_normal.py
 example example_normal "$EXAMPLE_NORMAL"
 step bench_normal 420 "$PYTHON" bench/bench_normal.py ${BENCH_NORMAL_ARGS:-} --json "$LOG_DIR/bench_normal.json"
 step smoke_low_latency 120 "$PYTHON" tests/gpu/smoke_low_latency.py
 step test_fast_build 300 "$PYTHON" tests/gpu/test_fast_build.py
-# The LL ops' compiled host path (deep_ep_cpp/_fast.py) is required here, so that a failed build
-# fails the suite instead of testing the ctypes path twice; test_ll_ctypes runs that one.
 step test_low_latency 600 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_low_latency.py
 step test_ll_ctypes 600 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_low_latency.py
 example example_ll "$EXAMPLE_LL"
@@ -118,7 +120,8 @@ step test_ll_virtual 300 "$PYTHON" tests/gpu/test_ll_virtual_ranks.py
 step bench_ll_virtual 300 "$PYTHON" bench/bench_ll_virtual_ranks.py --large-m 512 --json "$LOG_DIR/bench_ll_virtual.json"
 step bench_ll_host 300 "$PYTHON" bench/bench_ll_host.py --json "$LOG_DIR/bench_ll_host.json"
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py
-step test_layout 270 "$PYTHON" tests/gpu/test_layout.py
+step test_layout 270 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_layout.py
+step test_layout_ctypes 270 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_layout.py
 step test_python 120 "$PYTHON" -m pytest -q tests/python
 step quickstart 120 "$PYTHON" examples/quickstart.py
 step bench_layout 180 "$PYTHON" bench/bench_layout.py --json "$LOG_DIR/bench_layout.json"

@@ -15,5 +15,5 @@ echo "installed deep_ep + deep_ep_cpp into $("$PYTHON" -c 'import sys; print(sys
 cd /tmp
 # The LL ops' compiled host path, built now rather than in the first Buffer (optional: without
 # a C++ compiler the ops take the ctypes path).
-"$PYTHON" -m deep_ep_cpp._fast || echo "compiled host path unavailable: the LL ops use the ctypes path"
+"$PYTHON" -m deep_ep_cpp._fast || echo "compiled host path unavailable: the ops use the ctypes path"
 exec "$PYTHON" "$OLDPWD/examples/quickstart.py"

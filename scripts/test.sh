@@ -53,7 +53,7 @@ echo "== Python drop-in (CPU parts, no torch needed)"
 DEEPEP_NCCL_LIBRARY="$PWD/target/release/libdeepep_nccl.so" PYTHONPATH="$PWD/compat/python" \
   "$DEEPEP_VENV/bin/python" -m pytest -q tests/python
 
-echo "== the LL ops' compiled host path compiles against torch 2.11's headers (the GPU suite builds and runs it)"
+echo "== the compiled host path (deep_ep_cpp/_fast.cpp + _fast_*.h) compiles against torch 2.11's headers (the GPU suite builds and runs it)"
 TORCH_HEADERS=${DEEPEP_TORCH_HEADERS:-.whl/torch-2.11.0-include}
 if [ ! -f "$TORCH_HEADERS/torch/include/torch/extension.h" ]; then
   rm -rf .whl/torch-wheel "$TORCH_HEADERS"

@@ -1,4 +1,4 @@
-"""The LL ops' compiled host path build (compat/python/deep_ep_cpp/_fast.py), on a machine with
+"""The compiled host path's build (compat/python/deep_ep_cpp/_fast.py), on a machine with
 torch and its C++ compiler (no GPU needed; about 40 s):
 
 * 4 processes load it at once into an empty cache: one build, all get the module, the cache holds

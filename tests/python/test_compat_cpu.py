@@ -3,6 +3,7 @@
 deep_ep_cpp must import and validate everything without torch; the few tests of the torch-only
 `deep_ep` package skip themselves where torch is missing.
 """
+import ctypes
 import gc
 import importlib.util
 import inspect
@@ -261,10 +262,54 @@ def test_compiled_host_path_setting_is_checked(monkeypatch):
             _fast.module()
 
 
+def test_compiled_normal_ops_fall_back_or_raise():
+    """How the normal ops treat the compiled path's answers (a stand-in for the module here; the
+    GPU suite runs the real one): a result drops its status, input it does not take (BAD_INPUT,
+    or arguments pybind cannot convert) sends the call down the ctypes path, a failed call raises
+    the library's error."""
+    from deep_ep_cpp import _lib, _normal
+
+    class Ops:
+        def __init__(self, answer):
+            self.answer, self.calls = answer, []
+
+        def dispatch(self, *args):
+            self.calls.append(args)
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    class Module:
+        BAD_INPUT = -2
+
+    class Runtime(_normal.NormalMode):
+        _comm_stream_ptr = 77
+        _fast = Module()
+
+        def __init__(self, ops):
+            self._normal_fast = ops
+
+    config = Config(24, 6, 256)
+    ops = Ops((0, "recv_x", None))
+    assert Runtime(ops)._fast_with_config("dispatch", config, "handle", "x") == ("recv_x", None)
+    assert ops.calls == [("handle", "x", ctypes.addressof(config._c), 77)]
+    for answer in ((Module.BAD_INPUT,), TypeError("incompatible function arguments")):
+        assert Runtime(Ops(answer))._fast_with_config("dispatch", config, "handle") is None
+    assert Runtime(None)._fast_with_config("dispatch", config, "handle") is None
+    assert Runtime(Ops((0,)))._fast_with_config("dispatch", object(), "handle") is None  # not our Config
+    status = _lib.lib.deepep_check_buffer_args(0, 2, 1000, 0, False)  # leaves a named error behind
+    assert status != 0
+    with pytest.raises(RuntimeError, match="num_nvl_bytes"):
+        Runtime(Ops((status,)))._fast_with_config("dispatch", config, "handle")
+
+
 def test_compiled_host_path_sources_ship_with_the_package():
     from deep_ep_cpp import _fast
 
-    assert _fast._SOURCE.is_file()
+    assert _fast._SOURCE.is_file() and all(p.is_file() for p in _fast._SOURCES)
+    # Everything the module's source includes is hashed into the cache key.
+    included = set(re.findall(r'#include "(_fast[^"]*)"', "".join(p.read_text() for p in _fast._SOURCES)))
+    assert included and included <= {p.name for p in _fast._SOURCES}
     # A source checkout finds the C header in include/; an install gets a copy (quickstart.sh).
     assert _fast._header_dir() is not None and (_fast._header_dir() / "deepep_nccl.h").is_file()
     pyproject = (Path(_fast.__file__).parents[1] / "pyproject.toml").read_text()

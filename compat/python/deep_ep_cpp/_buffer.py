@@ -5,7 +5,7 @@ import struct
 import sys
 from ctypes import byref, c_bool, c_int, c_int64, c_void_p
 
-from . import _lib
+from . import _fast, _lib
 from ._low_latency import LowLatencyMode
 from ._normal import NormalMode
 from ._streams import without_torch_function
@@ -73,8 +73,9 @@ class _DeviceBytes:
 class Buffer(NormalMode, LowLatencyMode):
     """One rank's communication buffer. The constructor only validates; sync() creates it."""
 
-    # Class-level default so that __del__ works when __init__ raised.
+    # Class-level defaults so that __del__ works when __init__ raised.
     _handle = None
+    _normal_fast = None  # the compiled host path's NormalOps (after sync), else the ctypes path
 
     def __init__(
         self,
@@ -117,6 +118,9 @@ class Buffer(NormalMode, LowLatencyMode):
         self._in_rank_addr = ctypes.addressof(self._in_rank_desc)
         self._layout_fn = lib.deepep_get_dispatch_layout
         self._sync_event = None
+        # The compiled host path: built (once per machine) or loaded here, in the collective
+        # constructor, not in a first op that peers may already wait on.
+        self._fast = _fast.module()
         self._normal_init()
         self._ll_init()
 
@@ -240,6 +244,12 @@ class Buffer(NormalMode, LowLatencyMode):
         if _torch is not None:
             self._device = _torch.device("cuda", self._device_id)
             self._sync_event = _torch.cuda.Event()
+        if self._fast is not None:
+            self._normal_fast = self._fast.NormalOps(
+                *(ctypes.cast(fn, c_void_p).value for fn in (
+                    lib.deepep_get_dispatch_layout, lib.deepep_intranode_dispatch_prepare,
+                    lib.deepep_intranode_dispatch, lib.deepep_intranode_combine)),
+                self._num_ranks, self._num_layout_rdma_ranks, self._device_id)
 
     def destroy(self):
         handle = self._live_handle()
@@ -252,26 +262,38 @@ class Buffer(NormalMode, LowLatencyMode):
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event, async_, allocate_on_comm_stream):
         """DeepEP's layout with its stream protocol; returns (per rank, per rdma rank or None,
         per expert, is_token_in_rank, EventHandle or None)."""
+        handle = self._live_handle()
+        comm, compute = self._op_begin(previous_event, async_, allocate_on_comm_stream)
+        try:
+            result = None
+            fast = self._normal_fast
+            if fast is not None:
+                result = self._fast_call(fast.layout, handle, topk_idx, num_experts, self._comm_stream_ptr)
+            if result is None:
+                result = self._layout_ctypes(handle, topk_idx, num_experts)
+        finally:
+            self._op_allocated(compute, allocate_on_comm_stream)
+        per_rank, per_rdma, per_expert, in_rank, counts = result
+        event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (topk_idx, counts, in_rank))
+        return per_rank, per_rdma, per_expert, in_rank, event
+
+    def _layout_ctypes(self, handle, topk_idx, num_experts):
+        """The layout through ctypes: (per rank, per rdma rank or None, per expert,
+        is_token_in_rank, the allocation behind the counts), as the compiled path's."""
         torch = _torch
-        self._live_handle()
         self._check_device("topk_idx", topk_idx)
         code = _DTYPE_CODES.get(topk_idx.dtype)
         if code is None:
             raise RuntimeError(
                 f"deepep-nccl: topk_idx must have dtype torch.int64 or torch.int32, got {topk_idx.dtype}"
             )
-        comm, compute = self._op_begin(previous_event, async_, allocate_on_comm_stream)
-
         # One allocation for the three count vectors, plus is_token_in_rank.
         num_ranks = self._num_ranks
         num_rdma_ranks = self._num_layout_rdma_ranks
         shape = topk_idx.shape
         num_tokens = shape[0] if shape else 0
-        try:
-            counts = torch.empty(num_ranks + num_rdma_ranks + num_experts, dtype=torch.int32, device=self._device)
-            in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=self._device)
-        finally:
-            self._op_allocated(compute, allocate_on_comm_stream)
+        counts = torch.empty(num_ranks + num_rdma_ranks + num_experts, dtype=torch.int32, device=self._device)
+        in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=self._device)
         if num_rdma_ranks:
             per_rank, per_rdma, per_expert = counts.split_with_sizes((num_ranks, num_rdma_ranks, num_experts))
         else:
@@ -292,7 +314,7 @@ class Buffer(NormalMode, LowLatencyMode):
         in_rank_ptr = in_rank.data_ptr()
         _pack_tensor(self._in_rank_desc, 0, in_rank_ptr, DTYPE_BOOL, 2, num_tokens, num_ranks, 0, 0, num_ranks, 1, 0, 0)
         status = self._layout_fn(
-            self._handle,
+            handle,
             self._topk_addr,
             num_experts,
             self._rank_addr,
@@ -303,9 +325,7 @@ class Buffer(NormalMode, LowLatencyMode):
         )
         if status:
             raise_status(status)
-
-        event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (topk_idx, counts, in_rank))
-        return per_rank, per_rdma, per_expert, in_rank, event
+        return per_rank, per_rdma, per_expert, in_rank, counts
 
     def internode_dispatch(
         self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,

@@ -1,170 +1,14 @@
-// deepep-nccl's compiled host path of the LL ops (built on first use by _fast.py): allocates a
-// call's outputs through torch's C++ API, fills the C ABI's argument struct and calls it, in one
-// Python call. The Python path (ctypes) does the same in about twice the host time: five
-// torch.empty calls from Python, descriptor packing and the ctypes call (bench/bench_ll_host.py).
-// The argument structs belong to the Python side (its per-shape cache); the outputs' descriptors
-// and the int fields there are filled once per shape, so a call writes only the inputs'
-// descriptors, the outputs' data pointers and the phases.
-#include <torch/extension.h>
-
-#include <cstring>
-
-#include "deepep_nccl.h"
-
-namespace {
-
-// Returned (alone in the tuple) for input this path does not take; the caller then runs the
-// ctypes path, which raises the error naming the argument. No message is formatted here:
-// c10::str of a tensor's sizes segfaulted on the GPU machines' torch 2.11, even in a module
-// built with torch's compiler.
-constexpr int kBadInput = -2;
-
-using LlDispatchFn = int (*)(const DeepepBuffer*, const DeepepLowLatencyDispatchArgs*, void*, int*);
-using LlCombineFn = int (*)(const DeepepBuffer*, const DeepepLowLatencyCombineArgs*, void*, int*);
-
-int32_t dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kBool: return DEEPEP_DTYPE_BOOL;
-    case at::kByte: return DEEPEP_DTYPE_UINT8;
-    case at::kInt: return DEEPEP_DTYPE_INT32;
-    case at::kLong: return DEEPEP_DTYPE_INT64;
-    case at::kFloat: return DEEPEP_DTYPE_FLOAT32;
-    case at::kBFloat16: return DEEPEP_DTYPE_BFLOAT16;
-    case at::kHalf: return DEEPEP_DTYPE_FLOAT16;
-    case at::kFloat8_e4m3fn: return DEEPEP_DTYPE_FLOAT8_E4M3;
-    default: return 0;
-  }
-}
-
-// The C ABI's descriptor of t (strides in elements); false for a dtype or rank it cannot carry.
-// The Rust side checks shapes and dtypes against the op.
-bool describe(DeepepTensor& d, const at::Tensor& t) {
-  const int32_t code = dtype_code(t.scalar_type());
-  const int64_t n = t.dim();
-  if (code == 0 || n > DEEPEP_MAX_DIMS) return false;
-  std::memset(&d, 0, sizeof d);
-  d.data = t.data_ptr();
-  d.dtype = code;
-  d.ndim = int32_t(n);
-  const auto sizes = t.sizes();
-  const auto strides = t.strides();
-  for (int64_t i = 0; i < n; ++i) {
-    d.shape[i] = sizes[i];
-    d.strides[i] = strides[i];
-  }
-  return true;
-}
-
-bool describe(DeepepTensor& d, const c10::optional<at::Tensor>& t) {
-  if (t.has_value()) return describe(d, *t);
-  std::memset(&d, 0, sizeof d);
-  return true;
-}
-
-template <typename T>
-T* at_address(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
-// One dispatch shape (M, H, E, flags): its outputs' allocation arguments and its argument struct.
-class LlDispatchPlan {
- public:
-  LlDispatchPlan(uintptr_t args, std::vector<int64_t> recv_x_shape, bool use_fp8, std::vector<int64_t> scales_shape,
-                 std::vector<int64_t> scales_strides, bool use_ue8m0, int64_t local_experts, int64_t rows,
-                 int64_t num_ranks, int device)
-      : args_(at_address<DeepepLowLatencyDispatchArgs>(args)),
-        recv_x_shape_(std::move(recv_x_shape)),
-        scales_shape_(std::move(scales_shape)),
-        scales_strides_(std::move(scales_strides)),
-        use_fp8_(use_fp8),
-        local_experts_(local_experts),
-        rows_(rows),
-        num_ranks_(num_ranks),
-        device_(device) {
-    const auto on_device = at::TensorOptions().device(at::kCUDA, device);
-    recv_x_options_ = on_device.dtype(use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16);
-    scales_options_ = on_device.dtype(use_ue8m0 ? at::kInt : at::kFloat);
-    int32_options_ = on_device.dtype(at::kInt);
-    int64_options_ = on_device.dtype(at::kLong);
-  }
-
-  // (status, packed_recv_x, packed_recv_x_scales or None, packed_recv_count, packed_recv_src_info,
-  // packed_recv_layout_range): status is the C ABI's (nonzero: the caller raises); or (kBadInput,).
-  py::tuple run(uintptr_t fn, uintptr_t buffer, const at::Tensor& x, const at::Tensor& topk_idx,
-                const c10::optional<at::Tensor>& cumulative_local_expert_recv_stats,
-                const c10::optional<at::Tensor>& dispatch_wait_recv_cost_stats, int phases, uintptr_t stream,
-                uintptr_t buffer_idx) {
-    if (x.dim() != 2 || x.scalar_type() != at::kBFloat16 || !x.is_cuda() || x.get_device() != device_ ||
-        x.size(1) != recv_x_shape_[2])
-      return py::make_tuple(kBadInput);
-    DeepepLowLatencyDispatchArgs& a = *args_;
-    if (!describe(a.x, x) || !describe(a.topk_idx, topk_idx) ||
-        !describe(a.cumulative_local_expert_recv_stats, cumulative_local_expert_recv_stats) ||
-        !describe(a.dispatch_wait_recv_cost_stats, dispatch_wait_recv_cost_stats))
-      return py::make_tuple(kBadInput);
-    at::Tensor recv_x = at::empty(recv_x_shape_, recv_x_options_);
-    py::object scales_out = py::none();
-    a.packed_recv_x.data = recv_x.data_ptr();
-    if (use_fp8_) {
-      at::Tensor scales = at::empty_strided(scales_shape_, scales_strides_, scales_options_);
-      a.packed_recv_x_scales.data = scales.data_ptr();
-      scales_out = py::cast(scales);
-    }
-    at::Tensor count = at::empty({local_experts_}, int32_options_);
-    at::Tensor src_info = at::empty({local_experts_, rows_}, int32_options_);
-    at::Tensor layout_range = at::empty({local_experts_, num_ranks_}, int64_options_);
-    a.packed_recv_count.data = count.data_ptr();
-    a.packed_recv_src_info.data = src_info.data_ptr();
-    a.packed_recv_layout_range.data = layout_range.data_ptr();
-    a.phases = phases;
-    const int status = reinterpret_cast<LlDispatchFn>(fn)(reinterpret_cast<const DeepepBuffer*>(buffer), args_,
-                                                          reinterpret_cast<void*>(stream),
-                                                          at_address<int>(buffer_idx));
-    return py::make_tuple(status, recv_x, scales_out, count, src_info, layout_range);
-  }
-
- private:
-  DeepepLowLatencyDispatchArgs* args_;
-  std::vector<int64_t> recv_x_shape_, scales_shape_, scales_strides_;
-  bool use_fp8_;
-  int64_t local_experts_, rows_, num_ranks_;
-  int device_;
-  at::TensorOptions recv_x_options_, scales_options_, int32_options_, int64_options_;
-};
-
-// (status, combined_x) or (kBadInput,): one LL combine through the argument struct at `args`;
-// `out` (or a new [T, H] bfloat16 tensor on `device`) receives the result.
-py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, int device, const at::Tensor& x,
-                     const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& src_info,
-                     const at::Tensor& layout_range, const c10::optional<at::Tensor>& combine_wait_recv_cost_stats,
-                     const c10::optional<at::Tensor>& out, int64_t num_max_dispatch_tokens_per_rank,
-                     int64_t num_experts, bool use_logfmt, bool zero_copy, int phases, uintptr_t stream,
-                     uintptr_t buffer_idx) {
-  if (x.dim() != 3 || topk_idx.dim() < 1) return py::make_tuple(kBadInput);
-  at::Tensor combined_x =
-      out.has_value() ? *out
-                      : at::empty({topk_idx.size(0), x.size(2)}, at::TensorOptions().dtype(at::kBFloat16).device(
-                                                                      at::kCUDA, device));
-  DeepepLowLatencyCombineArgs& a = *at_address<DeepepLowLatencyCombineArgs>(args);
-  if (!describe(a.x, x) || !describe(a.topk_idx, topk_idx) || !describe(a.topk_weights, topk_weights) ||
-      !describe(a.src_info, src_info) || !describe(a.layout_range, layout_range) ||
-      !describe(a.combine_wait_recv_cost_stats, combine_wait_recv_cost_stats) || !describe(a.out, combined_x))
-    return py::make_tuple(kBadInput);
-  a.num_max_dispatch_tokens_per_rank = int32_t(num_max_dispatch_tokens_per_rank);
-  a.num_experts = int32_t(num_experts);
-  a.use_logfmt = use_logfmt ? 1 : 0;
-  a.zero_copy = zero_copy ? 1 : 0;
-  a.phases = phases;
-  a.reserved = 0;
-  const int status = reinterpret_cast<LlCombineFn>(fn)(reinterpret_cast<const DeepepBuffer*>(buffer), &a,
-                                                       reinterpret_cast<void*>(stream), at_address<int>(buffer_idx));
-  return py::make_tuple(status, combined_x);
-}
-
-}  // namespace
+// deepep-nccl's compiled host path (built on first use by _fast.py): per call it allocates the
+// outputs through torch's C++ API, fills the C ABI's argument structs and calls it, in one Python
+// call. The ctypes path does the same in about 1.5-2x the host time (bench/bench_ll_host.py,
+// bench/bench_normal.py's host rows). The ops: _fast_ll.h (low-latency), _fast_normal.h (layout,
+// normal dispatch and combine).
+#include "_fast_ll.h"
+#include "_fast_normal.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "deepep-nccl's compiled host path of the LL ops (see _fast.py)";
+  using namespace deepep_fast;
+  m.doc() = "deepep-nccl's compiled host path (see _fast.py)";
   m.attr("DISPATCH_ARGS_BYTES") = py::int_(sizeof(DeepepLowLatencyDispatchArgs));
   m.attr("COMBINE_ARGS_BYTES") = py::int_(sizeof(DeepepLowLatencyCombineArgs));
   m.attr("BAD_INPUT") = py::int_(kBadInput);
@@ -173,4 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t, int64_t, int>())
       .def("run", &LlDispatchPlan::run);
   m.def("ll_combine", &ll_combine);
+  py::class_<NormalOps>(m, "NormalOps")
+      .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int>())
+      .def("layout", &NormalOps::layout)
+      .def("dispatch", &NormalOps::dispatch)
+      .def("combine", &NormalOps::combine);
 }

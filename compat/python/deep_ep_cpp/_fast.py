@@ -1,9 +1,10 @@
-"""The compiled host path of the LL ops (_fast.cpp), built on first use and cached.
+"""The compiled host path of the ops (_fast.cpp with _fast_*.h: get_dispatch_layout, the normal
+and the low-latency dispatch/combine), built on first use and cached.
 
 `module()` returns the extension module, or None when it cannot be had: no torch, no C++
 compiler, no deepep_nccl.h, a failed build (a RuntimeWarning says why when torch is there), or
-DEEPEP_NCCL_FAST=0. The ops then take the ctypes path, which gives the same results in about 1.7x
-the host time. DEEPEP_NCCL_FAST=1 makes a failure an ImportError instead of a fallback.
+DEEPEP_NCCL_FAST=0. The ops then take the ctypes path, which gives the same results in about
+1.5-2x the host time. DEEPEP_NCCL_FAST=1 makes a failure an ImportError instead of a fallback.
 
 The build is one compiler call against the running torch's headers and libraries (no ninja),
 into DEEPEP_NCCL_FAST_CACHE (default ~/.cache/deepep_nccl), keyed by the sources, the torch and
@@ -24,6 +25,8 @@ from ._lib import torch
 _NAME = "_deepep_fast"
 _HERE = Path(__file__).resolve().parent
 _SOURCE = _HERE / "_fast.cpp"
+# What the build compiles: the module and the headers it includes (one translation unit).
+_SOURCES = (_SOURCE, _HERE / "_fast_common.h", _HERE / "_fast_ll.h", _HERE / "_fast_normal.h")
 _module = None
 _tried = False
 
@@ -74,8 +77,8 @@ def _load():
         raise RuntimeError("deepep_nccl.h not found")
     compiler = _compiler()
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), (header_dir / "deepep_nccl.h").read_bytes(), torch.__version__.encode(),
-                 sys.version.encode(), compiler.encode()):
+    for part in (*(p.read_bytes() for p in _SOURCES), (header_dir / "deepep_nccl.h").read_bytes(),
+                 torch.__version__.encode(), sys.version.encode(), compiler.encode()):
         key.update(part)
     cache = Path(os.environ.get("DEEPEP_NCCL_FAST_CACHE") or Path.home() / ".cache" / "deepep_nccl")
     directory = cache / key.hexdigest()[:20]
@@ -111,8 +114,8 @@ def module():
         if setting == "1":
             _tried = False  # every Buffer raises, not only the first
             raise ImportError(f"deepep-nccl: the compiled host path is unavailable: {e}") from e
-        if torch is not None:  # worth saying: each LL call now costs about 1.7x the host time
-            warnings.warn(f"deepep-nccl: the LL ops take the ctypes path (compiled host path unavailable: {e}; "
+        if torch is not None:  # worth saying: each call now costs about 1.5-2x the host time
+            warnings.warn(f"deepep-nccl: the ops take the ctypes path (compiled host path unavailable: {e}; "
                           "DEEPEP_NCCL_FAST=0 silences this)", RuntimeWarning, stacklevel=2)
         _module = None
     return _module

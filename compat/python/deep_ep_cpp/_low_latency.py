@@ -8,7 +8,6 @@ runs on the compute stream and hook() launches the receive phase on that same st
 import ctypes
 import struct
 
-from . import _fast
 from ._event import EventHandle
 from ._lib import DTYPE_BFLOAT16, DTYPE_FLOAT8_E4M3, DTYPE_FLOAT32, DTYPE_INT32, DTYPE_INT64
 from ._lib import check, lib, raise_status, tensor_fields
@@ -99,9 +98,7 @@ class LowLatencyMode(StreamProtocol):
     stream protocol)."""
 
     def _ll_init(self):
-        # Built (once per machine) or loaded here, in the collective constructor, not in a first
-        # dispatch that peers may already wait on; only LL buffers run the LL ops.
-        self._ll_fast = _fast.module() if self._low_latency_mode else None
+        self._ll_fast = self._fast  # loaded by the constructor; None: the ctypes path
         if self._ll_fast is not None:
             assert self._ll_fast.DISPATCH_ARGS_BYTES == _DISPATCH_ARGS.size
             assert self._ll_fast.COMBINE_ARGS_BYTES == _COMBINE_ARGS.size

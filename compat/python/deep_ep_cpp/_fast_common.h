@@ -1,0 +1,73 @@
+// Helpers shared by the compiled host path's ops (_fast.cpp is the module; one translation unit).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstring>
+
+#include "deepep_nccl.h"
+
+namespace deepep_fast {
+
+// Returned (alone in the tuple) for input this path does not take, always before anything is
+// launched; the caller then runs the ctypes path, which raises the error naming the argument.
+// No message is formatted here: c10::str of a tensor's sizes segfaulted on the GPU machines'
+// torch 2.11, even in a module built with torch's compiler.
+constexpr int kBadInput = -2;
+
+inline int32_t dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kBool: return DEEPEP_DTYPE_BOOL;
+    case at::kByte: return DEEPEP_DTYPE_UINT8;
+    case at::kInt: return DEEPEP_DTYPE_INT32;
+    case at::kLong: return DEEPEP_DTYPE_INT64;
+    case at::kFloat: return DEEPEP_DTYPE_FLOAT32;
+    case at::kBFloat16: return DEEPEP_DTYPE_BFLOAT16;
+    case at::kHalf: return DEEPEP_DTYPE_FLOAT16;
+    case at::kFloat8_e4m3fn: return DEEPEP_DTYPE_FLOAT8_E4M3;
+    default: return 0;
+  }
+}
+
+// The C ABI's descriptor of t (strides in elements); false for a dtype or rank it cannot carry.
+// The Rust side checks shapes and dtypes against the op.
+inline bool describe(DeepepTensor& d, const at::Tensor& t) {
+  const int32_t code = dtype_code(t.scalar_type());
+  const int64_t n = t.dim();
+  if (code == 0 || n > DEEPEP_MAX_DIMS) return false;
+  std::memset(&d, 0, sizeof d);
+  d.data = t.data_ptr();
+  d.dtype = code;
+  d.ndim = int32_t(n);
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  for (int64_t i = 0; i < n; ++i) {
+    d.shape[i] = sizes[i];
+    d.strides[i] = strides[i];
+  }
+  return true;
+}
+
+// An absent optional tensor is the all-zero descriptor, as the C ABI expects.
+inline bool describe(DeepepTensor& d, const c10::optional<at::Tensor>& t) {
+  if (t.has_value()) return describe(d, *t);
+  std::memset(&d, 0, sizeof d);
+  return true;
+}
+
+inline bool on_device(const at::Tensor& t, int device) { return t.is_cuda() && t.get_device() == device; }
+
+template <typename T>
+T* at_address(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+inline const DeepepBuffer* as_buffer(uintptr_t address) { return at_address<const DeepepBuffer>(address); }
+
+inline void* as_stream(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+inline py::object optional_tensor(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? py::cast(*t) : py::none();
+}
+
+}  // namespace deepep_fast
