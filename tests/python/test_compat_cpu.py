@@ -281,9 +281,12 @@ def test_compiled_normal_ops_fall_back_or_raise():
 
     class Module:
         BAD_INPUT = -2
+        DRIVER_ERROR = -3
 
     class Runtime(_normal.NormalMode):
         _comm_stream_ptr = 77
+        _stream_order = "order"
+        _compute_handle = 5
         _fast = Module()
 
         def __init__(self, ops):
@@ -291,16 +294,18 @@ def test_compiled_normal_ops_fall_back_or_raise():
 
     config = Config(24, 6, 256)
     ops = Ops((0, "recv_x", None))
-    assert Runtime(ops)._fast_with_config("dispatch", config, "handle", "x") == ("recv_x", None)
-    assert ops.calls == [("handle", "x", ctypes.addressof(config._c), 77)]
+    assert Runtime(ops)._fast_with_config("dispatch", config, 3, "handle", "x") == ("recv_x", None)
+    assert ops.calls == [("handle", "x", ctypes.addressof(config._c), 77, "order", 5, 3)]
     for answer in ((Module.BAD_INPUT,), TypeError("incompatible function arguments")):
-        assert Runtime(Ops(answer))._fast_with_config("dispatch", config, "handle") is None
-    assert Runtime(None)._fast_with_config("dispatch", config, "handle") is None
-    assert Runtime(Ops((0,)))._fast_with_config("dispatch", object(), "handle") is None  # not our Config
+        assert Runtime(Ops(answer))._fast_with_config("dispatch", config, 3, "handle") is None
+    assert Runtime(None)._fast_with_config("dispatch", config, 3, "handle") is None
+    assert Runtime(Ops((0,)))._fast_with_config("dispatch", object(), 3, "handle") is None  # not our Config
     status = _lib.lib.deepep_check_buffer_args(0, 2, 1000, 0, False)  # leaves a named error behind
     assert status != 0
     with pytest.raises(RuntimeError, match="num_nvl_bytes"):
-        Runtime(Ops((status,)))._fast_with_config("dispatch", config, "handle")
+        Runtime(Ops((status,)))._fast_with_config("dispatch", config, 3, "handle")
+    with pytest.raises(RuntimeError, match="CUDA driver error 700 while ordering"):
+        Runtime(Ops((Module.DRIVER_ERROR, 700)))._fast_with_config("dispatch", config, 3, "handle")
 
 
 def test_compiled_host_path_sources_ship_with_the_package():

@@ -76,6 +76,7 @@ class Buffer(NormalMode, LowLatencyMode):
     # Class-level defaults so that __del__ works when __init__ raised.
     _handle = None
     _normal_fast = None  # the compiled host path's NormalOps (after sync), else the ctypes path
+    _stream_order = None  # the compiled host path's StreamOrder (after sync)
 
     def __init__(
         self,
@@ -245,6 +246,8 @@ class Buffer(NormalMode, LowLatencyMode):
             self._device = _torch.device("cuda", self._device_id)
             self._sync_event = _torch.cuda.Event()
         if self._fast is not None:
+            with _on_device(self._device_id):  # the event of the compiled path's stream ordering
+                self._stream_order = self._fast.StreamOrder(self._device_id)
             self._normal_fast = self._fast.NormalOps(
                 *(ctypes.cast(fn, c_void_p).value for fn in (
                     lib.deepep_get_dispatch_layout, lib.deepep_intranode_dispatch_prepare,
@@ -263,18 +266,22 @@ class Buffer(NormalMode, LowLatencyMode):
         """DeepEP's layout with its stream protocol; returns (per rank, per rdma rank or None,
         per expert, is_token_in_rank, EventHandle or None)."""
         handle = self._live_handle()
-        comm, compute = self._op_begin(previous_event, async_, allocate_on_comm_stream)
+        comm, compute, order = self._op_begin(previous_event, async_, allocate_on_comm_stream)
         try:
             result = None
             fast = self._normal_fast
             if fast is not None:
-                result = self._fast_call(fast.layout, handle, topk_idx, num_experts, self._comm_stream_ptr)
+                result = self._fast_call(fast.layout, handle, topk_idx, num_experts, self._comm_stream_ptr,
+                                         self._stream_order, self._compute_handle, order)
             if result is None:
+                self._order_before(order, comm, compute)
                 result = self._layout_ctypes(handle, topk_idx, num_experts)
+            else:
+                order = 0  # the compiled path did the waits
         finally:
             self._op_allocated(compute, allocate_on_comm_stream)
         per_rank, per_rdma, per_expert, in_rank, counts = result
-        event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (topk_idx, counts, in_rank))
+        event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (topk_idx, counts, in_rank), order)
         return per_rank, per_rdma, per_expert, in_rank, event
 
     def _layout_ctypes(self, handle, topk_idx, num_experts):
@@ -287,6 +294,8 @@ class Buffer(NormalMode, LowLatencyMode):
             raise RuntimeError(
                 f"deepep-nccl: topk_idx must have dtype torch.int64 or torch.int32, got {topk_idx.dtype}"
             )
+        if num_experts <= 0:  # before sizing tensors by it
+            raise RuntimeError(f"deepep-nccl: num_experts must be positive, got {num_experts}")
         # One allocation for the three count vectors, plus is_token_in_rank.
         num_ranks = self._num_ranks
         num_rdma_ranks = self._num_layout_rdma_ranks

@@ -1,8 +1,8 @@
 // deepep-nccl's compiled host path (built on first use by _fast.py): per call it allocates the
 // outputs through torch's C++ API, fills the C ABI's argument structs and calls it, in one Python
-// call. The ctypes path does the same in about 1.5-2x the host time (bench/bench_ll_host.py,
-// bench/bench_normal.py's host rows). The ops: _fast_ll.h (low-latency), _fast_normal.h (layout,
-// normal dispatch and combine).
+// call, with the waits of DeepEP's stream protocol (_fast_streams.h). The ctypes path does the same
+// in about 1.3-2x the host time (bench/bench_ll_host.py, bench/bench_normal.py's host rows). The
+// ops: _fast_ll.h (low-latency), _fast_normal.h (layout, normal dispatch and combine).
 #include "_fast_ll.h"
 #include "_fast_normal.h"
 
@@ -12,6 +12,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("DISPATCH_ARGS_BYTES") = py::int_(sizeof(DeepepLowLatencyDispatchArgs));
   m.attr("COMBINE_ARGS_BYTES") = py::int_(sizeof(DeepepLowLatencyCombineArgs));
   m.attr("BAD_INPUT") = py::int_(kBadInput);
+  m.attr("DRIVER_ERROR") = py::int_(kDriverError);
+  m.attr("ORDER_BEFORE") = py::int_(kOrderBefore);
+  m.attr("ORDER_AFTER") = py::int_(kOrderAfter);
+  py::class_<StreamOrder>(m, "StreamOrder").def(py::init<int>()).def("usable", &StreamOrder::usable);
   py::class_<LlDispatchPlan>(m, "LlDispatchPlan")
       .def(py::init<uintptr_t, std::vector<int64_t>, bool, std::vector<int64_t>, std::vector<int64_t>, bool, int64_t,
                     int64_t, int64_t, int>())

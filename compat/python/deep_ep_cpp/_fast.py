@@ -26,7 +26,8 @@ _NAME = "_deepep_fast"
 _HERE = Path(__file__).resolve().parent
 _SOURCE = _HERE / "_fast.cpp"
 # What the build compiles: the module and the headers it includes (one translation unit).
-_SOURCES = (_SOURCE, _HERE / "_fast_common.h", _HERE / "_fast_ll.h", _HERE / "_fast_normal.h")
+_SOURCES = (_SOURCE, _HERE / "_fast_common.h", _HERE / "_fast_streams.h", _HERE / "_fast_ll.h",
+            _HERE / "_fast_normal.h")
 _module = None
 _tried = False
 
@@ -63,7 +64,7 @@ def _build(target, header_dir, compiler):
     cmd += [f"-isystem{p}" for p in cpp_extension.include_paths()]
     cmd += [str(_SOURCE), "-o", str(target)]
     cmd += [f"-L{p}" for p in lib_dirs] + [f"-Wl,-rpath,{p}" for p in lib_dirs]
-    cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-ldl"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")

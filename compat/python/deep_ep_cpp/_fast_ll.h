@@ -2,7 +2,7 @@
 // torch's C++ API, the C ABI's argument struct filled and called, in one Python call.
 #pragma once
 
-#include "_fast_common.h"
+#include "_fast_streams.h"
 
 namespace deepep_fast {
 
@@ -32,19 +32,22 @@ class LlDispatchPlan {
   }
 
   // (status, packed_recv_x, packed_recv_x_scales or None, packed_recv_count, packed_recv_src_info,
-  // packed_recv_layout_range): status is the C ABI's (nonzero: the caller raises); or (kBadInput,).
+  // packed_recv_layout_range): status is the C ABI's (nonzero: the caller raises); or (kBadInput,),
+  // or (kDriverError, code). The launch on `stream` is ordered against `compute` as `order_flags` say.
   py::tuple run(uintptr_t fn, uintptr_t buffer, const at::Tensor& x, const at::Tensor& topk_idx,
                 const c10::optional<at::Tensor>& cumulative_local_expert_recv_stats,
                 const c10::optional<at::Tensor>& dispatch_wait_recv_cost_stats, int phases, uintptr_t stream,
-                uintptr_t buffer_idx) {
+                uintptr_t buffer_idx, const StreamOrder& order, uintptr_t compute, int order_flags) {
+    const Ordering ordering{&order, compute, order_flags};
     if (x.dim() != 2 || x.scalar_type() != at::kBFloat16 || !x.is_cuda() || x.get_device() != device_ ||
-        x.size(1) != recv_x_shape_[2])
+        x.size(1) != recv_x_shape_[2] || !ordering.usable())
       return py::make_tuple(kBadInput);
     DeepepLowLatencyDispatchArgs& a = *args_;
     if (!describe(a.x, x) || !describe(a.topk_idx, topk_idx) ||
         !describe(a.cumulative_local_expert_recv_stats, cumulative_local_expert_recv_stats) ||
         !describe(a.dispatch_wait_recv_cost_stats, dispatch_wait_recv_cost_stats))
       return py::make_tuple(kBadInput);
+    if (const int error = ordering.before(stream)) return driver_error(error);
     at::Tensor recv_x = at::empty(recv_x_shape_, recv_x_options_);
     py::object scales_out = py::none();
     a.packed_recv_x.data = recv_x.data_ptr();
@@ -62,6 +65,8 @@ class LlDispatchPlan {
     a.phases = phases;
     const int status =
         reinterpret_cast<LlDispatchFn>(fn)(as_buffer(buffer), args_, as_stream(stream), at_address<int>(buffer_idx));
+    if (status == 0)
+      if (const int error = ordering.after(stream)) return driver_error(error);
     return py::make_tuple(status, recv_x, scales_out, count, src_info, layout_range);
   }
 
@@ -74,15 +79,16 @@ class LlDispatchPlan {
   at::TensorOptions recv_x_options_, scales_options_, int32_options_, int64_options_;
 };
 
-// (status, combined_x) or (kBadInput,): one LL combine through the argument struct at `args`;
-// `out` (or a new [T, H] bfloat16 tensor on `device`) receives the result.
+// (status, combined_x), (kBadInput,) or (kDriverError, code): one LL combine through the argument
+// struct at `args`; `out` (or a new [T, H] bfloat16 tensor on `device`) receives the result.
 inline py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, int device, const at::Tensor& x,
                             const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& src_info,
                             const at::Tensor& layout_range, const c10::optional<at::Tensor>& combine_wait_recv_cost_stats,
                             const c10::optional<at::Tensor>& out, int64_t num_max_dispatch_tokens_per_rank,
                             int64_t num_experts, bool use_logfmt, bool zero_copy, int phases, uintptr_t stream,
-                            uintptr_t buffer_idx) {
-  if (x.dim() != 3 || topk_idx.dim() < 1) return py::make_tuple(kBadInput);
+                            uintptr_t buffer_idx, const StreamOrder& order, uintptr_t compute, int order_flags) {
+  const Ordering ordering{&order, compute, order_flags};
+  if (x.dim() != 3 || topk_idx.dim() < 1 || !ordering.usable()) return py::make_tuple(kBadInput);
   at::Tensor combined_x =
       out.has_value() ? *out
                       : at::empty({topk_idx.size(0), x.size(2)}, at::TensorOptions().dtype(at::kBFloat16).device(
@@ -92,6 +98,7 @@ inline py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, int 
       !describe(a.src_info, src_info) || !describe(a.layout_range, layout_range) ||
       !describe(a.combine_wait_recv_cost_stats, combine_wait_recv_cost_stats) || !describe(a.out, combined_x))
     return py::make_tuple(kBadInput);
+  if (const int error = ordering.before(stream)) return driver_error(error);
   a.num_max_dispatch_tokens_per_rank = int32_t(num_max_dispatch_tokens_per_rank);
   a.num_experts = int32_t(num_experts);
   a.use_logfmt = use_logfmt ? 1 : 0;
@@ -100,6 +107,8 @@ inline py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, int 
   a.reserved = 0;
   const int status =
       reinterpret_cast<LlCombineFn>(fn)(as_buffer(buffer), &a, as_stream(stream), at_address<int>(buffer_idx));
+  if (status == 0)
+    if (const int error = ordering.after(stream)) return driver_error(error);
   return py::make_tuple(status, combined_x);
 }
 

@@ -1,12 +1,13 @@
 // get_dispatch_layout and the normal-mode ops (intranode dispatch / combine) of the compiled host
 // path: the same steps as the ctypes path in _buffer.py / _normal.py (allocate the outputs, fill
-// the C ABI's structs, call it), without the Python-level cost of each. The stream protocol stays
-// in Python (_streams.py).
+// the C ABI's structs, call it), without the Python-level cost of each. The waits of DeepEP's stream
+// protocol are done here (order flags, _fast_streams.h); events for async_finish and
+// allocate_on_comm_stream stay in Python (_streams.py).
 #pragma once
 
 #include <vector>
 
-#include "_fast_common.h"
+#include "_fast_streams.h"
 
 namespace deepep_fast {
 
@@ -38,15 +39,20 @@ class NormalOps {
     on_device_ = at::TensorOptions().device(at::kCUDA, device);
   }
 
-  // (status, per_rank, per_rdma_rank or None, per_expert, is_token_in_rank, counts) or
-  // (kBadInput,). The three count vectors are views of `counts`, one allocation.
-  py::tuple layout(uintptr_t buffer, const at::Tensor& topk_idx, int64_t num_experts, uintptr_t stream) {
+  // (status, per_rank, per_rdma_rank or None, per_expert, is_token_in_rank, counts), (status,),
+  // (kBadInput,) or (kDriverError, code). The three count vectors are views of `counts`, one
+  // allocation. Each op launches on `stream` (the comm stream), ordered against `compute` as
+  // `order_flags` say.
+  py::tuple layout(uintptr_t buffer, const at::Tensor& topk_idx, int64_t num_experts, uintptr_t stream,
+                   const StreamOrder& order, uintptr_t compute, int order_flags) {
+    const Ordering ordering{&order, compute, order_flags};
     const auto idx_type = topk_idx.scalar_type();
     if ((idx_type != at::kLong && idx_type != at::kInt) || !on_device(topk_idx, device_) || num_experts <= 0 ||
-        num_experts > INT32_MAX)
+        num_experts > INT32_MAX || !ordering.usable())
       return py::make_tuple(kBadInput);
     DeepepTensor topk, per_rank_desc, per_rdma_desc, per_expert_desc, in_rank_desc;
     if (!describe(topk, topk_idx)) return py::make_tuple(kBadInput);
+    if (const int error = ordering.before(stream)) return driver_error(error);
     const int64_t num_tokens = topk_idx.dim() > 0 ? topk_idx.size(0) : 0;
     at::Tensor counts = at::empty({num_ranks_ + num_rdma_ranks_ + num_experts}, on_device_.dtype(at::kInt));
     at::Tensor in_rank = at::empty({num_tokens, num_ranks_}, on_device_.dtype(at::kBool));
@@ -64,20 +70,24 @@ class NormalOps {
     const int status = layout_fn_(as_buffer(buffer), &topk, int(num_experts), &per_rank_desc,
                                   num_rdma_ranks_ > 0 ? &per_rdma_desc : nullptr, &per_expert_desc, &in_rank_desc,
                                   as_stream(stream));
+    if (status != 0) return py::make_tuple(status);
+    if (const int error = ordering.after(stream)) return driver_error(error);
     return py::make_tuple(status, per_rank, per_rdma, per_expert, in_rank, counts);
   }
 
   // (status, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
   // rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, send_head,
   // the int32 allocation behind the matrices) with None for absent outputs, (status,) for a failed
-  // call, or (kBadInput,). `config` is the address of a DeepepConfig.
+  // call, (kBadInput,) or (kDriverError, code). `config` is the address of a DeepepConfig.
   py::tuple dispatch(uintptr_t buffer, const at::Tensor& x, const c10::optional<at::Tensor>& x_scales,
                      const c10::optional<at::Tensor>& topk_idx, const c10::optional<at::Tensor>& topk_weights,
                      const c10::optional<at::Tensor>& num_tokens_per_rank, const at::Tensor& is_token_in_rank,
                      const c10::optional<at::Tensor>& num_tokens_per_expert, int64_t cached_num_recv_tokens,
                      const c10::optional<at::Tensor>& cached_rank_prefix_matrix,
                      const c10::optional<at::Tensor>& cached_channel_prefix_matrix, int64_t expert_alignment,
-                     int64_t num_worst_tokens, uintptr_t config, uintptr_t stream) {
+                     int64_t num_worst_tokens, uintptr_t config, uintptr_t stream, const StreamOrder& order,
+                     uintptr_t compute, int order_flags) {
+    const Ordering ordering{&order, compute, order_flags};
     const bool cached = cached_rank_prefix_matrix.has_value();
     // Everything that could send this call down the ctypes path is checked before the first
     // launch: the notify kernel must run once per call.
@@ -85,7 +95,8 @@ class NormalOps {
         (cached && !on_device(*cached_rank_prefix_matrix, device_)) || (x_scales.has_value() && x_scales->dim() != 2) ||
         (topk_idx.has_value() && topk_idx->dim() != 2) || (topk_weights.has_value() && topk_weights->dim() != 2) ||
         (!cached && num_tokens_per_expert.has_value() && num_tokens_per_expert->dim() != 1) ||
-        expert_alignment > INT32_MAX || num_worst_tokens > INT32_MAX || cached_num_recv_tokens > INT32_MAX)
+        expert_alignment > INT32_MAX || num_worst_tokens > INT32_MAX || cached_num_recv_tokens > INT32_MAX ||
+        !ordering.usable())
       return py::make_tuple(kBadInput);
     DeepepIntranodeDispatchArgs& a = dispatch_args_;
     std::memcpy(&a.config, at_address<const DeepepConfig>(config), sizeof a.config);
@@ -124,6 +135,7 @@ class NormalOps {
     a.expert_alignment = int32_t(expert_alignment);
     a.num_worst_tokens = int32_t(num_worst_tokens);
     a.reserved = 0;
+    if (const int error = ordering.before(stream)) return driver_error(error);
 
     int num_recv = 0;
     int status;
@@ -171,18 +183,21 @@ class NormalOps {
     describe(o.recv_src_idx, recv_src_idx);
     status = dispatch_fn_(as_buffer(buffer), &a, &o, as_stream(stream));
     if (status != 0) return py::make_tuple(status);
+    if (const int error = ordering.after(stream)) return driver_error(error);
     return py::make_tuple(status, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list,
                           rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, send_head, ints);
   }
 
-  // (status, combined_x, combined_topk_weights or None), (status,) for a failed call, or (kBadInput,).
+  // (status, combined_x, combined_topk_weights or None), (status,) for a failed call, (kBadInput,)
+  // or (kDriverError, code).
   py::tuple combine(uintptr_t buffer, const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
                     const c10::optional<at::Tensor>& bias_0, const c10::optional<at::Tensor>& bias_1,
                     const at::Tensor& src_idx, const at::Tensor& rank_prefix_matrix,
                     const at::Tensor& channel_prefix_matrix, const at::Tensor& send_head, uintptr_t config,
-                    uintptr_t stream) {
+                    uintptr_t stream, const StreamOrder& order, uintptr_t compute, int order_flags) {
+    const Ordering ordering{&order, compute, order_flags};
     if (!on_device(x, device_) || !on_device(send_head, device_) || x.dim() < 1 || send_head.dim() < 1 ||
-        (topk_weights.has_value() && topk_weights->dim() != 2))
+        (topk_weights.has_value() && topk_weights->dim() != 2) || !ordering.usable())
       return py::make_tuple(kBadInput);
     std::vector<int64_t> combined_shape(x.sizes().begin(), x.sizes().end());
     combined_shape[0] = send_head.size(0);
@@ -198,8 +213,10 @@ class NormalOps {
         !describe(a.combined_x, combined_x) || !describe(a.combined_topk_weights, combined_topk_weights))
       return py::make_tuple(kBadInput);
     std::memcpy(&a.config, at_address<const DeepepConfig>(config), sizeof a.config);
+    if (const int error = ordering.before(stream)) return driver_error(error);
     const int status = combine_fn_(as_buffer(buffer), &a, as_stream(stream));
     if (status != 0) return py::make_tuple(status);
+    if (const int error = ordering.after(stream)) return driver_error(error);
     return py::make_tuple(status, combined_x, optional_tensor(combined_topk_weights));
   }
 

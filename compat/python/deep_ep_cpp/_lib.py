@@ -181,6 +181,11 @@ def raise_status(status):
     raise RuntimeError(f"{lib.deepep_status_string(status).decode()}: {message}")
 
 
+def raise_driver_error(code):
+    """Raises for a failed CUDA driver call of the compiled host path's stream ordering."""
+    raise RuntimeError(f"deepep-nccl: CUDA driver error {code} while ordering the comm and compute streams")
+
+
 def check(status):
     if status:
         raise_status(status)

@@ -10,9 +10,10 @@ import struct
 
 from ._event import EventHandle
 from ._lib import DTYPE_BFLOAT16, DTYPE_FLOAT8_E4M3, DTYPE_FLOAT32, DTYPE_INT32, DTYPE_INT64
-from ._lib import check, lib, raise_status, tensor_fields
+from ._lib import check, lib, raise_driver_error, raise_status, tensor_fields
 from ._lib import torch as _torch
-from ._streams import StreamProtocol, stream_handle, stream_wait_stream, without_torch_function
+from ._streams import (ORDER_AFTER, ORDER_BEFORE, StreamProtocol, stream_handle, stream_wait_stream,
+                       without_torch_function)
 
 _TENSOR = "Pii4q4q"
 _DISPATCH_ARGS = struct.Struct("@" + _TENSOR * 9 + "6i0P")
@@ -102,6 +103,7 @@ class LowLatencyMode(StreamProtocol):
         if self._ll_fast is not None:
             assert self._ll_fast.DISPATCH_ARGS_BYTES == _DISPATCH_ARGS.size
             assert self._ll_fast.COMBINE_ARGS_BYTES == _COMBINE_ARGS.size
+            assert (self._ll_fast.ORDER_BEFORE, self._ll_fast.ORDER_AFTER) == (ORDER_BEFORE, ORDER_AFTER)
         self._ll_dispatch_fn = ctypes.cast(lib.deepep_low_latency_dispatch, ctypes.c_void_p).value
         self._ll_combine_fn = ctypes.cast(lib.deepep_low_latency_combine, ctypes.c_void_p).value
         self._ll_dispatch_shapes = {}
@@ -110,24 +112,34 @@ class LowLatencyMode(StreamProtocol):
         self._ll_idx_addr = ctypes.addressof(self._ll_idx)
 
     def _ll_streams(self, async_, return_recv_hook):
-        """(compute stream, launch stream, phases) of an LL call."""
+        """(compute stream, launch stream, its C ABI handle, phases, order) of an LL call: a hook's
+        send runs on the compute stream, otherwise the comm stream waits for the compute stream
+        (ORDER_BEFORE) and, without async, the compute stream for the launch (ORDER_AFTER); the
+        compiled path does these waits around its launch, the ctypes path here."""
         if async_ and return_recv_hook:
             raise RuntimeError("deepep-nccl: async_finish and return_recv_hook cannot both be set (as in DeepEP)")
         compute = self._current_stream()
         if return_recv_hook:
-            return compute, compute, _SEND
+            return compute, compute, self._compute_handle, _SEND, 0
         stream = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
-        stream_wait_stream(self._sync_event, stream, compute)
-        return compute, stream, _BOTH
+        return compute, stream, self._comm_stream_ptr, _BOTH, ORDER_BEFORE if async_ else ORDER_BEFORE | ORDER_AFTER
 
-    def _ll_finish(self, status, fn, args_buffer, phases_at, compute, stream, async_, return_recv_hook):
-        """Raises for a failed launch; returns (event, hook)."""
+    def _ll_fast_status(self, result):
+        """The C ABI status of a compiled-path result; raises if its stream ordering failed."""
+        status = result[0]
+        if status == self._ll_fast.DRIVER_ERROR:
+            raise_driver_error(result[1])
+        return status
+
+    def _ll_finish(self, status, fn, args_buffer, phases_at, compute, stream, async_, return_recv_hook, order):
+        """Raises for a failed launch; returns (event, hook). `order`: the waits still to do
+        (only ORDER_AFTER is left here; 0 after the compiled path)."""
         if status:
             raise_status(status)
         event = hook = None
         if async_:
             event = EventHandle(stream)
-        elif not return_recv_hook:
+        elif order & ORDER_AFTER:
             stream_wait_stream(self._sync_event, compute, stream)
         if return_recv_hook:
             # The hook owns a copy of the arguments (the shared struct is reused by the next call).
@@ -145,10 +157,11 @@ class LowLatencyMode(StreamProtocol):
 
     def _ll_launch(self, handle, fn, args_buffer, phases_at, async_, return_recv_hook):
         """The ctypes path: runs fn's send (hook) or both phases; returns (event, hook)."""
-        compute, stream, phases = self._ll_streams(async_, return_recv_hook)
+        compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
         struct.pack_into("@i", args_buffer, phases_at, phases)
-        status = fn(handle, ctypes.addressof(args_buffer), stream_handle(stream), self._ll_idx_addr)
-        return self._ll_finish(status, fn, args_buffer, phases_at, compute, stream, async_, return_recv_hook)
+        self._order_before(order, stream, compute)
+        status = fn(handle, ctypes.addressof(args_buffer), stream_ptr, self._ll_idx_addr)
+        return self._ll_finish(status, fn, args_buffer, phases_at, compute, stream, async_, return_recv_hook, order)
 
     @without_torch_function
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
@@ -176,12 +189,14 @@ class LowLatencyMode(StreamProtocol):
                                    *key[3:], self._ll_fast, self._device_id)
             shapes[key] = shape
         if shape.plan is not None:
-            compute, stream, phases = self._ll_streams(async_, return_recv_hook)
+            compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
             result = shape.plan.run(self._ll_dispatch_fn, handle, x, topk_idx, cumulative_local_expert_recv_stats,
-                                    dispatch_wait_recv_cost_stats, phases, stream_handle(stream), self._ll_idx_addr)
+                                    dispatch_wait_recv_cost_stats, phases, stream_ptr, self._ll_idx_addr,
+                                    self._stream_order, self._compute_handle, order)
             if result[0] != self._ll_fast.BAD_INPUT:
-                return result[1:] + self._ll_finish(result[0], lib.deepep_low_latency_dispatch, shape.args,
-                                                    _DISPATCH_PHASES_AT, compute, stream, async_, return_recv_hook)
+                return result[1:] + self._ll_finish(self._ll_fast_status(result), lib.deepep_low_latency_dispatch,
+                                                    shape.args, _DISPATCH_PHASES_AT, compute, stream, async_,
+                                                    return_recv_hook, 0)
             # Input the compiled path does not take: the ctypes path below names the argument.
         self._check_ll_x(x)
         torch = _torch
@@ -233,14 +248,15 @@ class LowLatencyMode(StreamProtocol):
         args = self._ll_combine_args
         fast = self._ll_fast
         if fast is not None:
-            compute, stream, phases = self._ll_streams(async_, return_recv_hook)
+            compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
             result = fast.ll_combine(
                 self._ll_combine_fn, handle, ctypes.addressof(args), self._device_id, x, topk_idx, topk_weights,
                 src_info, layout_range, combine_wait_recv_cost_stats, out, num_max_dispatch_tokens_per_rank,
-                num_experts, bool(use_logfmt), bool(zero_copy), phases, stream_handle(stream), self._ll_idx_addr)
+                num_experts, bool(use_logfmt), bool(zero_copy), phases, stream_ptr, self._ll_idx_addr,
+                self._stream_order, self._compute_handle, order)
             if result[0] != fast.BAD_INPUT:
-                event, hook = self._ll_finish(result[0], lib.deepep_low_latency_combine, args, _COMBINE_PHASES_AT,
-                                              compute, stream, async_, return_recv_hook)
+                event, hook = self._ll_finish(self._ll_fast_status(result), lib.deepep_low_latency_combine, args,
+                                              _COMBINE_PHASES_AT, compute, stream, async_, return_recv_hook, 0)
                 return result[1], event, hook
             # Input the compiled path does not take: the ctypes path below names the argument.
         torch = _torch

@@ -9,7 +9,7 @@ charge)."""
 import ctypes
 import struct
 
-from ._lib import lib, raise_status, tensor_fields
+from ._lib import lib, raise_driver_error, raise_status, tensor_fields
 from ._lib import torch as _torch
 from ._streams import StreamProtocol, without_torch_function
 
@@ -55,18 +55,21 @@ class NormalMode(StreamProtocol):
                 f"got one on {t.device}"
             )
 
-    def _fast_with_config(self, op_name, config, *args):
-        """_fast_call of the compiled path's normal op `op_name` with the config's C struct and the
-        comm stream appended; None without the compiled path or for a config it cannot read."""
+    def _fast_with_config(self, op_name, config, order, *args):
+        """_fast_call of the compiled path's normal op `op_name` with the config's C struct, the comm
+        stream and the stream ordering (`order`: _op_begin's) appended; None without the compiled
+        path or for a config it cannot read."""
         fast = self._normal_fast
         c_config = getattr(config, "_c", None)
         if fast is None or c_config is None:
             return None
-        return self._fast_call(getattr(fast, op_name), *args, ctypes.addressof(c_config), self._comm_stream_ptr)
+        return self._fast_call(getattr(fast, op_name), *args, ctypes.addressof(c_config), self._comm_stream_ptr,
+                               self._stream_order, self._compute_handle, order)
 
     def _fast_call(self, op, *args):
         """Runs `op` of the compiled host path: its result without the status, or None for input
-        it does not take (the ctypes path then names the argument); raises for a failed call."""
+        it does not take (the ctypes path then names the argument, and nothing was launched or
+        ordered); raises for a failed call."""
         try:
             result = op(*args)
         except TypeError:  # an argument pybind cannot convert (e.g. None for a tensor)
@@ -74,6 +77,8 @@ class NormalMode(StreamProtocol):
         status = result[0]
         if status == self._fast.BAD_INPUT:
             return None
+        if status == self._fast.DRIVER_ERROR:
+            raise_driver_error(result[1])
         if status:
             raise_status(status)
         return result[1:]
@@ -88,13 +93,16 @@ class NormalMode(StreamProtocol):
         num_recv_tokens_per_expert_list, rank_prefix_matrix, channel_prefix_matrix,
         recv_channel_prefix_matrix, recv_src_idx, send_head, event)."""
         handle = self._live_handle()
-        comm, compute = self._op_begin(previous_event, async_, allocate_on_comm_stream)
+        comm, compute, order = self._op_begin(previous_event, async_, allocate_on_comm_stream)
         try:
             result = self._fast_with_config(
-                "dispatch", config, handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
+                "dispatch", config, order, handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
                 is_token_in_rank, num_tokens_per_expert, cached_num_recv_tokens, cached_rank_prefix_matrix,
                 cached_channel_prefix_matrix, expert_alignment, num_worst_tokens)
-            if result is None:
+            if result is not None:
+                order = 0  # the compiled path did the waits
+            else:
+                self._order_before(order, comm, compute)
                 result = self._dispatch_ctypes(
                     handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                     num_tokens_per_expert, cached_num_recv_tokens, cached_rank_prefix_matrix,
@@ -105,7 +113,8 @@ class NormalMode(StreamProtocol):
          recv_channel_prefix, recv_src_idx, send_head, ints) = result
         event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (
             x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-            ints, rank_prefix, channel_prefix, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx))
+            ints, rank_prefix, channel_prefix, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx),
+            order)
         return (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, rank_prefix,
                 channel_prefix, recv_channel_prefix, recv_src_idx, send_head, event)
 
@@ -194,11 +203,14 @@ class NormalMode(StreamProtocol):
     ):
         """DeepEP's (combined_x, combined_topk_weights, event)."""
         handle = self._live_handle()
-        comm, compute = self._op_begin(previous_event, async_, allocate_on_comm_stream)
+        comm, compute, order = self._op_begin(previous_event, async_, allocate_on_comm_stream)
         try:
-            result = self._fast_with_config("combine", config, handle, x, topk_weights, bias_0, bias_1, src_idx,
-                                            rank_prefix_matrix, channel_prefix_matrix, send_head)
-            if result is None:
+            result = self._fast_with_config("combine", config, order, handle, x, topk_weights, bias_0, bias_1,
+                                            src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head)
+            if result is not None:
+                order = 0  # the compiled path did the waits
+            else:
+                self._order_before(order, comm, compute)
                 result = self._combine_ctypes(handle, x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix,
                                               channel_prefix_matrix, send_head, config)
         finally:
@@ -206,7 +218,7 @@ class NormalMode(StreamProtocol):
         combined_x, combined_topk_weights = result
         event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (
             x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head,
-            combined_x, combined_topk_weights))
+            combined_x, combined_topk_weights), order)
         return combined_x, combined_topk_weights, event
 
     def _combine_ctypes(self, handle, x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix,

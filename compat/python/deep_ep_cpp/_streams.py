@@ -41,6 +41,13 @@ def stream_handle(stream):
     return stream.cuda_stream or CUDA_STREAM_LEGACY
 
 
+# The waits of DeepEP's protocol an op still has to do (the compiled path's order flags, the same
+# values as _fast_streams.h's): the launch stream after the compute stream, and the compute stream
+# after the launch. The compiled path does them around its launch; the ctypes path here.
+ORDER_BEFORE = 1
+ORDER_AFTER = 2
+
+
 def without_torch_function(method):
     """Runs an op's Python path with torch-function modes (and subclass hooks) disabled."""
 
@@ -57,18 +64,23 @@ class StreamProtocol:
 
     _compute_key = None
     _compute_stream = None
+    _compute_handle = None
 
     def _current_stream(self):
         """The device's current (compute) stream. torch.cuda.current_stream() builds a Stream
-        object per call (about 1 us): keep the last one while the current stream stays the same."""
+        object per call (about 1 us): keep the last one (and its handle, _compute_handle) while the
+        current stream stays the same."""
         key = _current_stream_key(self._device_id)
         if key != self._compute_key:
             self._compute_key = key
             self._compute_stream = _torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            self._compute_handle = stream_handle(self._compute_stream)
         return self._compute_stream
 
     def _op_begin(self, previous_event, async_, allocate_on_comm_stream):
-        """Orders the comm stream after the inputs; returns (comm, compute). When
+        """Orders the comm stream after previous_event if given; returns (comm, compute, order):
+        `order` holds the waits still to do (ORDER_BEFORE without previous_event, ORDER_AFTER
+        without async), by the compiled path or by _order_before() and _op_end(). When
         allocate_on_comm_stream, the comm stream is current until _op_allocated()."""
         comm = self._comm_stream
         if comm is None:
@@ -76,13 +88,19 @@ class StreamProtocol:
         if allocate_on_comm_stream and (previous_event is None or not async_):
             raise RuntimeError("deepep-nccl: allocate_on_comm_stream requires previous_event and async")
         compute = self._current_stream()
+        order = 0 if async_ else ORDER_AFTER
         if previous_event is not None:
             previous_event.event.wait(comm)
         else:
-            stream_wait_stream(self._sync_event, comm, compute)
+            order |= ORDER_BEFORE
         if allocate_on_comm_stream:
             _torch.cuda.set_stream(comm)
-        return comm, compute
+        return comm, compute, order
+
+    def _order_before(self, order, stream, compute):
+        """The ctypes path's ORDER_BEFORE wait: stream after compute's work so far."""
+        if order & ORDER_BEFORE:
+            stream_wait_stream(self._sync_event, stream, compute)
 
     @staticmethod
     def _op_allocated(compute, allocate_on_comm_stream):
@@ -90,8 +108,9 @@ class StreamProtocol:
         if allocate_on_comm_stream:
             _torch.cuda.set_stream(compute)
 
-    def _op_end(self, comm, compute, async_, allocate_on_comm_stream, tensors):
-        """Returns the EventHandle (async) or None after making compute wait for comm."""
+    def _op_end(self, comm, compute, async_, allocate_on_comm_stream, tensors, order):
+        """Returns the EventHandle (async) or None, after making compute wait for comm if `order`
+        still holds ORDER_AFTER (the compiled path did it: 0)."""
         if async_:
             event = EventHandle(comm)
             for t in tensors:
@@ -100,5 +119,6 @@ class StreamProtocol:
                     if allocate_on_comm_stream:
                         t.record_stream(compute)
             return event
-        stream_wait_stream(self._sync_event, compute, comm)
+        if order & ORDER_AFTER:
+            stream_wait_stream(self._sync_event, compute, comm)
         return None
