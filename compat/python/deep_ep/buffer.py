@@ -365,8 +365,9 @@ class Buffer:
     ) -> Tuple[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor, Tuple, EventOverlap, Callable]:
         """DeepEP's low-latency dispatch: one copy per (token, selected expert) into the packed
         [E_l, R*M, H] layout. Returns (recv_x, recv_count, handle, event, hook)."""
-        _check_extension_kwargs("low_latency_dispatch", kwargs, _LOW_LATENCY_DISPATCH_EXTENSIONS)
-        if kwargs.get("use_nvfp4"):
+        if kwargs:  # a fork's keywords (the hot path has none)
+            _check_extension_kwargs("low_latency_dispatch", kwargs, _LOW_LATENCY_DISPATCH_EXTENSIONS)
+        if kwargs and kwargs.get("use_nvfp4"):
             raise RuntimeError("deepep-nccl: low_latency_dispatch(use_nvfp4=True) is not supported; use use_fp8")
         (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info, packed_recv_layout_range,
          event, hook) = self.runtime.low_latency_dispatch(
@@ -397,8 +398,9 @@ class Buffer:
     ) -> Tuple[torch.Tensor, EventOverlap, Callable]:
         """DeepEP's low-latency combine: the top-k weighted sum (fp32, rounded to BF16) of each
         token's expert outputs. Returns (combined_x, event, hook)."""
-        _check_extension_kwargs("low_latency_combine", kwargs, _LOW_LATENCY_COMBINE_EXTENSIONS)
-        if kwargs.get("overlap"):
+        if kwargs:  # a fork's keywords (the hot path has none)
+            _check_extension_kwargs("low_latency_combine", kwargs, _LOW_LATENCY_COMBINE_EXTENSIONS)
+        if kwargs and kwargs.get("overlap"):
             raise RuntimeError("deepep-nccl: low_latency_combine(overlap=True) is not supported")
         src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts = handle
         if x.dim() == 3 and x.shape[2] != hidden:
