@@ -21,6 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t, int64_t, int>())
       .def("run", &LlDispatchPlan::run);
   m.def("ll_combine", &ll_combine);
+  m.def("set_status_raiser", &set_status_raiser);
+  py::class_<LlDispatchHook>(m, "LlDispatchHook").def("__call__", &LlDispatchHook::operator());
+  py::class_<LlCombineHook>(m, "LlCombineHook").def("__call__", &LlCombineHook::operator());
   py::class_<NormalOps>(m, "NormalOps")
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int>())
       .def("layout", &NormalOps::layout)

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <stdexcept>
 
 #include "deepep_nccl.h"
 

@@ -9,6 +9,54 @@ namespace deepep_fast {
 using LlDispatchFn = int (*)(const DeepepBuffer*, const DeepepLowLatencyDispatchArgs*, void*, int*);
 using LlCombineFn = int (*)(const DeepepBuffer*, const DeepepLowLatencyCombineArgs*, void*, int*);
 
+// Phases of an LL op (its args' `phases`): the send, the receive, or both.
+constexpr int kPhaseSend = 1;
+constexpr int kPhaseRecv = 2;
+
+// deep_ep_cpp's raise_status (set once by set_status_raiser): a failed hook raises the library's
+// error exactly as the ctypes path does. Never destroyed: no destructor may run at interpreter exit.
+inline py::object*& status_raiser() {
+  static py::object* raiser = nullptr;
+  return raiser;
+}
+
+inline void set_status_raiser(py::object raiser) {
+  if (status_raiser() == nullptr) status_raiser() = new py::object(std::move(raiser));
+}
+
+// DeepEP's `hook` of a return_recv_hook=True LL op: launches the receive phase with a copy of the
+// op's arguments, on the stream its send ran on, into the buffer half the send used. Keeps the
+// deep_ep_cpp.Buffer (`owner`) alive, as the buffer handle must stay valid. Hidden, as pybind's
+// own types are: it holds a py::object.
+template <typename Args>
+class __attribute__((visibility("hidden"))) LlRecvHook {
+ public:
+  using Fn = int (*)(const DeepepBuffer*, const Args*, void*, int*);
+
+  LlRecvHook(Fn fn, uintptr_t buffer, const Args& args, uintptr_t stream, int buffer_idx, py::object owner)
+      : fn_(fn), buffer_(buffer), args_(args), stream_(stream), buffer_idx_(buffer_idx), owner_(std::move(owner)) {
+    args_.phases = kPhaseRecv;
+  }
+
+  void operator()() {
+    const int status = fn_(as_buffer(buffer_), &args_, as_stream(stream_), &buffer_idx_);
+    if (status == 0) return;
+    if (status_raiser() == nullptr) throw std::runtime_error("deepep-nccl: LL receive failed (no status raiser)");
+    (*status_raiser())(status);
+  }
+
+ private:
+  Fn fn_;
+  uintptr_t buffer_;
+  Args args_;
+  uintptr_t stream_;
+  int buffer_idx_;
+  py::object owner_;
+};
+
+using LlDispatchHook = LlRecvHook<DeepepLowLatencyDispatchArgs>;
+using LlCombineHook = LlRecvHook<DeepepLowLatencyCombineArgs>;
+
 // One dispatch shape (M, H, E, flags): its outputs' allocation arguments and its argument struct.
 class LlDispatchPlan {
  public:
@@ -32,12 +80,14 @@ class LlDispatchPlan {
   }
 
   // (status, packed_recv_x, packed_recv_x_scales or None, packed_recv_count, packed_recv_src_info,
-  // packed_recv_layout_range): status is the C ABI's (nonzero: the caller raises); or (kBadInput,),
-  // or (kDriverError, code). The launch on `stream` is ordered against `compute` as `order_flags` say.
+  // packed_recv_layout_range, hook or None): status is the C ABI's (nonzero: the caller raises);
+  // or (kBadInput,), or (kDriverError, code). The launch on `stream` is ordered against `compute`
+  // as `order_flags` say; a send-only launch (phases = kPhaseSend) returns its receive hook.
   py::tuple run(uintptr_t fn, uintptr_t buffer, const at::Tensor& x, const at::Tensor& topk_idx,
                 const c10::optional<at::Tensor>& cumulative_local_expert_recv_stats,
                 const c10::optional<at::Tensor>& dispatch_wait_recv_cost_stats, int phases, uintptr_t stream,
-                uintptr_t buffer_idx, const StreamOrder& order, uintptr_t compute, int order_flags) {
+                uintptr_t buffer_idx, const StreamOrder& order, uintptr_t compute, int order_flags,
+                py::object owner) {
     const Ordering ordering{&order, compute, order_flags};
     if (x.dim() != 2 || x.scalar_type() != at::kBFloat16 || !x.is_cuda() || x.get_device() != device_ ||
         x.size(1) != recv_x_shape_[2] || !ordering.usable())
@@ -65,9 +115,13 @@ class LlDispatchPlan {
     a.phases = phases;
     const int status =
         reinterpret_cast<LlDispatchFn>(fn)(as_buffer(buffer), args_, as_stream(stream), at_address<int>(buffer_idx));
-    if (status == 0)
-      if (const int error = ordering.after(stream)) return driver_error(error);
-    return py::make_tuple(status, recv_x, scales_out, count, src_info, layout_range);
+    if (status != 0) return py::make_tuple(status);
+    if (const int error = ordering.after(stream)) return driver_error(error);
+    py::object hook = py::none();
+    if (phases == kPhaseSend)
+      hook = py::cast(LlDispatchHook(reinterpret_cast<LlDispatchFn>(fn), buffer, *args_, stream,
+                                     *at_address<int>(buffer_idx), std::move(owner)));
+    return py::make_tuple(status, recv_x, scales_out, count, src_info, layout_range, hook);
   }
 
  private:
@@ -79,14 +133,16 @@ class LlDispatchPlan {
   at::TensorOptions recv_x_options_, scales_options_, int32_options_, int64_options_;
 };
 
-// (status, combined_x), (kBadInput,) or (kDriverError, code): one LL combine through the argument
-// struct at `args`; `out` (or a new [T, H] bfloat16 tensor on `device`) receives the result.
+// (status, combined_x, hook or None), (status,), (kBadInput,) or (kDriverError, code): one LL
+// combine through the argument struct at `args`; `out` (or a new [T, H] bfloat16 tensor on
+// `device`) receives the result. A send-only launch returns its receive hook.
 inline py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, int device, const at::Tensor& x,
                             const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& src_info,
                             const at::Tensor& layout_range, const c10::optional<at::Tensor>& combine_wait_recv_cost_stats,
                             const c10::optional<at::Tensor>& out, int64_t num_max_dispatch_tokens_per_rank,
                             int64_t num_experts, bool use_logfmt, bool zero_copy, int phases, uintptr_t stream,
-                            uintptr_t buffer_idx, const StreamOrder& order, uintptr_t compute, int order_flags) {
+                            uintptr_t buffer_idx, const StreamOrder& order, uintptr_t compute, int order_flags,
+                            py::object owner) {
   const Ordering ordering{&order, compute, order_flags};
   if (x.dim() != 3 || topk_idx.dim() < 1 || !ordering.usable()) return py::make_tuple(kBadInput);
   at::Tensor combined_x =
@@ -107,9 +163,13 @@ inline py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, int 
   a.reserved = 0;
   const int status =
       reinterpret_cast<LlCombineFn>(fn)(as_buffer(buffer), &a, as_stream(stream), at_address<int>(buffer_idx));
-  if (status == 0)
-    if (const int error = ordering.after(stream)) return driver_error(error);
-  return py::make_tuple(status, combined_x);
+  if (status != 0) return py::make_tuple(status);
+  if (const int error = ordering.after(stream)) return driver_error(error);
+  py::object hook = py::none();
+  if (phases == kPhaseSend)
+    hook = py::cast(LlCombineHook(reinterpret_cast<LlCombineFn>(fn), buffer, a, stream, *at_address<int>(buffer_idx),
+                                  std::move(owner)));
+  return py::make_tuple(status, combined_x, hook);
 }
 
 }  // namespace deepep_fast

@@ -104,6 +104,7 @@ class LowLatencyMode(StreamProtocol):
             assert self._ll_fast.DISPATCH_ARGS_BYTES == _DISPATCH_ARGS.size
             assert self._ll_fast.COMBINE_ARGS_BYTES == _COMBINE_ARGS.size
             assert (self._ll_fast.ORDER_BEFORE, self._ll_fast.ORDER_AFTER) == (ORDER_BEFORE, ORDER_AFTER)
+            self._ll_fast.set_status_raiser(raise_status)  # what a failed compiled hook raises
         self._ll_dispatch_fn = ctypes.cast(lib.deepep_low_latency_dispatch, ctypes.c_void_p).value
         self._ll_combine_fn = ctypes.cast(lib.deepep_low_latency_combine, ctypes.c_void_p).value
         self._ll_dispatch_shapes = {}
@@ -124,16 +125,19 @@ class LowLatencyMode(StreamProtocol):
         stream = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
         return compute, stream, self._comm_stream_ptr, _BOTH, ORDER_BEFORE if async_ else ORDER_BEFORE | ORDER_AFTER
 
-    def _ll_fast_status(self, result):
-        """The C ABI status of a compiled-path result; raises if its stream ordering failed."""
+    def _ll_fast_event(self, result, stream, async_):
+        """Raises for a failed compiled-path call; the EventHandle (async) or None. The waits and
+        the hook were done by the compiled path."""
         status = result[0]
-        if status == self._ll_fast.DRIVER_ERROR:
-            raise_driver_error(result[1])
-        return status
+        if status:
+            if status == self._ll_fast.DRIVER_ERROR:
+                raise_driver_error(result[1])
+            raise_status(status)
+        return EventHandle(stream) if async_ else None
 
     def _ll_finish(self, status, fn, args_buffer, phases_at, compute, stream, async_, return_recv_hook, order):
-        """Raises for a failed launch; returns (event, hook). `order`: the waits still to do
-        (only ORDER_AFTER is left here; 0 after the compiled path)."""
+        """The ctypes path's end: raises for a failed launch; returns (event, hook). `order`: the
+        waits still to do (only ORDER_AFTER is left here)."""
         if status:
             raise_status(status)
         event = hook = None
@@ -192,11 +196,10 @@ class LowLatencyMode(StreamProtocol):
             compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
             result = shape.plan.run(self._ll_dispatch_fn, handle, x, topk_idx, cumulative_local_expert_recv_stats,
                                     dispatch_wait_recv_cost_stats, phases, stream_ptr, self._ll_idx_addr,
-                                    self._stream_order, self._compute_handle, order)
+                                    self._stream_order, self._compute_handle, order, self)
             if result[0] != self._ll_fast.BAD_INPUT:
-                return result[1:] + self._ll_finish(self._ll_fast_status(result), lib.deepep_low_latency_dispatch,
-                                                    shape.args, _DISPATCH_PHASES_AT, compute, stream, async_,
-                                                    return_recv_hook, 0)
+                event = self._ll_fast_event(result, stream, async_)
+                return result[1:6] + (event, result[6])
             # Input the compiled path does not take: the ctypes path below names the argument.
         self._check_ll_x(x)
         torch = _torch
@@ -253,11 +256,10 @@ class LowLatencyMode(StreamProtocol):
                 self._ll_combine_fn, handle, ctypes.addressof(args), self._device_id, x, topk_idx, topk_weights,
                 src_info, layout_range, combine_wait_recv_cost_stats, out, num_max_dispatch_tokens_per_rank,
                 num_experts, bool(use_logfmt), bool(zero_copy), phases, stream_ptr, self._ll_idx_addr,
-                self._stream_order, self._compute_handle, order)
+                self._stream_order, self._compute_handle, order, self)
             if result[0] != fast.BAD_INPUT:
-                event, hook = self._ll_finish(self._ll_fast_status(result), lib.deepep_low_latency_combine, args,
-                                              _COMBINE_PHASES_AT, compute, stream, async_, return_recv_hook, 0)
-                return result[1], event, hook
+                event = self._ll_fast_event(result, stream, async_)  # raises first for a failed call
+                return result[1], event, result[2]
             # Input the compiled path does not take: the ctypes path below names the argument.
         torch = _torch
         if x.dim() != 3:
