@@ -22,12 +22,14 @@ that all ranks keep making the same collective calls.
 Usage: PYTHONPATH=compat/python python tests/gpu/test_low_latency.py [--world 2 4] [-k REGEX]
 (-k keeps the cases whose name matches; the main buffer is always created and destroyed.)"""
 import argparse
+import gc
 import math
 import os
 import random
 import re
 import sys
 import time
+import weakref
 from types import SimpleNamespace
 
 os.environ.setdefault('DEEPEP_GPU_TIMEOUT_SECS', '30')  # before common's default of 60
@@ -715,6 +717,45 @@ def events_and_hooks(ctx):
     chk.done()
 
 
+def hook_keeps_tensors(ctx):
+    """As DeepEP's hook (a C++ closure holding the op's tensors), the receive hook keeps the op's
+    tensors alive: a caller may drop every other reference before hook(), and dropping the hook
+    frees them."""
+    buf = ctx.main
+    inp = make_inputs(ctx)
+    ref = reference(ctx, inp, 'fp8')
+    use_shape(ctx, buf, M, MAIN_H, ctx.E)
+    chk = Checks()
+    out = ll_dispatch(buf, inp, 'fp8', hook=True)
+    (x, scales), count, (src_info, layout_range, *shape), _, hook = out
+    weak = [weakref.ref(t) for t in (x, scales, count, src_info, layout_range)]
+    del out, x, scales, count, src_info, layout_range
+    gc.collect()
+    chk.expect(all(w() is not None for w in weak), 'the dispatch hook must keep its outputs alive')
+    hook()
+    x, scales, count, src_info, layout_range = (w() for w in weak)
+    handle = (src_info, layout_range, *shape)
+    chk(check_dispatch_values, ((x, scales), count, handle), ref)
+    y = expert_output(ctx, inp, (x, scales), 'expert')
+    want = combine_reference(ctx, inp, 'fp8', 'expert', y, ref)
+    del x, scales, count, hook
+    gc.collect()
+    chk.expect(weak[0]() is None and weak[2]() is None, 'dropping the dispatch hook must free recv_x and count')
+    chk.agree(ctx.group)
+    res = ll_combine(buf, inp, y, handle, hook=True)
+    combined, hook = res[0], res[2]
+    weak_combined = weakref.ref(combined)
+    del res, combined, y
+    gc.collect()
+    chk.expect(weak_combined() is not None, 'the combine hook must keep combined_x alive')
+    hook()
+    chk(check_combined, 'combined_x (hook, every other reference dropped)', weak_combined(), want, ctx.rep)
+    del hook
+    gc.collect()
+    chk.expect(weak_combined() is None, 'dropping the combine hook must free combined_x')
+    chk.done()
+
+
 def delayed(tensor, value):
     """Copies value into tensor behind ~10 ms of GPU work on the current stream."""
     torch.cuda._sleep(SPIN_CYCLES)
@@ -1267,6 +1308,7 @@ def main_cases(ctx):
         'odd_number_of_calls': lambda: odd_calls(ctx),
         'stats_accumulate': lambda: stats_accumulate(ctx),
         'events_and_hooks': lambda: events_and_hooks(ctx),
+        'hook_keeps_tensors_alive': lambda: hook_keeps_tensors(ctx),
         'waits_for_compute_stream': lambda: stream_order(ctx),
         'logfmt_combine': lambda: logfmt_combine(ctx),
         'kernels_per_call_profiler': lambda: kernels_per_call(ctx),

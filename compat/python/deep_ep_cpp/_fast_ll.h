@@ -25,16 +25,24 @@ inline void set_status_raiser(py::object raiser) {
 }
 
 // DeepEP's `hook` of a return_recv_hook=True LL op: launches the receive phase with a copy of the
-// op's arguments, on the stream its send ran on, into the buffer half the send used. Keeps the
-// deep_ep_cpp.Buffer (`owner`) alive, as the buffer handle must stay valid. Hidden, as pybind's
-// own types are: it holds a py::object.
+// op's arguments, on the stream its send ran on, into the buffer half the send used. Like DeepEP's,
+// it keeps the op's tensors alive (the receive reads and writes them even if the caller dropped
+// its references), and the deep_ep_cpp.Buffer (`owner`), whose handle must stay valid. Hidden,
+// as pybind's own types are: it holds a py::object.
 template <typename Args>
 class __attribute__((visibility("hidden"))) LlRecvHook {
  public:
   using Fn = int (*)(const DeepepBuffer*, const Args*, void*, int*);
 
-  LlRecvHook(Fn fn, uintptr_t buffer, const Args& args, uintptr_t stream, int buffer_idx, py::object owner)
-      : fn_(fn), buffer_(buffer), args_(args), stream_(stream), buffer_idx_(buffer_idx), owner_(std::move(owner)) {
+  LlRecvHook(Fn fn, uintptr_t buffer, const Args& args, uintptr_t stream, int buffer_idx, py::object owner,
+             std::vector<at::Tensor> tensors)
+      : fn_(fn),
+        buffer_(buffer),
+        args_(args),
+        stream_(stream),
+        buffer_idx_(buffer_idx),
+        owner_(std::move(owner)),
+        tensors_(std::move(tensors)) {
     args_.phases = kPhaseRecv;
   }
 
@@ -52,7 +60,16 @@ class __attribute__((visibility("hidden"))) LlRecvHook {
   uintptr_t stream_;
   int buffer_idx_;
   py::object owner_;
+  std::vector<at::Tensor> tensors_;
 };
+
+// The tensors among `all` that are present.
+inline std::vector<at::Tensor> present(std::initializer_list<c10::optional<at::Tensor>> all) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : all)
+    if (t.has_value()) out.push_back(*t);
+  return out;
+}
 
 using LlDispatchHook = LlRecvHook<DeepepLowLatencyDispatchArgs>;
 using LlCombineHook = LlRecvHook<DeepepLowLatencyCombineArgs>;
@@ -101,10 +118,11 @@ class LlDispatchPlan {
     at::Tensor recv_x = at::empty(recv_x_shape_, recv_x_options_);
     py::object scales_out = py::none();
     a.packed_recv_x.data = recv_x.data_ptr();
+    c10::optional<at::Tensor> scales;
     if (use_fp8_) {
-      at::Tensor scales = at::empty_strided(scales_shape_, scales_strides_, scales_options_);
-      a.packed_recv_x_scales.data = scales.data_ptr();
-      scales_out = py::cast(scales);
+      scales = at::empty_strided(scales_shape_, scales_strides_, scales_options_);
+      a.packed_recv_x_scales.data = scales->data_ptr();
+      scales_out = py::cast(*scales);
     }
     at::Tensor count = at::empty({local_experts_}, int32_options_);
     at::Tensor src_info = at::empty({local_experts_, rows_}, int32_options_);
@@ -119,8 +137,10 @@ class LlDispatchPlan {
     if (const int error = ordering.after(stream)) return driver_error(error);
     py::object hook = py::none();
     if (phases == kPhaseSend)
-      hook = py::cast(LlDispatchHook(reinterpret_cast<LlDispatchFn>(fn), buffer, *args_, stream,
-                                     *at_address<int>(buffer_idx), std::move(owner)));
+      hook = py::cast(LlDispatchHook(
+          reinterpret_cast<LlDispatchFn>(fn), buffer, *args_, stream, *at_address<int>(buffer_idx), std::move(owner),
+          present({x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, recv_x, scales,
+                   count, src_info, layout_range})));
     return py::make_tuple(status, recv_x, scales_out, count, src_info, layout_range, hook);
   }
 
@@ -167,8 +187,9 @@ inline py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, int 
   if (const int error = ordering.after(stream)) return driver_error(error);
   py::object hook = py::none();
   if (phases == kPhaseSend)
-    hook = py::cast(LlCombineHook(reinterpret_cast<LlCombineFn>(fn), buffer, a, stream, *at_address<int>(buffer_idx),
-                                  std::move(owner)));
+    hook = py::cast(LlCombineHook(
+        reinterpret_cast<LlCombineFn>(fn), buffer, a, stream, *at_address<int>(buffer_idx), std::move(owner),
+        present({x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, combined_x})));
   return py::make_tuple(status, combined_x, hook);
 }
 

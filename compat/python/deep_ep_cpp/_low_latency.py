@@ -135,9 +135,13 @@ class LowLatencyMode(StreamProtocol):
             raise_status(status)
         return EventHandle(stream) if async_ else None
 
-    def _ll_finish(self, status, fn, args_buffer, phases_at, compute, stream, async_, return_recv_hook, order):
-        """The ctypes path's end: raises for a failed launch; returns (event, hook). `order`: the
-        waits still to do (only ORDER_AFTER is left here)."""
+    def _ll_launch(self, handle, fn, args_buffer, phases_at, async_, return_recv_hook, tensors):
+        """The ctypes path: runs fn's send (hook) or both phases; returns (event, hook). The hook
+        keeps `tensors` (the op's) alive until it is dropped, as DeepEP's does."""
+        compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
+        struct.pack_into("@i", args_buffer, phases_at, phases)
+        self._order_before(order, stream, compute)
+        status = fn(handle, ctypes.addressof(args_buffer), stream_ptr, self._ll_idx_addr)
         if status:
             raise_status(status)
         event = hook = None
@@ -151,21 +155,14 @@ class LowLatencyMode(StreamProtocol):
             saved = ctypes.create_string_buffer(raw, len(raw))
             struct.pack_into("@i", saved, phases_at, _RECV)
             idx = ctypes.c_int(self._ll_idx.value)
-            stream_ptr = stream_handle(stream)
 
             def hook():
                 status = fn(self._live_handle(), ctypes.addressof(saved), stream_ptr, ctypes.addressof(idx))
                 if status:
                     raise_status(status)
-        return event, hook
 
-    def _ll_launch(self, handle, fn, args_buffer, phases_at, async_, return_recv_hook):
-        """The ctypes path: runs fn's send (hook) or both phases; returns (event, hook)."""
-        compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
-        struct.pack_into("@i", args_buffer, phases_at, phases)
-        self._order_before(order, stream, compute)
-        status = fn(handle, ctypes.addressof(args_buffer), stream_ptr, self._ll_idx_addr)
-        return self._ll_finish(status, fn, args_buffer, phases_at, compute, stream, async_, return_recv_hook, order)
+            hook.tensors = tensors
+        return event, hook
 
     @without_torch_function
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
@@ -230,10 +227,12 @@ class LowLatencyMode(StreamProtocol):
         words[at_count] = packed_recv_count.data_ptr()
         words[at_src_info] = packed_recv_src_info.data_ptr()
         words[at_layout_range] = packed_recv_layout_range.data_ptr()
+        outputs = (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
+                   packed_recv_layout_range)
         event, hook = self._ll_launch(handle, lib.deepep_low_latency_dispatch, args, _DISPATCH_PHASES_AT, async_,
-                                      return_recv_hook)
-        return (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
-                packed_recv_layout_range, event, hook)
+                                      return_recv_hook, (x, topk_idx, cumulative_local_expert_recv_stats,
+                                                         dispatch_wait_recv_cost_stats, *outputs))
+        return (*outputs, event, hook)
 
     def _check_ll_x(self, x):
         if x.dim() != 2 or x.dtype != _torch.bfloat16:
@@ -277,7 +276,8 @@ class LowLatencyMode(StreamProtocol):
             num_max_dispatch_tokens_per_rank, num_experts, int(use_logfmt), int(zero_copy), 0, 0,
         )
         event, hook = self._ll_launch(handle, lib.deepep_low_latency_combine, args, _COMBINE_PHASES_AT, async_,
-                                      return_recv_hook)
+                                      return_recv_hook, (x, topk_idx, topk_weights, src_info, layout_range,
+                                                         combine_wait_recv_cost_stats, combined_x))
         return combined_x, event, hook
 
     @without_torch_function
