@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &LlDispatchPlan::run);
   m.def("ll_combine", &ll_combine);
   m.def("set_status_raiser", &set_status_raiser);
+  m.def("ll_next_combine_buffer", &ll_next_combine_buffer);
   py::class_<LlDispatchHook>(m, "LlDispatchHook").def("__call__", &LlDispatchHook::operator());
   py::class_<LlCombineHook>(m, "LlCombineHook").def("__call__", &LlCombineHook::operator());
   py::class_<NormalOps>(m, "NormalOps")

@@ -193,4 +193,32 @@ inline py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, int 
   return py::make_tuple(status, combined_x, hook);
 }
 
+using NextCombineBufferFn = int (*)(const DeepepBuffer*, int, int, int, void**);
+
+// Drops the owner reference a zero-copy view held (its storage's context). Leaked once Python is
+// gone: a view may outlive the interpreter's teardown.
+inline void release_owner(void* owner) {
+  if (!Py_IsInitialized()) return;
+  py::gil_scoped_acquire gil;
+  delete static_cast<py::object*>(owner);
+}
+
+// (0, view) or (status,): get_next_low_latency_combine_buffer's BF16 [E_l, R*M, H] view of the
+// buffer's memory, strides (R*M*S, S, 1) with S = H + H/64 (DeepEP's). Its storage keeps `owner`
+// (the deep_ep_cpp.Buffer, whose memory it is) alive.
+inline py::tuple ll_next_combine_buffer(uintptr_t fn, uintptr_t buffer, int m, int hidden, int num_experts,
+                                        int num_ranks, int device, py::object owner) {
+  void* ptr = nullptr;
+  const int status = reinterpret_cast<NextCombineBufferFn>(fn)(as_buffer(buffer), m, hidden, num_experts, &ptr);
+  if (status != 0) return py::make_tuple(status);
+  const int64_t local = num_experts / num_ranks, rows = int64_t(num_ranks) * m, stride = hidden + hidden / 64;
+  at::Tensor view = at::for_blob(ptr, {local, rows, int64_t(hidden)})
+                        .strides(at::IntArrayRef{rows * stride, stride, 1})
+                        .context(new py::object(std::move(owner)), release_owner)
+                        .target_device(at::Device(at::kCUDA, device))
+                        .options(at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, device))
+                        .make_tensor();
+  return py::make_tuple(0, view);
+}
+
 }  // namespace deepep_fast

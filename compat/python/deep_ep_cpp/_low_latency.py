@@ -107,6 +107,7 @@ class LowLatencyMode(StreamProtocol):
             self._ll_fast.set_status_raiser(raise_status)  # what a failed compiled hook raises
         self._ll_dispatch_fn = ctypes.cast(lib.deepep_low_latency_dispatch, ctypes.c_void_p).value
         self._ll_combine_fn = ctypes.cast(lib.deepep_low_latency_combine, ctypes.c_void_p).value
+        self._ll_next_combine_fn = ctypes.cast(lib.deepep_get_next_low_latency_combine_buffer, ctypes.c_void_p).value
         self._ll_dispatch_shapes = {}
         self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
         self._ll_idx = ctypes.c_int()
@@ -282,6 +283,17 @@ class LowLatencyMode(StreamProtocol):
 
     @without_torch_function
     def get_next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        fast = self._ll_fast
+        if fast is not None:
+            try:
+                result = fast.ll_next_combine_buffer(self._ll_next_combine_fn, self._live_handle(),
+                                                     num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                                     self._num_ranks, self._device_id, self)
+            except TypeError:  # arguments pybind cannot convert: the ctypes path below names them
+                result = None
+            if result is not None:
+                check(result[0])
+                return result[1]
         ptr = ctypes.c_void_p()
         check(lib.deepep_get_next_low_latency_combine_buffer(self._live_handle(), num_max_dispatch_tokens_per_rank,
                                                              hidden, num_experts, ctypes.byref(ptr)))
