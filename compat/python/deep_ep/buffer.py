@@ -41,12 +41,22 @@ def _not_implemented(method: str, feature: str) -> NotImplementedError:
     return NotImplementedError(f"deepep-nccl: Buffer.{method} ({feature}) is not implemented yet")
 
 
+# (kind, num_ranks, num_sms) -> Config: a dispatch/combine without config= asks for it every call,
+# and a Config cannot change after construction.
+_default_configs = {}
+
+
 def _default_config(kind: str, num_ranks: int) -> Config:
-    try:
-        return deep_ep_cpp.get_default_config(kind, num_ranks, Buffer.num_sms)
-    except RuntimeError as e:
-        # DeepEP asserts here ('Unsupported number of EP ranks'); the library's text says which exist.
-        raise AssertionError(str(e)) from e
+    key = (kind, num_ranks, Buffer.num_sms)
+    config = _default_configs.get(key)
+    if config is None:
+        try:
+            config = deep_ep_cpp.get_default_config(kind, num_ranks, Buffer.num_sms)
+        except RuntimeError as e:
+            # DeepEP asserts here ('Unsupported number of EP ranks'); the library's text says which exist.
+            raise AssertionError(str(e)) from e
+        _default_configs[key] = config
+    return config
 
 
 class Buffer:
