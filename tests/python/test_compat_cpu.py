@@ -308,6 +308,37 @@ def test_compiled_normal_ops_fall_back_or_raise():
         Runtime(Ops((Module.DRIVER_ERROR, 700)))._fast_with_config("dispatch", config, 3, "handle")
 
 
+def test_stream_protocol_leaves_the_waits_to_the_op():
+    """_op_begin's order flags (what the compiled path or the ctypes path must still wait for):
+    without previous_event the comm stream waits for the compute stream (ORDER_BEFORE), with it
+    only for the event; without async the compute stream waits for the op (ORDER_AFTER)."""
+    from deep_ep_cpp._streams import ORDER_AFTER, ORDER_BEFORE, StreamProtocol
+
+    waited = []
+
+    class Event:
+        def wait(self, stream):
+            waited.append(stream)
+
+    class Protocol(StreamProtocol):
+        _comm_stream = "comm"
+
+        def _current_stream(self):
+            return "compute"
+
+    protocol = Protocol()
+    previous = type("EventHandleLike", (), {"event": Event()})()
+    cases = [((None, False), ORDER_BEFORE | ORDER_AFTER, []), ((None, True), ORDER_BEFORE, []),
+             ((previous, False), ORDER_AFTER, ["comm"]), ((previous, True), 0, ["comm"])]
+    for (prev, async_), order, waits in cases:
+        waited.clear()
+        assert protocol._op_begin(prev, async_, False) == ("comm", "compute", order)
+        assert waited == waits
+    for prev, async_ in ((None, True), (previous, False)):
+        with pytest.raises(RuntimeError, match="allocate_on_comm_stream requires previous_event and async"):
+            protocol._op_begin(prev, async_, True)
+
+
 def test_compiled_host_path_sources_ship_with_the_package():
     from deep_ep_cpp import _fast
 
