@@ -3,6 +3,7 @@ import contextlib
 import ctypes
 import struct
 import sys
+import warnings
 from ctypes import byref, c_bool, c_int, c_int64, c_void_p
 
 from . import _fast, _lib
@@ -248,6 +249,9 @@ class Buffer(NormalMode, LowLatencyMode):
         if self._fast is not None:
             with _on_device(self._device_id):  # the event of the compiled path's stream ordering
                 self._stream_order = self._fast.StreamOrder(self._device_id)
+                if not self._stream_order.usable():  # no libcuda entry points or no event
+                    warnings.warn("deepep-nccl: the compiled host path cannot order streams through the CUDA "
+                                  "driver; the ops take the ctypes path", RuntimeWarning, stacklevel=2)
             self._normal_fast = self._fast.NormalOps(
                 *(ctypes.cast(fn, c_void_p).value for fn in (
                     lib.deepep_get_dispatch_layout, lib.deepep_intranode_dispatch_prepare,
