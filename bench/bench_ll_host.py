@@ -99,7 +99,10 @@ def worker(rank, world, port, args):
     compiled = runtime._ll_fast
     # Both host paths side by side when the compiled one loaded (deep_ep_cpp/_fast.py): the
     # ops pick it per shape, so switching clears the shape cache.
-    paths = ('compiled', 'ctypes') if compiled is not None else ('ctypes',)
+    # Every rank runs the same collectives, so the compiled path is measured only where all have it.
+    everywhere = torch.tensor([int(compiled is not None)], device='cuda')
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
+    paths = ('compiled', 'ctypes') if everywhere.item() else ('ctypes',)
     try:
         for path in paths:
             runtime._ll_fast = compiled if path == 'compiled' else None

@@ -333,7 +333,11 @@ def measure_host(buffer, inputs, rank, supported, say):
     paths alternate within each (op, mode), HOST_ROUNDS times, and each keeps its best round."""
     runtime = buffer.runtime
     compiled = runtime._normal_fast
-    paths = {'compiled': compiled, 'ctypes': None} if compiled is not None else {'ctypes': None}
+    # Every rank must run the same calls (each dispatch is collective): the compiled path is
+    # measured only where all ranks have it.
+    everywhere = torch.tensor([int(compiled is not None)], device='cuda')
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    paths = {'compiled': compiled, 'ctypes': None} if everywhere.item() else {'ctypes': None}
     rows = []
     try:
         for num_tokens, inp in inputs.items():

@@ -8,7 +8,7 @@ DEEPEP_NCCL_FAST=0. The ops then take the ctypes path, which gives the same resu
 
 The build is one compiler call against the running torch's headers and libraries (no ninja),
 into DEEPEP_NCCL_FAST_CACHE (default ~/.cache/deepep_nccl), keyed by the sources, the torch and
-Python versions and the compiler; concurrent processes (one per rank) wait on a file lock for the first build."""
+Python versions and the build command (compiler and flags); concurrent processes (one per rank) wait on a file lock for the first build."""
 import fcntl
 import hashlib
 import importlib.util
@@ -53,7 +53,7 @@ def _compiler():
     return path
 
 
-def _build(target, header_dir, compiler):
+def _build_command(target, header_dir, compiler):
     from torch.utils import cpp_extension
 
     lib_dirs = cpp_extension.library_paths()
@@ -65,6 +65,10 @@ def _build(target, header_dir, compiler):
     cmd += [str(_SOURCE), "-o", str(target)]
     cmd += [f"-L{p}" for p in lib_dirs] + [f"-Wl,-rpath,{p}" for p in lib_dirs]
     cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-ldl"]
+    return cmd
+
+
+def _build(cmd):
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
@@ -78,8 +82,10 @@ def _load():
         raise RuntimeError("deepep_nccl.h not found")
     compiler = _compiler()
     key = hashlib.sha256()
+    # The command line (without its output path) covers the compiler, flags and torch's paths.
     for part in (*(p.read_bytes() for p in _SOURCES), (header_dir / "deepep_nccl.h").read_bytes(),
-                 torch.__version__.encode(), sys.version.encode(), compiler.encode()):
+                 torch.__version__.encode(), sys.version.encode(),
+                 "\0".join(_build_command("", header_dir, compiler)).encode()):
         key.update(part)
     cache = Path(os.environ.get("DEEPEP_NCCL_FAST_CACHE") or Path.home() / ".cache" / "deepep_nccl")
     directory = cache / key.hexdigest()[:20]
@@ -90,7 +96,7 @@ def _load():
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not target.is_file():
                 partial = directory / f"partial-{os.getpid()}.so"
-                _build(partial, header_dir, compiler)
+                _build(_build_command(partial, header_dir, compiler))
                 os.replace(partial, target)
     spec = importlib.util.spec_from_file_location(_NAME, target)
     mod = importlib.util.module_from_spec(spec)

@@ -58,6 +58,9 @@ inline bool describe(DeepepTensor& d, const c10::optional<at::Tensor>& t) {
 
 inline bool on_device(const at::Tensor& t, int device) { return t.is_cuda() && t.get_device() == device; }
 
+// Whether v survives the C ABI's int32 fields (the ctypes path rejects the rest by name).
+inline bool fits_int32(int64_t v) { return v >= INT32_MIN && v <= INT32_MAX; }
+
 template <typename T>
 T* at_address(uintptr_t address) {
   return reinterpret_cast<T*>(address);

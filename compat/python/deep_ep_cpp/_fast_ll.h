@@ -164,7 +164,9 @@ inline py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, int 
                             uintptr_t buffer_idx, const StreamOrder& order, uintptr_t compute, int order_flags,
                             py::object owner) {
   const Ordering ordering{&order, compute, order_flags};
-  if (x.dim() != 3 || topk_idx.dim() < 1 || !ordering.usable()) return py::make_tuple(kBadInput);
+  if (x.dim() != 3 || topk_idx.dim() < 1 || !fits_int32(num_max_dispatch_tokens_per_rank) ||
+      !fits_int32(num_experts) || !ordering.usable())
+    return py::make_tuple(kBadInput);
   at::Tensor combined_x =
       out.has_value() ? *out
                       : at::empty({topk_idx.size(0), x.size(2)}, at::TensorOptions().dtype(at::kBFloat16).device(
@@ -198,7 +200,11 @@ using NextCombineBufferFn = int (*)(const DeepepBuffer*, int, int, int, void**);
 // Drops the owner reference a zero-copy view held (its storage's context). Leaked once Python is
 // gone: a view may outlive the interpreter's teardown.
 inline void release_owner(void* owner) {
-  if (!Py_IsInitialized()) return;
+#if PY_VERSION_HEX >= 0x030D0000
+  if (!Py_IsInitialized() || Py_IsFinalizing()) return;
+#else
+  if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+#endif
   py::gil_scoped_acquire gil;
   delete static_cast<py::object*>(owner);
 }

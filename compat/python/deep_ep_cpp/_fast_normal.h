@@ -48,7 +48,7 @@ class NormalOps {
     const Ordering ordering{&order, compute, order_flags};
     const auto idx_type = topk_idx.scalar_type();
     if ((idx_type != at::kLong && idx_type != at::kInt) || !on_device(topk_idx, device_) || num_experts <= 0 ||
-        num_experts > INT32_MAX || !ordering.usable())
+        !fits_int32(num_experts) || !ordering.usable())
       return py::make_tuple(kBadInput);
     DeepepTensor topk, per_rank_desc, per_rdma_desc, per_expert_desc, in_rank_desc;
     if (!describe(topk, topk_idx)) return py::make_tuple(kBadInput);
@@ -95,7 +95,7 @@ class NormalOps {
         (cached && !on_device(*cached_rank_prefix_matrix, device_)) || (x_scales.has_value() && x_scales->dim() != 2) ||
         (topk_idx.has_value() && topk_idx->dim() != 2) || (topk_weights.has_value() && topk_weights->dim() != 2) ||
         (!cached && num_tokens_per_expert.has_value() && num_tokens_per_expert->dim() != 1) ||
-        expert_alignment > INT32_MAX || num_worst_tokens > INT32_MAX || cached_num_recv_tokens > INT32_MAX ||
+        !fits_int32(expert_alignment) || !fits_int32(num_worst_tokens) || !fits_int32(cached_num_recv_tokens) ||
         !ordering.usable())
       return py::make_tuple(kBadInput);
     DeepepIntranodeDispatchArgs& a = dispatch_args_;

@@ -32,6 +32,7 @@ class CudaDriver {
   int (*event_destroy)(Event);
   int (*event_record)(Event, Stream);
   int (*stream_wait_event)(Stream, Event, unsigned);
+  int (*stream_synchronize)(Stream);
   int (*ctx_get_device)(int*);
 
  private:
@@ -43,7 +44,7 @@ class CudaDriver {
     // The unversioned names are the ABI these signatures have; cuEventDestroy's is _v2.
     if (!find(lib, "cuEventCreate", d.event_create) || !find(lib, "cuEventDestroy_v2", d.event_destroy) ||
         !find(lib, "cuEventRecord", d.event_record) || !find(lib, "cuStreamWaitEvent", d.stream_wait_event) ||
-        !find(lib, "cuCtxGetDevice", d.ctx_get_device))
+        !find(lib, "cuStreamSynchronize", d.stream_synchronize) || !find(lib, "cuCtxGetDevice", d.ctx_get_device))
       return nullptr;
     return &d;
   }
@@ -82,6 +83,8 @@ class StreamOrder {
     return recorded != 0 ? recorded : driver_->stream_wait_event(as_stream(waiter), event_, 0);
   }
 
+  void synchronize(uintptr_t stream) const { driver_->stream_synchronize(as_stream(stream)); }
+
  private:
   const CudaDriver* driver_;
   int device_;
@@ -99,8 +102,14 @@ struct Ordering {
 
   // Before a launch whose input checks passed; 0 or the driver's error.
   int before(uintptr_t stream) const { return (flags & kOrderBefore) ? order->wait(stream, compute) : 0; }
-  // After a successful launch; 0 or the driver's error.
-  int after(uintptr_t stream) const { return (flags & kOrderAfter) ? order->wait(compute, stream) : 0; }
+  // After a successful launch; 0 or the driver's error. On an error the caller drops the op's
+  // outputs, which the compute stream's allocator may then reuse: the launch finishes first.
+  int after(uintptr_t stream) const {
+    if (!(flags & kOrderAfter)) return 0;
+    const int error = order->wait(compute, stream);
+    if (error != 0) order->synchronize(stream);
+    return error;
+  }
 };
 
 inline py::tuple driver_error(int code) { return py::make_tuple(kDriverError, code); }
