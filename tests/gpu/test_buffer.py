@@ -3,6 +3,7 @@ attributes and local buffer views, size hints, teardown paths, a create/destroy
 leak check, not-yet-implemented methods, and a stalled peer that must time out
 with an error naming it. Every case builds its own Buffer so a failure stays local."""
 import gc
+import os
 import sys
 import time
 
@@ -64,6 +65,7 @@ def low_latency_buffer(rank, world, group):
     with make_buffer(group, num_rdma_bytes=rdma, low_latency_mode=True,
                      num_qps_per_rank=num_experts // world) as buf:
         assert buf.low_latency_mode and buf.num_rdma_bytes == rdma
+        assert buf.nvshmem_qp_depth == int(os.environ.get('NVSHMEM_QP_DEPTH', '1024')), buf.nvshmem_qp_depth
         view = buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
         assert view.numel() == rdma and view.device == torch.device('cuda', rank), \
             f'RDMA view: {tuple(view.shape)} on {view.device}'

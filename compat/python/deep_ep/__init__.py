@@ -5,3 +5,6 @@ from .buffer import Buffer
 from .utils import EventOverlap
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+
+# The DeepEP V1 release whose API this package implements (scripts print or compare it).
+__version__ = "1.2.1"

@@ -1,4 +1,5 @@
 """deep_ep.Buffer: DeepEP V1's public Python API on deepep-nccl."""
+import os
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -139,6 +140,9 @@ class Buffer:
         ipc_handles = all_gather_object(self.runtime.get_local_ipc_handle())
         if self.runtime.get_num_rdma_ranks() > 1 or low_latency_mode:
             assert num_qps_per_rank > 0
+            # DeepEP's NVSHMEM queue depth, read by some consumers. No NVSHMEM here, so it bounds
+            # nothing (DeepEP asserts (M + 1) * 2 <= depth, i.e. M <= 511; M may be up to 1024).
+            self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
         self.runtime.sync(device_ids, ipc_handles, None)
         assert self.runtime.is_available()
 
