@@ -10,7 +10,7 @@ import struct
 
 from ._event import EventHandle
 from ._lib import DTYPE_BFLOAT16, DTYPE_FLOAT8_E4M3, DTYPE_FLOAT32, DTYPE_INT32, DTYPE_INT64
-from ._lib import check, lib, raise_driver_error, raise_status, tensor_fields
+from ._lib import check, lib, raise_status, tensor_fields
 from ._lib import torch as _torch
 from ._streams import (ORDER_AFTER, ORDER_BEFORE, StreamProtocol, stream_handle, stream_wait_stream,
                        without_torch_function)
@@ -126,16 +126,6 @@ class LowLatencyMode(StreamProtocol):
         stream = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
         return compute, stream, self._comm_stream_ptr, _BOTH, ORDER_BEFORE if async_ else ORDER_BEFORE | ORDER_AFTER
 
-    def _ll_fast_event(self, result, stream, async_):
-        """Raises for a failed compiled-path call; the EventHandle (async) or None. The waits and
-        the hook were done by the compiled path."""
-        status = result[0]
-        if status:
-            if status == self._ll_fast.DRIVER_ERROR:
-                raise_driver_error(result[1])
-            raise_status(status)
-        return EventHandle(stream) if async_ else None
-
     def _ll_launch(self, handle, fn, args_buffer, phases_at, async_, return_recv_hook, tensors):
         """The ctypes path: runs fn's send (hook) or both phases; returns (event, hook). The hook
         keeps `tensors` (the op's) alive until it is dropped, as DeepEP's does."""
@@ -192,12 +182,12 @@ class LowLatencyMode(StreamProtocol):
             shapes[key] = shape
         if shape.plan is not None:
             compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
-            result = shape.plan.run(self._ll_dispatch_fn, handle, x, topk_idx, cumulative_local_expert_recv_stats,
-                                    dispatch_wait_recv_cost_stats, phases, stream_ptr, self._ll_idx_addr,
-                                    self._stream_order, self._compute_handle, order, self)
-            if result[0] != self._ll_fast.BAD_INPUT:
-                event = self._ll_fast_event(result, stream, async_)
-                return result[1:6] + (event, result[6])
+            result = self._fast_call(shape.plan.run, self._ll_dispatch_fn, handle, x, topk_idx,
+                                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, phases,
+                                     stream_ptr, self._ll_idx_addr, self._stream_order, self._compute_handle, order,
+                                     self)
+            if result is not None:  # the compiled path did the waits and made the hook
+                return result[:5] + (EventHandle(stream) if async_ else None, result[5])
             # Input the compiled path does not take: the ctypes path below names the argument.
         self._check_ll_x(x)
         torch = _torch
@@ -252,14 +242,13 @@ class LowLatencyMode(StreamProtocol):
         fast = self._ll_fast
         if fast is not None:
             compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
-            result = fast.ll_combine(
-                self._ll_combine_fn, handle, ctypes.addressof(args), self._device_id, x, topk_idx, topk_weights,
-                src_info, layout_range, combine_wait_recv_cost_stats, out, num_max_dispatch_tokens_per_rank,
-                num_experts, bool(use_logfmt), bool(zero_copy), phases, stream_ptr, self._ll_idx_addr,
-                self._stream_order, self._compute_handle, order, self)
-            if result[0] != fast.BAD_INPUT:
-                event = self._ll_fast_event(result, stream, async_)  # raises first for a failed call
-                return result[1], event, result[2]
+            result = self._fast_call(
+                fast.ll_combine, self._ll_combine_fn, handle, ctypes.addressof(args), self._device_id, x, topk_idx,
+                topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, out,
+                num_max_dispatch_tokens_per_rank, num_experts, bool(use_logfmt), bool(zero_copy), phases, stream_ptr,
+                self._ll_idx_addr, self._stream_order, self._compute_handle, order, self)
+            if result is not None:  # the compiled path did the waits and made the hook
+                return result[0], EventHandle(stream) if async_ else None, result[1]
             # Input the compiled path does not take: the ctypes path below names the argument.
         torch = _torch
         if x.dim() != 3:

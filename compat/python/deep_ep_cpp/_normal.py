@@ -9,7 +9,7 @@ charge)."""
 import ctypes
 import struct
 
-from ._lib import lib, raise_driver_error, raise_status, tensor_fields
+from ._lib import lib, raise_status, tensor_fields
 from ._lib import torch as _torch
 from ._streams import StreamProtocol, without_torch_function
 
@@ -65,23 +65,6 @@ class NormalMode(StreamProtocol):
             return None
         return self._fast_call(getattr(fast, op_name), *args, ctypes.addressof(c_config), self._comm_stream_ptr,
                                self._stream_order, self._compute_handle, order)
-
-    def _fast_call(self, op, *args):
-        """Runs `op` of the compiled host path: its result without the status, or None for input
-        it does not take (the ctypes path then names the argument, and nothing was launched or
-        ordered); raises for a failed call."""
-        try:
-            result = op(*args)
-        except TypeError:  # an argument pybind cannot convert (e.g. None for a tensor)
-            return None
-        status = result[0]
-        if status == self._fast.BAD_INPUT:
-            return None
-        if status == self._fast.DRIVER_ERROR:
-            raise_driver_error(result[1])
-        if status:
-            raise_status(status)
-        return result[1:]
 
     @without_torch_function
     def intranode_dispatch(

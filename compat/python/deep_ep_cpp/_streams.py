@@ -6,6 +6,7 @@ import contextlib
 import functools
 
 from ._event import EventHandle
+from ._lib import raise_driver_error, raise_status
 from ._lib import torch as _torch
 
 # (stream_id, device_index, device_type) of a device's current stream, without building a Stream.
@@ -60,7 +61,8 @@ def without_torch_function(method):
 
 
 class StreamProtocol:
-    """Mixin for deep_ep_cpp.Buffer; needs _device_id, _sync_event, get_comm_stream()."""
+    """Mixin for deep_ep_cpp.Buffer; needs _device_id, _sync_event, get_comm_stream() and (for the
+    compiled path) _fast."""
 
     _compute_key = None
     _compute_stream = None
@@ -122,3 +124,20 @@ class StreamProtocol:
         if order & ORDER_AFTER:
             stream_wait_stream(self._sync_event, compute, comm)
         return None
+
+    def _fast_call(self, op, *args):
+        """Runs `op` of the compiled host path: its result without the status, or None for input
+        it does not take (the ctypes path then names the argument, and nothing was launched or
+        ordered); raises for a failed call."""
+        try:
+            result = op(*args)
+        except TypeError:  # an argument pybind cannot convert (e.g. None for a tensor)
+            return None
+        status = result[0]
+        if status == self._fast.BAD_INPUT:
+            return None
+        if status == self._fast.DRIVER_ERROR:
+            raise_driver_error(result[1])
+        if status:
+            raise_status(status)
+        return result[1:]
