@@ -1,5 +1,5 @@
 """Host time of the low-latency calls: what `deep_ep.Buffer.low_latency_dispatch` / `low_latency_combine`
-cost the calling CPU thread per call (outside CUDA graphs, every MoE layer of a decode step pays it).
+(and `clean_low_latency_buffer`, at every normal -> LL switch) cost the calling CPU thread per call (outside CUDA graphs, every MoE layer of a decode step pays it).
 
 Method: warm up, synchronize, then time N back-to-back calls with time.perf_counter (nothing waits for
 the GPU inside the loop; N is small enough that the launch queue never fills), synchronize; the median
@@ -81,13 +81,17 @@ def ops(buffer, num_tokens, args):
         h = buffer.low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats)[2]
         buffer.low_latency_combine(expert_out, topk_idx, topk_weights, h)
 
+    def clean():
+        # Collective: every rank runs the same loop. DeepEP's is one kernel and no host wait.
+        buffer.clean_low_latency_buffer(M, args.hidden, E)
+
     def torch_yardstick():
         torch.empty(num_tokens, args.hidden, dtype=torch.bfloat16, device='cuda')
         yard.add_(1)
 
     return {'dispatch': dispatch, 'dispatch hook (send + hook())': dispatch_hook, 'combine': combine,
             'combine hook (send + hook())': combine_hook, 'dispatch + combine': pair,
-            'torch.empty + add_ (yardstick)': torch_yardstick}
+            'clean_low_latency_buffer': clean, 'torch.empty + add_ (yardstick)': torch_yardstick}
 
 
 def worker(rank, world, port, args):

@@ -572,12 +572,14 @@ DeepepStatus deepep_low_latency_combine(const DeepepBuffer *buf,
 
 /**
  * Collective: zeroes both halves' signals and resets the half to 0 (call it after
- * normal-mode ops and before LL ops, as DeepEP requires). Waits for the device.
+ * normal-mode ops and before LL ops, as DeepEP requires). One kernel on `stream` (NULL: the
+ * comm stream) with a device-side barrier before and after; the host does not wait.
  */
 DeepepStatus deepep_clean_low_latency_buffer(const DeepepBuffer *buf,
                                              int num_max_dispatch_tokens_per_rank,
                                              int hidden,
-                                             int num_experts);
+                                             int num_experts,
+                                             void *stream);
 
 /**
  * Base pointer of the zero-copy combine view for the next LL call: BF16

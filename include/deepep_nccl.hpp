@@ -277,9 +277,10 @@ class Buffer {
     }, idx);
   }
   // Collective: call after normal-mode ops and before LL ops (or when (M, H, E) changes); the
-  // next LL call uses half 0. Waits for the device.
-  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) const {
-    check(deepep_clean_low_latency_buffer(buf_, num_max_dispatch_tokens_per_rank, hidden, num_experts));
+  // next LL call uses half 0. One kernel on `stream` (nullptr: the comm stream); no host wait.
+  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts,
+                                void* stream = nullptr) const {
+    check(deepep_clean_low_latency_buffer(buf_, num_max_dispatch_tokens_per_rank, hidden, num_experts, stream));
   }
   // The zero-copy view of the next LL call's half: BF16 [E / R, R * M, H], rows H + H/64 apart.
   // Write the experts' outputs there, then combine with zero_copy = 1 as the next LL call.

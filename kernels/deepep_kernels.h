@@ -21,6 +21,7 @@ enum DeepepWaitOp {
   DEEPEP_WAIT_OP_COMBINE_CONSUMED = 5,
   DEEPEP_WAIT_OP_LL_DISPATCH = 6,        // low-latency receiver waiting for a source rank's dispatch signal
   DEEPEP_WAIT_OP_LL_COMBINE = 7,         // low-latency receiver waiting for an expert rank's combine signal
+  DEEPEP_WAIT_OP_LL_CLEAN = 8,           // clean_low_latency_buffer's barrier waiting for a rank to arrive
 };
 
 // Written by the first GPU thread whose wait expires; lives in host-mapped
@@ -257,6 +258,19 @@ typedef struct DeepepLlCombineParams {
   int32_t reserved[2];
 } DeepepLlCombineParams;
 
+// clean_low_latency_buffer: barrier, zero this rank's LL state, barrier (one block, stream-ordered).
+#define DEEPEP_LL_CLEAN_BANK 2     // common.parity of the clean barrier: GIN signal ids 4R + source
+#define DEEPEP_LL_CLEAN_REGIONS 4
+typedef struct DeepepLlCleanParams {
+  DeepepLlCommon common;          // transport fields; signal_offset: the barrier's arrival words [R],
+                                  // outside the LL halves and never zeroed; parity: DEEPEP_LL_CLEAN_BANK
+  uint32_t* barrier_epoch;        // workspace: barriers this rank has passed (never zeroed)
+  void* zero[DEEPEP_LL_CLEAN_REGIONS];            // local regions zeroed between the barriers (NULL: none)
+  int64_t zero_bytes[DEEPEP_LL_CLEAN_REGIONS];    // multiples of 4
+  int32_t num_gin_signals;        // GIN signals [0, n) reset between the barriers (GIN transport only)
+  int32_t reserved;
+} DeepepLlCleanParams;
+
 enum DeepepKernelStruct {
   DEEPEP_STRUCT_STALL_RECORD = 0,
   DEEPEP_STRUCT_WAIT_CONTEXT = 1,
@@ -270,6 +284,7 @@ enum DeepepKernelStruct {
   DEEPEP_STRUCT_FAULT_RECORD = 9,
   DEEPEP_STRUCT_LL_DISPATCH_PARAMS = 10,
   DEEPEP_STRUCT_LL_COMBINE_PARAMS = 11,
+  DEEPEP_STRUCT_LL_CLEAN_PARAMS = 12,
 };
 
 // sizeof() of each struct above as compiled by nvcc (0 for an unknown id).
@@ -323,8 +338,9 @@ int64_t deepep_ll_count_bytes(int32_t num_local_experts, int32_t max_tokens);
 int64_t deepep_ll_combine_slot_bytes(int32_t hidden, int32_t use_logfmt);
 // Whether this build has the NCCL GIN transport (NCCL >= 2.28.7 headers).
 int deepep_ll_gin_compiled(void);
-// Zeroes GIN signals [0, num_signals) of dev_comm (clean_low_latency_buffer); NotSupported without GIN.
-int deepep_launch_ll_reset_gin_signals(const void* dev_comm, int num_signals, void* stream);
+// clean_low_latency_buffer on `stream`: a barrier over the ranks (masked ones skipped in shrink
+// mode), the params' regions and GIN signals zeroed, a second barrier.
+int deepep_launch_ll_clean(const void* dev_comm, const DeepepLlCleanParams* params, int remote_kind, void* stream);
 
 const char* deepep_cuda_error_string(int error);
 

@@ -1,31 +1,103 @@
-// Low-latency housekeeping on the device: clean_low_latency_buffer's reset of the NCCL GIN
-// signals (the LSA signal words are plain window memory, zeroed by the host).
+// clean_low_latency_buffer on the device, as DeepEP's: one block on the caller's stream runs a
+// barrier over the ranks, zeroes this rank's LL signal words, counters and GIN signals, and
+// barriers again, so no rank signals into a half before its owner has zeroed it. Nothing waits
+// on the host, so it can be captured in a CUDA graph and costs no device synchronization at a
+// normal -> LL switch.
+//
+// The barrier is an all-to-all of arrival counts over the LL transport (LSA adds inside the
+// node, GIN signals of bank DEEPEP_LL_CLEAN_BANK across nodes): rank s adds 1 to word [s] of
+// every peer, then waits until each peer's word reaches its own count of barriers passed. The
+// words are never reset, so there is nothing to race with. Shrink mode skips masked ranks and
+// masks a rank that does not arrive in time (DeepEP's mask-aware barrier); outside shrink mode
+// a late rank is a stall record and the buffer reports it at its next call.
 #include "ll_common.cuh"
 
 namespace deepep {
 namespace ll {
 
-#if DEEPEP_HAVE_GIN
-__global__ void reset_gin_signals(ncclDevComm dev_comm, int num_signals) {
-  // Transport reads and resets GIN signals through context 0: the same here.
-  ncclGin gin(dev_comm, 0);
-  for (int id = blockIdx.x * blockDim.x + threadIdx.x; id < num_signals; id += gridDim.x * blockDim.x)
-    gin.resetSignal(id);
+constexpr int kCleanThreads = 512;
+constexpr int kCleanWord = 0;  // the signal kind of the arrival words (one word per source)
+
+template <int kRemote>
+__device__ void clean_barrier(const Transport<kRemote>& t, uint32_t target) {
+  const DeepepLlCommon& c = t.c;
+  // Every thread's earlier writes (this kernel's zeroing; earlier kernels are stream-ordered
+  // before it) are released to the system before any arrival leaves this rank.
+  __threadfence_system();
+  __syncthreads();
+  for (int peer = threadIdx.x; peer < c.num_ranks; peer += blockDim.x) {
+    if (peer_active(c, peer)) t.signal(peer, kCleanWord, 1u);
+  }
+  for (int src = threadIdx.x; src < c.num_ranks; src += blockDim.x) {
+    if (!peer_active(c, src)) continue;
+    uint32_t seen = t.read_signal(kCleanWord, src);
+    if (int32_t(seen - target) >= 0) continue;
+    const uint64_t start = global_time_ns();
+    while (int32_t(seen - target) < 0) {
+      if (c.shrink && *reinterpret_cast<volatile int*>(c.mask + src) != 0) break;
+      if (global_time_ns() - start > c.wait.timeout_ns) {
+        if (c.shrink) {
+          atomicExch(c.mask + src, 1);
+        } else {
+          record_stall(c.wait, src, DEEPEP_WAIT_OP_LL_CLEAN, 0, target, seen);
+        }
+        break;
+      }
+      seen = t.read_signal(kCleanWord, src);
+    }
+  }
+  __syncthreads();
 }
+
+template <int kRemote>
+__global__ void __launch_bounds__(kCleanThreads) clean_kernel(ncclDevComm dev_comm, DeepepLlCleanParams p) {
+  const Transport<kRemote> t(p.common, dev_comm);
+  __shared__ uint32_t passed;
+  if (threadIdx.x == 0) passed = *p.barrier_epoch;
+  __syncthreads();
+  const uint32_t epoch = passed;
+
+  // Peers may still be signalling into this rank's halves (their last LL op).
+  clean_barrier(t, epoch + 1);
+  for (int r = 0; r < DEEPEP_LL_CLEAN_REGIONS; ++r) {
+    auto* words = static_cast<uint32_t*>(p.zero[r]);
+    if (words == nullptr) continue;
+    for (int64_t i = threadIdx.x; i < p.zero_bytes[r] / 4; i += blockDim.x) words[i] = 0;
+  }
+#if DEEPEP_HAVE_GIN
+  if constexpr (kRemote == kRemoteGin) {
+    // Transport reads and resets GIN signals through context 0: the same here.
+    ncclGin gin(dev_comm, 0);
+    for (int id = threadIdx.x; id < p.num_gin_signals; id += blockDim.x) gin.resetSignal(id);
+  }
 #endif
+  // No peer's next LL op may signal this rank before the zeroing above is done.
+  clean_barrier(t, epoch + 2);
+  if (threadIdx.x == 0) *p.barrier_epoch = epoch + 2;
+}
 
 }  // namespace ll
 }  // namespace deepep
 
-extern "C" int deepep_launch_ll_reset_gin_signals(const void* dev_comm, int num_signals, void* stream) {
-#if DEEPEP_HAVE_GIN
+extern "C" int deepep_launch_ll_clean(const void* dev_comm, const DeepepLlCleanParams* params, int remote_kind,
+                                      void* stream) {
+  using namespace deepep::ll;
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
-  deepep::ll::reset_gin_signals<<<1, 256, 0, static_cast<cudaStream_t>(stream)>>>(dc, num_signals);
-  return int(cudaGetLastError());
-#else
-  (void)dev_comm;
-  (void)num_signals;
-  (void)stream;
-  return int(cudaErrorNotSupported);
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (remote_kind) {
+    case kRemoteNone:
+      clean_kernel<kRemoteNone><<<1, kCleanThreads, 0, s>>>(dc, *params);
+      break;
+    case kRemoteEmulated:
+      clean_kernel<kRemoteEmulated><<<1, kCleanThreads, 0, s>>>(dc, *params);
+      break;
+#if DEEPEP_HAVE_GIN
+    case kRemoteGin:
+      clean_kernel<kRemoteGin><<<1, kCleanThreads, 0, s>>>(dc, *params);
+      break;
 #endif
+    default:
+      return int(cudaErrorInvalidValue);
+  }
+  return int(cudaGetLastError());
 }

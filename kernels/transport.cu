@@ -22,6 +22,7 @@ extern "C" size_t deepep_kernel_struct_size(int which) {
     case DEEPEP_STRUCT_FAULT_RECORD: return sizeof(DeepepFaultRecord);
     case DEEPEP_STRUCT_LL_DISPATCH_PARAMS: return sizeof(DeepepLlDispatchParams);
     case DEEPEP_STRUCT_LL_COMBINE_PARAMS: return sizeof(DeepepLlCombineParams);
+    case DEEPEP_STRUCT_LL_CLEAN_PARAMS: return sizeof(DeepepLlCleanParams);
     default: return 0;
   }
 }

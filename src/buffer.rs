@@ -12,10 +12,13 @@ use crate::error::{DeepepStatus, Error, Result};
 use crate::kernels::{self, StallRecord, WaitContext};
 use crate::nccl::{self, Communicator, DevComm, LsaGeometry, SymmetricWindow};
 
-/// Control region at the start of the window: peer-check slots at 0, the
-/// normal-mode notify exchange at NOTIFY_OFFSET, room for later modes.
+/// Control region at the start of the window: peer-check slots at 0, the LL clean
+/// barrier's arrival words at LL_CLEAN_BARRIER_OFFSET, the normal-mode notify exchange at
+/// NOTIFY_OFFSET, room for later modes. No data path writes here.
 const CONTROL_BYTES: usize = 1 << 20;
+const LL_CLEAN_BARRIER_OFFSET: usize = 32 << 10;
 const NOTIFY_OFFSET: usize = 64 << 10;
+const _: () = assert!(LL_CLEAN_BARRIER_OFFSET + 4 * LL_MAX_RANKS as usize <= NOTIFY_OFFSET);
 const _: () = assert!(NOTIFY_OFFSET + 2 * kernels::MAX_NVL_RANKS as usize * kernels::NOTIFY_SLOT_BYTES <= CONTROL_BYTES);
 const WINDOW_ALIGN: usize = nccl_sys::NCCL_WIN_REQUIRED_ALIGNMENT;
 /// Zeroed device scratch, as DeepEP's NUM_WORKSPACE_BYTES.
@@ -26,6 +29,8 @@ const WS_PEER_MISMATCHES: usize = 256;
 const WS_OP_EPOCH: usize = 512;
 const WS_NOTIFY_EPOCH: usize = 516;
 const WS_DATA_TICKET: usize = 520;
+/// Barriers clean_low_latency_buffer has passed (never reset: the arrival words only grow).
+const WS_LL_CLEAN_EPOCH: usize = 524;
 const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// Low-latency counters at the end of the workspace (see [`LlWorkspace`]).
 const WS_LL: usize = WORKSPACE_BYTES - (64 << 10);
@@ -136,6 +141,11 @@ impl Resources {
     /// The LL counters and receive epochs, without the mask (what clean_low_latency_buffer zeroes).
     pub fn ll_counters(&self) -> (*mut c_void, usize) {
         (self.workspace_at(WS_LL), LL_MAX_RANKS as usize * 16 + 128 + LL_EPOCH_BYTES)
+    }
+    /// Window offset of the clean barrier's arrival words [R], and this rank's count of
+    /// barriers passed.
+    pub fn ll_clean_barrier(&self) -> (u64, *mut u32) {
+        (LL_CLEAN_BARRIER_OFFSET as u64, self.workspace_at(WS_LL_CLEAN_EPOCH).cast())
     }
     /// Grid of the LL kernels: one block per SM, at most the blocks recv_epoch has slots for.
     pub fn ll_blocks(&self) -> i32 {
@@ -260,7 +270,7 @@ impl Buffer {
         let window = SymmetricWindow::new(&comm, window_bytes)?;
         cuda::memset_zero(window.ptr(), window.bytes())?;
         // Control and notify slots, then one per SM so per-CTA barriers never share one.
-        let gin_signals = if multi_node { 4 * args.num_ranks } else { 0 };
+        let gin_signals = if multi_node { kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks } else { 0 };
         let dev_comm = DevComm::new(&comm, DATA_BARRIER_BASE + num_sms, gin_signals).map_err(|e| {
             if multi_node {
                 Error::unsupported(format!(
@@ -367,6 +377,7 @@ impl Buffer {
             kernels::WAIT_OP_COMBINE_CONSUMED => format!("rank {peer} never freed a combine ring slot (channel {n})"),
             kernels::WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch"),
             kernels::WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine"),
+            kernels::WAIT_OP_LL_CLEAN => format!("rank {peer} never arrived at clean_low_latency_buffer's barrier"),
             other => format!("rank {peer} stalled wait op {other} counter {n}"),
         };
         let err = Error::new(

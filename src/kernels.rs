@@ -14,6 +14,7 @@ pub const WAIT_OP_COMBINE_SLOT: i32 = 4;
 pub const WAIT_OP_COMBINE_CONSUMED: i32 = 5;
 pub const WAIT_OP_LL_DISPATCH: i32 = 6;
 pub const WAIT_OP_LL_COMBINE: i32 = 7;
+pub const WAIT_OP_LL_CLEAN: i32 = 8;
 
 /// `DEEPEP_LL_MAX_TOPK` and the LL phase bits.
 pub const LL_MAX_TOPK: i64 = 16;
@@ -25,6 +26,12 @@ pub const LL_MAX_BLOCKS: i32 = 1024;
 pub const LL_REMOTE_NONE: i32 = 0;
 pub const LL_REMOTE_EMULATED: i32 = 1;
 pub const LL_REMOTE_GIN: i32 = 2;
+/// `DEEPEP_LL_CLEAN_BANK`: the clean barrier's half number (GIN signal ids 4R + source).
+pub const LL_CLEAN_BANK: i32 = 2;
+/// GIN signals per source rank: (half, op kind) for the two halves, then the clean barrier.
+pub const LL_GIN_SIGNALS_PER_RANK: i32 = 5;
+/// `DEEPEP_LL_CLEAN_REGIONS`.
+pub const LL_CLEAN_REGIONS: usize = 4;
 
 pub const FAULT_TOPK_OUT_OF_RANGE: i32 = 1;
 pub const FAULT_RANK_COUNT: i32 = 2;
@@ -272,6 +279,17 @@ pub struct LlCombineParams {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LlCleanParams {
+    pub common: LlCommon,
+    pub barrier_epoch: *mut u32,
+    pub zero: [*mut c_void; LL_CLEAN_REGIONS],
+    pub zero_bytes: [i64; LL_CLEAN_REGIONS],
+    pub num_gin_signals: i32,
+    pub reserved: i32,
+}
+
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DevCommInfo {
     pub rank: i32,
@@ -292,6 +310,7 @@ const STRUCT_RECV_COUNTS: c_int = 8;
 const STRUCT_FAULT_RECORD: c_int = 9;
 const STRUCT_LL_DISPATCH_PARAMS: c_int = 10;
 const STRUCT_LL_COMBINE_PARAMS: c_int = 11;
+const STRUCT_LL_CLEAN_PARAMS: c_int = 12;
 
 extern "C" {
     pub fn deepep_kernel_struct_size(which: c_int) -> usize;
@@ -335,7 +354,12 @@ extern "C" {
     pub fn deepep_ll_count_bytes(num_local_experts: i32, max_tokens: i32) -> i64;
     pub fn deepep_ll_combine_slot_bytes(hidden: i32, use_logfmt: i32) -> i64;
     pub fn deepep_ll_gin_compiled() -> c_int;
-    pub fn deepep_launch_ll_reset_gin_signals(dev_comm: *const c_void, num_signals: c_int, stream: *mut c_void) -> c_int;
+    pub fn deepep_launch_ll_clean(
+        dev_comm: *const c_void,
+        params: *const LlCleanParams,
+        remote_kind: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
     pub fn deepep_cuda_error_string(error: c_int) -> *const c_char;
 }
 
@@ -367,6 +391,7 @@ pub fn check_struct_layouts() -> Result<()> {
                 ("DeepepFaultRecord", STRUCT_FAULT_RECORD, std::mem::size_of::<FaultRecord>()),
                 ("DeepepLlDispatchParams", STRUCT_LL_DISPATCH_PARAMS, std::mem::size_of::<LlDispatchParams>()),
                 ("DeepepLlCombineParams", STRUCT_LL_COMBINE_PARAMS, std::mem::size_of::<LlCombineParams>()),
+                ("DeepepLlCleanParams", STRUCT_LL_CLEAN_PARAMS, std::mem::size_of::<LlCleanParams>()),
             ];
             for (name, id, rust_size) in pairs {
                 let c_size = nccl_struct_size(id);

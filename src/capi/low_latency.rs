@@ -56,15 +56,20 @@ pub extern "C" fn deepep_low_latency_combine(
 }
 
 /// Collective: zeroes both halves' signals and resets the half to 0 (call it after
-/// normal-mode ops and before LL ops, as DeepEP requires). Waits for the device.
+/// normal-mode ops and before LL ops, as DeepEP requires). One kernel on `stream` (NULL: the
+/// comm stream) with a device-side barrier before and after; the host does not wait.
 #[no_mangle]
 pub extern "C" fn deepep_clean_low_latency_buffer(
     buf: *const super::DeepepBuffer,
     num_max_dispatch_tokens_per_rank: c_int,
     hidden: c_int,
     num_experts: c_int,
+    stream: *mut c_void,
 ) -> DeepepStatus {
-    ffi(|| control::clean(buffer_ref(buf)?, num_max_dispatch_tokens_per_rank as i64, hidden as i64, num_experts as i64))
+    ffi(|| {
+        let (m, h, e) = (num_max_dispatch_tokens_per_rank as i64, hidden as i64, num_experts as i64);
+        control::clean(buffer_ref(buf)?, m, h, e, stream)
+    })
 }
 
 /// Base pointer of the zero-copy combine view for the next LL call: BF16

@@ -14,43 +14,42 @@ fn shape_of(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> 
     LlShape::new(max_tokens, hidden, num_experts, buffer.layout.num_ranks as i64)
 }
 
-/// Collective (DeepEP's clean_low_latency_buffer): waits for the device, barrier, zeroes both
-/// halves' signals (LSA words and, across nodes, the GIN signals) and this rank's LL counters,
-/// barrier; the next LL call uses half 0.
-pub fn clean(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> Result<()> {
+/// Collective (DeepEP's clean_low_latency_buffer), in `stream` order: one kernel barriers over
+/// the ranks (shrink mode skips masked ones), zeroes both halves' signals (LSA words and, across
+/// nodes, the GIN signals) and this rank's LL counters, and barriers again. Nothing waits on the
+/// host (graph-capturable); a rank that never arrives is reported by the next call. The next LL
+/// call uses half 0.
+pub fn clean(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64, stream: *mut c_void) -> Result<()> {
     let shape = shape_of(buffer, max_tokens, hidden, num_experts)?;
-    let signals = buffer.with_resources(|res| {
-        let mut signals = [std::ptr::null_mut::<u8>(); 2];
-        for (parity, ptr) in signals.iter_mut().enumerate() {
-            let layout = combine_layout(buffer, res, "clean_low_latency_buffer", shape, false, parity as i32)?;
-            // SAFETY: the signal words lie inside this rank's window (combine_layout checked the size).
-            *ptr = unsafe { res.window.ptr().cast::<u8>().add(layout.signal as usize) };
-        }
-        cuda::context_synchronize()?;
-        Ok(signals)
-    })?;
-    buffer.barrier()?;
     buffer.with_resources(|res| {
-        for ptr in signals {
-            cuda::memset_zero(ptr.cast(), 8 * shape.num_ranks as usize)?;
-        }
-        let (counters, bytes) = res.ll_counters();
-        cuda::memset_zero(counters, bytes)?;
-        if res.remote_kind == kernels::LL_REMOTE_GIN {
-            // Signal ids (parity * 2 + kind) * R + source: 4R of them (DevComm::new asked for 4R).
-            let stream = res.stream_or_comm(std::ptr::null_mut());
-            // SAFETY: dev_comm is this buffer's live device communicator; the kernel only
-            // resets signal ids below the count it was created with.
-            let rc = unsafe {
-                kernels::deepep_launch_ll_reset_gin_signals(res.dev_comm.as_ptr(), 4 * shape.num_ranks as i32, stream)
-            };
-            kernels::launch_result("deepep::ll::reset_gin_signals", rc)?;
-            cuda::context_synchronize()?;
-        }
-        Ok(())
+        let op = "clean_low_latency_buffer";
+        let halves = [combine_layout(buffer, res, op, shape, false, 0)?, combine_layout(buffer, res, op, shape, false, 1)?];
+        // SAFETY: the signal words lie inside this rank's window (combine_layout checked the size).
+        let signals = halves.map(|half| unsafe { res.window.ptr().cast::<u8>().add(half.signal as usize) });
+        let (barrier_offset, barrier_epoch) = res.ll_clean_barrier();
+        let (counters, counter_bytes) = res.ll_counters();
+        let mut common = super::common(buffer, res, shape, &halves[0], 0, 0, kernels::LL_CLEAN_BANK);
+        common.signal_offset = barrier_offset;
+        let signal_bytes = 8 * shape.num_ranks;
+        let gin = res.remote_kind == kernels::LL_REMOTE_GIN;
+        let params = kernels::LlCleanParams {
+            common,
+            barrier_epoch,
+            zero: [signals[0].cast(), signals[1].cast(), counters, std::ptr::null_mut()],
+            zero_bytes: [signal_bytes, signal_bytes, counter_bytes as i64, 0],
+            // The halves' signal ids (parity * 2 + kind) * R + source: 4R of them.
+            num_gin_signals: if gin { 4 * shape.num_ranks as i32 } else { 0 },
+            reserved: 0,
+        };
+        // SAFETY: dev_comm is this buffer's live device communicator; every pointer in params is
+        // this rank's window or workspace, sized by the checks above and the workspace layout.
+        let rc = unsafe {
+            kernels::deepep_launch_ll_clean(res.dev_comm.as_ptr(), &params, res.remote_kind, res.stream_or_comm(stream))
+        };
+        kernels::launch_result("deepep::ll::clean", rc)
     })?;
     buffer.reset_ll_parity();
-    buffer.barrier()
+    Ok(())
 }
 
 /// Shrink mode: sets (mask=true) or clears a rank's mask, in `stream` order.

@@ -28,11 +28,15 @@ def load_library(path=None):
     lib.llv_num_args.restype = ctypes.c_int
     lib.llv_arg_name.restype = ctypes.c_char_p
     lib.llv_arg_name.argtypes = [ctypes.c_int]
-    for fn in (lib.llv_window_bytes, lib.llv_workspace_bytes):
+    for fn in (lib.llv_window_bytes, lib.llv_workspace_bytes, lib.llv_clean_barrier_offset,
+               lib.llv_clean_epoch_offset, lib.llv_signal_offset):
         fn.restype = ctypes.c_int64
     lib.llv_window_bytes.argtypes = [ctypes.c_void_p]
     lib.llv_workspace_bytes.argtypes = [ctypes.c_int64]
-    for fn in (lib.llv_dispatch, lib.llv_combine):
+    lib.llv_clean_barrier_offset.argtypes = [ctypes.c_void_p]
+    lib.llv_clean_epoch_offset.argtypes = [ctypes.c_int64]
+    lib.llv_signal_offset.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    for fn in (lib.llv_dispatch, lib.llv_combine, lib.llv_clean):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
@@ -43,7 +47,7 @@ class VirtualWorld:
     (virtual) nodes through the emulated remote path (stage, put, signal)."""
 
     def __init__(self, num_ranks, num_experts, max_tokens, hidden, node_size=None, num_blocks=None,
-                 timeout_s=10.0, library=None):
+                 timeout_s=10.0, shrink=False, library=None):
         assert num_experts % num_ranks == 0, 'num_experts must divide evenly over the ranks'
         self.lib = load_library(library)
         self.names = [self.lib.llv_arg_name(i).decode() for i in range(self.lib.llv_num_args())]
@@ -55,7 +59,7 @@ class VirtualWorld:
         self.base = dict(num_ranks=num_ranks, num_experts=num_experts, max_tokens=max_tokens, hidden=hidden,
                          node_size=node_size, remote_kind=REMOTE_NONE if node_size >= num_ranks else REMOTE_EMULATED,
                          num_blocks=num_blocks or min(props.multi_processor_count, 1024),
-                         timeout_ns=int(timeout_s * 1e9))
+                         timeout_ns=int(timeout_s * 1e9), shrink=int(shrink))
         stride = (self.lib.llv_window_bytes(self._vector(self.base)) + (2 << 20) - 1) // (2 << 20) * (2 << 20)
         self.window = torch.zeros(num_ranks * stride, dtype=torch.uint8, device='cuda')
         self.workspace = torch.zeros(num_ranks * self.lib.llv_workspace_bytes(num_ranks), dtype=torch.uint8,
@@ -66,6 +70,8 @@ class VirtualWorld:
                          workspace_base=self.workspace.data_ptr(), stall_record=self.stall.data_ptr(),
                          stall_lock=self.stall_lock.data_ptr())
         self.parity = 1  # flips before every send, as the product's buffer does
+        self.stride = stride
+        self.workspace_stride = self.lib.llv_workspace_bytes(num_ranks)
 
     def _vector(self, fields):
         unknown = set(fields) - set(self.index)
@@ -75,9 +81,10 @@ class VirtualWorld:
             vec[self.index[name]] = int(value)
         return vec
 
-    def _launch(self, fn, fields):
+    def _launch(self, fn, fields, stream=None):
         vec = self._vector({**self.base, **fields})
-        rc = fn(vec, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        stream = stream or torch.cuda.current_stream()
+        rc = fn(vec, ctypes.c_void_p(stream.cuda_stream))
         if rc != 0:
             raise RuntimeError(f'{fn.__name__} returned cudaError {rc}')
 
@@ -158,3 +165,54 @@ class VirtualWorld:
                 self.combine_rank(r, phases, all_y[r], all_topk[r], all_weights[r], dispatch_outs[r], outs[r],
                                   use_logfmt)
         return outs
+
+    # ------------------------------------------------------------ clean_low_latency_buffer
+    def clean(self, ranks=None):
+        """clean_low_latency_buffer on `ranks` (default: all), each on a stream of its own so that
+        their barriers meet; waits for them. The next send uses half 0, as in the product."""
+        ranks = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        torch.cuda.synchronize()
+        streams = [torch.cuda.Stream() for _ in ranks]
+        for rank, stream in zip(ranks, streams):
+            self._launch(self.lib.llv_clean, dict(rank=rank), stream)
+        torch.cuda.synchronize()
+        self.parity = 1
+
+    def rank_window(self, rank):
+        return self.window[rank * self.stride:(rank + 1) * self.stride]
+
+    def halves_bytes(self):
+        """Bytes of a rank's window the LL halves take (the clean barrier's words follow)."""
+        return self.lib.llv_clean_barrier_offset(self._vector(self.base))
+
+    def signal_words(self, rank, parity):
+        """Half `parity`'s signal words of `rank`: [2 kinds][R] uint32 (as int32)."""
+        offset = self.lib.llv_signal_offset(self._vector(self.base), parity)
+        return self.rank_window(rank)[offset:offset + 8 * self.num_ranks].view(torch.int32)
+
+    def arrival_words(self, rank):
+        """The clean barrier's arrival counts at `rank`, one per source rank."""
+        offset = self.halves_bytes()
+        return self.rank_window(rank)[offset:offset + 4 * self.num_ranks].view(torch.int32)
+
+    def rank_workspace(self, rank):
+        return self.workspace[rank * self.workspace_stride:(rank + 1) * self.workspace_stride]
+
+    def counters(self, rank):
+        """What clean zeroes in the workspace: (done, source_state, ticket) and recv_epoch, as int32."""
+        r = self.num_ranks
+        ws = self.rank_workspace(rank)
+        epoch_at = (4 * (5 * r + 2) + 127) // 128 * 128
+        return ws[:4 * (4 * r + 2)].view(torch.int32), ws[epoch_at:self.lib.llv_clean_epoch_offset(r)].view(torch.int32)
+
+    def mask(self, rank):
+        r = self.num_ranks
+        return self.rank_workspace(rank)[4 * (4 * r + 2):4 * (5 * r + 2)].view(torch.int32)
+
+    def clean_epoch(self, rank):
+        at = self.lib.llv_clean_epoch_offset(self.num_ranks)
+        return int(self.rank_workspace(rank)[at:at + 4].view(torch.int32).item())
+
+    def reset_stall(self):
+        self.stall.zero_()
+        self.stall_lock.zero_()

@@ -24,6 +24,7 @@
   /* the virtual world (same for every call on it) */                                                 \
   X(world_base) X(world_stride) X(workspace_base) X(stall_record) X(stall_lock) X(timeout_ns)          \
   X(num_ranks) X(num_experts) X(max_tokens) X(hidden) X(node_size) X(remote_kind) X(num_blocks)         \
+  X(shrink)                                                                                            \
   /* one call of one rank */                                                                           \
   X(rank) X(phases) X(parity) X(num_topk) X(num_tokens) X(x) X(topk_idx) X(topk_idx_is_int32)          \
   /* dispatch */                                                                                       \
@@ -71,8 +72,14 @@ Half half_layout(const int64_t* a, int64_t base) {
   return h;
 }
 
-// Per-rank workspace: done [2R], source_state [2R], ticket [2], mask [R], recv_epoch.
-int64_t workspace_bytes(int64_t R) { return align_up(4 * (5 * R + 2), 128) + 4 * 4 * DEEPEP_LL_MAX_BLOCKS; }
+// After both halves: the clean barrier's arrival words [R] (never zeroed, as the product's).
+int64_t clean_barrier_offset(const int64_t* a) { return 2 * half_layout(a, 0).end; }
+
+// Per-rank workspace: done [2R], source_state [2R], ticket [2], mask [R], recv_epoch, then the
+// clean barrier's count of barriers passed.
+int64_t recv_epoch_offset(int64_t R) { return align_up(4 * (5 * R + 2), 128); }
+int64_t clean_epoch_offset(int64_t R) { return recv_epoch_offset(R) + 4 * 4 * DEEPEP_LL_MAX_BLOCKS; }
+int64_t workspace_bytes(int64_t R) { return clean_epoch_offset(R) + 128; }
 
 DeepepLlCommon common_for(const int64_t* a) {
   const int64_t R = a[kArg_num_ranks], rank = a[kArg_rank];
@@ -96,7 +103,7 @@ DeepepLlCommon common_for(const int64_t* a) {
   c.source_state = c.done + 2 * R;
   c.ticket = reinterpret_cast<uint32_t*>(c.source_state + 2 * R);
   c.mask = reinterpret_cast<int32_t*>(c.ticket + 2);
-  c.recv_epoch = reinterpret_cast<uint32_t*>(ws + align_up(4 * (5 * R + 2), 128));
+  c.recv_epoch = reinterpret_cast<uint32_t*>(ws + recv_epoch_offset(R));
   c.wait.stall = reinterpret_cast<DeepepStallRecord*>(a[kArg_stall_record]);
   c.wait.stall_lock = reinterpret_cast<uint32_t*>(a[kArg_stall_lock]);
   c.wait.timeout_ns = uint64_t(a[kArg_timeout_ns]);
@@ -110,7 +117,7 @@ DeepepLlCommon common_for(const int64_t* a) {
   c.hidden = int32_t(a[kArg_hidden]);
   c.num_topk = int32_t(a[kArg_num_topk]);
   c.node_size = int32_t(a[kArg_node_size]);
-  c.shrink = 0;
+  c.shrink = int32_t(a[kArg_shrink]);
   c.phases = int32_t(a[kArg_phases]);
   c.parity = int32_t(a[kArg_parity]);
   return c;
@@ -138,10 +145,22 @@ __attribute__((visibility("default"))) const char* llv_arg_name(int i) {
 }
 // Bytes of one virtual rank's window (both halves) and of one rank's workspace.
 __attribute__((visibility("default"))) int64_t llv_window_bytes(const int64_t* a) {
-  return 2 * half_layout(a, 0).end;
+  return clean_barrier_offset(a) + align_up(4 * a[kArg_num_ranks], 128);
 }
 __attribute__((visibility("default"))) int64_t llv_workspace_bytes(int64_t num_ranks) {
   return workspace_bytes(num_ranks);
+}
+// Where the LL halves end in a rank's window (the clean barrier's words follow), and where the
+// workspace's clean-barrier count lies: what the tests scribble over and read back.
+__attribute__((visibility("default"))) int64_t llv_clean_barrier_offset(const int64_t* a) {
+  return clean_barrier_offset(a);
+}
+__attribute__((visibility("default"))) int64_t llv_clean_epoch_offset(int64_t num_ranks) {
+  return clean_epoch_offset(num_ranks);
+}
+// Window offset of half `parity`'s signal words (8R bytes).
+__attribute__((visibility("default"))) int64_t llv_signal_offset(const int64_t* a, int64_t parity) {
+  return half_layout(a, parity * half_layout(a, 0).end).signal;
 }
 
 // One rank's dispatch phases (a[phases]) on `stream`; returns a cudaError_t value.
@@ -187,6 +206,28 @@ __attribute__((visibility("default"))) int llv_combine(const int64_t* a, void* s
   p.zero_copy = 0;
   p.use_logfmt = int32_t(a[kArg_use_logfmt]);
   return deepep_launch_ll_combine(null_dev_comm(), &p, int(a[kArg_remote_kind]), int(a[kArg_num_blocks]), stream);
+}
+
+// One rank's clean_low_latency_buffer on `stream`: it barriers with the other ranks' cleans, so
+// every participating rank's clean must be in flight at once (one stream each).
+__attribute__((visibility("default"))) int llv_clean(const int64_t* a, void* stream) {
+  const int64_t R = a[kArg_num_ranks];
+  DeepepLlCleanParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.common = common_for(a);
+  p.common.parity = DEEPEP_LL_CLEAN_BANK;
+  p.common.signal_offset = uint64_t(clean_barrier_offset(a));
+  auto* ws = reinterpret_cast<uint8_t*>(p.common.done);
+  p.barrier_epoch = reinterpret_cast<uint32_t*>(ws + clean_epoch_offset(R));
+  for (int half = 0; half < 2; ++half) {
+    p.zero[half] = p.common.local_base + half_layout(a, half * half_layout(a, 0).end).signal;
+    p.zero_bytes[half] = 8 * R;
+  }
+  p.zero[2] = p.common.done;  // done, source_state, ticket (the mask after them stays)
+  p.zero_bytes[2] = 4 * (4 * R + 2);
+  p.zero[3] = p.common.recv_epoch;
+  p.zero_bytes[3] = 4 * 4 * DEEPEP_LL_MAX_BLOCKS;
+  return deepep_launch_ll_clean(null_dev_comm(), &p, int(a[kArg_remote_kind]), stream);
 }
 
 // Timing builds: a copy of a kernel file with per-block timestamps defines deepep_stamps_copy,

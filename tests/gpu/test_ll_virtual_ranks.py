@@ -6,6 +6,8 @@ per-source prefix of every expert's rows, layout_range, src_info), uneven token 
 source, the emulated remote path of virtual nodes, combine homes on every rank, and both buffer
 halves over repeated calls. Every output is compared bit for bit (combine: at most 1 BF16 ulp,
 as test_low_latency.py). The real multi-GPU path (NCCL window, NVLink) is test_low_latency.py's.
+The clean_* cases run clean_low_latency_buffer's kernel: its barrier between the ranks, the mode
+switch it exists for (halves overwritten, then exact LL rounds), and a rank that never arrives.
 
 Usage: python tests/gpu/test_ll_virtual_ranks.py [-k REGEX]"""
 import argparse
@@ -136,6 +138,101 @@ def round_trip(world, seed, tokens, num_topk, modes, routing='random', topk_int3
         check_combine(world, all_y, ref_topk, all_w, got)
 
 
+WAIT_OP_LL_DISPATCH, WAIT_OP_LL_CLEAN = 6, 8  # DEEPEP_WAIT_OP_* (kernels/deepep_kernels.h)
+
+
+def scribble_halves(world):
+    """What normal-mode kernels leave in the LL halves (both modes share the RDMA region): every
+    byte 0xff, so a signal word reads 2**32 - 1 and a send makes it wrap to 0."""
+    for r in range(world.num_ranks):
+        world.rank_window(r)[:world.halves_bytes()].fill_(0xff)
+
+
+def expect_stall(world, op, peer=None):
+    torch.cuda.synchronize()
+    words = world.stall.cpu().view(torch.int32).tolist()
+    assert words[0] == 1, 'expected a stall record, found none'
+    assert words[3] == op, f'stall of wait op {words[3]}, expected {op}'
+    assert peer is None or words[2] == peer, f'stall names peer {words[2]}, expected {peer}'
+    world.reset_stall()
+
+
+def check_cleaned(world, ranks, cleans, absent=()):
+    """After `cleans` cleans: both halves' signal words and the LL counters zero, one arrival per
+    clean barrier from every rank not in `absent`, the count of barriers passed."""
+    for r in ranks:
+        for parity in (0, 1):
+            assert not world.signal_words(r, parity).any(), f'rank {r}: half {parity} signal words not zero'
+        for name, part in zip(('done/source_state/ticket', 'recv_epoch'), world.counters(r)):
+            assert not part.any(), f'rank {r}: {name} not zero'
+        arrivals = world.arrival_words(r).tolist()
+        want = [0 if src in absent else 2 * cleans for src in range(world.num_ranks)]
+        assert arrivals == want, f'rank {r}: clean barrier arrivals {arrivals}, expected {want}'
+        assert world.clean_epoch(r) == 2 * cleans, f'rank {r}: {world.clean_epoch(r)} barriers passed'
+
+
+def clean_after_normal_mode(world, seed, tokens, num_topk, modes):
+    """SGLang's mode switch: LL rounds, the halves overwritten (as normal-mode calls do) and stale
+    LL counters, clean_low_latency_buffer on every rank, then LL rounds on both halves, exact."""
+    round_trip(world, seed, tokens, num_topk, modes)
+    for cleans in (1, 2):
+        scribble_halves(world)
+        for part in (p for r in range(world.num_ranks) for p in world.counters(r)):
+            part.fill_(-1)
+        world.clean()
+        world.check_no_stall()
+        check_cleaned(world, range(world.num_ranks), cleans)
+        round_trip(world, seed + 10 * cleans, tokens, num_topk, modes, rounds=2)
+
+
+def uncleaned_halves_stall(world, seed, tokens, num_topk):
+    """The control: without the clean, a dispatch over overwritten halves never sees its signals
+    (bounded: a stall record); a clean then recovers the world."""
+    round_trip(world, seed, tokens, num_topk, ('bf16',))
+    scribble_halves(world)
+    all_x, all_topk = make_inputs(world, seed + 1, tokens, num_topk)
+    world.dispatch(all_x, all_topk)
+    expect_stall(world, WAIT_OP_LL_DISPATCH)
+    world.clean()
+    world.check_no_stall()
+    check_cleaned(world, range(world.num_ranks), 1)
+    round_trip(world, seed + 2, tokens, num_topk, ('bf16', 'fp8'), rounds=2)
+
+
+def clean_without_a_rank(world, absent):
+    """One rank never calls clean. Shrink mode: the others mask it after the timeout and finish
+    (DeepEP's mask-aware barrier), with no stall. Otherwise: a stall record naming it."""
+    present = [r for r in range(world.num_ranks) if r != absent]
+    world.clean(present)
+    if not world.base['shrink']:
+        expect_stall(world, WAIT_OP_LL_CLEAN, peer=absent)
+        return
+    world.check_no_stall()
+    check_cleaned(world, present, 1, absent=(absent,))
+    for r in present:
+        want = [int(src == absent) for src in range(world.num_ranks)]
+        assert world.mask(r).tolist() == want, f'rank {r}: mask {world.mask(r).tolist()}, expected {want}'
+
+
+def clean_cases():
+    # name: (world kwargs, check, check kwargs)
+    small = dict(num_ranks=4, num_experts=32, max_tokens=32, hidden=1024)
+    return {
+        'clean_r4_after_normal_mode': (small, clean_after_normal_mode,
+                                       dict(seed=20, tokens=[32, 0, 5, 32], num_topk=8, modes=('bf16', 'fp8'))),
+        'clean_r8_virtual_nodes_of_4': (dict(num_ranks=8, num_experts=64, max_tokens=16, hidden=2048, node_size=4),
+                                        clean_after_normal_mode,
+                                        dict(seed=21, tokens=16, num_topk=8, modes=('fp8_ue8m0', 'bf16'))),
+        'clean_r32_after_normal_mode': (dict(num_ranks=32, num_experts=64, max_tokens=4, hidden=512, node_size=8),
+                                        clean_after_normal_mode, dict(seed=22, tokens=4, num_topk=4, modes=('bf16',))),
+        'clean_r4_uncleaned_halves_stall': ({**small, 'timeout_s': 0.3}, uncleaned_halves_stall,
+                                            dict(seed=23, tokens=32, num_topk=8)),
+        'clean_r4_shrink_masks_absent_rank': ({**small, 'timeout_s': 0.3, 'shrink': True}, clean_without_a_rank,
+                                              dict(absent=2)),
+        'clean_r4_absent_rank_stalls': ({**small, 'timeout_s': 0.3}, clean_without_a_rank, dict(absent=1)),
+    }
+
+
 def cases():
     all_modes = tuple(MODES)
     # name: (world kwargs, round_trip kwargs)
@@ -186,13 +283,15 @@ def main():
         return 1
     torch.cuda.set_device(0)
     passed, failed = 0, []
-    for name, (world_kw, trip_kw) in cases().items():
+    checks = {name: (world_kw, round_trip, trip_kw) for name, (world_kw, trip_kw) in cases().items()}
+    checks.update(clean_cases())
+    for name, (world_kw, check, check_kw) in checks.items():
         if not re.search(args.pattern, name):
             continue
         start = time.monotonic()
         try:
             world = VirtualWorld(**world_kw)
-            round_trip(world, **trip_kw)
+            check(world, **check_kw)
             del world
             passed += 1
             print(f'PASS {name} ({time.monotonic() - start:.1f} s)', flush=True)

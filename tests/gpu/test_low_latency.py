@@ -862,11 +862,12 @@ def kernels_per_call(ctx):
     chk.done()
 
 
-def cuda_graph(ctx, mode, hook, replays=5):
+def cuda_graph(ctx, mode, hook, replays=5, clean=False):
     """A dispatch + combine pair (an even number of LL calls) captured in one CUDA graph after a
     warm-up on a side stream, replayed `replays` times with new x, topk_idx and weights copied
     into the captured inputs; every replay checked (stats accumulate across replays); then an
-    eager round on the same buffer."""
+    eager round on the same buffer. clean=True captures clean_low_latency_buffer before the pair
+    (DeepEP's is one kernel: no host wait, so it can be captured)."""
     buf, local = ctx.main, ctx.E // ctx.world
     first = make_inputs(ctx, routing='random')
     static = SimpleNamespace(**vars(first))
@@ -877,6 +878,8 @@ def cuda_graph(ctx, mode, hook, replays=5):
     use_shape(ctx, buf, M, MAIN_H, ctx.E)
 
     def step():
+        if clean:
+            buf.clean_low_latency_buffer(M, MAIN_H, ctx.E)
         out = ll_dispatch(buf, static, mode, hook, False, stats=stats)
         if hook:
             out[4]()
@@ -1317,6 +1320,7 @@ def main_cases(ctx):
     # Last on the main buffer: a failed capture can leave the stream unusable.
     out['cuda_graph_bf16'] = lambda: cuda_graph(ctx, 'bf16', hook=False)
     out['cuda_graph_fp8_ue8m0_hook'] = lambda: cuda_graph(ctx, 'fp8_ue8m0', hook=True)
+    out['cuda_graph_clean_then_bf16'] = lambda: cuda_graph(ctx, 'bf16', hook=False, clean=True)
     return out
 
 

@@ -122,7 +122,7 @@ _PROTOTYPES = {
     "deepep_low_latency_check_shape": (c_int, [c_int64, c_int64, c_int, c_int]),
     "deepep_low_latency_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_low_latency_combine": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
-    "deepep_clean_low_latency_buffer": (c_int, [c_void_p, c_int, c_int, c_int]),
+    "deepep_clean_low_latency_buffer": (c_int, [c_void_p, c_int, c_int, c_int, c_void_p]),
     "deepep_get_next_low_latency_combine_buffer": (c_int, [c_void_p, c_int, c_int, c_int, POINTER(c_void_p)]),
     "deepep_low_latency_update_mask_buffer": (c_int, [c_void_p, c_int, c_bool, c_void_p]),
     "deepep_low_latency_query_mask_buffer": (c_int, [c_void_p, c_void_p, c_void_p]),

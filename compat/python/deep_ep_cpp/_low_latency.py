@@ -157,8 +157,9 @@ class LowLatencyMode(StreamProtocol):
 
     @without_torch_function
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        # DeepEP's: one kernel on the current stream (barrier, zero, barrier); the host does not wait.
         check(lib.deepep_clean_low_latency_buffer(self._live_handle(), num_max_dispatch_tokens_per_rank, hidden,
-                                                  num_experts))
+                                                  num_experts, stream_handle(self._current_stream())))
 
     @without_torch_function
     def low_latency_dispatch(self, x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
