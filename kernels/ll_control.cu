@@ -10,6 +10,17 @@
 // words are never reset, so there is nothing to race with. Shrink mode skips masked ranks and
 // masks a rank that does not arrive in time (DeepEP's mask-aware barrier); outside shrink mode
 // a late rank is a stall record and the buffer reports it at its next call.
+//
+// Shrink mode, counts out of step. Peers in the node get this rank's arrivals even when masked,
+// so a live rank masked for being slow stays in step and rejoins after
+// low_latency_clean_mask_buffer. A rank that missed a whole clean never reaches its peers' count:
+// they mask it at every later clean, so it cannot rejoin that buffer (DeepEP's cannot either).
+// It may itself take the missed clean's arrivals for the current one and pass early, which is
+// harmless: every peer that went on without it had it masked and sends it nothing. A peer more
+// than one barrier ahead went on without this rank and counts as never arrived. Across nodes
+// masked peers get no arrival, as in DeepEP (a dead node's queue may fail). GIN: an arrival goes
+// on the same context as this rank's earlier LL signals to that peer, so it lands after them and
+// the zeroing after the first barrier clears them.
 #include "ll_common.cuh"
 
 namespace deepep {
@@ -17,6 +28,16 @@ namespace ll {
 
 constexpr int kCleanThreads = 512;
 constexpr int kCleanWord = 0;  // the signal kind of the arrival words (one word per source)
+
+enum CleanArrival { kNotYet, kArrived, kOutOfStep };
+
+// Where a peer's count `seen` stands against this barrier's `target`. Target + 1 is in step: the
+// peer passed this barrier (it needed this rank's arrival) and reached the next one. Further
+// ahead is only possible with counts out of step.
+__device__ __forceinline__ CleanArrival clean_arrival(uint32_t seen, uint32_t target) {
+  const int32_t ahead = int32_t(seen - target);
+  return ahead < 0 ? kNotYet : ahead <= 1 ? kArrived : kOutOfStep;
+}
 
 template <int kRemote>
 __device__ void clean_barrier(const Transport<kRemote>& t, uint32_t target) {
@@ -26,24 +47,29 @@ __device__ void clean_barrier(const Transport<kRemote>& t, uint32_t target) {
   __threadfence_system();
   __syncthreads();
   for (int peer = threadIdx.x; peer < c.num_ranks; peer += blockDim.x) {
-    if (peer_active(c, peer)) t.signal(peer, kCleanWord, 1u);
+    const bool over_lsa = kRemote != kRemoteGin || t.direct(peer);
+    if (over_lsa || peer_active(c, peer)) t.signal(peer, kCleanWord, 1u);
   }
   for (int src = threadIdx.x; src < c.num_ranks; src += blockDim.x) {
     if (!peer_active(c, src)) continue;
     uint32_t seen = t.read_signal(kCleanWord, src);
-    if (int32_t(seen - target) >= 0) continue;
+    CleanArrival state = clean_arrival(seen, target);
+    bool masked_meanwhile = false;
     const uint64_t start = global_time_ns();
-    while (int32_t(seen - target) < 0) {
-      if (c.shrink && *reinterpret_cast<volatile int*>(c.mask + src) != 0) break;
-      if (global_time_ns() - start > c.wait.timeout_ns) {
-        if (c.shrink) {
-          atomicExch(c.mask + src, 1);
-        } else {
-          record_stall(c.wait, src, DEEPEP_WAIT_OP_LL_CLEAN, 0, target, seen);
-        }
+    while (state == kNotYet) {
+      if (c.shrink && *reinterpret_cast<volatile int*>(c.mask + src) != 0) {
+        masked_meanwhile = true;
         break;
       }
+      if (global_time_ns() - start > c.wait.timeout_ns) break;
       seen = t.read_signal(kCleanWord, src);
+      state = clean_arrival(seen, target);
+    }
+    if (state == kArrived || masked_meanwhile) continue;
+    if (c.shrink) {
+      atomicExch(c.mask + src, 1);
+    } else {
+      record_stall(c.wait, src, DEEPEP_WAIT_OP_LL_CLEAN, 0, target, seen);
     }
   }
   __syncthreads();

@@ -261,7 +261,7 @@ pub fn write_i32_async(dst: *mut c_void, value: i32, stream: *mut c_void) -> Res
         .map_err(|e| cuda_err("cuMemsetD32Async", e))
 }
 
-/// Waits for all work of the current context (clean_low_latency_buffer runs between calls).
+/// Waits for all work of the current context.
 pub fn context_synchronize() -> Result<()> {
     // SAFETY: no arguments; blocks until the current context is idle.
     unsafe { sys::cuCtxSynchronize() }.result().map_err(|e| cuda_err("cuCtxSynchronize", e))

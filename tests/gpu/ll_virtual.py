@@ -167,16 +167,20 @@ class VirtualWorld:
         return outs
 
     # ------------------------------------------------------------ clean_low_latency_buffer
-    def clean(self, ranks=None):
-        """clean_low_latency_buffer on `ranks` (default: all), each on a stream of its own so that
-        their barriers meet; waits for them. The next send uses half 0, as in the product."""
-        ranks = list(range(self.num_ranks)) if ranks is None else list(ranks)
-        torch.cuda.synchronize()
+    def launch_clean(self, ranks):
+        """Launches clean_low_latency_buffer of `ranks`, each on a stream of its own so that their
+        barriers can meet, without waiting; returns the streams."""
         streams = [torch.cuda.Stream() for _ in ranks]
         for rank, stream in zip(ranks, streams):
             self._launch(self.lib.llv_clean, dict(rank=rank), stream)
+        self.parity = 1  # the next send uses half 0, as in the product
+        return streams
+
+    def clean(self, ranks=None):
+        """clean_low_latency_buffer on `ranks` (default: all), after the work so far; waits for it."""
         torch.cuda.synchronize()
-        self.parity = 1
+        self.launch_clean(range(self.num_ranks) if ranks is None else ranks)
+        torch.cuda.synchronize()
 
     def rank_window(self, rank):
         return self.window[rank * self.stride:(rank + 1) * self.stride]

@@ -199,6 +199,25 @@ def uncleaned_halves_stall(world, seed, tokens, num_topk):
     round_trip(world, seed + 2, tokens, num_topk, ('bf16', 'fp8'), rounds=2)
 
 
+def clean_waits_for_every_rank(world, seed, tokens, num_topk):
+    """The first barrier holds: rank 0's clean, launched alone, neither finishes nor zeroes its
+    overwritten signal words while the others have not arrived; once they do, all finish."""
+    round_trip(world, seed, tokens, num_topk, ('bf16',))
+    scribble_halves(world)
+    torch.cuda.synchronize()
+    first = world.launch_clean([0])
+    time.sleep(0.2)
+    assert not first[0].query(), "rank 0's clean finished before the other ranks arrived"
+    for parity in (0, 1):
+        words = world.signal_words(0, parity)  # read on another stream while the clean spins
+        assert bool((words == -1).all()), f'rank 0 zeroed half {parity} before the other ranks arrived'
+    world.launch_clean(range(1, world.num_ranks))
+    torch.cuda.synchronize()
+    world.check_no_stall()
+    check_cleaned(world, range(world.num_ranks), 1)
+    round_trip(world, seed + 1, tokens, num_topk, ('bf16', 'fp8'), rounds=2)
+
+
 def clean_without_a_rank(world, absent):
     """One rank never calls clean. Shrink mode: the others mask it after the timeout and finish
     (DeepEP's mask-aware barrier), with no stall. Otherwise: a stall record naming it."""
@@ -214,6 +233,42 @@ def clean_without_a_rank(world, absent):
         assert world.mask(r).tolist() == want, f'rank {r}: mask {world.mask(r).tolist()}, expected {want}'
 
 
+def slow_rank_rejoins(world, slow):
+    """Shrink mode: `slow` reaches clean only after the others' timeout. They mask it and finish;
+    it then passes both barriers on their arrivals (a masked peer in the node still gets them),
+    masking no one. After low_latency_clean_mask_buffer on every rank, a clean of all is in step."""
+    present = [r for r in range(world.num_ranks) if r != slow]
+    world.clean(present)
+    world.clean([slow])
+    world.check_no_stall()
+    check_cleaned(world, range(world.num_ranks), 1)
+    for r in range(world.num_ranks):
+        want = [int(r != slow and src == slow) for src in range(world.num_ranks)]
+        assert world.mask(r).tolist() == want, f'rank {r}: mask {world.mask(r).tolist()}, expected {want}'
+        world.mask(r).zero_()  # low_latency_clean_mask_buffer
+    world.clean()
+    world.check_no_stall()
+    check_cleaned(world, range(world.num_ranks), 2)
+    assert not any(world.mask(r).any() for r in range(world.num_ranks)), 'a rank was masked again'
+
+
+def missed_clean_fails_safe(world, absent):
+    """Shrink mode: `absent` skips a clean entirely, then takes part in the next ones. Its count
+    stays behind, so the others never take it as arrived: after every low_latency_clean_mask_buffer
+    + clean they mask it again (its own masks depend on timing, so they are not checked), and
+    nothing is a stall."""
+    present = [r for r in range(world.num_ranks) if r != absent]
+    world.clean(present)
+    for _ in range(2):
+        for r in range(world.num_ranks):
+            world.mask(r).zero_()
+        world.clean()
+        world.check_no_stall()
+        for r in present:
+            want = [int(src == absent) for src in range(world.num_ranks)]
+            assert world.mask(r).tolist() == want, f'rank {r}: mask {world.mask(r).tolist()}, expected {want}'
+
+
 def clean_cases():
     # name: (world kwargs, check, check kwargs)
     small = dict(num_ranks=4, num_experts=32, max_tokens=32, hidden=1024)
@@ -227,8 +282,13 @@ def clean_cases():
                                         clean_after_normal_mode, dict(seed=22, tokens=4, num_topk=4, modes=('bf16',))),
         'clean_r4_uncleaned_halves_stall': ({**small, 'timeout_s': 0.3}, uncleaned_halves_stall,
                                             dict(seed=23, tokens=32, num_topk=8)),
+        'clean_r4_waits_for_every_rank': (small, clean_waits_for_every_rank, dict(seed=24, tokens=32, num_topk=8)),
         'clean_r4_shrink_masks_absent_rank': ({**small, 'timeout_s': 0.3, 'shrink': True}, clean_without_a_rank,
                                               dict(absent=2)),
+        'clean_r4_shrink_slow_rank_rejoins': ({**small, 'timeout_s': 0.3, 'shrink': True}, slow_rank_rejoins,
+                                              dict(slow=1)),
+        'clean_r4_shrink_missed_clean_fails_safe': ({**small, 'timeout_s': 0.3, 'shrink': True},
+                                                    missed_clean_fails_safe, dict(absent=3)),
         'clean_r4_absent_rank_stalls': ({**small, 'timeout_s': 0.3}, clean_without_a_rank, dict(absent=1)),
     }
 

@@ -867,7 +867,9 @@ def cuda_graph(ctx, mode, hook, replays=5, clean=False):
     warm-up on a side stream, replayed `replays` times with new x, topk_idx and weights copied
     into the captured inputs; every replay checked (stats accumulate across replays); then an
     eager round on the same buffer. clean=True captures clean_low_latency_buffer before the pair
-    (DeepEP's is one kernel: no host wait, so it can be captured)."""
+    (DeepEP's is one kernel: no host wait, so it can be captured) and fills the RDMA region with
+    0xff before every replay, as normal-mode calls would overwrite it: only the replayed clean
+    makes the pair's signals count from zero again."""
     buf, local = ctx.main, ctx.E // ctx.world
     first = make_inputs(ctx, routing='random')
     static = SimpleNamespace(**vars(first))
@@ -907,6 +909,9 @@ def cuda_graph(ctx, mode, hook, replays=5, clean=False):
         static.x.copy_(inp.x)
         static.topk.copy_(inp.topk)
         static.weights.copy_(inp.weights)
+        if clean:
+            torch.cuda.synchronize()  # every peer's writes into this rank's region have landed
+            buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).fill_(0xff)
         graph.replay()
         torch.cuda.synchronize()
         ref = reference(ctx, inp, mode)
