@@ -72,8 +72,11 @@ Half half_layout(const int64_t* a, int64_t base) {
   return h;
 }
 
+// Half `parity` of a rank's window (the halves lie back to back).
+Half half_of(const int64_t* a, int64_t parity) { return half_layout(a, parity * half_layout(a, 0).end); }
+
 // After both halves: the clean barrier's arrival words [R] (never zeroed, as the product's).
-int64_t clean_barrier_offset(const int64_t* a) { return 2 * half_layout(a, 0).end; }
+int64_t clean_barrier_offset(const int64_t* a) { return half_of(a, 1).end; }
 
 // Per-rank workspace: done [2R], source_state [2R], ticket [2], mask [R], recv_epoch, then the
 // clean barrier's count of barriers passed.
@@ -85,7 +88,7 @@ DeepepLlCommon common_for(const int64_t* a) {
   const int64_t R = a[kArg_num_ranks], rank = a[kArg_rank];
   const int64_t stride = a[kArg_world_stride];
   auto* world = reinterpret_cast<uint8_t*>(a[kArg_world_base]);
-  const Half h = half_layout(a, a[kArg_parity] * half_layout(a, 0).end);
+  const Half h = half_of(a, a[kArg_parity]);
   auto* ws = reinterpret_cast<uint8_t*>(a[kArg_workspace_base]) + rank * workspace_bytes(R);
   DeepepLlCommon c;
   std::memset(&c, 0, sizeof(c));
@@ -160,7 +163,7 @@ __attribute__((visibility("default"))) int64_t llv_clean_epoch_offset(int64_t nu
 }
 // Window offset of half `parity`'s signal words (8R bytes).
 __attribute__((visibility("default"))) int64_t llv_signal_offset(const int64_t* a, int64_t parity) {
-  return half_layout(a, parity * half_layout(a, 0).end).signal;
+  return half_of(a, parity).signal;
 }
 
 // One rank's dispatch phases (a[phases]) on `stream`; returns a cudaError_t value.
@@ -220,7 +223,7 @@ __attribute__((visibility("default"))) int llv_clean(const int64_t* a, void* str
   auto* ws = reinterpret_cast<uint8_t*>(p.common.done);
   p.barrier_epoch = reinterpret_cast<uint32_t*>(ws + clean_epoch_offset(R));
   for (int half = 0; half < 2; ++half) {
-    p.zero[half] = p.common.local_base + half_layout(a, half * half_layout(a, 0).end).signal;
+    p.zero[half] = p.common.local_base + half_of(a, half).signal;
     p.zero_bytes[half] = 8 * R;
   }
   p.zero[2] = p.common.done;  // done, source_state, ticket (the mask after them stays)
