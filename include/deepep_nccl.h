@@ -19,6 +19,11 @@
  */
 #define DEEPEP_UNIQUE_ID_BYTES 128
 
+/**
+ * Most outputs one op describes (the normal dispatch's handle has four, its receive five).
+ */
+#define DEEPEP_MAX_OP_OUTPUTS 8
+
 #define DEEPEP_MAX_DIMS 4
 
 /**
@@ -333,6 +338,38 @@ typedef struct {
   DeepepTensor combined_topk_weights;
   DeepepConfig config;
 } DeepepIntranodeCombineArgs;
+
+/**
+ * The outputs of one op, in the op's documented order. Each output is a view of one
+ * allocation: allocate `allocation_elems[g]` elements of `allocation_dtype[g]` for every
+ * g < num_allocations, then view output i as (shape, strides) at element `offset[i]` of
+ * allocation `allocation[i]`. An output whose `tensors[i].dtype` is 0 is absent (None);
+ * `tensors[i].data` is always NULL.
+ */
+typedef struct {
+  /**
+   * Outputs described, absent ones included.
+   */
+  int32_t count;
+  int32_t num_allocations;
+  DeepepTensor tensors[DEEPEP_MAX_OP_OUTPUTS];
+  /**
+   * Allocation of each output (-1 for an absent one).
+   */
+  int32_t allocation[DEEPEP_MAX_OP_OUTPUTS];
+  /**
+   * Element offset of each output in its allocation.
+   */
+  int64_t offset[DEEPEP_MAX_OP_OUTPUTS];
+  /**
+   * A `DeepepDtype` value per allocation.
+   */
+  int32_t allocation_dtype[DEEPEP_MAX_OP_OUTPUTS];
+  /**
+   * Elements per allocation.
+   */
+  int64_t allocation_elems[DEEPEP_MAX_OP_OUTPUTS];
+} DeepepOutputs;
 
 #ifdef __cplusplus
 extern "C" {

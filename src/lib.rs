@@ -11,6 +11,7 @@ pub mod layout;
 pub mod ll;
 pub mod nccl;
 pub mod normal;
+pub mod outputs;
 pub mod tensor;
 
 pub use buffer::{Buffer, BufferArgs};

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <array>
 #include <cstring>
 #include <stdexcept>
 
@@ -28,6 +29,47 @@ inline int32_t dtype_code(at::ScalarType t) {
     case at::kFloat8_e4m3fn: return DEEPEP_DTYPE_FLOAT8_E4M3;
     default: return 0;
   }
+}
+
+inline at::ScalarType scalar_type(int32_t code) {
+  switch (code) {
+    case DEEPEP_DTYPE_BOOL: return at::kBool;
+    case DEEPEP_DTYPE_UINT8: return at::kByte;
+    case DEEPEP_DTYPE_INT32: return at::kInt;
+    case DEEPEP_DTYPE_INT64: return at::kLong;
+    case DEEPEP_DTYPE_FLOAT32: return at::kFloat;
+    case DEEPEP_DTYPE_BFLOAT16: return at::kBFloat16;
+    case DEEPEP_DTYPE_FLOAT16: return at::kHalf;
+    default: return at::kFloat8_e4m3fn;
+  }
+}
+
+inline at::IntArrayRef dims(const DeepepTensor& t) { return at::IntArrayRef(t.shape, size_t(t.ndim)); }
+inline at::IntArrayRef steps(const DeepepTensor& t) { return at::IntArrayRef(t.strides, size_t(t.ndim)); }
+
+// The outputs a DeepepOutputs describes (deepep_*_outputs), allocated by torch; absent ones are
+// empty optionals. An output alone in its allocation is one at::empty_strided; outputs sharing
+// one are views of a single at::empty.
+inline std::array<c10::optional<at::Tensor>, DEEPEP_MAX_OP_OUTPUTS> allocate(const DeepepOutputs& o,
+                                                                          const at::TensorOptions& on_device) {
+  std::array<int, DEEPEP_MAX_OP_OUTPUTS> members{};
+  for (int i = 0; i < o.count; ++i)
+    if (o.allocation[i] >= 0) ++members[o.allocation[i]];
+  std::array<at::Tensor, DEEPEP_MAX_OP_OUTPUTS> bases;
+  std::array<c10::optional<at::Tensor>, DEEPEP_MAX_OP_OUTPUTS> out;
+  for (int i = 0; i < o.count; ++i) {
+    const int g = o.allocation[i];
+    if (g < 0) continue;
+    const DeepepTensor& t = o.tensors[i];
+    if (members[g] == 1) {
+      out[i] = at::empty_strided(dims(t), steps(t), on_device.dtype(scalar_type(t.dtype)));
+      continue;
+    }
+    if (!bases[g].defined())
+      bases[g] = at::empty({o.allocation_elems[g]}, on_device.dtype(scalar_type(o.allocation_dtype[g])));
+    out[i] = bases[g].as_strided(dims(t), steps(t), o.offset[i]);
+  }
+  return out;
 }
 
 // The C ABI's descriptor of t (strides in elements); false for a dtype or rank it cannot carry.

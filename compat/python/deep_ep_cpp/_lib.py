@@ -42,6 +42,9 @@ TORCH_DTYPE_CODES = (
     }
 )
 
+# torch dtype of each DeepepDtype code.
+DTYPES_BY_CODE = {code: dtype for dtype, code in TORCH_DTYPE_CODES.items()}
+
 CONFIG_DISPATCH = 0
 CONFIG_COMBINE = 1
 
@@ -64,6 +67,49 @@ class DeepepTensor(ctypes.Structure):
         ("shape", c_int64 * MAX_DIMS),
         ("strides", c_int64 * MAX_DIMS),
     ]
+
+
+MAX_OP_OUTPUTS = 8
+
+
+class DeepepOutputs(ctypes.Structure):
+    """What an op's caller allocates, as the library describes it (src/outputs.rs)."""
+
+    _fields_ = [
+        ("count", c_int32),
+        ("num_allocations", c_int32),
+        ("tensors", DeepepTensor * MAX_OP_OUTPUTS),
+        ("allocation", c_int32 * MAX_OP_OUTPUTS),
+        ("offset", c_int64 * MAX_OP_OUTPUTS),
+        ("allocation_dtype", c_int32 * MAX_OP_OUTPUTS),
+        ("allocation_elems", c_int64 * MAX_OP_OUTPUTS),
+    ]
+
+
+def allocate_outputs(outputs, device):
+    """The outputs a DeepepOutputs describes, allocated by torch (its caching allocator stays in
+    charge): a list with None for absent outputs. An output alone in its allocation is one
+    torch.empty_strided; outputs sharing one are views of a single torch.empty."""
+    torch = require_torch()
+    count = outputs.count
+    groups = outputs.allocation[:count]
+    shared = {g for g in groups if g >= 0 and groups.count(g) > 1}
+    bases = {g: torch.empty(outputs.allocation_elems[g], dtype=DTYPES_BY_CODE[outputs.allocation_dtype[g]],
+                            device=device) for g in shared}
+    result = []
+    for i in range(count):
+        t = outputs.tensors[i]
+        g = groups[i]
+        if g < 0:
+            result.append(None)
+            continue
+        n = t.ndim
+        shape, strides = tuple(t.shape[:n]), tuple(t.strides[:n])
+        if g in shared:
+            result.append(bases[g].as_strided(shape, strides, outputs.offset[i]))
+        else:
+            result.append(torch.empty_strided(shape, strides, dtype=DTYPES_BY_CODE[t.dtype], device=device))
+    return result
 
 
 # Packs a whole DeepepTensor in one call: much cheaper than setting ctypes fields one by one.
