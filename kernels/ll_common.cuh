@@ -24,6 +24,7 @@
 
 #include "bounded_wait.cuh"
 #include "deepep_kernels.h"
+#include "memory_order.cuh"
 #include "stream_ops.cuh"
 
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 7)
@@ -51,22 +52,6 @@ __host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) / 16 
 __host__ __device__ constexpr int64_t dispatch_header_bytes(int num_topk) { return align16(16 + 4 * num_topk); }
 
 // ---------------------------------------------------------------- memory ops
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void red_add_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// Completion counters: each writer releases its stores (its own and, after a warp or block
-// barrier, its group's) by its add; the add that completes the count acquires all of them
-// before the sys-scope release of the signal. Cheaper than a full fence.sc.sys per writer.
-__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
-  int old;
-  asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
 // Data written by peers during this kernel: L2, never a stale L1 line.
 __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 

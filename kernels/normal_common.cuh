@@ -17,6 +17,7 @@
 
 #include "bounded_wait.cuh"
 #include "deepep_kernels.h"
+#include "memory_order.cuh"
 #include "stream_ops.cuh"
 
 namespace deepep {
@@ -42,17 +43,6 @@ __device__ __forceinline__ uint64_t make_flag(uint32_t epoch, int64_t seq) {
 }
 
 // ---------------------------------------------------------------- memory ops
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // put: one warp copies n 16-byte words; loads are batched so each lane keeps
 // kUnroll loads in flight before its stores (local or NVLink destination alike).
 template <int kUnroll>
@@ -137,10 +127,6 @@ __device__ __forceinline__ void warp_bulk_copy(void* dst, const void* src, int64
   __syncwarp();
 }
 
-__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 // put-with-signal, batched: a release costs a system-scope fence that waits
 // for the warp's NVLink stores to be acknowledged, so a warp publishes the
 // flags of up to kFlagBatch rows behind one fence. Flush before any blocking
@@ -164,7 +150,7 @@ struct FlagBatch {
     if (count == 0) return;
     __syncwarp();
     if (lane == 0) {
-      asm volatile("fence.acq_rel.sys;" ::: "memory");
+      fence_acq_rel_sys();
 #pragma unroll
       for (int i = 0; i < kFlagBatch; ++i) {
         if (i < count) {
