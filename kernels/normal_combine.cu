@@ -65,9 +65,9 @@ __device__ __forceinline__ void combine_send(const DeepepCombineParams& p, int c
     }
     const int64_t row = start + s;
     uint8_t* slot_ptr = dst_nvl + ring.slot_offset(ch, me, slot);
-    warp_put<4>(reinterpret_cast<int4*>(slot_ptr + layout.x_off()),
-             reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + row * p.hidden_bytes), hidden_int4,
-             lane);
+    warp_copy<4, CopyLoad::kStream>(
+        reinterpret_cast<int4*>(slot_ptr + layout.x_off()),
+        reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + row * p.hidden_bytes), hidden_int4, lane);
     if (p.topk_weights != nullptr) {
       float* weights = reinterpret_cast<float*>(slot_ptr + layout.weights_off());
       for (int k = lane; k < K; k += kWarp) weights[k] = p.topk_weights[row * K + k];
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(ncclDevComm de
 }  // namespace deepep
 
 extern "C" int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk) {
-  using deepep::normal::align16;
+  using deepep::align16;
   return deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) + align16(int64_t(num_topk) * 4);
 }
 

@@ -19,16 +19,14 @@
 #include "deepep_kernels.h"
 #include "memory_order.cuh"
 #include "stream_ops.cuh"
+#include "warp_copy.cuh"
 
 namespace deepep {
 namespace normal {
 
-constexpr int kWarp = 32;
 constexpr int kDataThreads = 768;  // 24 warps per block of the data kernels
 constexpr int kDataWarps = kDataThreads / kWarp;
 constexpr int kSlotHeaderBytes = 16;  // flag (8) + source token index (4) + pad
-
-__host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) / 16 * 16; }
 
 // Source tokens of channel c: DeepEP's split, contiguous ranges of ceil(T / C).
 __device__ __forceinline__ void channel_range(int64_t num_tokens, int num_channels, int c, int64_t& begin,
@@ -40,22 +38,6 @@ __device__ __forceinline__ void channel_range(int64_t num_tokens, int num_channe
 
 __device__ __forceinline__ uint64_t make_flag(uint32_t epoch, int64_t seq) {
   return (uint64_t(epoch) << 32) | uint64_t(uint32_t(seq + 1));
-}
-
-// ---------------------------------------------------------------- memory ops
-// put: one warp copies n 16-byte words; loads are batched so each lane keeps
-// kUnroll loads in flight before its stores (local or NVLink destination alike).
-template <int kUnroll>
-__device__ __forceinline__ void warp_put(int4* dst, const int4* src, int n, int lane) {
-  int i = lane;
-  for (; i + (kUnroll - 1) * kWarp < n; i += kUnroll * kWarp) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = ld_stream(src + i + u * kWarp);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) st_stream(dst + i + u * kWarp, v[u]);
-  }
-  for (; i < n; i += kWarp) st_stream(dst + i, ld_stream(src + i));
 }
 
 // ---------------------------------------------------------------- bulk copies (TMA)

@@ -108,8 +108,9 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
       if (dst == me) {
         const int64_t row = self_base + s;
         if (row < p.num_recv_rows) {
-          warp_put<4>(reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes),
-                      reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
+          warp_copy<4, CopyLoad::kStream>(
+              reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes),
+              reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
           write_side_outputs(p, t, row, lane);
         }
       } else {
@@ -153,8 +154,8 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
         if (lane == 0) reinterpret_cast<int32_t*>(slot_ptr + 8)[0] = int32_t(t);
         // The row goes by the copy engine; its flag is released once it has landed
         // (side data above is ordered before it by the warp sync).
-        warp_put<4>(reinterpret_cast<int4*>(slot_ptr + layout.x_off()), reinterpret_cast<const int4*>(src),
-                    p.hidden_bytes / 16, lane);
+        warp_copy<4, CopyLoad::kStream>(reinterpret_cast<int4*>(slot_ptr + layout.x_off()),
+                                        reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
         flags.add(int32_t(s), lane, flag_of);
       }
       // Next token of this warp: skip stride - 1 set bits.
@@ -265,7 +266,7 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatc
 }  // namespace deepep
 
 extern "C" int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk) {
-  using deepep::normal::align16;
+  using deepep::align16;
   return deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) + align16(int64_t(num_scales) * 4) +
          2 * align16(int64_t(num_topk) * 4);
 }
