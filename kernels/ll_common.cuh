@@ -24,6 +24,7 @@
 
 #include "bounded_wait.cuh"
 #include "deepep_kernels.h"
+#include "launch.cuh"
 #include "memory_order.cuh"
 #include "stream_ops.cuh"
 #include "warp_copy.cuh"
@@ -294,12 +295,7 @@ int launch_for_phases(int phases, void (*send)(ncclDevComm, Params), void (*recv
                       void (*both)(ncclDevComm, Params), const ncclDevComm& dc, const Params& p, size_t smem,
                       int num_blocks, cudaStream_t stream) {
   auto kernel = phases == DEEPEP_LL_PHASE_SEND ? send : phases == DEEPEP_LL_PHASE_RECV ? recv : both;
-  if (smem > 48 * 1024) {
-    const cudaError_t rc = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (rc != cudaSuccess) return int(rc);
-  }
-  kernel<<<num_blocks, kThreads, smem, stream>>>(dc, p);
-  return int(cudaGetLastError());
+  return launch_kernel(kernel, num_blocks, kThreads, smem, stream, dc, p);
 }
 
 }  // namespace ll

@@ -11,8 +11,7 @@
 // rows (start of the (source, channel) block + sequence), converts top-k ids to
 // local ids, and hands the slot back. Per-slot flags, no group barriers: any
 // number of warps, any ring size >= 1 is deadlock-free.
-#include <atomic>
-
+#include "launch.cuh"
 #include "normal_common.cuh"
 
 namespace deepep {
@@ -272,19 +271,7 @@ extern "C" int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_
 }
 
 extern "C" int deepep_launch_normal_dispatch(const DeepepDispatchParams* params, void* stream) {
-  const int blocks = 2 * params->common.num_channels;
-  const auto s = static_cast<cudaStream_t>(stream);
-  constexpr size_t smem = deepep::normal::kDispatchSmemBytes;
-  // The attribute is per device (context): one process may drive several GPUs.
-  static std::atomic<uint64_t> configured_devices{0};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) device = 63;
-  if (!(configured_devices.load(std::memory_order_relaxed) & (1ull << device))) {
-    const cudaError_t attr =
-        cudaFuncSetAttribute(deepep::normal::dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (attr != cudaSuccess) return int(attr);
-    if (device < 63) configured_devices.fetch_or(1ull << device);
-  }
-  deepep::normal::dispatch_kernel<<<blocks, deepep::normal::kDataThreads, smem, s>>>(*params);
-  return int(cudaGetLastError());
+  return deepep::launch_kernel(deepep::normal::dispatch_kernel, 2 * params->common.num_channels,
+                               deepep::normal::kDataThreads, deepep::normal::kDispatchSmemBytes,
+                               static_cast<cudaStream_t>(stream), *params);
 }
