@@ -1,4 +1,4 @@
-// Kernel launch, one way for every kernel that takes dynamic shared memory.
+// Kernel launches in one place: the dynamic shared memory opt-in, the launch, its error.
 #pragma once
 
 #include <cuda_runtime.h>
