@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "deepep_kernels.h"
+#include "launch.cuh"
 
 namespace deepep {
 
@@ -152,15 +153,8 @@ extern "C" int deepep_launch_dispatch_layout(const DeepepLayoutParams* params, v
   const DeepepLayoutParams& p = *params;
   const deepep::LayoutGeometry g = deepep::layout_geometry(p);
   if (g.num_counters > p.accumulators_capacity) return int(cudaErrorInvalidValue);
-  auto s = static_cast<cudaStream_t>(stream);
-  if (p.topk_idx_is_int32) {
-    auto kernel = deepep::dispatch_layout_kernel<int32_t>;
-    if (g.smem_bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(g.smem_bytes));
-    kernel<<<g.num_blocks, deepep::kLayoutThreads, g.smem_bytes, s>>>(p, g.tile_tokens, int(g.counters_bytes));
-  } else {
-    auto kernel = deepep::dispatch_layout_kernel<int64_t>;
-    if (g.smem_bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(g.smem_bytes));
-    kernel<<<g.num_blocks, deepep::kLayoutThreads, g.smem_bytes, s>>>(p, g.tile_tokens, int(g.counters_bytes));
-  }
-  return int(cudaGetLastError());
+  const auto kernel =
+      p.topk_idx_is_int32 ? deepep::dispatch_layout_kernel<int32_t> : deepep::dispatch_layout_kernel<int64_t>;
+  return deepep::launch_kernel(kernel, g.num_blocks, deepep::kLayoutThreads, g.smem_bytes,
+                               static_cast<cudaStream_t>(stream), p, g.tile_tokens, int(g.counters_bytes));
 }

@@ -1,7 +1,7 @@
 // Shared device code of the low-latency (LL) kernels: the transport (LSA stores
 // for peers in the same node; the GIN protocol -- stage, put, strong signal --
 // for the others, either over NCCL GIN or emulated over LSA for virtual nodes),
-// the bounded signal wait with shrink-mode masking, and small memory helpers.
+// the bounded signal wait with shrink-mode masking, and small helpers.
 //
 // Protocol of one LL op (dispatch or combine) between sender s and receiver r:
 // s writes its data into r's half of the window, then adds 1 to r's signal word
@@ -24,7 +24,10 @@
 
 #include "bounded_wait.cuh"
 #include "deepep_kernels.h"
+#include "launch.cuh"
+#include "memory_order.cuh"
 #include "stream_ops.cuh"
+#include "warp_copy.cuh"
 
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 7)
 #define DEEPEP_HAVE_GIN 1
@@ -35,7 +38,6 @@
 namespace deepep {
 namespace ll {
 
-constexpr int kWarp = 32;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / kWarp;
 constexpr int kSignalDispatch = 0;
@@ -44,32 +46,11 @@ constexpr int kStateWaiting = 0, kStateArrived = 1, kStateMasked = 2;
 
 enum RemoteKind { kRemoteNone = 0, kRemoteEmulated = 1, kRemoteGin = 2 };
 
-__host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) / 16 * 16; }
-
 // Dispatch slot: header (source token, then one (expert, position) word per
 // top-k entry), then the payload (FP8 + fp32 scales, or BF16).
 __host__ __device__ constexpr int64_t dispatch_header_bytes(int num_topk) { return align16(16 + 4 * num_topk); }
 
-// ---------------------------------------------------------------- memory ops
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void red_add_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// Completion counters: each writer releases its stores (its own and, after a warp or block
-// barrier, its group's) by its add; the add that completes the count acquires all of them
-// before the sys-scope release of the signal. Cheaper than a full fence.sc.sys per writer.
-__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
-  int old;
-  asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-// Data written by peers during this kernel: L2, never a stale L1 line.
-__device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
-
+// ---------------------------------------------------------------- top-k ids
 // Top-k entry i, read as a 32-bit id (an int64 entry's low word, as DeepEP's kernels read it).
 __device__ __forceinline__ int load_topk(const void* topk, bool is_int32, int64_t i) {
   return is_int32 ? __ldg(static_cast<const int32_t*>(topk) + i) : int(__ldg(static_cast<const int64_t*>(topk) + i));
@@ -82,19 +63,6 @@ __device__ __forceinline__ int valid_expert(int e, int num_experts) {
 }
 __device__ __forceinline__ int load_expert(const void* topk, bool is_int32, int64_t i, int num_experts) {
   return valid_expert(load_topk(topk, is_int32, i), num_experts);
-}
-
-__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
-  constexpr int kUnroll = 4;
-  int i = lane;
-  for (; i + (kUnroll - 1) * kWarp < n; i += kUnroll * kWarp) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = ld_cg(src + i + u * kWarp);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) st_stream(dst + i + u * kWarp, v[u]);
-  }
-  for (; i < n; i += kWarp) st_stream(dst + i, ld_cg(src + i));
 }
 
 // Makes the compiler compute the values here (before what follows, e.g. a wait's volatile
@@ -145,8 +113,8 @@ struct Transport {
   __device__ __forceinline__ void put(int peer, uint64_t dst_offset, uint64_t src_offset, int64_t bytes,
                                       int lane) const {
     if constexpr (kRemote == kRemoteEmulated) {
-      warp_copy(reinterpret_cast<int4*>(lsa(dst_offset, peer)), reinterpret_cast<const int4*>(local(src_offset)),
-                int(bytes / 16), lane);
+      warp_copy<4, CopyLoad::kCg>(reinterpret_cast<int4*>(lsa(dst_offset, peer)),
+                                  reinterpret_cast<const int4*>(local(src_offset)), int(bytes / 16), lane);
     } else if constexpr (kRemote == kRemoteGin) {
 #if DEEPEP_HAVE_GIN
       if (lane == 0) {
@@ -327,12 +295,7 @@ int launch_for_phases(int phases, void (*send)(ncclDevComm, Params), void (*recv
                       void (*both)(ncclDevComm, Params), const ncclDevComm& dc, const Params& p, size_t smem,
                       int num_blocks, cudaStream_t stream) {
   auto kernel = phases == DEEPEP_LL_PHASE_SEND ? send : phases == DEEPEP_LL_PHASE_RECV ? recv : both;
-  if (smem > 48 * 1024) {
-    const cudaError_t rc = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (rc != cudaSuccess) return int(rc);
-  }
-  kernel<<<num_blocks, kThreads, smem, stream>>>(dc, p);
-  return int(cudaGetLastError());
+  return launch_kernel(kernel, num_blocks, kThreads, smem, stream, dc, p);
 }
 
 }  // namespace ll

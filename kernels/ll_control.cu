@@ -109,21 +109,21 @@ extern "C" int deepep_launch_ll_clean(const void* dev_comm, const DeepepLlCleanP
                                       void* stream) {
   using namespace deepep::ll;
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
-  const auto s = static_cast<cudaStream_t>(stream);
+  void (*kernel)(ncclDevComm, DeepepLlCleanParams) = nullptr;
   switch (remote_kind) {
     case kRemoteNone:
-      clean_kernel<kRemoteNone><<<1, kCleanThreads, 0, s>>>(dc, *params);
+      kernel = clean_kernel<kRemoteNone>;
       break;
     case kRemoteEmulated:
-      clean_kernel<kRemoteEmulated><<<1, kCleanThreads, 0, s>>>(dc, *params);
+      kernel = clean_kernel<kRemoteEmulated>;
       break;
 #if DEEPEP_HAVE_GIN
     case kRemoteGin:
-      clean_kernel<kRemoteGin><<<1, kCleanThreads, 0, s>>>(dc, *params);
+      kernel = clean_kernel<kRemoteGin>;
       break;
 #endif
     default:
       return int(cudaErrorInvalidValue);
   }
-  return int(cudaGetLastError());
+  return deepep::launch_kernel(kernel, 1, kCleanThreads, 0, static_cast<cudaStream_t>(stream), dc, *params);
 }

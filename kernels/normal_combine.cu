@@ -12,6 +12,7 @@
 // bias_0 + bias_1 first, then ranks ascending; one rounding to bf16.
 #include <cuda_bf16.h>
 
+#include "launch.cuh"
 #include "normal_common.cuh"
 
 namespace deepep {
@@ -65,9 +66,9 @@ __device__ __forceinline__ void combine_send(const DeepepCombineParams& p, int c
     }
     const int64_t row = start + s;
     uint8_t* slot_ptr = dst_nvl + ring.slot_offset(ch, me, slot);
-    warp_put<4>(reinterpret_cast<int4*>(slot_ptr + layout.x_off()),
-             reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + row * p.hidden_bytes), hidden_int4,
-             lane);
+    warp_copy<4, CopyLoad::kStream>(
+        reinterpret_cast<int4*>(slot_ptr + layout.x_off()),
+        reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + row * p.hidden_bytes), hidden_int4, lane);
     if (p.topk_weights != nullptr) {
       float* weights = reinterpret_cast<float*>(slot_ptr + layout.weights_off());
       for (int k = lane; k < K; k += kWarp) weights[k] = p.topk_weights[row * K + k];
@@ -211,7 +212,7 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(ncclDevComm de
 }  // namespace deepep
 
 extern "C" int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk) {
-  using deepep::normal::align16;
+  using deepep::align16;
   return deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) + align16(int64_t(num_topk) * 4);
 }
 
@@ -223,15 +224,11 @@ extern "C" int deepep_launch_normal_combine(const void* dev_comm, const DeepepCo
   const int ranks = params->common.num_ranks;
   using namespace deepep::normal;
   auto go = [&](auto k2, auto k4, auto k8) {
-    if (ranks <= 2) k2<<<blocks, kThreads, 0, s>>>(dc, *params);
-    else if (ranks <= 4) k4<<<blocks, kThreads, 0, s>>>(dc, *params);
-    else k8<<<blocks, kThreads, 0, s>>>(dc, *params);
+    return deepep::launch_kernel(ranks <= 2 ? k2 : ranks <= 4 ? k4 : k8, blocks, kThreads, 0, s, dc, *params);
   };
   // Batched flag releases paid off with few channels (12 SMs: +16%) and cost
   // with many (24 SMs: -8%), measured on 4x H200.
   if (params->common.num_channels <= 6)
-    go(combine_kernel<2, 4, 4>, combine_kernel<4, 2, 4>, combine_kernel<8, 1, 4>);
-  else
-    go(combine_kernel<2, 4, 1>, combine_kernel<4, 2, 1>, combine_kernel<8, 1, 1>);
-  return int(cudaGetLastError());
+    return go(combine_kernel<2, 4, 4>, combine_kernel<4, 2, 4>, combine_kernel<8, 1, 4>);
+  return go(combine_kernel<2, 4, 1>, combine_kernel<4, 2, 1>, combine_kernel<8, 1, 1>);
 }

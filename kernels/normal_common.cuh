@@ -17,17 +17,16 @@
 
 #include "bounded_wait.cuh"
 #include "deepep_kernels.h"
+#include "memory_order.cuh"
 #include "stream_ops.cuh"
+#include "warp_copy.cuh"
 
 namespace deepep {
 namespace normal {
 
-constexpr int kWarp = 32;
 constexpr int kDataThreads = 768;  // 24 warps per block of the data kernels
 constexpr int kDataWarps = kDataThreads / kWarp;
 constexpr int kSlotHeaderBytes = 16;  // flag (8) + source token index (4) + pad
-
-__host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) / 16 * 16; }
 
 // Source tokens of channel c: DeepEP's split, contiguous ranges of ceil(T / C).
 __device__ __forceinline__ void channel_range(int64_t num_tokens, int num_channels, int c, int64_t& begin,
@@ -39,33 +38,6 @@ __device__ __forceinline__ void channel_range(int64_t num_tokens, int num_channe
 
 __device__ __forceinline__ uint64_t make_flag(uint32_t epoch, int64_t seq) {
   return (uint64_t(epoch) << 32) | uint64_t(uint32_t(seq + 1));
-}
-
-// ---------------------------------------------------------------- memory ops
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// put: one warp copies n 16-byte words; loads are batched so each lane keeps
-// kUnroll loads in flight before its stores (local or NVLink destination alike).
-template <int kUnroll>
-__device__ __forceinline__ void warp_put(int4* dst, const int4* src, int n, int lane) {
-  int i = lane;
-  for (; i + (kUnroll - 1) * kWarp < n; i += kUnroll * kWarp) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = ld_stream(src + i + u * kWarp);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) st_stream(dst + i + u * kWarp, v[u]);
-  }
-  for (; i < n; i += kWarp) st_stream(dst + i, ld_stream(src + i));
 }
 
 // ---------------------------------------------------------------- bulk copies (TMA)
@@ -137,10 +109,6 @@ __device__ __forceinline__ void warp_bulk_copy(void* dst, const void* src, int64
   __syncwarp();
 }
 
-__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 // put-with-signal, batched: a release costs a system-scope fence that waits
 // for the warp's NVLink stores to be acknowledged, so a warp publishes the
 // flags of up to kFlagBatch rows behind one fence. Flush before any blocking
@@ -164,7 +132,7 @@ struct FlagBatch {
     if (count == 0) return;
     __syncwarp();
     if (lane == 0) {
-      asm volatile("fence.acq_rel.sys;" ::: "memory");
+      fence_acq_rel_sys();
 #pragma unroll
       for (int i = 0; i < kFlagBatch; ++i) {
         if (i < count) {

@@ -11,8 +11,7 @@
 // rows (start of the (source, channel) block + sequence), converts top-k ids to
 // local ids, and hands the slot back. Per-slot flags, no group barriers: any
 // number of warps, any ring size >= 1 is deadlock-free.
-#include <atomic>
-
+#include "launch.cuh"
 #include "normal_common.cuh"
 
 namespace deepep {
@@ -108,8 +107,9 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
       if (dst == me) {
         const int64_t row = self_base + s;
         if (row < p.num_recv_rows) {
-          warp_put<4>(reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes),
-                      reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
+          warp_copy<4, CopyLoad::kStream>(
+              reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes),
+              reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
           write_side_outputs(p, t, row, lane);
         }
       } else {
@@ -153,8 +153,8 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
         if (lane == 0) reinterpret_cast<int32_t*>(slot_ptr + 8)[0] = int32_t(t);
         // The row goes by the copy engine; its flag is released once it has landed
         // (side data above is ordered before it by the warp sync).
-        warp_put<4>(reinterpret_cast<int4*>(slot_ptr + layout.x_off()), reinterpret_cast<const int4*>(src),
-                    p.hidden_bytes / 16, lane);
+        warp_copy<4, CopyLoad::kStream>(reinterpret_cast<int4*>(slot_ptr + layout.x_off()),
+                                        reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
         flags.add(int32_t(s), lane, flag_of);
       }
       // Next token of this warp: skip stride - 1 set bits.
@@ -265,25 +265,13 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatc
 }  // namespace deepep
 
 extern "C" int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk) {
-  using deepep::normal::align16;
+  using deepep::align16;
   return deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) + align16(int64_t(num_scales) * 4) +
          2 * align16(int64_t(num_topk) * 4);
 }
 
 extern "C" int deepep_launch_normal_dispatch(const DeepepDispatchParams* params, void* stream) {
-  const int blocks = 2 * params->common.num_channels;
-  const auto s = static_cast<cudaStream_t>(stream);
-  constexpr size_t smem = deepep::normal::kDispatchSmemBytes;
-  // The attribute is per device (context): one process may drive several GPUs.
-  static std::atomic<uint64_t> configured_devices{0};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) device = 63;
-  if (!(configured_devices.load(std::memory_order_relaxed) & (1ull << device))) {
-    const cudaError_t attr =
-        cudaFuncSetAttribute(deepep::normal::dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (attr != cudaSuccess) return int(attr);
-    if (device < 63) configured_devices.fetch_or(1ull << device);
-  }
-  deepep::normal::dispatch_kernel<<<blocks, deepep::normal::kDataThreads, smem, s>>>(*params);
-  return int(cudaGetLastError());
+  return deepep::launch_kernel(deepep::normal::dispatch_kernel, 2 * params->common.num_channels,
+                               deepep::normal::kDataThreads, deepep::normal::kDispatchSmemBytes,
+                               static_cast<cudaStream_t>(stream), *params);
 }

@@ -7,6 +7,7 @@
 //
 // Exchange slots are double-buffered by the notify epoch's parity: a fast rank
 // may write notify k+1 before a slow one has read notify k (no barrier between).
+#include "launch.cuh"
 #include "normal_common.cuh"
 
 namespace deepep {
@@ -144,7 +145,6 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
 
 extern "C" int deepep_launch_normal_notify(const void* dev_comm, const DeepepNotifyParams* params, void* stream) {
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
-  deepep::normal::notify_kernel<<<1, deepep::normal::kNotifyThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      dc, *params);
-  return int(cudaGetLastError());
+  return deepep::launch_kernel(deepep::normal::notify_kernel, 1, deepep::normal::kNotifyThreads, 0,
+                               static_cast<cudaStream_t>(stream), dc, *params);
 }

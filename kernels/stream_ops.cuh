@@ -4,7 +4,12 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace deepep {
+
+// Byte counts rounded up to whole 16-byte words (rows and slots these ops move).
+__host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) / 16 * 16; }
 
 __device__ __forceinline__ int4 ld_stream(const int4* p) {
   int4 v;
@@ -18,5 +23,8 @@ __device__ __forceinline__ void st_stream(int4* p, int4 v) {
                "r"(v.w)
                : "memory");
 }
+
+// Data written by peers (or other blocks) during this kernel: L2, never a stale L1 line.
+__device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 
 }  // namespace deepep
