@@ -150,7 +150,8 @@ typedef struct {
 
 /**
  * Arguments of one LL dispatch (`Buffer::low_latency_dispatch`). The caller
- * allocates the outputs; absent optional tensors have dtype 0.
+ * allocates the outputs as deepep_low_latency_dispatch_outputs describes them; absent
+ * optional tensors have dtype 0.
  */
 typedef struct {
   /**
@@ -229,7 +230,7 @@ typedef struct {
    */
   DeepepTensor combine_wait_recv_cost_stats;
   /**
-   * [T, H] bfloat16 output.
+   * [T, H] bfloat16 output (deepep_low_latency_combine_outputs describes it).
    */
   DeepepTensor out;
   int32_t num_max_dispatch_tokens_per_rank;

@@ -27,7 +27,7 @@ pub struct DeepepLowLatencyCombineArgs {
     pub layout_range: DeepepTensor,
     /// Optional [R] int64: GPU cycles waited per expert rank are added.
     pub combine_wait_recv_cost_stats: DeepepTensor,
-    /// [T, H] bfloat16 output.
+    /// [T, H] bfloat16 output (deepep_low_latency_combine_outputs describes it).
     pub out: DeepepTensor,
     pub num_max_dispatch_tokens_per_rank: i32,
     pub num_experts: i32,

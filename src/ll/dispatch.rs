@@ -11,7 +11,8 @@ use crate::outputs::{check_output, DeepepOutputs};
 use crate::tensor::{check, check_opt, check_shape, DeepepDtype, DeepepDtype::*, DeepepTensor};
 
 /// Arguments of one LL dispatch (`Buffer::low_latency_dispatch`). The caller
-/// allocates the outputs; absent optional tensors have dtype 0.
+/// allocates the outputs as deepep_low_latency_dispatch_outputs describes them; absent
+/// optional tensors have dtype 0.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DeepepLowLatencyDispatchArgs {

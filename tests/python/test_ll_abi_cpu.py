@@ -5,7 +5,6 @@ receive-hook protocol, whose three copies (ctypes, the compiled path's _fast_hoo
 deepep_nccl.hpp) must agree. Tests that need a GPU (a real buffer) skip themselves without one.
 """
 import ctypes
-import importlib.util
 import re
 import shutil
 import struct
@@ -14,25 +13,15 @@ from pathlib import Path
 
 import pytest
 
-import deep_ep_cpp
 from deep_ep_cpp import _lib, _low_latency
 from deep_ep_cpp._lib import DeepepOutputs, DeepepTensor, lib
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER_DIR = ROOT / "include"
 PACKAGE_DIR = ROOT / "compat" / "python" / "deep_ep_cpp"
-HAS_TORCH = importlib.util.find_spec("torch") is not None
-
-
-def _has_gpu():
-    try:
-        return deep_ep_cpp.device_count() > 0
-    except RuntimeError:
-        return False
-
-
-HAS_GPU = _has_gpu()
 INVALID_ARGUMENT = 1
+_devices = ctypes.c_int()
+HAS_GPU = lib.deepep_device_count(ctypes.byref(_devices)) == 0 and _devices.value > 0
 
 
 def _run_program(tmp_path, compiler, source, suffix, *flags):
@@ -53,40 +42,28 @@ def _last_error():
 
 # --- struct layouts ------------------------------------------------------------------------------
 
-_LAYOUT_PROGRAM = r"""
-#include <stddef.h>
-#include <stdio.h>
-#include "deepep_nccl.h"
-#define P(name, value) printf("%s %ld\n", name, (long)(value))
-int main(void) {
-  P("DEEPEP_MAX_DIMS", DEEPEP_MAX_DIMS);
-  P("DEEPEP_MAX_OP_OUTPUTS", DEEPEP_MAX_OP_OUTPUTS);
-  P("DeepepTensor", sizeof(DeepepTensor));
-  P("DeepepTensor.data", offsetof(DeepepTensor, data));
-  P("DeepepTensor.dtype", offsetof(DeepepTensor, dtype));
-  P("DeepepTensor.ndim", offsetof(DeepepTensor, ndim));
-  P("DeepepTensor.shape", offsetof(DeepepTensor, shape));
-  P("DeepepTensor.strides", offsetof(DeepepTensor, strides));
-  P("DeepepOutputs", sizeof(DeepepOutputs));
-  P("DeepepOutputs.count", offsetof(DeepepOutputs, count));
-  P("DeepepOutputs.num_allocations", offsetof(DeepepOutputs, num_allocations));
-  P("DeepepOutputs.tensors", offsetof(DeepepOutputs, tensors));
-  P("DeepepOutputs.allocation", offsetof(DeepepOutputs, allocation));
-  P("DeepepOutputs.offset", offsetof(DeepepOutputs, offset));
-  P("DeepepOutputs.allocation_dtype", offsetof(DeepepOutputs, allocation_dtype));
-  P("DeepepOutputs.allocation_elems", offsetof(DeepepOutputs, allocation_elems));
-  P("DeepepLowLatencyDispatchArgs", sizeof(DeepepLowLatencyDispatchArgs));
-  P("DeepepLowLatencyDispatchArgs.packed_recv_x", offsetof(DeepepLowLatencyDispatchArgs, packed_recv_x));
-  P("DeepepLowLatencyDispatchArgs.phases", offsetof(DeepepLowLatencyDispatchArgs, phases));
-  P("DeepepLowLatencyCombineArgs", sizeof(DeepepLowLatencyCombineArgs));
-  P("DeepepLowLatencyCombineArgs.phases", offsetof(DeepepLowLatencyCombineArgs, phases));
-  return 0;
-}
-"""
+# (struct, its fields whose offsets are checked); the ctypes structs are checked field by field.
+_LAYOUTS = (
+    ("DeepepTensor", [f for f, _ in DeepepTensor._fields_]),
+    ("DeepepOutputs", [f for f, _ in DeepepOutputs._fields_]),
+    ("DeepepLowLatencyDispatchArgs", ["packed_recv_x", "phases"]),
+    ("DeepepLowLatencyCombineArgs", ["phases"]),
+)
+
+
+def _layout_program():
+    """A C program printing "name value" for the constants, sizes and offsets in _LAYOUTS."""
+    lines = [f'P("{c}", {c});' for c in ("DEEPEP_MAX_DIMS", "DEEPEP_MAX_OP_OUTPUTS")]
+    for name, fields in _LAYOUTS:
+        lines.append(f'P("{name}", sizeof({name}));')
+        lines += [f'P("{name}.{f}", offsetof({name}, {f}));' for f in fields]
+    return ("#include <stddef.h>\n#include <stdio.h>\n#include \"deepep_nccl.h\"\n"
+            '#define P(name, value) printf("%s %ld\\n", name, (long)(value))\n'
+            "int main(void) {\n  " + "\n  ".join(lines) + "\n  return 0;\n}\n")
 
 
 def test_ctypes_structs_match_the_c_header(tmp_path):
-    out = _run_program(tmp_path, "gcc", _LAYOUT_PROGRAM, ".c", "-std=c11", "-Wall", "-Werror")
+    out = _run_program(tmp_path, "gcc", _layout_program(), ".c", "-std=c11", "-Wall", "-Werror")
     c = {name: int(value) for name, value in (line.split() for line in out.splitlines())}
     assert (c["DEEPEP_MAX_DIMS"], c["DEEPEP_MAX_OP_OUTPUTS"]) == (_lib.MAX_DIMS, _lib.MAX_OP_OUTPUTS)
     for struct_type in (DeepepTensor, DeepepOutputs):
@@ -384,8 +361,8 @@ def test_queries_on_a_buffer_describe_deepeps_geometry(ll_handle):
     assert lib.deepep_get_next_low_latency_combine_buffer(handle, m, hidden, experts, ctypes.byref(view)) == 0
     row = hidden + hidden // 64  # DeepEP's view rows
     assert view.data and _tensor(view) == (6, (experts, m, hidden), (m * row, row, 1))
-    if HAS_TORCH:
-        import torch
+    if _lib.torch is not None:
+        torch = _lib.torch
 
         tensor = _low_latency._device_tensor(view, object(), torch.device("cuda", 0))
         assert (tensor.dtype, tuple(tensor.shape), tensor.stride()) == (torch.bfloat16, (experts, m, hidden),
