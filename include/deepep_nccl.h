@@ -117,8 +117,41 @@ typedef struct {
 } DeepepConfig;
 
 /**
+ * The outputs of one op, in the op's documented order. Each output is a view of one
+ * allocation: allocate `allocation_elems[g]` elements of `allocation_dtype[g]` for every
+ * g < num_allocations, then view output i as (shape, strides) at element `offset[i]` of
+ * allocation `allocation[i]`. An output whose `tensors[i].dtype` is 0 is absent (None);
+ * `tensors[i].data` is always NULL.
+ */
+typedef struct {
+  /**
+   * Outputs described, absent ones included.
+   */
+  int32_t count;
+  int32_t num_allocations;
+  DeepepTensor tensors[DEEPEP_MAX_OP_OUTPUTS];
+  /**
+   * Allocation of each output (-1 for an absent one).
+   */
+  int32_t allocation[DEEPEP_MAX_OP_OUTPUTS];
+  /**
+   * Element offset of each output in its allocation.
+   */
+  int64_t offset[DEEPEP_MAX_OP_OUTPUTS];
+  /**
+   * A `DeepepDtype` value per allocation.
+   */
+  int32_t allocation_dtype[DEEPEP_MAX_OP_OUTPUTS];
+  /**
+   * Elements per allocation.
+   */
+  int64_t allocation_elems[DEEPEP_MAX_OP_OUTPUTS];
+} DeepepOutputs;
+
+/**
  * Arguments of one LL dispatch (`Buffer::low_latency_dispatch`). The caller
- * allocates the outputs; absent optional tensors have dtype 0.
+ * allocates the outputs as deepep_low_latency_dispatch_outputs describes them; absent
+ * optional tensors have dtype 0.
  */
 typedef struct {
   /**
@@ -197,7 +230,7 @@ typedef struct {
    */
   DeepepTensor combine_wait_recv_cost_stats;
   /**
-   * [T, H] bfloat16 output.
+   * [T, H] bfloat16 output (deepep_low_latency_combine_outputs describes it).
    */
   DeepepTensor out;
   int32_t num_max_dispatch_tokens_per_rank;
@@ -338,38 +371,6 @@ typedef struct {
   DeepepTensor combined_topk_weights;
   DeepepConfig config;
 } DeepepIntranodeCombineArgs;
-
-/**
- * The outputs of one op, in the op's documented order. Each output is a view of one
- * allocation: allocate `allocation_elems[g]` elements of `allocation_dtype[g]` for every
- * g < num_allocations, then view output i as (shape, strides) at element `offset[i]` of
- * allocation `allocation[i]`. An output whose `tensors[i].dtype` is 0 is absent (None);
- * `tensors[i].data` is always NULL.
- */
-typedef struct {
-  /**
-   * Outputs described, absent ones included.
-   */
-  int32_t count;
-  int32_t num_allocations;
-  DeepepTensor tensors[DEEPEP_MAX_OP_OUTPUTS];
-  /**
-   * Allocation of each output (-1 for an absent one).
-   */
-  int32_t allocation[DEEPEP_MAX_OP_OUTPUTS];
-  /**
-   * Element offset of each output in its allocation.
-   */
-  int64_t offset[DEEPEP_MAX_OP_OUTPUTS];
-  /**
-   * A `DeepepDtype` value per allocation.
-   */
-  int32_t allocation_dtype[DEEPEP_MAX_OP_OUTPUTS];
-  /**
-   * Elements per allocation.
-   */
-  int64_t allocation_elems[DEEPEP_MAX_OP_OUTPUTS];
-} DeepepOutputs;
 
 #ifdef __cplusplus
 extern "C" {
@@ -592,6 +593,32 @@ DeepepStatus deepep_low_latency_check_shape(int64_t num_max_dispatch_tokens_per_
                                             int num_experts);
 
 /**
+ * The outputs of an LL dispatch of this shape on this buffer (its rank count R), in DeepEP's
+ * order: packed_recv_x, packed_recv_x_scales (absent without use_fp8), packed_recv_count,
+ * packed_recv_src_info, packed_recv_layout_range. Allocate them as `DeepepOutputs` says and
+ * pass them in `DeepepLowLatencyDispatchArgs` (use_ue8m0 needs use_fp8). The shape is checked
+ * first, with deepep_low_latency_check_shape's limits, so an out-of-range M fails before
+ * anything is allocated. On failure `*out` describes no outputs (count 0).
+ */
+DeepepStatus deepep_low_latency_dispatch_outputs(const DeepepBuffer *buf,
+                                                 int64_t num_max_dispatch_tokens_per_rank,
+                                                 int64_t hidden,
+                                                 int num_experts,
+                                                 bool use_fp8,
+                                                 bool use_ue8m0,
+                                                 DeepepOutputs *out);
+
+/**
+ * The output of an LL combine of `num_tokens` tokens (the rows of its topk_idx; at most
+ * num_max_dispatch_tokens_per_rank): combined_x [T, H] bfloat16, for `DeepepLowLatencyCombineArgs.out`.
+ * On failure `*out` describes no outputs (count 0).
+ */
+DeepepStatus deepep_low_latency_combine_outputs(const DeepepBuffer *buf,
+                                                int64_t num_tokens,
+                                                int64_t hidden,
+                                                DeepepOutputs *out);
+
+/**
  * DeepEP's low_latency_dispatch; see `DeepepLowLatencyDispatchArgs`.
  */
 DeepepStatus deepep_low_latency_dispatch(const DeepepBuffer *buf,
@@ -619,14 +646,15 @@ DeepepStatus deepep_clean_low_latency_buffer(const DeepepBuffer *buf,
                                              void *stream);
 
 /**
- * Base pointer of the zero-copy combine view for the next LL call: BF16
- * [E_l, R*M, H] with element strides (R*M*(H + H/64), H + H/64, 1).
+ * The zero-copy combine view of the next LL call's half, as a full descriptor: data, BF16,
+ * [E_l, R*M, H] and its element strides (rows H + H/64 apart, DeepEP's layout). Write the
+ * experts' outputs there, then combine with zero_copy = 1. `*out` is all zero on failure.
  */
 DeepepStatus deepep_get_next_low_latency_combine_buffer(const DeepepBuffer *buf,
                                                         int num_max_dispatch_tokens_per_rank,
                                                         int hidden,
                                                         int num_experts,
-                                                        void **out);
+                                                        DeepepTensor *out);
 
 /**
  * Shrink mode: masks (mask=true) or unmasks a rank, in stream order.

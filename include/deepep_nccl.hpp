@@ -108,6 +108,33 @@ inline DeepepTensor make_tensor(void* data, DeepepDtype dtype, std::initializer_
 // The descriptor of an absent optional tensor in the argument structs (dtype 0).
 inline DeepepTensor absent_tensor() noexcept { return DeepepTensor{}; }
 
+// Bytes per element of a DeepepDtype value (0 for an unknown one).
+inline int64_t dtype_size(int32_t dtype) noexcept {
+  switch (dtype) {
+    case DEEPEP_DTYPE_BOOL: case DEEPEP_DTYPE_UINT8: case DEEPEP_DTYPE_FLOAT8_E4M3: return 1;
+    case DEEPEP_DTYPE_BFLOAT16: case DEEPEP_DTYPE_FLOAT16: return 2;
+    case DEEPEP_DTYPE_INT32: case DEEPEP_DTYPE_FLOAT32: return 4;
+    case DEEPEP_DTYPE_INT64: return 8;
+    default: return 0;
+  }
+}
+
+// Bytes of allocation g of an op's outputs (deepep_*_outputs): allocate that much for each
+// g < outputs.num_allocations.
+inline int64_t allocation_bytes(const DeepepOutputs& outputs, int g) {
+  return outputs.allocation_elems[g] * dtype_size(outputs.allocation_dtype[g]);
+}
+
+// Output i's descriptor, placed in the caller's memory: allocations[g] is allocation g's base.
+// An absent output stays absent (dtype 0).
+inline DeepepTensor output_tensor(const DeepepOutputs& outputs, int i, void* const* allocations) {
+  DeepepTensor t = outputs.tensors[i];
+  const int g = outputs.allocation[i];
+  if (g >= 0)
+    t.data = static_cast<char*>(allocations[g]) + outputs.offset[i] * dtype_size(outputs.allocation_dtype[g]);
+  return t;
+}
+
 // Streams: every op takes a cudaStream_t as void* (this header needs no CUDA headers). As in the
 // C ABI, nullptr means the buffer's comm stream, NOT CUDA's default stream (whose handle is also
 // 0): pass default_stream() to run on the legacy default stream.
@@ -129,11 +156,14 @@ inline void low_latency_check_shape(int64_t num_max_dispatch_tokens_per_rank, in
 
 // Which phases an LL call runs (the C ABI's `phases`): send only is DeepEP's return_recv_hook,
 // receive only is the hook.
+// TODO(abi-constant): DEEPEP_LL_PHASE_SEND / DEEPEP_LL_PHASE_RECV / DEEPEP_LL_PHASE_BOTH.
 enum class LowLatencyPhases : int32_t { send = 1, receive = 2, both = 3 };
 
 // The receive phase of a send-only LL call (DeepEP's hook). It keeps copies of the args, the
 // stream and the buffer half, so the caller may reuse its struct; the Buffer and every tensor
-// named in the args must outlive it. Call it once.
+// named in the args must outlive it. Call it once. This header stands alone, so deep_ep_cpp's
+// ctypes path and compiled path (_fast_hook.h) keep their own copies of this protocol;
+// tests/python/test_ll_abi_cpu.py holds the three equal.
 class LowLatencyHook {
  public:
   LowLatencyHook() = default;
@@ -142,6 +172,17 @@ class LowLatencyHook {
     recv_();
   }
   int buffer_idx() const noexcept { return buffer_idx_; }
+  // The hook of a send-only call of `fn` (deepep_low_latency_dispatch or _combine) that ran on
+  // `stream` with `args` and reported `buffer_idx`: `fn` with a copy of args, phases = receive.
+  template <typename Args>
+  static LowLatencyHook receive(DeepepStatus (*fn)(const DeepepBuffer*, const Args*, void*, int*),
+                                const DeepepBuffer* buf, Args args, void* stream, int buffer_idx) {
+    args.phases = static_cast<int32_t>(LowLatencyPhases::receive);
+    return LowLatencyHook([fn, buf, args, stream, buffer_idx] {
+      int i = buffer_idx;
+      check(fn(buf, &args, stream, &i));
+    }, buffer_idx);
+  }
 
  private:
   friend class Buffer;
@@ -236,6 +277,22 @@ class Buffer {
   // low_latency_rdma_size_hint. Every LL call flips the buffer half (DeepEP's double buffering).
   // Streams as everywhere here: nullptr = the comm stream, default_stream() = CUDA's default.
 
+  // What an LL dispatch of this shape outputs, in args order (packed_recv_x, _x_scales, _count,
+  // _src_info, _layout_range): allocate each allocation (allocation_bytes) and set args' output
+  // fields with output_tensor. Throws for a shape outside the limits, before any allocation.
+  DeepepOutputs low_latency_dispatch_outputs(int64_t num_max_dispatch_tokens_per_rank, int64_t hidden, int num_experts,
+                                             bool use_fp8, bool use_ue8m0 = false) const {
+    DeepepOutputs out{};
+    check(deepep_low_latency_dispatch_outputs(buf_, num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8,
+                                              use_ue8m0, &out));
+    return out;
+  }
+  // What an LL combine of num_tokens tokens outputs: args.out, [num_tokens, hidden] bfloat16.
+  DeepepOutputs low_latency_combine_outputs(int64_t num_tokens, int64_t hidden) const {
+    DeepepOutputs out{};
+    check(deepep_low_latency_combine_outputs(buf_, num_tokens, hidden, &out));
+    return out;
+  }
   // LL dispatch into the caller-allocated outputs of `args` (`phases` replaces args.phases).
   // Returns the buffer half used: a receive-only call takes the half its send-only call
   // returned, and the same args and stream.
@@ -249,13 +306,8 @@ class Buffer {
   // Send phase now; the returned hook launches the receive phase on the same stream.
   LowLatencyHook low_latency_dispatch_send(const DeepepLowLatencyDispatchArgs& args, void* stream = nullptr) const {
     const int idx = low_latency_dispatch(args, stream, LowLatencyPhases::send);
-    DeepepLowLatencyDispatchArgs a = args;
-    a.phases = static_cast<int32_t>(LowLatencyPhases::receive);
-    DeepepBuffer* buf = buf_;  // not `this`: a moved Buffer keeps the handle
-    return LowLatencyHook([buf, a, stream, idx] {
-      int i = idx;
-      check(deepep_low_latency_dispatch(buf, &a, stream, &i));
-    }, idx);
+    // buf_, not `this`: a moved Buffer keeps the handle.
+    return LowLatencyHook::receive(deepep_low_latency_dispatch, buf_, args, stream, idx);
   }
   // LL combine of the experts' outputs (args.x, or the zero-copy view with args.zero_copy) into
   // args.out, with the dispatch handle (src_info, layout_range). Halves as low_latency_dispatch.
@@ -268,13 +320,7 @@ class Buffer {
   }
   LowLatencyHook low_latency_combine_send(const DeepepLowLatencyCombineArgs& args, void* stream = nullptr) const {
     const int idx = low_latency_combine(args, stream, LowLatencyPhases::send);
-    DeepepLowLatencyCombineArgs a = args;
-    a.phases = static_cast<int32_t>(LowLatencyPhases::receive);
-    DeepepBuffer* buf = buf_;
-    return LowLatencyHook([buf, a, stream, idx] {
-      int i = idx;
-      check(deepep_low_latency_combine(buf, &a, stream, &i));
-    }, idx);
+    return LowLatencyHook::receive(deepep_low_latency_combine, buf_, args, stream, idx);
   }
   // Collective: call after normal-mode ops and before LL ops (or when (M, H, E) changes); the
   // next LL call uses half 0. One kernel on `stream` (nullptr: the comm stream); no host wait.
@@ -282,14 +328,15 @@ class Buffer {
                                 void* stream = nullptr) const {
     check(deepep_clean_low_latency_buffer(buf_, num_max_dispatch_tokens_per_rank, hidden, num_experts, stream));
   }
-  // The zero-copy view of the next LL call's half: BF16 [E / R, R * M, H], rows H + H/64 apart.
-  // Write the experts' outputs there, then combine with zero_copy = 1 as the next LL call.
+  // The zero-copy view of the next LL call's half: BF16 [E / R, R * M, H] with the library's
+  // strides (rows are longer than H). Write the experts' outputs there, then combine with
+  // zero_copy = 1 as the next LL call.
   DeepepTensor get_next_low_latency_combine_buffer(int num_max_dispatch_tokens_per_rank, int hidden,
                                                    int num_experts) const {
-    void* ptr = nullptr;
-    check(deepep_get_next_low_latency_combine_buffer(buf_, num_max_dispatch_tokens_per_rank, hidden, num_experts, &ptr));
-    const int64_t ranks = num_ranks(), rows = ranks * num_max_dispatch_tokens_per_rank, row = hidden + hidden / 64;
-    return make_tensor(ptr, DEEPEP_DTYPE_BFLOAT16, {num_experts / ranks, rows, hidden}, {rows * row, row, 1});
+    DeepepTensor view{};
+    check(deepep_get_next_low_latency_combine_buffer(buf_, num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                                     &view));
+    return view;
   }
   // Shrink mode (enable_shrink), in stream order: mask or unmask one rank; copy the mask
   // (1 = masked) into an int32 [num_ranks] device tensor; unmask every rank.

@@ -68,7 +68,8 @@ fn span(shape: &[i64], strides: &[i64]) -> i64 {
 }
 
 impl DeepepOutputs {
-    fn describe(dtype: DeepepDtype, shape: &[i64], strides: &[i64]) -> DeepepTensor {
+    /// The descriptor (data NULL) of a `dtype` view with `shape` and `strides` in elements.
+    pub(crate) fn describe(dtype: DeepepDtype, shape: &[i64], strides: &[i64]) -> DeepepTensor {
         debug_assert!(shape.len() <= DEEPEP_MAX_DIMS && shape.len() == strides.len());
         let mut t = NO_TENSOR;
         t.dtype = dtype as i32;

@@ -245,3 +245,21 @@ fn normal_mode_calls_reject_null_handles_and_arguments() {
     );
     expect_err(deepep_intranode_combine(ptr::null(), &combine, ptr::null_mut()), DEEPEP_ERROR_INVALID_ARGUMENT, "buffer must not be NULL");
 }
+
+#[test]
+fn low_latency_output_queries_reject_null_and_describe_nothing() {
+    use deepep_nccl::outputs::DeepepOutputs;
+    let mut o = DeepepOutputs { count: 3, ..DeepepOutputs::default() };
+    expect_err(deepep_low_latency_dispatch_outputs(ptr::null(), 128, 7168, 288, true, false, &mut o), DEEPEP_ERROR_INVALID_ARGUMENT, "buffer must not be NULL");
+    assert_eq!((o.count, o.num_allocations), (0, 0), "a failed query describes no outputs");
+    o.count = 3;
+    expect_err(deepep_low_latency_combine_outputs(ptr::null(), 17, 7168, &mut o), DEEPEP_ERROR_INVALID_ARGUMENT, "buffer must not be NULL");
+    assert_eq!(o.count, 0);
+    expect_err(deepep_low_latency_dispatch_outputs(ptr::null(), 128, 7168, 288, true, false, ptr::null_mut()), DEEPEP_ERROR_INVALID_ARGUMENT, "out must not be NULL");
+    expect_err(deepep_low_latency_combine_outputs(ptr::null(), 17, 7168, ptr::null_mut()), DEEPEP_ERROR_INVALID_ARGUMENT, "out must not be NULL");
+    // The zero-copy view is a whole descriptor now, all zero on failure.
+    let mut view = DeepepTensor { data: 0x1000 as *mut _, dtype: 6, ndim: 3, shape: [1; 4], strides: [1; 4] };
+    expect_err(deepep_get_next_low_latency_combine_buffer(ptr::null(), 128, 7168, 288, &mut view), DEEPEP_ERROR_INVALID_ARGUMENT, "buffer must not be NULL");
+    assert!(view.data.is_null() && view.dtype == 0 && view.ndim == 0 && view.shape == [0; 4]);
+    expect_err(deepep_get_next_low_latency_combine_buffer(ptr::null(), 128, 7168, 288, ptr::null_mut()), DEEPEP_ERROR_INVALID_ARGUMENT, "out must not be NULL");
+}

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -53,6 +54,30 @@ std::vector<V> download(const DeviceMemory& src, size_t count) {
   cuda_check(cudaMemcpy(out.data(), src.ptr, count * sizeof(V), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
   return out;
 }
+// `count` elements from the start of a described tensor.
+template <typename V>
+std::vector<V> download(const DeepepTensor& src, size_t count) {
+  std::vector<V> out(count);
+  cuda_check(cudaMemcpy(out.data(), src.data, count * sizeof(V), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+  return out;
+}
+
+// An op's outputs as the library describes them (deepep_*_outputs): one cudaMalloc per
+// allocation, freed on scope exit; tensor(i) is output i's descriptor in that memory.
+struct DeviceOutputs {
+  DeepepOutputs described;
+  std::vector<std::unique_ptr<DeviceMemory>> memory;
+  std::vector<void*> bases;
+  explicit DeviceOutputs(const DeepepOutputs& o) : described(o) {
+    for (int g = 0; g < o.num_allocations; ++g) {
+      memory.push_back(std::make_unique<DeviceMemory>(static_cast<size_t>(deepep::allocation_bytes(o, g))));
+      bases.push_back(memory.back()->ptr);
+    }
+  }
+  DeepepTensor tensor(int i) const { return deepep::output_tensor(described, i, bases.data()); }
+  // Elements of output i's allocation (its whole span when it is alone there).
+  size_t elems(int i) const { return static_cast<size_t>(described.allocation_elems[described.allocation[i]]); }
+};
 
 // Check failures are counted, not thrown, so every rank reaches every collective call.
 struct Checker {

@@ -78,6 +78,9 @@ struct Stream {
 void fill(const DeviceMemory& dst, int byte, size_t bytes) {
   cuda_check(cudaMemset(dst.ptr, byte, bytes), "cudaMemset");
 }
+void fill(const DeepepTensor& dst, int byte, size_t bytes) {
+  cuda_check(cudaMemset(dst.data, byte, bytes), "cudaMemset");
+}
 
 // One received row: local expert e's row from source rank s, token t.
 struct Row {
@@ -127,8 +130,9 @@ int run_rank(int rank, const deepep::UniqueId& id) {
 
   const size_t packed = static_cast<size_t>(EPR) * RM * H;
   DeviceMemory d_x(x.size() * 2), d_topk(topk.size() * 8), d_weights(weights.size() * 4);
-  DeviceMemory d_recv_x(packed * 2), d_count(EPR * 4), d_src(EPR * RM * 4), d_range(EPR * R * 8);
   DeviceMemory d_stats(EPR * 4), d_wait(R * 8);
+  // The outputs, allocated as the library describes them for this shape and buffer.
+  const DeviceOutputs recv(buffer.low_latency_dispatch_outputs(M, H, E, /*use_fp8=*/false));
   upload(d_x, x);
   upload(d_topk, topk);
   upload(d_weights, weights);
@@ -142,11 +146,16 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   args.topk_idx = make_tensor(d_topk.ptr, DEEPEP_DTYPE_INT64, {T, K});
   args.cumulative_local_expert_recv_stats = make_tensor(d_stats.ptr, DEEPEP_DTYPE_INT32, {EPR});
   args.dispatch_wait_recv_cost_stats = make_tensor(d_wait.ptr, DEEPEP_DTYPE_INT64, {R});
-  args.packed_recv_x = make_tensor(d_recv_x.ptr, DEEPEP_DTYPE_BFLOAT16, {EPR, RM, H});
-  args.packed_recv_x_scales = deepep::absent_tensor();
-  args.packed_recv_count = make_tensor(d_count.ptr, DEEPEP_DTYPE_INT32, {EPR});
-  args.packed_recv_src_info = make_tensor(d_src.ptr, DEEPEP_DTYPE_INT32, {EPR, RM});
-  args.packed_recv_layout_range = make_tensor(d_range.ptr, DEEPEP_DTYPE_INT64, {EPR, R});
+  args.packed_recv_x = recv.tensor(0);
+  args.packed_recv_x_scales = recv.tensor(1);  // absent without FP8
+  args.packed_recv_count = recv.tensor(2);
+  args.packed_recv_src_info = recv.tensor(3);
+  args.packed_recv_layout_range = recv.tensor(4);
+  // The host checks below read these as contiguous [E_l, R*M, H], [E_l], [E_l, R*M], [E_l, R].
+  chk.expect(args.packed_recv_x.shape[1] == RM && args.packed_recv_x.strides[1] == H && recv.elems(0) == packed &&
+                 recv.elems(2) == EPR && recv.elems(3) == static_cast<size_t>(EPR) * RM && recv.elems(4) == EPR * R &&
+                 args.packed_recv_x_scales.dtype == 0,
+             "low_latency_dispatch_outputs (BF16): unexpected geometry");
   args.num_max_dispatch_tokens_per_rank = M;
   args.num_experts = E;
 
@@ -154,10 +163,10 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   int before = chk.failures;
   buffer.low_latency_dispatch(args);
   sync("low_latency_dispatch (BF16)");
-  const auto count = download<int32_t>(d_count, EPR);
-  const auto src = download<int32_t>(d_src, static_cast<size_t>(EPR) * RM);
-  const auto range = download<int64_t>(d_range, static_cast<size_t>(EPR) * R);
-  const auto recv_x = download<uint16_t>(d_recv_x, packed);
+  const auto count = download<int32_t>(args.packed_recv_count, EPR);
+  const auto src = download<int32_t>(args.packed_recv_src_info, static_cast<size_t>(EPR) * RM);
+  const auto range = download<int64_t>(args.packed_recv_layout_range, static_cast<size_t>(EPR) * R);
+  const auto recv_x = download<uint16_t>(args.packed_recv_x, packed);
   chk.expect(count == want_count, "packed_recv_count");
   chk.expect(range == want_range, "packed_recv_layout_range");
   chk.expect(download<int32_t>(d_stats, EPR) == want_count, "cumulative_local_expert_recv_stats");
@@ -180,26 +189,32 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   // 2. FP8 dispatch as send, then receive with the half the send returned (DeepEP's hook), on
   // CUDA's default stream: it must be spelled default_stream(), as nullptr is the comm stream.
   before = chk.failures;
-  DeviceMemory d_q(packed), d_scales(static_cast<size_t>(EPR) * SCALES * RM * 4), d_count8(EPR * 4),
-      d_src8(EPR * RM * 4), d_range8(EPR * R * 8);
+  const DeviceOutputs recv8(buffer.low_latency_dispatch_outputs(M, H, E, /*use_fp8=*/true));
   DeepepLowLatencyDispatchArgs fargs = args;
   fargs.dispatch_wait_recv_cost_stats = deepep::absent_tensor();
-  fargs.packed_recv_x = make_tensor(d_q.ptr, DEEPEP_DTYPE_FLOAT8_E4M3, {EPR, RM, H});
-  // DeepEP's layout: logical [E_l, R*M, H/128], column-major in the last two dims.
-  fargs.packed_recv_x_scales = make_tensor(d_scales.ptr, DEEPEP_DTYPE_FLOAT32, {EPR, RM, SCALES}, {SCALES * RM, 1, RM});
-  fargs.packed_recv_count = make_tensor(d_count8.ptr, DEEPEP_DTYPE_INT32, {EPR});
-  fargs.packed_recv_src_info = make_tensor(d_src8.ptr, DEEPEP_DTYPE_INT32, {EPR, RM});
-  fargs.packed_recv_layout_range = make_tensor(d_range8.ptr, DEEPEP_DTYPE_INT64, {EPR, R});
+  fargs.packed_recv_x = recv8.tensor(0);
+  // DeepEP's layout: logical [E_l, R*M, H/128], column-major in the last two dims (its strides say).
+  fargs.packed_recv_x_scales = recv8.tensor(1);
+  fargs.packed_recv_count = recv8.tensor(2);
+  fargs.packed_recv_src_info = recv8.tensor(3);
+  fargs.packed_recv_layout_range = recv8.tensor(4);
   fargs.use_fp8 = 1;
+  const int64_t* scale_step = fargs.packed_recv_x_scales.strides;
+  chk.expect(fargs.packed_recv_x.dtype == DEEPEP_DTYPE_FLOAT8_E4M3 && recv8.elems(0) == packed &&
+                 fargs.packed_recv_x_scales.dtype == DEEPEP_DTYPE_FLOAT32 && fargs.packed_recv_x_scales.shape[2] == SCALES &&
+                 recv8.elems(1) == static_cast<size_t>(EPR) * SCALES * RM,
+             "low_latency_dispatch_outputs (FP8): unexpected geometry");
   const int half = buffer.low_latency_dispatch(fargs, deepep::default_stream(), deepep::LowLatencyPhases::send);
   buffer.low_latency_dispatch(fargs, deepep::default_stream(), deepep::LowLatencyPhases::receive, half);
   sync("low_latency_dispatch (FP8, send + receive)");
-  const auto count8 = download<int32_t>(d_count8, EPR);
-  const auto q = download<uint8_t>(d_q, packed);
-  const auto scales = download<float>(d_scales, static_cast<size_t>(EPR) * SCALES * RM);
+  const auto count8 = download<int32_t>(fargs.packed_recv_count, EPR);
+  const auto q = download<uint8_t>(fargs.packed_recv_x, packed);
+  const auto scales = download<float>(fargs.packed_recv_x_scales, recv8.elems(1));
   chk.expect(count8 == want_count, "FP8 packed_recv_count");
-  chk.expect(download<int64_t>(d_range8, static_cast<size_t>(EPR) * R) == want_range, "FP8 packed_recv_layout_range");
-  chk.expect(download<int32_t>(d_src8, static_cast<size_t>(EPR) * RM) == src, "FP8 packed_recv_src_info");
+  chk.expect(download<int64_t>(fargs.packed_recv_layout_range, static_cast<size_t>(EPR) * R) == want_range,
+             "FP8 packed_recv_layout_range");
+  chk.expect(download<int32_t>(fargs.packed_recv_src_info, static_cast<size_t>(EPR) * RM) == src,
+             "FP8 packed_recv_src_info");
   std::vector<int32_t> twice(EPR);
   for (int e = 0; e < EPR; ++e) twice[e] = 2 * want_count[e];
   chk.expect(download<int32_t>(d_stats, EPR) == twice, "cumulative_local_expert_recv_stats after 2 dispatches");
@@ -212,7 +227,7 @@ int run_rank(int rank, const deepep::UniqueId& id) {
       for (int b = 0; b < SCALES; ++b) {
         float amax = 1e-4f;
         for (int h = b * 128; h < (b + 1) * 128; ++h) amax = std::fmax(amax, std::fabs(bf16_to_float(x_bits(w.s, w.t, h))));
-        const float scale_inv = scales[static_cast<size_t>(e) * SCALES * RM + static_cast<size_t>(b) * RM + row];
+        const float scale_inv = scales[static_cast<size_t>(e * scale_step[0] + row * scale_step[1] + b * scale_step[2])];
         const float want_scale = amax * (1.0f / 448.0f);
         const std::string where = "FP8 local expert " + std::to_string(e) + " row " + std::to_string(row) +
                                   " block " + std::to_string(b);
@@ -242,7 +257,8 @@ int run_rank(int rank, const deepep::UniqueId& id) {
         const size_t at = (static_cast<size_t>(e) * RM + row) * H + h;
         y[at] = float_to_bf16(bf16_to_float(recv_x[at]) * factor(rank * EPR + e));
       }
-  DeviceMemory d_y(packed * 2), d_out(static_cast<size_t>(T) * H * 2);
+  DeviceMemory d_y(packed * 2);
+  const DeviceOutputs combined(buffer.low_latency_combine_outputs(T, H));  // out: [T, H] BF16
   upload(d_y, y);
   // out[t] = sum over k of w * bf16(x[t] * factor(expert)), in fp32 (the kernel's fma chain).
   std::vector<float> want_out(static_cast<size_t>(T) * H), bound(static_cast<size_t>(T) * H);
@@ -267,12 +283,12 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   cargs.src_info = args.packed_recv_src_info;  // the BF16 dispatch's handle
   cargs.layout_range = args.packed_recv_layout_range;
   cargs.combine_wait_recv_cost_stats = deepep::absent_tensor();
-  cargs.out = make_tensor(d_out.ptr, DEEPEP_DTYPE_BFLOAT16, {T, H});
+  cargs.out = combined.tensor(0);
   cargs.num_max_dispatch_tokens_per_rank = M;
   cargs.num_experts = E;
 
   auto check_combined = [&](const char* name, int failures_before) {
-    const auto out = download<uint16_t>(d_out, static_cast<size_t>(T) * H);
+    const auto out = download<uint16_t>(cargs.out, static_cast<size_t>(T) * H);
     int bad = 0, exact = 0;
     for (size_t i = 0; i < out.size(); ++i) {
       const float got = bf16_to_float(out[i]);
@@ -290,7 +306,7 @@ int run_rank(int rank, const deepep::UniqueId& id) {
 
   // 3a. One call, comm stream. out starts as NaN (0xffff) so an unwritten row shows.
   before = chk.failures;
-  fill(d_out, 0xff, static_cast<size_t>(T) * H * 2);
+  fill(cargs.out, 0xff, static_cast<size_t>(T) * H * 2);
   sync("cudaMemset out");
   buffer.low_latency_combine(cargs);
   sync("low_latency_combine");
@@ -298,7 +314,7 @@ int run_rank(int rank, const deepep::UniqueId& id) {
 
   // 3b. Hook mode on our own stream: send now, receive when the hook runs.
   before = chk.failures;
-  fill(d_out, 0xff, static_cast<size_t>(T) * H * 2);
+  fill(cargs.out, 0xff, static_cast<size_t>(T) * H * 2);
   sync("cudaMemset out");
   {
     Stream stream;
@@ -312,15 +328,15 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   // can only come from the view.
   before = chk.failures;
   const DeepepTensor view = buffer.get_next_low_latency_combine_buffer(M, H, E);
-  const int64_t view_row = H + H / 64;
-  chk.expect(view.ndim == 3 && view.shape[0] == EPR && view.shape[1] == RM && view.shape[2] == H &&
-                 view.strides[0] == RM * view_row && view.strides[1] == view_row && view.strides[2] == 1,
-             "get_next_low_latency_combine_buffer view shape or strides");
+  const int64_t view_row = view.strides[1];  // the library's row pitch (rows are longer than H)
+  chk.expect(view.dtype == DEEPEP_DTYPE_BFLOAT16 && view.ndim == 3 && view.shape[0] == EPR && view.shape[1] == RM &&
+                 view.shape[2] == H && view_row >= H && view.strides[0] == RM * view_row && view.strides[2] == 1,
+             "get_next_low_latency_combine_buffer view dtype, shape or strides");
   cuda_check(cudaMemcpy2D(view.data, static_cast<size_t>(view_row) * 2, d_y.ptr, static_cast<size_t>(H) * 2,
                           static_cast<size_t>(H) * 2, static_cast<size_t>(EPR) * RM, cudaMemcpyDeviceToDevice),
              "cudaMemcpy2D into the zero-copy view");
   fill(d_y, 0, packed * 2);
-  fill(d_out, 0xff, static_cast<size_t>(T) * H * 2);
+  fill(cargs.out, 0xff, static_cast<size_t>(T) * H * 2);
   sync("zero-copy setup");
   DeepepLowLatencyCombineArgs zargs = cargs;
   zargs.zero_copy = 1;

@@ -8,6 +8,7 @@ use std::os::raw::{c_int, c_void};
 use super::{buffer::buffer_ref, ffi, out_ref};
 use crate::error::{DeepepStatus, Error};
 use crate::ll::{combine::{self, DeepepLowLatencyCombineArgs}, control, dispatch::{self, DeepepLowLatencyDispatchArgs}, LlShape};
+use crate::outputs::DeepepOutputs;
 use crate::tensor::DeepepTensor;
 
 fn args_ref<'a, T>(ptr: *const T) -> crate::error::Result<&'a T> {
@@ -29,6 +30,52 @@ pub extern "C" fn deepep_low_latency_check_shape(
     ffi(|| {
         crate::ensure_arg!(num_ranks > 0, "num_ranks must be positive, got {num_ranks}");
         LlShape::new(num_max_dispatch_tokens_per_rank, hidden, num_experts as i64, num_ranks as i64)?;
+        Ok(())
+    })
+}
+
+/// The outputs of an LL dispatch of this shape on this buffer (its rank count R), in DeepEP's
+/// order: packed_recv_x, packed_recv_x_scales (absent without use_fp8), packed_recv_count,
+/// packed_recv_src_info, packed_recv_layout_range. Allocate them as `DeepepOutputs` says and
+/// pass them in `DeepepLowLatencyDispatchArgs` (use_ue8m0 needs use_fp8). The shape is checked
+/// first, with deepep_low_latency_check_shape's limits, so an out-of-range M fails before
+/// anything is allocated. On failure `*out` describes no outputs (count 0).
+#[no_mangle]
+pub extern "C" fn deepep_low_latency_dispatch_outputs(
+    buf: *const super::DeepepBuffer,
+    num_max_dispatch_tokens_per_rank: i64,
+    hidden: i64,
+    num_experts: c_int,
+    use_fp8: bool,
+    use_ue8m0: bool,
+    out: *mut DeepepOutputs,
+) -> DeepepStatus {
+    ffi(|| {
+        let out = out_ref("out", out)?;
+        *out = DeepepOutputs::default();
+        let r = buffer_ref(buf)?.layout.num_ranks as i64;
+        let shape = LlShape::new(num_max_dispatch_tokens_per_rank, hidden, num_experts as i64, r)?;
+        *out = dispatch::outputs(shape, use_fp8, use_ue8m0)?;
+        Ok(())
+    })
+}
+
+/// The output of an LL combine of `num_tokens` tokens (the rows of its topk_idx; at most
+/// num_max_dispatch_tokens_per_rank): combined_x [T, H] bfloat16, for `DeepepLowLatencyCombineArgs.out`.
+/// On failure `*out` describes no outputs (count 0).
+#[no_mangle]
+pub extern "C" fn deepep_low_latency_combine_outputs(
+    buf: *const super::DeepepBuffer,
+    num_tokens: i64,
+    hidden: i64,
+    out: *mut DeepepOutputs,
+) -> DeepepStatus {
+    ffi(|| {
+        let out = out_ref("out", out)?;
+        *out = DeepepOutputs::default();
+        // The output does not depend on the buffer today; the handle keeps the LL queries alike.
+        buffer_ref(buf)?;
+        *out = combine::outputs(num_tokens, hidden)?;
         Ok(())
     })
 }
@@ -72,19 +119,20 @@ pub extern "C" fn deepep_clean_low_latency_buffer(
     })
 }
 
-/// Base pointer of the zero-copy combine view for the next LL call: BF16
-/// [E_l, R*M, H] with element strides (R*M*(H + H/64), H + H/64, 1).
+/// The zero-copy combine view of the next LL call's half, as a full descriptor: data, BF16,
+/// [E_l, R*M, H] and its element strides (rows H + H/64 apart, DeepEP's layout). Write the
+/// experts' outputs there, then combine with zero_copy = 1. `*out` is all zero on failure.
 #[no_mangle]
 pub extern "C" fn deepep_get_next_low_latency_combine_buffer(
     buf: *const super::DeepepBuffer,
     num_max_dispatch_tokens_per_rank: c_int,
     hidden: c_int,
     num_experts: c_int,
-    out: *mut *mut c_void,
+    out: *mut DeepepTensor,
 ) -> DeepepStatus {
     ffi(|| {
         let out = out_ref("out", out)?;
-        *out = std::ptr::null_mut();
+        *out = DeepepOutputs::default().tensors[0];
         *out = control::next_combine_buffer(
             buffer_ref(buf)?,
             num_max_dispatch_tokens_per_rank as i64,

@@ -2,11 +2,12 @@
 //! for the send phase, the receive phase, or both.
 use std::os::raw::c_void;
 
-use super::{combine_layout, common, opt_ptr, phases_for, receive_half, LlShape};
+use super::{check_hidden, combine_layout, common, opt_ptr, phases_for, receive_half, LlShape, MAX_TOKENS_PER_RANK};
 use crate::buffer::Buffer;
 use crate::ensure_arg;
 use crate::error::Result;
 use crate::kernels::{self, LlCombineParams, LL_MAX_TOPK, LL_PHASE_SEND};
+use crate::outputs::{check_output, DeepepOutputs};
 use crate::tensor::{check, check_opt, check_shape, DeepepDtype::*, DeepepTensor};
 
 /// Arguments of one LL combine (`Buffer::low_latency_combine`). Absent optional
@@ -26,7 +27,7 @@ pub struct DeepepLowLatencyCombineArgs {
     pub layout_range: DeepepTensor,
     /// Optional [R] int64: GPU cycles waited per expert rank are added.
     pub combine_wait_recv_cost_stats: DeepepTensor,
-    /// [T, H] bfloat16 output.
+    /// [T, H] bfloat16 output (deepep_low_latency_combine_outputs describes it).
     pub out: DeepepTensor,
     pub num_max_dispatch_tokens_per_rank: i32,
     pub num_experts: i32,
@@ -35,6 +36,19 @@ pub struct DeepepLowLatencyCombineArgs {
     /// 1: send only (return_recv_hook), 2: receive only (the hook), 3: both.
     pub phases: i32,
     pub reserved: i32,
+}
+
+/// combine's output: combined_x [T, H] bfloat16, contiguous. T is at most
+/// num_max_dispatch_tokens_per_rank, so at most [`MAX_TOKENS_PER_RANK`].
+pub fn outputs(num_tokens: i64, hidden: i64) -> Result<DeepepOutputs> {
+    ensure_arg!(
+        (0..=MAX_TOKENS_PER_RANK).contains(&num_tokens),
+        "num_tokens must be in [0, {MAX_TOKENS_PER_RANK}] (at most num_max_dispatch_tokens_per_rank), got {num_tokens}"
+    );
+    check_hidden(hidden)?;
+    let mut o = DeepepOutputs::default();
+    o.push(DEEPEP_DTYPE_BFLOAT16, &[num_tokens, hidden]);
+    Ok(o)
 }
 
 /// Launches the phases in `a.phases` on `stream` (NULL: the comm stream); the
@@ -57,8 +71,8 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
     check_shape("src_info", &src, &[el, rows])?;
     let range = check("layout_range", Some(&a.layout_range), &[DEEPEP_DTYPE_INT64], 2)?;
     check_shape("layout_range", &range, &[el, r])?;
-    let out = check("out", Some(&a.out), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
-    check_shape("out", &out, &[t, h])?;
+    // The caller's out must be exactly what deepep_low_latency_combine_outputs describes.
+    check_output("out", &a.out, outputs(t, h)?.get(0))?;
     if let Some(s) = check_opt("combine_wait_recv_cost_stats", &a.combine_wait_recv_cost_stats, &[DEEPEP_DTYPE_INT64], 1)? {
         check_shape("combine_wait_recv_cost_stats", &s, &[r])?;
     }

@@ -8,6 +8,7 @@ use crate::cuda;
 use crate::ensure_arg;
 use crate::error::Result;
 use crate::kernels;
+use crate::outputs::DeepepOutputs;
 use crate::tensor::{check, check_shape, DeepepDtype::*, DeepepTensor};
 
 fn shape_of(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> Result<LlShape> {
@@ -86,14 +87,24 @@ pub fn clean_mask(buffer: &Buffer, stream: *mut c_void) -> Result<()> {
     })
 }
 
-/// The zero-copy combine view of the half the next LL call uses: BF16
-/// [E_l, R*M, H] with strides (R*M*(H + H/64), H + H/64, 1). Returns its base pointer.
-pub fn next_combine_buffer(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> Result<*mut c_void> {
+/// The zero-copy combine view of `shape` (data NULL): BF16 [E_l, R*M, H] whose rows lie one
+/// combine message apart, H + H/64 elements (the BF16 row, then room for H/128 float32 scales),
+/// as in DeepEP. Hosts take shape and strides from here (deepep_get_next_low_latency_combine_buffer).
+pub fn combine_view(shape: LlShape) -> DeepepTensor {
+    let (el, rows, h) = (shape.local_experts(), shape.rows(), shape.hidden);
+    let row = h + h / 64;
+    DeepepOutputs::describe(DEEPEP_DTYPE_BFLOAT16, &[el, rows, h], &[rows * row, row, 1])
+}
+
+/// The zero-copy combine view ([`combine_view`]) of the half the next LL call uses.
+pub fn next_combine_buffer(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64) -> Result<DeepepTensor> {
     let shape = shape_of(buffer, max_tokens, hidden, num_experts)?;
     buffer.with_resources(|res| {
         let parity = buffer.peek_ll_parity();
         let layout = combine_layout(buffer, res, "get_next_low_latency_combine_buffer", shape, false, parity)?;
+        let mut view = combine_view(shape);
         // SAFETY: the view lies inside this rank's window (combine_layout checked the size).
-        Ok(unsafe { res.window.ptr().cast::<u8>().add(layout.view as usize) }.cast())
+        view.data = unsafe { res.window.ptr().cast::<u8>().add(layout.view as usize) }.cast();
+        Ok(view)
     })
 }

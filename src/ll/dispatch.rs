@@ -7,10 +7,12 @@ use crate::buffer::Buffer;
 use crate::ensure_arg;
 use crate::error::Result;
 use crate::kernels::{self, LlDispatchParams, LL_MAX_TOPK, LL_PHASE_SEND};
-use crate::tensor::{check, check_opt, check_shape, check_strided, DeepepDtype::*, DeepepTensor, TensorView};
+use crate::outputs::{check_output, DeepepOutputs};
+use crate::tensor::{check, check_opt, check_shape, DeepepDtype, DeepepDtype::*, DeepepTensor};
 
 /// Arguments of one LL dispatch (`Buffer::low_latency_dispatch`). The caller
-/// allocates the outputs; absent optional tensors have dtype 0.
+/// allocates the outputs as deepep_low_latency_dispatch_outputs describes them; absent
+/// optional tensors have dtype 0.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DeepepLowLatencyDispatchArgs {
@@ -49,6 +51,60 @@ struct Checked {
     topk_is_int32: bool,
 }
 
+/// The outputs of a dispatch of `shape`, in DeepEP's order (the order of the args' output
+/// fields): packed_recv_x [E_l, R*M, H] (FP8 or BF16), packed_recv_x_scales (FP8 only, DeepEP's
+/// column-major layout, else absent), packed_recv_count [E_l] int32, packed_recv_src_info
+/// [E_l, R*M] int32, packed_recv_layout_range [E_l, R] int64. Each in an allocation of its own.
+pub fn outputs(shape: LlShape, use_fp8: bool, use_ue8m0: bool) -> Result<DeepepOutputs> {
+    let (el, rows, h) = (shape.local_experts(), shape.rows(), shape.hidden);
+    let mut o = DeepepOutputs::default();
+    o.push(if use_fp8 { DEEPEP_DTYPE_FLOAT8_E4M3 } else { DEEPEP_DTYPE_BFLOAT16 }, &[el, rows, h]);
+    match scales(h, use_fp8, use_ue8m0)? {
+        // Column-major in the last two dims: strides (cols*rows, 1, rows).
+        Some((dtype, cols)) => o.push_strided(dtype, &[el, rows, cols], &[cols * rows, 1, rows]),
+        None => o.push_absent(),
+    };
+    o.push(DEEPEP_DTYPE_INT32, &[el]);
+    o.push(DEEPEP_DTYPE_INT32, &[el, rows]);
+    o.push(DEEPEP_DTYPE_INT64, &[el, shape.num_ranks]);
+    Ok(o)
+}
+
+/// dtype and columns of the FP8 scales: one float32 per 128 channels, or with UE8M0 four
+/// packed exponents per int32 (one per 512 channels). None without FP8.
+fn scales(hidden: i64, use_fp8: bool, use_ue8m0: bool) -> Result<Option<(DeepepDtype, i64)>> {
+    ensure_arg!(use_fp8 || !use_ue8m0, "round_scale and use_ue8m0 require use_fp8=True");
+    if !use_fp8 {
+        return Ok(None);
+    }
+    if !use_ue8m0 {
+        return Ok(Some((DEEPEP_DTYPE_FLOAT32, hidden / 128)));
+    }
+    ensure_arg!(hidden % 512 == 0, "use_ue8m0 packs 4 scales per int32: hidden ({hidden}) must be a multiple of 512");
+    Ok(Some((DEEPEP_DTYPE_INT32, hidden / 512)))
+}
+
+/// The args' output fields, in [`outputs`]' order.
+fn output_fields(a: &DeepepLowLatencyDispatchArgs) -> [(&'static str, &DeepepTensor); 5] {
+    [
+        ("packed_recv_x", &a.packed_recv_x),
+        ("packed_recv_x_scales", &a.packed_recv_x_scales),
+        ("packed_recv_count", &a.packed_recv_count),
+        ("packed_recv_src_info", &a.packed_recv_src_info),
+        ("packed_recv_layout_range", &a.packed_recv_layout_range),
+    ]
+}
+
+/// The caller's outputs must be exactly what [`outputs`] (deepep_low_latency_dispatch_outputs)
+/// describes for the args' shape and flags.
+fn check_outputs(a: &DeepepLowLatencyDispatchArgs, shape: LlShape) -> Result<()> {
+    let want = outputs(shape, a.use_fp8 != 0, a.use_ue8m0 != 0)?;
+    for (i, (name, given)) in output_fields(a).into_iter().enumerate() {
+        check_output(name, given, want.get(i))?;
+    }
+    Ok(())
+}
+
 fn check_args(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs) -> Result<Checked> {
     let r = buffer.layout.num_ranks as i64;
     let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
@@ -63,25 +119,8 @@ fn check_args(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs) -> Result<Check
     let fp8 = a.use_fp8 != 0;
     ensure_arg!(a.use_ue8m0 == 0 || a.round_scale != 0, "use_ue8m0 requires round_scale=True");
     ensure_arg!(fp8 || (a.round_scale == 0 && a.use_ue8m0 == 0), "round_scale and use_ue8m0 require use_fp8=True");
-    ensure_arg!(a.use_ue8m0 == 0 || h % 512 == 0, "use_ue8m0 packs 4 scales per int32: hidden ({h}) must be a multiple of 512");
+    check_outputs(a, shape)?;
     let el = shape.local_experts();
-    let rows = r * m;
-    let recv_x = check("packed_recv_x", Some(&a.packed_recv_x), &[if fp8 { DEEPEP_DTYPE_FLOAT8_E4M3 } else { DEEPEP_DTYPE_BFLOAT16 }], 3)?;
-    check_shape("packed_recv_x", &recv_x, &[el, rows, h])?;
-    if fp8 {
-        let (dtype, cols) = if a.use_ue8m0 != 0 { (DEEPEP_DTYPE_INT32, h / 512) } else { (DEEPEP_DTYPE_FLOAT32, h / 128) };
-        let scales = check_strided("packed_recv_x_scales", &a.packed_recv_x_scales, &[dtype], 3)?;
-        check_shape("packed_recv_x_scales", &scales, &[el, rows, cols])?;
-        check_column_major("packed_recv_x_scales", &scales, rows, cols)?;
-    } else {
-        ensure_arg!(a.packed_recv_x_scales.dtype == 0, "packed_recv_x_scales must be absent without use_fp8");
-    }
-    let count = check("packed_recv_count", Some(&a.packed_recv_count), &[DEEPEP_DTYPE_INT32], 1)?;
-    check_shape("packed_recv_count", &count, &[el])?;
-    let src = check("packed_recv_src_info", Some(&a.packed_recv_src_info), &[DEEPEP_DTYPE_INT32], 2)?;
-    check_shape("packed_recv_src_info", &src, &[el, rows])?;
-    let range = check("packed_recv_layout_range", Some(&a.packed_recv_layout_range), &[DEEPEP_DTYPE_INT64], 2)?;
-    check_shape("packed_recv_layout_range", &range, &[el, r])?;
     if let Some(s) = check_opt("cumulative_local_expert_recv_stats", &a.cumulative_local_expert_recv_stats, &[DEEPEP_DTYPE_INT32], 1)? {
         check_shape("cumulative_local_expert_recv_stats", &s, &[el])?;
     }
@@ -89,18 +128,6 @@ fn check_args(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs) -> Result<Check
         check_shape("dispatch_wait_recv_cost_stats", &s, &[r])?;
     }
     Ok(Checked { shape, num_tokens: t, num_topk: k, topk_is_int32: topk.dtype == DEEPEP_DTYPE_INT32 })
-}
-
-/// DeepEP's scale layout: column-major in the last two dims, i.e. strides (cols*rows, 1, rows).
-fn check_column_major(name: &str, t: &TensorView<'_>, rows: i64, cols: i64) -> Result<()> {
-    let s = &t.raw.strides[..3];
-    ensure_arg!(
-        s == [cols * rows, 1, rows],
-        "{name} must be column-major in its last two dims (strides ({}, 1, {rows}), DeepEP's layout), got strides {:?}",
-        cols * rows,
-        s
-    );
-    Ok(())
 }
 
 /// Launches the phases in `a.phases` on `stream` (NULL: the comm stream). A send
@@ -148,4 +175,56 @@ pub fn dispatch(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs, stream: *mut 
         *buffer_idx = parity;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Args whose outputs are `outputs(shape, fp8, ue8m0)` at a fake non-NULL address.
+    fn args_with_outputs(shape: LlShape, fp8: bool, ue8m0: bool) -> DeepepLowLatencyDispatchArgs {
+        let o = outputs(shape, fp8, ue8m0).unwrap();
+        let mut described = o.tensors;
+        for t in described.iter_mut().filter(|t| t.dtype != 0) {
+            t.data = 0x1000 as *mut c_void;
+        }
+        let absent = DeepepOutputs::default().tensors[0];
+        DeepepLowLatencyDispatchArgs {
+            x: absent,
+            topk_idx: absent,
+            cumulative_local_expert_recv_stats: absent,
+            dispatch_wait_recv_cost_stats: absent,
+            packed_recv_x: described[0],
+            packed_recv_x_scales: described[1],
+            packed_recv_count: described[2],
+            packed_recv_src_info: described[3],
+            packed_recv_layout_range: described[4],
+            num_max_dispatch_tokens_per_rank: shape.max_tokens as i32,
+            num_experts: shape.num_experts as i32,
+            use_fp8: fp8 as i32,
+            round_scale: ue8m0 as i32,
+            use_ue8m0: ue8m0 as i32,
+            phases: 3,
+        }
+    }
+
+    #[test]
+    fn outputs_as_described_pass_and_others_are_named() {
+        let shape = LlShape::new(128, 7168, 288, 4).unwrap();
+        for (fp8, ue8m0) in [(false, false), (true, false), (true, true)] {
+            check_outputs(&args_with_outputs(shape, fp8, ue8m0), shape).unwrap();
+        }
+        let mut a = args_with_outputs(shape, true, false);
+        a.packed_recv_x_scales.strides = [56 * 512, 56, 1, 0]; // row-major: not DeepEP's layout
+        assert!(check_outputs(&a, shape).unwrap_err().message.starts_with("packed_recv_x_scales must have strides [28672, 1, 512]"));
+        let mut a = args_with_outputs(shape, false, false);
+        a.packed_recv_layout_range.shape[1] = 8;
+        assert!(check_outputs(&a, shape).unwrap_err().message.starts_with("packed_recv_layout_range must have shape [72, 4]"));
+        let mut a = args_with_outputs(shape, true, false);
+        a.use_fp8 = 0;
+        assert!(check_outputs(&a, shape).unwrap_err().message.starts_with("packed_recv_x must have dtype bfloat16"));
+        let mut a = args_with_outputs(shape, true, false);
+        a.packed_recv_count.data = std::ptr::null_mut();
+        assert!(check_outputs(&a, shape).unwrap_err().message.contains("packed_recv_count has a NULL data pointer"));
+    }
 }

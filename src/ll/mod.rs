@@ -37,11 +37,7 @@ impl LlShape {
             max_tokens > 0 && max_tokens <= MAX_TOKENS_PER_RANK,
             "num_max_dispatch_tokens_per_rank must be in [1, {MAX_TOKENS_PER_RANK}], got {max_tokens}"
         );
-        ensure_arg!(
-            hidden > 0 && hidden % 128 == 0,
-            "hidden must be a positive multiple of 128 (one FP8 scale per 128 channels), got {hidden}"
-        );
-        ensure_arg!(hidden <= 1 << 16, "hidden must be at most 65536, got {hidden}");
+        check_hidden(hidden)?;
         ensure_arg!(num_experts > 0, "num_experts must be positive, got {num_experts}");
         ensure_arg!(
             num_experts % num_ranks == 0,
@@ -63,6 +59,21 @@ impl LlShape {
     pub fn local_experts(&self) -> i64 {
         self.num_experts / self.num_ranks
     }
+
+    /// Rows per local expert in the packed outputs: M from each of the R ranks.
+    pub fn rows(&self) -> i64 {
+        self.num_ranks * self.max_tokens
+    }
+}
+
+/// The hidden sizes LL ops take (also combine's output, which has no M or E to check).
+pub(crate) fn check_hidden(hidden: i64) -> Result<()> {
+    ensure_arg!(
+        hidden > 0 && hidden % 128 == 0,
+        "hidden must be a positive multiple of 128 (one FP8 scale per 128 channels), got {hidden}"
+    );
+    ensure_arg!(hidden <= 1 << 16, "hidden must be at most 65536, got {hidden}");
+    Ok(())
 }
 
 /// Byte offsets (inside the window) of one buffer half's LL regions, for one op.
@@ -309,6 +320,82 @@ mod tests {
         assert!(receive_half(-1).unwrap_err().message.contains("buffer_idx must be 0 or 1"));
         assert!(receive_half(2).is_err());
         assert_eq!(receive_half(1).unwrap(), 1);
+    }
+
+    fn dims(t: &crate::tensor::DeepepTensor) -> (i32, Vec<i64>, Vec<i64>) {
+        let n = t.ndim as usize;
+        (t.dtype, t.shape[..n].to_vec(), t.strides[..n].to_vec())
+    }
+
+    #[test]
+    fn dispatch_outputs_are_deepeps_geometry() {
+        use crate::tensor::DeepepDtype::*;
+        for r in [1i64, 2, 8, 32] {
+            let (m, h, e) = (128, 7168, 32 * 9);
+            let shape = LlShape::new(m, h, e, r).unwrap();
+            let (el, rows) = (e / r, r * m);
+            for (fp8, ue8m0) in [(false, false), (true, false), (true, true)] {
+                let o = dispatch::outputs(shape, fp8, ue8m0).unwrap();
+                assert_eq!((o.count, o.num_allocations), (5, if fp8 { 5 } else { 4 }));
+                let x_dtype = if fp8 { DEEPEP_DTYPE_FLOAT8_E4M3 } else { DEEPEP_DTYPE_BFLOAT16 };
+                assert_eq!(dims(o.get(0)), (x_dtype as i32, vec![el, rows, h], vec![rows * h, h, 1]));
+                let scales = match (fp8, ue8m0) {
+                    (false, _) => (0, vec![], vec![]),
+                    (true, false) => (DEEPEP_DTYPE_FLOAT32 as i32, vec![el, rows, h / 128], vec![h / 128 * rows, 1, rows]),
+                    (true, true) => (DEEPEP_DTYPE_INT32 as i32, vec![el, rows, h / 512], vec![h / 512 * rows, 1, rows]),
+                };
+                assert_eq!(dims(o.get(1)), scales);
+                assert_eq!(o.allocation[1], if fp8 { 1 } else { -1 });
+                assert_eq!(dims(o.get(2)), (DEEPEP_DTYPE_INT32 as i32, vec![el], vec![1]));
+                assert_eq!(dims(o.get(3)), (DEEPEP_DTYPE_INT32 as i32, vec![el, rows], vec![rows, 1]));
+                assert_eq!(dims(o.get(4)), (DEEPEP_DTYPE_INT64 as i32, vec![el, r], vec![r, 1]));
+                // Every present output alone in an allocation that holds exactly it.
+                for i in 0..5 {
+                    let g = o.allocation[i];
+                    if g >= 0 {
+                        let t = o.get(i);
+                        let numel: i64 = t.shape[..t.ndim as usize].iter().product();
+                        assert_eq!((o.offset[i], o.allocation_elems[g as usize], o.allocation_dtype[g as usize]), (0, numel, t.dtype));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dispatch_outputs_check_the_scale_flags() {
+        let shape = LlShape::new(128, 6400, 288, 4).unwrap();
+        assert!(dispatch::outputs(shape, true, true).unwrap_err().message.contains("hidden (6400) must be a multiple of 512"));
+        assert!(dispatch::outputs(shape, false, true).unwrap_err().message.contains("require use_fp8=True"));
+        assert!(dispatch::outputs(shape, true, false).is_ok());
+    }
+
+    #[test]
+    fn combine_outputs_are_t_by_h_bf16() {
+        let o = combine::outputs(17, 7168).unwrap();
+        assert_eq!((o.count, o.num_allocations, o.allocation_elems[0]), (1, 1, 17 * 7168));
+        assert_eq!(dims(o.get(0)), (crate::tensor::DeepepDtype::DEEPEP_DTYPE_BFLOAT16 as i32, vec![17, 7168], vec![7168, 1]));
+        assert_eq!(combine::outputs(0, 128).unwrap().allocation_elems[0], 0);
+        assert!(combine::outputs(-1, 7168).unwrap_err().message.contains("num_tokens must be in [0, 1024]"));
+        assert!(combine::outputs(1025, 7168).unwrap_err().message.contains("got 1025"));
+        assert!(combine::outputs(8, 7000).unwrap_err().message.contains("hidden must be a positive multiple of 128"));
+        assert!(combine::outputs(8, 1 << 17).unwrap_err().message.contains("hidden must be at most 65536"));
+    }
+
+    #[test]
+    fn combine_view_rows_are_one_combine_message_apart_and_fit_the_half() {
+        for (m, h, e, r) in [(128, 7168, 288, 4), (1, 128, 2, 1), (64, 2048, 256, 8), (128, 6400, 256, 32)] {
+            let shape = LlShape::new(m, h, e, r).unwrap();
+            let v = control::combine_view(shape);
+            let (el, rows, row) = (e / r, r * m, h + h / 64);
+            assert_eq!(dims(&v), (crate::tensor::DeepepDtype::DEEPEP_DTYPE_BFLOAT16 as i32, vec![el, rows, h], vec![rows * row, row, 1]));
+            assert!(v.data.is_null());
+            // The view of half 0 ends before half 1's begins (BF16: 2 bytes an element).
+            let s = slots_for(h as u64, 8, true, true, el, m);
+            let (a, b) = (LlLayout::new(shape, s, 0, 0), LlLayout::new(shape, s, 0, 1));
+            let span = ((el - 1) * rows * row + (rows - 1) * row + h) as u64 * 2;
+            assert!(a.view + span <= b.view, "{m} {h} {e} {r}: view {span} B, half {}", b.view - a.view);
+        }
     }
 
     #[test]

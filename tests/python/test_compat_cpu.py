@@ -491,69 +491,6 @@ def test_low_latency_argument_structs_match_the_c_abi():
     assert _low_latency._COMBINE_PHASES_AT == 7 * 80 + 16
 
 
-@pytest.mark.parametrize(
-    "use_fp8, use_ue8m0, scales",
-    [
-        # (dtype code, shape, strides) of packed_recv_x_scales: DeepEP's column-major layout.
-        (True, False, (5, (72, 512, 56), (56 * 512, 1, 512))),
-        (True, True, (3, (72, 512, 14), (14 * 512, 1, 512))),
-        (False, False, None),
-    ],
-)
-def test_low_latency_dispatch_output_descriptors(monkeypatch, use_fp8, use_ue8m0, scales):
-    # The dispatch packs its outputs' descriptors once per shape and then only re-points them:
-    # the fixed fields must describe what it allocates, and re-pointing must touch nothing else.
-    import types
-
-    from deep_ep_cpp import _low_latency
-
-    fake_torch = types.SimpleNamespace(float8_e4m3fn="f8", bfloat16="bf16", int32="i32", float32="f32")
-    monkeypatch.setattr(_low_latency, "_torch", fake_torch)
-    shape = _low_latency._DispatchShape(128, 7168, 288, 4, use_fp8, use_fp8, use_ue8m0)
-    pointers = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 0x7F0000004000, 0x7F0000005000)
-    for word, pointer in zip(_low_latency._DISPATCH_OUTPUT_POINTER_WORDS, pointers):
-        shape.words[word] = pointer
-    fields = _low_latency._DISPATCH_ARGS.unpack_from(shape.args, 0)
-    descriptors = [fields[i * 11:(i + 1) * 11] for i in range(9)]
-
-    def descriptor(pointer, code, dims, strides):
-        pad = (0,) * (4 - len(dims))
-        return (pointer, code, len(dims), *dims, *pad, *strides, *pad)
-
-    assert descriptors[:4] == [(0,) * 11] * 4  # the inputs, packed per call
-    x_code = 8 if use_fp8 else 6
-    assert descriptors[4] == descriptor(pointers[0], x_code, (72, 512, 7168), (512 * 7168, 7168, 1))
-    assert shape.recv_x_shape == (72, 512, 7168) and shape.recv_x_dtype == ("f8" if use_fp8 else "bf16")
-    if scales is None:
-        assert descriptors[5] == (pointers[1],) + (0,) * 10
-        assert shape.scales_shape is None
-    else:
-        assert descriptors[5] == descriptor(pointers[1], *scales)
-        assert (shape.scales_shape, shape.scales_strides) == scales[1:]
-    assert descriptors[6] == descriptor(pointers[2], 3, (72,), (1,))
-    assert descriptors[7] == descriptor(pointers[3], 3, (72, 512), (512, 1))
-    assert descriptors[8] == descriptor(pointers[4], 4, (72, 4), (4, 1))
-    assert fields[99:] == (128, 288, int(use_fp8), int(use_fp8), int(use_ue8m0), 0)
-
-
-@pytest.mark.parametrize(
-    "m, hidden, num_experts, message",
-    [
-        (1025, 7168, 288, r"num_max_dispatch_tokens_per_rank must be in \[1, 1024\], got 1025"),
-        (10**6, 7168, 288, r"num_max_dispatch_tokens_per_rank must be in \[1, 1024\], got 1000000"),
-        (128, 7000, 288, r"hidden must be a positive multiple of 128"),
-        (128, 7168, 289, r"num_experts \(289\) must be divisible by the number of ranks \(4\)"),
-        (128, 7168, 0, r"num_experts must be positive"),
-    ],
-)
-def test_low_latency_dispatch_checks_limits_before_allocating(m, hidden, num_experts, message):
-    # The outputs are sized by M and E: a shape out of range must fail by its limit before any allocation.
-    from deep_ep_cpp import _low_latency
-
-    with pytest.raises(RuntimeError, match=message):
-        _low_latency._DispatchShape(m, hidden, num_experts, 4, True, False, False)
-
-
 @pytest.mark.parametrize("method, num_args, feature", NOT_IMPLEMENTED)
 def test_unimplemented_methods_keep_deepeps_arity(method, num_args, feature):
     buffer = _buffer()

@@ -17,9 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ORDER_AFTER") = py::int_(kOrderAfter);
   py::class_<StreamOrder>(m, "StreamOrder").def(py::init<int>()).def("usable", &StreamOrder::usable);
   py::class_<LlDispatchPlan>(m, "LlDispatchPlan")
-      .def(py::init<uintptr_t, std::vector<int64_t>, bool, std::vector<int64_t>, std::vector<int64_t>, bool, int64_t,
-                    int64_t, int64_t, int>())
+      .def(py::init<uintptr_t, uintptr_t, int64_t, int>())
       .def("run", &LlDispatchPlan::run);
+  py::class_<LlCombineOutputs>(m, "LlCombineOutputs").def(py::init<uintptr_t>());
   m.def("ll_combine", &ll_combine);
   m.def("set_status_raiser", &set_status_raiser);
   m.def("ll_next_combine_buffer", &ll_next_combine_buffer);

@@ -86,30 +86,62 @@ class DeepepOutputs(ctypes.Structure):
     ]
 
 
-def allocate_outputs(outputs, device):
-    """The outputs a DeepepOutputs describes, allocated by torch (its caching allocator stays in
-    charge): a list with None for absent outputs. An output alone in its allocation is one
-    torch.empty_strided; outputs sharing one are views of a single torch.empty."""
-    torch = require_torch()
+def output_plan(outputs):
+    """A DeepepOutputs read once into plain Python for allocate_planned (ctypes field reads cost
+    more than the allocations): per output None (absent) or (shape, strides, contiguous, dtype
+    code, shared allocation or -1 when alone, offset), and per allocation shared by several
+    outputs (index, elements, dtype code)."""
     count = outputs.count
     groups = outputs.allocation[:count]
-    shared = {g for g in groups if g >= 0 and groups.count(g) > 1}
-    bases = {g: torch.empty(outputs.allocation_elems[g], dtype=DTYPES_BY_CODE[outputs.allocation_dtype[g]],
-                            device=device) for g in shared}
-    result = []
+    shared = tuple(sorted({g for g in groups if g >= 0 and groups.count(g) > 1}))
+    entries = []
     for i in range(count):
-        t = outputs.tensors[i]
-        g = groups[i]
+        t, g = outputs.tensors[i], groups[i]
         if g < 0:
-            result.append(None)
+            entries.append(None)
             continue
         n = t.ndim
         shape, strides = tuple(t.shape[:n]), tuple(t.strides[:n])
-        if g in shared:
-            result.append(bases[g].as_strided(shape, strides, outputs.offset[i]))
+        entries.append((shape, strides, strides == _row_major(shape), t.dtype, g if g in shared else -1,
+                        outputs.offset[i]))
+    return tuple(entries), tuple((g, outputs.allocation_elems[g], outputs.allocation_dtype[g]) for g in shared)
+
+
+def _row_major(shape):
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.insert(0, step)
+        step *= max(d, 1)
+    return tuple(strides)
+
+
+def allocate_planned(plan, device):
+    """The outputs of an output_plan, allocated by torch: a list with None for absent outputs."""
+    entries, shared = plan
+    torch = require_torch()
+    dtypes = DTYPES_BY_CODE
+    bases = {g: torch.empty(elems, dtype=dtypes[code], device=device) for g, elems, code in shared}
+    result = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        shape, strides, contiguous, code, g, offset = entry
+        if g >= 0:
+            result.append(bases[g].as_strided(shape, strides, offset))
+        elif contiguous:
+            result.append(torch.empty(shape, dtype=dtypes[code], device=device))
         else:
-            result.append(torch.empty_strided(shape, strides, dtype=DTYPES_BY_CODE[t.dtype], device=device))
+            result.append(torch.empty_strided(shape, strides, dtype=dtypes[code], device=device))
     return result
+
+
+def allocate_outputs(outputs, device):
+    """The outputs a DeepepOutputs describes, allocated by torch (its caching allocator stays in
+    charge): a list with None for absent outputs. An output alone in its allocation is one
+    torch.empty (contiguous) or torch.empty_strided; outputs sharing one are views of a single
+    torch.empty. allocate_planned(output_plan(...)) for outputs allocated many times."""
+    return allocate_planned(output_plan(outputs), device)
 
 
 # Packs a whole DeepepTensor in one call: much cheaper than setting ctypes fields one by one.
@@ -169,7 +201,7 @@ _PROTOTYPES = {
     "deepep_low_latency_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_low_latency_combine": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_clean_low_latency_buffer": (c_int, [c_void_p, c_int, c_int, c_int, c_void_p]),
-    "deepep_get_next_low_latency_combine_buffer": (c_int, [c_void_p, c_int, c_int, c_int, POINTER(c_void_p)]),
+    "deepep_get_next_low_latency_combine_buffer": (c_int, [c_void_p, c_int, c_int, c_int, POINTER(DeepepTensor)]),
     "deepep_low_latency_update_mask_buffer": (c_int, [c_void_p, c_int, c_bool, c_void_p]),
     "deepep_low_latency_query_mask_buffer": (c_int, [c_void_p, c_void_p, c_void_p]),
     "deepep_low_latency_clean_mask_buffer": (c_int, [c_void_p, c_void_p]),
@@ -179,6 +211,11 @@ _PROTOTYPES = {
     "deepep_config_rdma_buffer_size_hint": (c_int, [POINTER(DeepepConfig), c_int64, c_int, POINTER(c_int64)]),
     "deepep_low_latency_rdma_size_hint": (c_int, [c_int64, c_int64, c_int, c_int, POINTER(c_int64)]),
     "deepep_check_buffer_args": (c_int, [c_int, c_int, c_int64, c_int64, c_bool]),
+    "deepep_low_latency_dispatch_outputs": (
+        c_int,
+        [c_void_p, c_int64, c_int64, c_int, c_bool, c_bool, POINTER(DeepepOutputs)],
+    ),
+    "deepep_low_latency_combine_outputs": (c_int, [c_void_p, c_int64, c_int64, POINTER(DeepepOutputs)]),
 }
 
 

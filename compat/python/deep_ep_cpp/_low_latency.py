@@ -9,8 +9,8 @@ import ctypes
 import struct
 
 from ._event import EventHandle
-from ._lib import DTYPE_BFLOAT16, DTYPE_FLOAT8_E4M3, DTYPE_FLOAT32, DTYPE_INT32, DTYPE_INT64
-from ._lib import check, lib, raise_status, tensor_fields
+from ._lib import DTYPES_BY_CODE, DeepepOutputs, DeepepTensor, allocate_planned, check, lib, output_plan
+from ._lib import raise_status, tensor_fields
 from ._lib import torch as _torch
 from ._streams import (ORDER_AFTER, ORDER_BEFORE, StreamProtocol, stream_handle, stream_wait_stream,
                        without_torch_function)
@@ -18,6 +18,7 @@ from ._streams import (ORDER_AFTER, ORDER_BEFORE, StreamProtocol, stream_handle,
 _TENSOR = "Pii4q4q"
 _DISPATCH_ARGS = struct.Struct("@" + _TENSOR * 9 + "6i0P")
 _COMBINE_ARGS = struct.Struct("@" + _TENSOR * 7 + "6i0P")
+# TODO(abi-constant): DEEPEP_LL_PHASE_SEND / DEEPEP_LL_PHASE_RECV / DEEPEP_LL_PHASE_BOTH.
 _SEND, _RECV, _BOTH = 1, 2, 3
 # Byte offset of the `phases` field: after the tensors and M, num_experts, then 3 (dispatch:
 # use_fp8, round_scale, use_ue8m0) or 2 (combine: use_logfmt, zero_copy) ints.
@@ -26,62 +27,75 @@ _COMBINE_PHASES_AT = struct.calcsize("@" + _TENSOR * 7 + "4i")
 
 _desc = tensor_fields
 
-# A dispatch's args start with its 4 input descriptors (x, topk_idx, the two stats tensors); the
-# 5 output descriptors follow, and only their data pointers change between calls of one shape.
+# A dispatch's args start with its 4 input descriptors (x, topk_idx, the two stats tensors); its 5
+# output descriptors follow, in the order deepep_low_latency_dispatch_outputs describes them, and
+# only their data pointers change between calls of one shape.
 _DESC_BYTES = struct.calcsize("@" + _TENSOR)
 _DISPATCH_INPUTS = struct.Struct("@" + _TENSOR * 4)
+_DISPATCH_OUTPUTS = 5
 # Index of each output's data pointer in the args seen as 64-bit words.
-_DISPATCH_OUTPUT_POINTER_WORDS = tuple((4 + i) * _DESC_BYTES // 8 for i in range(5))
+_DISPATCH_OUTPUT_POINTER_WORDS = tuple((4 + i) * _DESC_BYTES // 8 for i in range(_DISPATCH_OUTPUTS))
 _MAX_DISPATCH_SHAPES = 64
 
 
-def _descriptor(dtype_code, shape, strides):
-    """A DeepepTensor's fields after its data pointer."""
-    pad = (0,) * (4 - len(shape))
-    return (dtype_code, len(shape), *shape, *pad, *strides, *pad)
-
-
 class _DispatchShape:
-    """What a dispatch's outputs look like for one (M, H, E, flags): their allocation arguments,
-    and an args buffer with their descriptors and the int fields already packed."""
+    """One dispatch shape (M, H, E, flags): the library's description of its outputs (`outputs`,
+    from deepep_low_latency_dispatch_outputs), read once for allocating them (`allocation`), and
+    an args buffer with their descriptors and the int fields already packed."""
 
-    __slots__ = ("args", "words", "recv_x_shape", "recv_x_dtype", "scales_shape", "scales_strides", "scales_dtype",
-                 "local", "rows", "plan")
+    __slots__ = ("args", "words", "outputs", "allocation", "plan")
 
-    def __init__(self, m, hidden, num_experts, num_ranks, use_fp8, round_scale, use_ue8m0, fast=None, device_id=0):
-        # The limits first: the outputs of an out-of-range M could take more memory than the GPU has.
-        check(lib.deepep_low_latency_check_shape(m, hidden, num_ranks, num_experts))
-        torch = _torch
-        local = num_experts // num_ranks
-        rows = num_ranks * m
-        self.local, self.rows = local, rows
-        self.recv_x_shape = (local, rows, hidden)
-        self.recv_x_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        recv_x = _descriptor(DTYPE_FLOAT8_E4M3 if use_fp8 else DTYPE_BFLOAT16, self.recv_x_shape,
-                             (rows * hidden, hidden, 1))
-        if use_fp8:
-            # DeepEP's column-major scales: [E_l, R*M, cols] with strides (cols*R*M, 1, R*M).
-            cols, code = (hidden // 512, DTYPE_INT32) if use_ue8m0 else (hidden // 128, DTYPE_FLOAT32)
-            self.scales_shape, self.scales_strides = (local, rows, cols), (cols * rows, 1, rows)
-            self.scales_dtype = torch.int32 if use_ue8m0 else torch.float32
-            scales = _descriptor(code, self.scales_shape, self.scales_strides)
-        else:
-            self.scales_shape = self.scales_strides = self.scales_dtype = None
-            scales = (0,) * 10
+    def __init__(self, outputs, m, hidden, num_experts, use_fp8, round_scale, use_ue8m0, fast=None, device_id=0):
+        if outputs.count != _DISPATCH_OUTPUTS:
+            raise RuntimeError(f"deepep-nccl: the library describes {outputs.count} dispatch outputs, expected "
+                               f"{_DISPATCH_OUTPUTS}: a libdeepep_nccl.so of another version?")
+        self.outputs = outputs
+        self.allocation = output_plan(outputs)
         self.args = ctypes.create_string_buffer(_DISPATCH_ARGS.size)
-        _DISPATCH_ARGS.pack_into(
-            self.args, 0, *(0,) * (4 * 11),
-            0, *recv_x, 0, *scales,
-            0, *_descriptor(DTYPE_INT32, (local,), (1,)),
-            0, *_descriptor(DTYPE_INT32, (local, rows), (rows, 1)),
-            0, *_descriptor(DTYPE_INT64, (local, num_ranks), (num_ranks, 1)),
-            m, num_experts, int(use_fp8), int(round_scale), int(use_ue8m0), 0,
-        )
+        _DISPATCH_ARGS.pack_into(self.args, 0, *(0,) * (9 * 11), m, num_experts, int(use_fp8), int(round_scale),
+                                 int(use_ue8m0), 0)
+        # The output descriptors as the library wrote them (data NULL until a call allocates).
+        ctypes.memmove(ctypes.addressof(self.args) + 4 * _DESC_BYTES, ctypes.addressof(outputs.tensors),
+                       _DISPATCH_OUTPUTS * _DESC_BYTES)
         self.words = memoryview(self.args).cast("B").cast("Q")
-        # The compiled path fills the same struct (its outputs' descriptors and ints set above).
+        # The compiled path fills the same struct and allocates from a copy of `outputs`.
         self.plan = None if fast is None else fast.LlDispatchPlan(
-            ctypes.addressof(self.args), self.recv_x_shape, bool(use_fp8), self.scales_shape or (),
-            self.scales_strides or (), bool(use_ue8m0), local, rows, num_ranks, device_id)
+            ctypes.addressof(self.args), ctypes.addressof(outputs), hidden, device_id)
+
+
+def _recv_hook(fn, live_handle, args_buffer, phases_at, stream_ptr, buffer_idx, tensors):
+    """DeepEP's hook of a send-only LL call of `fn` (deepep_low_latency_dispatch or _combine): a
+    copy of its args with phases = receive, launched on the send's stream into the buffer half the
+    send used (`buffer_idx`). It keeps `tensors` (the op's) alive until it is dropped, as DeepEP's
+    does. The compiled path (_fast_hook.h) and deepep_nccl.hpp have their own copy of this protocol:
+    this one must work without the compiled module, which is optional; test_ll_abi_cpu.py holds the
+    three equal."""
+    # The hook owns a copy of the arguments (the shared struct is reused by the next call).
+    raw = args_buffer.raw
+    saved = ctypes.create_string_buffer(raw, len(raw))
+    struct.pack_into("@i", saved, phases_at, _RECV)
+    idx = ctypes.c_int(buffer_idx)
+
+    def hook():
+        status = fn(live_handle(), ctypes.addressof(saved), stream_ptr, ctypes.addressof(idx))
+        if status:
+            raise_status(status)
+
+    hook.tensors = tensors
+    return hook
+
+
+def _device_tensor(desc, owner, device):
+    """A tensor over the device memory a DeepepTensor describes (its dtype, shape and strides);
+    its storage keeps `owner` (whose memory it is) alive."""
+    torch = _torch
+    dtype = DTYPES_BY_CODE[desc.dtype]
+    n = desc.ndim
+    shape, strides = tuple(desc.shape[:n]), tuple(desc.strides[:n])
+    elems = 0 if 0 in shape else 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+    num_bytes = elems * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.as_tensor(_DeviceView(desc.data, num_bytes, owner), device=device)
+    return raw.view(dtype).as_strided(shape, strides)
 
 
 class _DeviceView:
@@ -110,6 +124,10 @@ class LowLatencyMode(StreamProtocol):
         self._ll_next_combine_fn = ctypes.cast(lib.deepep_get_next_low_latency_combine_buffer, ctypes.c_void_p).value
         self._ll_dispatch_shapes = {}
         self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
+        # combined_x's description for the last (T, H), per path: asked again only when they change.
+        self._ll_combine_key = self._ll_combine_allocation = None
+        self._ll_combine_outputs = None if self._ll_fast is None else self._ll_fast.LlCombineOutputs(
+            ctypes.cast(lib.deepep_low_latency_combine_outputs, ctypes.c_void_p).value)
         self._ll_idx = ctypes.c_int()
         self._ll_idx_addr = ctypes.addressof(self._ll_idx)
 
@@ -141,18 +159,7 @@ class LowLatencyMode(StreamProtocol):
         elif order & ORDER_AFTER:
             stream_wait_stream(self._sync_event, compute, stream)
         if return_recv_hook:
-            # The hook owns a copy of the arguments (the shared struct is reused by the next call).
-            raw = args_buffer.raw
-            saved = ctypes.create_string_buffer(raw, len(raw))
-            struct.pack_into("@i", saved, phases_at, _RECV)
-            idx = ctypes.c_int(self._ll_idx.value)
-
-            def hook():
-                status = fn(self._live_handle(), ctypes.addressof(saved), stream_ptr, ctypes.addressof(idx))
-                if status:
-                    raise_status(status)
-
-            hook.tensors = tensors
+            hook = _recv_hook(fn, self._live_handle, args_buffer, phases_at, stream_ptr, self._ll_idx.value, tensors)
         return event, hook
 
     @without_torch_function
@@ -174,12 +181,16 @@ class LowLatencyMode(StreamProtocol):
                bool(use_ue8m0))
         shape = shapes.get(key)
         if shape is None:
-            # A new shape is checked against the limits (num_experts included) when it is first seen.
+            # A new shape: the library describes its outputs, checking the limits first (an
+            # out-of-range M fails here, before anything is allocated).
             self._check_ll_x(x)
+            outputs = DeepepOutputs()
+            check(lib.deepep_low_latency_dispatch_outputs(handle, num_max_dispatch_tokens_per_rank, hidden,
+                                                          num_experts, key[3], key[5], ctypes.byref(outputs)))
             if len(shapes) >= _MAX_DISPATCH_SHAPES:
                 shapes.clear()
-            shape = _DispatchShape(num_max_dispatch_tokens_per_rank, hidden, num_experts, self._num_ranks,
-                                   *key[3:], self._ll_fast, self._device_id)
+            shape = _DispatchShape(outputs, num_max_dispatch_tokens_per_rank, hidden, num_experts, *key[3:],
+                                   self._ll_fast, self._device_id)
             shapes[key] = shape
         if shape.plan is not None:
             compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
@@ -191,20 +202,7 @@ class LowLatencyMode(StreamProtocol):
                 return result[:5] + (EventHandle(stream) if async_ else None, result[5])
             # Input the compiled path does not take: the ctypes path below names the argument.
         self._check_ll_x(x)
-        torch = _torch
-        device = self._device
-        empty = torch.empty
-        packed_recv_x = empty(shape.recv_x_shape, dtype=shape.recv_x_dtype, device=device)
-        if use_fp8:
-            packed_recv_x_scales = torch.empty_strided(shape.scales_shape, shape.scales_strides,
-                                                       dtype=shape.scales_dtype, device=device)
-            scales_ptr = packed_recv_x_scales.data_ptr()
-        else:
-            packed_recv_x_scales, scales_ptr = None, 0
-        int32 = torch.int32
-        packed_recv_count = empty(shape.local, dtype=int32, device=device)
-        packed_recv_src_info = empty((shape.local, shape.rows), dtype=int32, device=device)
-        packed_recv_layout_range = empty((shape.local, self._num_ranks), dtype=torch.int64, device=device)
+        outputs = allocate_planned(shape.allocation, self._device)
         args = shape.args
         _DISPATCH_INPUTS.pack_into(
             args, 0,
@@ -213,14 +211,8 @@ class LowLatencyMode(StreamProtocol):
             *_desc("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats),
         )
         words = shape.words
-        at_x, at_scales, at_count, at_src_info, at_layout_range = _DISPATCH_OUTPUT_POINTER_WORDS
-        words[at_x] = packed_recv_x.data_ptr()
-        words[at_scales] = scales_ptr
-        words[at_count] = packed_recv_count.data_ptr()
-        words[at_src_info] = packed_recv_src_info.data_ptr()
-        words[at_layout_range] = packed_recv_layout_range.data_ptr()
-        outputs = (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
-                   packed_recv_layout_range)
+        for at, t in zip(_DISPATCH_OUTPUT_POINTER_WORDS, outputs):
+            words[at] = 0 if t is None else t.data_ptr()
         event, hook = self._ll_launch(handle, lib.deepep_low_latency_dispatch, args, _DISPATCH_PHASES_AT, async_,
                                       return_recv_hook, (x, topk_idx, cumulative_local_expert_recv_stats,
                                                          dispatch_wait_recv_cost_stats, *outputs))
@@ -244,19 +236,19 @@ class LowLatencyMode(StreamProtocol):
         if fast is not None:
             compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
             result = self._fast_call(
-                fast.ll_combine, self._ll_combine_fn, handle, ctypes.addressof(args), self._device_id, x, topk_idx,
+                fast.ll_combine, self._ll_combine_fn, handle, ctypes.addressof(args), self._ll_combine_outputs,
+                self._device_id, x, topk_idx,
                 topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, out,
                 num_max_dispatch_tokens_per_rank, num_experts, bool(use_logfmt), bool(zero_copy), phases, stream_ptr,
                 self._ll_idx_addr, self._stream_order, self._compute_handle, order, self)
             if result is not None:  # the compiled path did the waits and made the hook
                 return result[0], EventHandle(stream) if async_ else None, result[1]
             # Input the compiled path does not take: the ctypes path below names the argument.
-        torch = _torch
         if x.dim() != 3:
             raise RuntimeError(f"deepep-nccl: x must be [E_l, R*M, H], got shape {tuple(x.shape)}")
-        num_tokens, hidden = topk_idx.shape[0], x.shape[2]
         if out is None:
-            combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self._device)
+            combined_x = allocate_planned(self._ll_combine_plan(handle, topk_idx.shape[0], x.shape[2]),
+                                          self._device)[0]
         else:
             combined_x = out
         _COMBINE_ARGS.pack_into(
@@ -271,6 +263,15 @@ class LowLatencyMode(StreamProtocol):
                                                          combine_wait_recv_cost_stats, combined_x))
         return combined_x, event, hook
 
+    def _ll_combine_plan(self, handle, num_tokens, hidden):
+        """combined_x's allocation (deepep_low_latency_combine_outputs) for T tokens of hidden H."""
+        key = (num_tokens, hidden)
+        if key != self._ll_combine_key:
+            outputs = DeepepOutputs()
+            check(lib.deepep_low_latency_combine_outputs(handle, num_tokens, hidden, ctypes.byref(outputs)))
+            self._ll_combine_key, self._ll_combine_allocation = key, output_plan(outputs)
+        return self._ll_combine_allocation
+
     @without_torch_function
     def get_next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         fast = self._ll_fast
@@ -278,20 +279,16 @@ class LowLatencyMode(StreamProtocol):
             try:
                 result = fast.ll_next_combine_buffer(self._ll_next_combine_fn, self._live_handle(),
                                                      num_max_dispatch_tokens_per_rank, hidden, num_experts,
-                                                     self._num_ranks, self._device_id, self)
+                                                     self._device_id, self)
             except TypeError:  # arguments pybind cannot convert: the ctypes path below names them
                 result = None
             if result is not None:
                 check(result[0])
                 return result[1]
-        ptr = ctypes.c_void_p()
+        view = DeepepTensor()
         check(lib.deepep_get_next_low_latency_combine_buffer(self._live_handle(), num_max_dispatch_tokens_per_rank,
-                                                             hidden, num_experts, ctypes.byref(ptr)))
-        local = num_experts // self._num_ranks
-        rows = self._num_ranks * num_max_dispatch_tokens_per_rank
-        stride = hidden + hidden // 64
-        raw = _torch.as_tensor(_DeviceView(ptr.value, local * rows * stride * 2, self), device=self._device)
-        return raw.view(_torch.bfloat16).as_strided((local, rows, hidden), (rows * stride, stride, 1))
+                                                             hidden, num_experts, ctypes.byref(view)))
+        return _device_tensor(view, self, self._device)
 
     def low_latency_update_mask_buffer(self, rank_to_mask, mask):
         check(lib.deepep_low_latency_update_mask_buffer(self._live_handle(), rank_to_mask, bool(mask),
