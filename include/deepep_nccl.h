@@ -310,7 +310,8 @@ typedef struct {
 
 /**
  * Outputs of deepep_intranode_dispatch, allocated by the caller after
- * deepep_intranode_dispatch_prepare: N rows each.
+ * deepep_intranode_dispatch_prepare as deepep_intranode_dispatch_outputs
+ * describes them (same order): N rows each.
  */
 typedef struct {
   /**
@@ -514,7 +515,8 @@ DeepepStatus deepep_buffer_check_peers(const DeepepBuffer *buf);
 DeepepStatus deepep_buffer_set_gpu_timeout_ms(const DeepepBuffer *buf, uint64_t timeout_ms);
 
 /**
- * DeepEP's get_dispatch_layout. Outputs are caller-allocated: num_tokens_per_rank
+ * DeepEP's get_dispatch_layout. Outputs are caller-allocated, as
+ * deepep_get_dispatch_layout_outputs describes them: num_tokens_per_rank
  * int32 [num_ranks], num_tokens_per_rdma_rank int32 [num_ranks/8] (only when
  * num_ranks > 8, else NULL), num_tokens_per_expert int32 [num_experts],
  * is_token_in_rank bool [num_tokens, num_ranks]. topk_idx is int64 (or int32)

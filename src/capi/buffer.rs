@@ -182,7 +182,8 @@ fn opt<'a>(t: *const DeepepTensor) -> Option<&'a DeepepTensor> {
     unsafe { t.as_ref() }
 }
 
-/// DeepEP's get_dispatch_layout. Outputs are caller-allocated: num_tokens_per_rank
+/// DeepEP's get_dispatch_layout. Outputs are caller-allocated, as
+/// deepep_get_dispatch_layout_outputs describes them: num_tokens_per_rank
 /// int32 [num_ranks], num_tokens_per_rdma_rank int32 [num_ranks/8] (only when
 /// num_ranks > 8, else NULL), num_tokens_per_expert int32 [num_experts],
 /// is_token_in_rank bool [num_tokens, num_ranks]. topk_idx is int64 (or int32)

@@ -3,10 +3,11 @@
 //! Dispatch is two calls because the receive count is decided on the GPU:
 //! `deepep_intranode_dispatch_prepare` (notify; for a non-cached dispatch
 //! without num_worst_tokens it waits for the count), then the caller allocates
-//! the outputs with N = num_recv_tokens (or num_worst_tokens, or the handle's
-//! row count) rows and calls `deepep_intranode_dispatch`. Both take the same
-//! args and must be issued back to back on the same stream. All ops of a
-//! buffer must be ordered on one stream (NULL: the buffer's comm stream).
+//! the outputs `deepep_intranode_dispatch_outputs` describes (N rows: the count,
+//! num_worst_tokens or the handle's row count) and calls `deepep_intranode_dispatch`.
+//! Both take the same args and must be issued back to back on the same stream.
+//! All ops of a buffer must be ordered on one stream (NULL: the buffer's comm
+//! stream). The `*_outputs` queries say what each op's caller allocates.
 use std::os::raw::{c_int, c_void};
 
 use super::buffer::{buffer_ref, outputs_query};

@@ -56,7 +56,8 @@ pub struct DeepepIntranodeDispatchArgs {
 }
 
 /// Outputs of deepep_intranode_dispatch, allocated by the caller after
-/// deepep_intranode_dispatch_prepare: N rows each.
+/// deepep_intranode_dispatch_prepare as deepep_intranode_dispatch_outputs
+/// describes them (same order): N rows each.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DeepepIntranodeDispatchOutputs {
