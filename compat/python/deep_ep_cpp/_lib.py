@@ -86,30 +86,62 @@ class DeepepOutputs(ctypes.Structure):
     ]
 
 
+# A whole DeepepOutputs in one unpack (much cheaper than reading ctypes fields one by one): count,
+# num_allocations, 8 x the 11 DeepepTensor fields, then allocation, offset, allocation_dtype and
+# allocation_elems (8 each).
+_OUTPUTS_FORMAT = struct.Struct(f"@2i{'Pii4q4q' * MAX_OP_OUTPUTS}{MAX_OP_OUTPUTS}i{MAX_OP_OUTPUTS}q"
+                                f"{MAX_OP_OUTPUTS}i{MAX_OP_OUTPUTS}q")
+assert _OUTPUTS_FORMAT.size == ctypes.sizeof(DeepepOutputs)
+_GROUP_AT = 2 + 11 * MAX_OP_OUTPUTS
+_OFFSET_AT = _GROUP_AT + MAX_OP_OUTPUTS
+_ALLOCATION_DTYPE_AT = _OFFSET_AT + MAX_OP_OUTPUTS
+_ALLOCATION_ELEMS_AT = _ALLOCATION_DTYPE_AT + MAX_OP_OUTPUTS
+_TENSORS_OFFSET = DeepepOutputs.tensors.offset
+_TENSOR_BYTES = ctypes.sizeof(DeepepTensor)
+
+
 def allocate_outputs(outputs, device):
     """The outputs a DeepepOutputs describes, allocated by torch (its caching allocator stays in
     charge): a list with None for absent outputs. An output alone in its allocation is one
     torch.empty_strided; outputs sharing one are views of a single torch.empty."""
     torch = require_torch()
-    count = outputs.count
-    groups = outputs.allocation[:count]
+    fields = _OUTPUTS_FORMAT.unpack_from(outputs)
+    count = fields[0]
+    groups = fields[_GROUP_AT:_GROUP_AT + count]
     shared = {g for g in groups if g >= 0 and groups.count(g) > 1}
-    bases = {g: torch.empty(outputs.allocation_elems[g], dtype=DTYPES_BY_CODE[outputs.allocation_dtype[g]],
+    bases = {g: torch.empty(fields[_ALLOCATION_ELEMS_AT + g], dtype=DTYPES_BY_CODE[fields[_ALLOCATION_DTYPE_AT + g]],
                             device=device) for g in shared}
     result = []
     for i in range(count):
-        t = outputs.tensors[i]
         g = groups[i]
         if g < 0:
             result.append(None)
             continue
-        n = t.ndim
-        shape, strides = tuple(t.shape[:n]), tuple(t.strides[:n])
+        at = 2 + 11 * i  # data, dtype, ndim, shape[4], strides[4]
+        n = fields[at + 2]
+        shape, strides = fields[at + 3:at + 3 + n], fields[at + 7:at + 7 + n]
         if g in shared:
-            result.append(bases[g].as_strided(shape, strides, outputs.offset[i]))
+            result.append(bases[g].as_strided(shape, strides, fields[_OFFSET_AT + i]))
         else:
-            result.append(torch.empty_strided(shape, strides, dtype=DTYPES_BY_CODE[t.dtype], device=device))
+            result.append(torch.empty_strided(shape, strides, dtype=DTYPES_BY_CODE[fields[at + 1]], device=device))
     return result
+
+
+def point_outputs(outputs, tensors):
+    """Writes the address of each allocated output (allocate_outputs' list) into its descriptor in
+    `outputs`: tensors[i] of the struct (at output_address(outputs, i)) then describes output i
+    completely, ready for the op; absent ones stay all-zero."""
+    for i, t in enumerate(tensors):
+        if t is not None:
+            _pack_pointer(outputs, _TENSORS_OFFSET + i * _TENSOR_BYTES, t.data_ptr())
+
+
+def output_address(outputs, i):
+    """The address of outputs.tensors[i], a DeepepTensor (for point_outputs' descriptors)."""
+    return ctypes.addressof(outputs) + _TENSORS_OFFSET + i * _TENSOR_BYTES
+
+
+_pack_pointer = struct.Struct("@P").pack_into
 
 
 # Packs a whole DeepepTensor in one call: much cheaper than setting ctypes fields one by one.
@@ -179,6 +211,11 @@ _PROTOTYPES = {
     "deepep_config_rdma_buffer_size_hint": (c_int, [POINTER(DeepepConfig), c_int64, c_int, POINTER(c_int64)]),
     "deepep_low_latency_rdma_size_hint": (c_int, [c_int64, c_int64, c_int, c_int, POINTER(c_int64)]),
     "deepep_check_buffer_args": (c_int, [c_int, c_int, c_int64, c_int64, c_bool]),
+    # Output geometry of the layout and the normal-mode ops (writes a DeepepOutputs).
+    "deepep_get_dispatch_layout_outputs": (c_int, [c_void_p, c_int64, c_int, c_void_p]),
+    "deepep_intranode_dispatch_handle_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_intranode_dispatch_outputs": (c_int, [c_void_p, c_void_p, c_int, c_void_p]),
+    "deepep_intranode_combine_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
 }
 
 
