@@ -866,3 +866,50 @@ def test_allocate_outputs_follows_the_description(monkeypatch):
     assert _lib.output_address(o, 3) == ctypes.addressof(o.tensors[3])
     assert (o.tensors[3].ndim, tuple(o.tensors[3].shape[:2])) == (2, (8, 4))  # only the address changed
 
+
+def test_stream_order_matches_the_compiled_path(tmp_path, monkeypatch):
+    """The two implementations of DeepEP's stream order (_streams.py through torch events, the
+    compiled path's _fast_order.h through the driver) have the same flags, and each set of flags
+    makes the same waits in the same order around a launch."""
+    from deep_ep_cpp import _streams
+
+    source = """#include <cstdio>
+#include "_fast_order.h"
+static const char* name(uintptr_t s) { return s == 1 ? "comm" : "compute"; }
+struct Recorder {
+  bool usable() const { return true; }
+  int wait(uintptr_t waiter, uintptr_t signaler) const {
+    std::printf(" %s<-%s", name(waiter), name(signaler));
+    return 0;
+  }
+  void synchronize(uintptr_t) const {}
+};
+int main() {
+  std::printf("%d %d\\n", deepep_fast::kOrderBefore, deepep_fast::kOrderAfter);
+  const Recorder recorder;
+  for (int flags = 0; flags < 4; ++flags) {
+    const deepep_fast::OrderingOf<Recorder> ordering{&recorder, 2, flags};
+    std::printf("%d:", flags);
+    ordering.before(1);  // the launch on the comm stream (1) comes here
+    ordering.after(1);
+    std::printf("\\n");
+  }
+}
+"""
+    compiled = _run_compiled(tmp_path, "g++", source, "-std=c++17", "-Wall", "-Wextra", "-Werror",
+                             f"-I{REPO / 'compat' / 'python' / 'deep_ep_cpp'}")
+    assert compiled[0] == f"{_streams.ORDER_BEFORE} {_streams.ORDER_AFTER}"
+
+    waits = []
+    monkeypatch.setattr(_streams, "stream_wait_stream", lambda event, waiter, signaler: waits.append(
+        f" {waiter}<-{signaler}"))
+    protocol = _streams.StreamProtocol()
+    protocol._sync_event = "event"
+    python = []
+    for flags in range(4):
+        waits.clear()
+        protocol._order_before(flags, "comm", "compute")  # the ctypes path's launch comes here
+        protocol._op_end("comm", "compute", False, False, (), flags)
+        python.append(f"{flags}:" + "".join(waits))
+    assert compiled[1:5] == python
+    assert python[3] == "3: comm<-compute compute<-comm"
