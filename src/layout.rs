@@ -233,33 +233,6 @@ mod tests {
     }
 
     #[test]
-    fn build_params_checks_outputs_against_the_description() {
-        let p = 0x1000 as *mut c_void;
-        let topk = desc(p, DEEPEP_DTYPE_INT32, &[16, 8]);
-        let ranks = desc(p, DEEPEP_DTYPE_INT32, &[16]);
-        let nodes = desc(p, DEEPEP_DTYPE_INT32, &[2]);
-        let experts = desc(p, DEEPEP_DTYPE_INT32, &[64]);
-        let mut in_rank = desc(p, DEEPEP_DTYPE_BOOL, &[16, 16]);
-        fn rdma_ranks(outs: [&DeepepTensor; 4], rdma: Option<&DeepepTensor>) -> Result<i32> {
-            let args = LayoutArgs {
-                topk_idx: Some(outs[0]),
-                num_experts: 64,
-                num_tokens_per_rank: Some(outs[1]),
-                num_tokens_per_rdma_rank: rdma,
-                num_tokens_per_expert: Some(outs[2]),
-                is_token_in_rank: Some(outs[3]),
-            };
-            build_params(16, 132, &args).map(|p| p.num_rdma_ranks)
-        }
-        assert_eq!(rdma_ranks([&topk, &ranks, &experts, &in_rank], Some(&nodes)).unwrap(), 2);
-        let null = rdma_ranks([&topk, &ranks, &experts, &in_rank], None).unwrap_err();
-        assert_eq!(null.message, "num_tokens_per_rdma_rank must not be NULL");
-        in_rank.strides = [1, 16, 0, 0];
-        let strided = rdma_ranks([&topk, &ranks, &experts, &in_rank], Some(&nodes)).unwrap_err();
-        assert!(strided.message.contains("is_token_in_rank must have strides [16, 1]"), "{}", strided.message);
-    }
-
-    #[test]
     fn build_params_validates_every_argument() {
         let p = 0x1000 as *mut c_void;
         let topk = desc(p, DEEPEP_DTYPE_INT64, &[16, 8]);
@@ -292,5 +265,19 @@ mod tests {
         assert_eq!(err.message, "num_tokens_per_rank must have shape [8], got [4]");
         let huge = build_params(4, 132, &args(&topk, 1 << 20)).unwrap_err();
         assert!(huge.message.contains("shared memory"), "{}", huge.message);
+
+        // 16 ranks: the rdma counts are an output too, and strides must be as described.
+        let (ranks, nodes) = (desc(p, DEEPEP_DTYPE_INT32, &[16]), desc(p, DEEPEP_DTYPE_INT32, &[2]));
+        let in_rank = desc(p, DEEPEP_DTYPE_BOOL, &[16, 16]);
+        let mut transposed = in_rank;
+        transposed.strides = [1, 16, 0, 0];
+        let nodes_of = |in_rank, rdma| {
+            let args = LayoutArgs { num_tokens_per_rdma_rank: rdma, ..with(&topk, 64, [&ranks, &experts, in_rank]) };
+            build_params(16, 132, &args).map(|p| p.num_rdma_ranks)
+        };
+        assert_eq!(nodes_of(&in_rank, Some(&nodes)).unwrap(), 2);
+        assert_eq!(nodes_of(&in_rank, None).unwrap_err().message, "num_tokens_per_rdma_rank must not be NULL");
+        let strided = nodes_of(&transposed, Some(&nodes)).unwrap_err();
+        assert!(strided.message.contains("is_token_in_rank must have strides [16, 1]"), "{}", strided.message);
     }
 }
