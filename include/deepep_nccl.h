@@ -105,18 +105,6 @@ typedef struct {
 } DeepepTensor;
 
 /**
- * Mirrors `deep_ep::Config`. Construct with [`DeepepConfig::new`] so the
- * checks and the RDMA rounding are applied.
- */
-typedef struct {
-  int32_t num_sms;
-  int32_t num_max_nvl_chunked_send_tokens;
-  int32_t num_max_nvl_chunked_recv_tokens;
-  int32_t num_max_rdma_chunked_send_tokens;
-  int32_t num_max_rdma_chunked_recv_tokens;
-} DeepepConfig;
-
-/**
  * The outputs of one op, in the op's documented order. Each output is a view of one
  * allocation: allocate `allocation_elems[g]` elements of `allocation_dtype[g]` for every
  * g < num_allocations, then view output i as (shape, strides) at element `offset[i]` of
@@ -147,6 +135,18 @@ typedef struct {
    */
   int64_t allocation_elems[DEEPEP_MAX_OP_OUTPUTS];
 } DeepepOutputs;
+
+/**
+ * Mirrors `deep_ep::Config`. Construct with [`DeepepConfig::new`] so the
+ * checks and the RDMA rounding are applied.
+ */
+typedef struct {
+  int32_t num_sms;
+  int32_t num_max_nvl_chunked_send_tokens;
+  int32_t num_max_nvl_chunked_recv_tokens;
+  int32_t num_max_rdma_chunked_send_tokens;
+  int32_t num_max_rdma_chunked_recv_tokens;
+} DeepepConfig;
 
 /**
  * Arguments of one LL dispatch (`Buffer::low_latency_dispatch`). The caller
@@ -311,7 +311,8 @@ typedef struct {
 
 /**
  * Outputs of deepep_intranode_dispatch, allocated by the caller after
- * deepep_intranode_dispatch_prepare: N rows each.
+ * deepep_intranode_dispatch_prepare as deepep_intranode_dispatch_outputs
+ * describes them (same order): N rows each.
  */
 typedef struct {
   /**
@@ -515,7 +516,8 @@ DeepepStatus deepep_buffer_check_peers(const DeepepBuffer *buf);
 DeepepStatus deepep_buffer_set_gpu_timeout_ms(const DeepepBuffer *buf, uint64_t timeout_ms);
 
 /**
- * DeepEP's get_dispatch_layout. Outputs are caller-allocated: num_tokens_per_rank
+ * DeepEP's get_dispatch_layout. Outputs are caller-allocated, as
+ * deepep_get_dispatch_layout_outputs describes them: num_tokens_per_rank
  * int32 [num_ranks], num_tokens_per_rdma_rank int32 [num_ranks/8] (only when
  * num_ranks > 8, else NULL), num_tokens_per_expert int32 [num_experts],
  * is_token_in_rank bool [num_tokens, num_ranks]. topk_idx is int64 (or int32)
@@ -530,6 +532,21 @@ DeepepStatus deepep_get_dispatch_layout(const DeepepBuffer *buf,
                                         const DeepepTensor *num_tokens_per_expert,
                                         const DeepepTensor *is_token_in_rank,
                                         void *stream);
+
+/**
+ * Writes to `*out` what a deepep_get_dispatch_layout caller allocates for `num_tokens` rows of
+ * topk_idx and `num_experts` experts (R = the buffer's ranks). out->tensors, in order:
+ * num_tokens_per_rank int32 [R]; num_tokens_per_rdma_rank int32 [R / 8], absent (dtype 0)
+ * up to 8 ranks, when the op takes NULL for it; num_tokens_per_expert int32 [E]; these three
+ * are views of one int32 allocation; is_token_in_rank bool [num_tokens, R], an allocation of
+ * its own. Allocate as DeepepOutputs says, set each present tensors[i].data and pass
+ * &out->tensors[i] to the op. Errors name num_tokens (< 0) or num_experts (<= 0); on any error
+ * *out is zeroed (count 0).
+ */
+DeepepStatus deepep_get_dispatch_layout_outputs(const DeepepBuffer *buf,
+                                                int64_t num_tokens,
+                                                int num_experts,
+                                                DeepepOutputs *out);
 
 /**
  * `Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)` with DeepEP's checks;
@@ -704,6 +721,43 @@ DeepepStatus deepep_intranode_dispatch(const DeepepBuffer *buf,
 DeepepStatus deepep_intranode_combine(const DeepepBuffer *buf,
                                       const DeepepIntranodeCombineArgs *args,
                                       void *stream);
+
+/**
+ * Writes to `*out` the dispatch handle's int32 matrices the caller allocates, before
+ * deepep_intranode_dispatch_prepare (they go into args). Reads args->x ([T, H], checked as the
+ * op does), args->config.num_sms (C = num_sms / 2 channels) and args->cached; the other fields
+ * may still be unset. out->tensors, in order, all views of one int32 allocation:
+ * rank_prefix_matrix [R, R] and channel_prefix_matrix [R, C], both absent (dtype 0) when cached
+ * (pass the handle's), recv_channel_prefix_matrix [R, C], send_head [T, R].
+ */
+DeepepStatus deepep_intranode_dispatch_handle_outputs(const DeepepBuffer *buf,
+                                                      const DeepepIntranodeDispatchArgs *args,
+                                                      DeepepOutputs *out);
+
+/**
+ * Writes to `*out` the outputs of deepep_intranode_dispatch, after prepare with the same
+ * (complete) args, which are validated as the op does. out->tensors are laid out as
+ * DeepepIntranodeDispatchOutputs, each with N rows and its own allocation: recv_x [N, H] in
+ * x's dtype; recv_x_scales [N, S] row-major in x_scales' dtype, absent without x_scales;
+ * recv_topk_idx [N, K] in topk_idx's dtype and recv_topk_weights [N, K] float32, both absent
+ * without top-k (always in cached mode); recv_src_idx [N] int32. N is num_recv_tokens in
+ * cached mode (the handle's count, as DeepEP), else args->num_worst_tokens when > 0, else
+ * num_recv_tokens (the count prepare returned); it must then be >= 0.
+ */
+DeepepStatus deepep_intranode_dispatch_outputs(const DeepepBuffer *buf,
+                                               const DeepepIntranodeDispatchArgs *args,
+                                               int num_recv_tokens,
+                                               DeepepOutputs *out);
+
+/**
+ * Writes to `*out` the outputs of deepep_intranode_combine for these args (inputs and handle
+ * validated as the op does; args->combined_x and args->combined_topk_weights are ignored).
+ * out->tensors, in order, each its own allocation: combined_x [T, H] in x's dtype with
+ * T = send_head's rows; combined_topk_weights [T, K] float32, absent without topk_weights.
+ */
+DeepepStatus deepep_intranode_combine_outputs(const DeepepBuffer *buf,
+                                              const DeepepIntranodeCombineArgs *args,
+                                              DeepepOutputs *out);
 
 #ifdef __cplusplus
 }  // extern "C"

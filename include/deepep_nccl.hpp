@@ -108,6 +108,11 @@ inline DeepepTensor make_tensor(void* data, DeepepDtype dtype, std::initializer_
 // The descriptor of an absent optional tensor in the argument structs (dtype 0).
 inline DeepepTensor absent_tensor() noexcept { return DeepepTensor{}; }
 
+// Output geometry: the library says what each op's caller allocates (Buffer::*_outputs, from
+// deepep_*_outputs). Allocate allocation_bytes(o, g) bytes of device memory for every
+// g < o.num_allocations, then place_outputs(o, bases) (or output_tensor for one output): o.tensors[i]
+// then describes output i (absent ones keep dtype 0) and goes into the op's arguments as it is.
+
 // Bytes per element of a DeepepDtype value (0 for an unknown one).
 inline int64_t dtype_size(int32_t dtype) noexcept {
   switch (dtype) {
@@ -119,8 +124,7 @@ inline int64_t dtype_size(int32_t dtype) noexcept {
   }
 }
 
-// Bytes of allocation g of an op's outputs (deepep_*_outputs): allocate that much for each
-// g < outputs.num_allocations.
+// Bytes of allocation g of an op's outputs.
 inline int64_t allocation_bytes(const DeepepOutputs& outputs, int g) {
   return outputs.allocation_elems[g] * dtype_size(outputs.allocation_dtype[g]);
 }
@@ -133,6 +137,11 @@ inline DeepepTensor output_tensor(const DeepepOutputs& outputs, int i, void* con
   if (g >= 0)
     t.data = static_cast<char*>(allocations[g]) + outputs.offset[i] * dtype_size(outputs.allocation_dtype[g]);
   return t;
+}
+
+// Places every output of `o` (output_tensor for each), in place.
+inline void place_outputs(DeepepOutputs& o, void* const* bases) {
+  for (int i = 0; i < o.count; ++i) o.tensors[i] = output_tensor(o, i, bases);
 }
 
 // Streams: every op takes a cudaStream_t as void* (this header needs no CUDA headers). As in the
@@ -238,6 +247,18 @@ class Buffer {
     check(deepep_get_dispatch_layout(buf_, &topk_idx, num_experts, &num_tokens_per_rank, num_tokens_per_rdma_rank,
                                      &num_tokens_per_expert, &is_token_in_rank, stream));
   }
+  // What get_dispatch_layout's caller allocates for num_tokens rows of topk_idx (in its order:
+  // per rank, per rdma rank or absent, per expert, is_token_in_rank).
+  DeepepOutputs dispatch_layout_outputs(int64_t num_tokens, int num_experts) const {
+    return describe_outputs(deepep_get_dispatch_layout_outputs, num_tokens, num_experts);
+  }
+  // get_dispatch_layout into outputs placed with place_outputs.
+  void get_dispatch_layout(const DeepepTensor& topk_idx, int num_experts, const DeepepOutputs& outputs,
+                           void* stream = nullptr) const {
+    const DeepepTensor* per_rdma = outputs.tensors[1].dtype != 0 ? &outputs.tensors[1] : nullptr;
+    get_dispatch_layout(topk_idx, num_experts, outputs.tensors[0], per_rdma, outputs.tensors[2], outputs.tensors[3],
+                        stream);
+  }
   void set_gpu_timeout_ms(uint64_t timeout_ms) const { check(deepep_buffer_set_gpu_timeout_ms(buf_, timeout_ms)); }
 
   // Normal-mode (intranode) dispatch, step 1: validates `args` and launches the notify
@@ -271,6 +292,25 @@ class Buffer {
   // Sums each token's received rows back onto its source rank into args.combined_x.
   void intranode_combine(const DeepepIntranodeCombineArgs& args, void* stream = nullptr) const {
     check(deepep_intranode_combine(buf_, &args, stream));
+  }
+  // What the normal-mode caller allocates (see the deepep_intranode_*_outputs functions): the
+  // handle's matrices (before prepare; reads args.x, args.config, args.cached), the receive
+  // outputs (after prepare, with its return value or, cached, the handle's row count), the
+  // combine's outputs.
+  DeepepOutputs intranode_dispatch_handle_outputs(const DeepepIntranodeDispatchArgs& args) const {
+    return describe_outputs(deepep_intranode_dispatch_handle_outputs, &args);
+  }
+  DeepepOutputs intranode_dispatch_outputs(const DeepepIntranodeDispatchArgs& args, int num_recv_tokens) const {
+    return describe_outputs(deepep_intranode_dispatch_outputs, &args, num_recv_tokens);
+  }
+  DeepepOutputs intranode_combine_outputs(const DeepepIntranodeCombineArgs& args) const {
+    return describe_outputs(deepep_intranode_combine_outputs, &args);
+  }
+  // Step 2 into receive outputs placed with place_outputs (their order is DeepepIntranodeDispatchOutputs').
+  void intranode_dispatch(const DeepepIntranodeDispatchArgs& args, const DeepepOutputs& outputs,
+                          void* stream = nullptr) const {
+    const DeepepTensor* t = outputs.tensors;
+    intranode_dispatch(args, DeepepIntranodeDispatchOutputs{t[0], t[1], t[2], t[3], t[4]}, stream);
   }
 
   // Low-latency (LL) mode: needs a buffer created with low_latency_mode and num_rdma_bytes from
@@ -360,6 +400,12 @@ class Buffer {
   bool query_bool(DeepepStatus (*fn)(const DeepepBuffer*, bool*)) const {
     bool out = false;
     check(fn(buf_, &out));
+    return out;
+  }
+  template <typename Query, typename... Args>
+  DeepepOutputs describe_outputs(Query query, Args... args) const {
+    DeepepOutputs out{};
+    check(query(buf_, args..., &out));
     return out;
   }
   DeepepBuffer* buf_ = nullptr;

@@ -5,9 +5,10 @@ use std::os::raw::c_void;
 use crate::buffer::Buffer;
 use crate::config::NUM_MAX_NVL_PEERS;
 use crate::ensure_arg;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernels::{self, LayoutParams};
-use crate::tensor::{check, check_shape, DeepepDtype::*, DeepepTensor};
+use crate::outputs::{check_required, DeepepOutputs};
+use crate::tensor::{check, DeepepDtype::*, DeepepTensor, TensorView, DTYPE_ABSENT};
 
 /// Output and input descriptors of one layout call.
 pub struct LayoutArgs<'a> {
@@ -19,36 +20,69 @@ pub struct LayoutArgs<'a> {
     pub is_token_in_rank: Option<&'a DeepepTensor>,
 }
 
+/// The layout's outputs, in DeepEP's order.
+pub const LAYOUT_OUTPUTS: [&str; 4] =
+    ["num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert", "is_token_in_rank"];
+
+/// Nodes the layout counts tokens for: num_ranks / 8 above 8 ranks, else none (DeepEP's
+/// num_tokens_per_rdma_rank is None within one node).
+pub fn layout_rdma_ranks(num_ranks: i32) -> i32 {
+    if num_ranks > NUM_MAX_NVL_PEERS {
+        num_ranks / NUM_MAX_NVL_PEERS
+    } else {
+        0
+    }
+}
+
+/// What a layout caller allocates ([`LAYOUT_OUTPUTS`] order): num_tokens_per_rank int32 [R],
+/// num_tokens_per_rdma_rank int32 [R / 8] (absent up to 8 ranks), num_tokens_per_expert int32
+/// [E], these three in one allocation, and is_token_in_rank bool [T, R].
+pub fn layout_outputs(num_ranks: i32, num_tokens: i64, num_experts: i32) -> Result<DeepepOutputs> {
+    ensure_arg!(num_tokens >= 0, "num_tokens must be >= 0, got {num_tokens}");
+    ensure_arg!(num_experts > 0, "num_experts must be positive, got {num_experts}");
+    let (ranks, nodes) = (num_ranks as i64, layout_rdma_ranks(num_ranks) as i64);
+    let mut o = DeepepOutputs::default();
+    let per_rank = o.push(DEEPEP_DTYPE_INT32, &[ranks]);
+    if nodes > 0 {
+        o.push_after(per_rank, &[nodes]);
+    } else {
+        o.push_absent();
+    }
+    o.push_after(per_rank, &[num_experts as i64]);
+    o.push(DEEPEP_DTYPE_BOOL, &[num_tokens, ranks]);
+    o.checked(&LAYOUT_OUTPUTS)
+}
+
 /// Validates every argument against DeepEP's contract and builds kernel params
 /// (workspace fields left for the caller).
-pub fn build_params(num_ranks: i32, num_sms: i32, args: &LayoutArgs<'_>) -> Result<LayoutParams> {
+pub fn build_params<'a>(num_ranks: i32, num_sms: i32, args: &LayoutArgs<'a>) -> Result<LayoutParams> {
     let topk = check("topk_idx", args.topk_idx, &[DEEPEP_DTYPE_INT64, DEEPEP_DTYPE_INT32], 2)?;
     let (num_tokens, num_topk) = (topk.dims()[0], topk.dims()[1]);
     let num_experts = args.num_experts;
-    ensure_arg!(num_experts > 0, "num_experts must be positive, got {num_experts}");
+    let want = layout_outputs(num_ranks, num_tokens, num_experts)?;
     ensure_arg!(
         num_experts % num_ranks == 0,
         "num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})"
     );
     ensure_arg!(num_topk <= 1024, "topk_idx has {num_topk} columns; at most 1024 are supported");
     // Shared-memory histograms: experts + ranks + nodes counters plus a 32-token row tile.
-    let num_rdma_ranks = if num_ranks > NUM_MAX_NVL_PEERS { num_ranks / NUM_MAX_NVL_PEERS } else { 0 };
+    let num_rdma_ranks = layout_rdma_ranks(num_ranks);
     let smem = 4 * (num_experts as i64 + num_ranks as i64 + num_rdma_ranks as i64) + 32 * num_ranks as i64;
     ensure_arg!(
         smem <= 96 * 1024,
         "num_experts ({num_experts}) with {num_ranks} ranks needs {smem} B of shared memory; the limit is 98304 B"
     );
 
-    let per_rank = check("num_tokens_per_rank", args.num_tokens_per_rank, &[DEEPEP_DTYPE_INT32], 1)?;
-    check_shape("num_tokens_per_rank", &per_rank, &[num_ranks as i64])?;
-    let per_expert = check("num_tokens_per_expert", args.num_tokens_per_expert, &[DEEPEP_DTYPE_INT32], 1)?;
-    check_shape("num_tokens_per_expert", &per_expert, &[num_experts as i64])?;
-    let in_rank = check("is_token_in_rank", args.is_token_in_rank, &[DEEPEP_DTYPE_BOOL], 2)?;
-    check_shape("is_token_in_rank", &in_rank, &[num_tokens, num_ranks as i64])?;
-    let per_rdma_ptr = if num_rdma_ranks > 0 {
-        let per_rdma = check("num_tokens_per_rdma_rank", args.num_tokens_per_rdma_rank, &[DEEPEP_DTYPE_INT32], 1)?;
-        check_shape("num_tokens_per_rdma_rank", &per_rdma, &[num_rdma_ranks as i64])?;
-        per_rdma.ptr().cast()
+    // Output i against layout_outputs' description; NULL only for an absent one.
+    let output = |i: usize, given: Option<&'a DeepepTensor>| -> Result<TensorView<'a>> {
+        let name = LAYOUT_OUTPUTS[i];
+        check_required(name, given.ok_or_else(|| Error::invalid(format!("{name} must not be NULL")))?, want.get(i))
+    };
+    let per_rank = output(0, args.num_tokens_per_rank)?;
+    let per_expert = output(2, args.num_tokens_per_expert)?;
+    let in_rank = output(3, args.is_token_in_rank)?;
+    let per_rdma_ptr = if want.get(1).dtype != DTYPE_ABSENT {
+        output(1, args.num_tokens_per_rdma_rank)?.ptr().cast()
     } else {
         ensure_arg!(
             args.num_tokens_per_rdma_rank.is_none(),
@@ -111,7 +145,7 @@ pub fn reference_layout(
     let mut per_rank = vec![0; num_ranks as usize];
     let mut per_expert = vec![0; num_experts as usize];
     let mut in_rank = vec![false; num_tokens * num_ranks as usize];
-    let nodes = if num_ranks > NUM_MAX_NVL_PEERS { (num_ranks / NUM_MAX_NVL_PEERS) as usize } else { 0 };
+    let nodes = layout_rdma_ranks(num_ranks) as usize;
     let mut per_node = vec![0; nodes];
     for t in 0..num_tokens {
         let row = &mut in_rank[t * num_ranks as usize..(t + 1) * num_ranks as usize];
@@ -165,6 +199,39 @@ mod tests {
         t
     }
 
+    /// (dtype, shape, allocation, offset) of output i.
+    fn geometry(o: &DeepepOutputs, i: usize) -> (i32, Vec<i64>, i32, i64) {
+        let t = o.get(i);
+        (t.dtype, t.shape[..t.ndim as usize].to_vec(), o.allocation[i], o.offset[i])
+    }
+
+    #[test]
+    fn layout_outputs_share_one_count_allocation() {
+        let (i32_, bool_) = (DEEPEP_DTYPE_INT32 as i32, DEEPEP_DTYPE_BOOL as i32);
+        for (ranks, tokens) in [(2, 16), (8, 0), (16, 4096)] {
+            let o = layout_outputs(ranks, tokens, 64).unwrap();
+            let r = ranks as i64;
+            assert_eq!(o.count, 4);
+            assert_eq!(geometry(&o, 0), (i32_, vec![r], 0, 0));
+            assert_eq!(geometry(&o, 3), (bool_, vec![tokens, r], 1, 0));
+            assert_eq!(&o.get(3).strides[..2], &[r, 1]);
+            if ranks > 8 {
+                assert_eq!(geometry(&o, 1), (i32_, vec![r / 8], 0, r));
+                assert_eq!(geometry(&o, 2), (i32_, vec![64], 0, r + r / 8));
+            } else {
+                assert_eq!((o.get(1).dtype, o.allocation[1]), (0, -1), "no rdma counts within a node");
+                assert_eq!(geometry(&o, 2), (i32_, vec![64], 0, r));
+            }
+            assert_eq!(o.num_allocations, 2);
+            assert_eq!(o.allocation_elems[..2], [r + layout_rdma_ranks(ranks) as i64 + 64, tokens * r]);
+            assert_eq!(o.allocation_dtype[..2], [i32_, bool_]);
+        }
+        assert_eq!(layout_outputs(4, 16, 0).unwrap_err().message, "num_experts must be positive, got 0");
+        assert_eq!(layout_outputs(4, -1, 8).unwrap_err().message, "num_tokens must be >= 0, got -1");
+        let huge = layout_outputs(8, i64::MAX / 4, 8).unwrap_err();
+        assert!(huge.message.starts_with("is_token_in_rank would have shape"), "{}", huge.message);
+    }
+
     #[test]
     fn build_params_validates_every_argument() {
         let p = 0x1000 as *mut c_void;
@@ -198,5 +265,19 @@ mod tests {
         assert_eq!(err.message, "num_tokens_per_rank must have shape [8], got [4]");
         let huge = build_params(4, 132, &args(&topk, 1 << 20)).unwrap_err();
         assert!(huge.message.contains("shared memory"), "{}", huge.message);
+
+        // 16 ranks: the rdma counts are an output too, and strides must be as described.
+        let (ranks, nodes) = (desc(p, DEEPEP_DTYPE_INT32, &[16]), desc(p, DEEPEP_DTYPE_INT32, &[2]));
+        let in_rank = desc(p, DEEPEP_DTYPE_BOOL, &[16, 16]);
+        let mut transposed = in_rank;
+        transposed.strides = [1, 16, 0, 0];
+        let nodes_of = |in_rank, rdma| {
+            let args = LayoutArgs { num_tokens_per_rdma_rank: rdma, ..with(&topk, 64, [&ranks, &experts, in_rank]) };
+            build_params(16, 132, &args).map(|p| p.num_rdma_ranks)
+        };
+        assert_eq!(nodes_of(&in_rank, Some(&nodes)).unwrap(), 2);
+        assert_eq!(nodes_of(&in_rank, None).unwrap_err().message, "num_tokens_per_rdma_rank must not be NULL");
+        let strided = nodes_of(&transposed, Some(&nodes)).unwrap_err();
+        assert!(strided.message.contains("is_token_in_rank must have strides [16, 1]"), "{}", strided.message);
     }
 }

@@ -3,7 +3,7 @@
 //! only allocate and launch, and the op checks the caller's descriptors against the same
 //! description ([`check_output`]).
 use crate::ensure_arg;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::tensor::{check_strided, DeepepDtype, DeepepTensor, TensorView, DEEPEP_MAX_DIMS, DTYPE_ABSENT};
 
 /// Most outputs one op describes (the normal dispatch's handle has four, its receive five).
@@ -59,12 +59,13 @@ pub fn contiguous_strides(shape: &[i64]) -> [i64; DEEPEP_MAX_DIMS] {
     strides
 }
 
-/// Elements an allocation needs to hold a view of `shape` with `strides` at offset 0.
+/// Elements an allocation needs to hold a view of `shape` with `strides` at offset 0; saturates
+/// at i64::MAX instead of overflowing ([`DeepepOutputs::checked`] turns that into an error).
 fn span(shape: &[i64], strides: &[i64]) -> i64 {
     if shape.iter().any(|d| *d == 0) {
         return 0;
     }
-    1 + shape.iter().zip(strides).map(|(d, s)| (d - 1) * s).sum::<i64>()
+    shape.iter().zip(strides).fold(1i64, |n, (d, s)| n.saturating_add((d - 1).saturating_mul(*s)))
 }
 
 impl DeepepOutputs {
@@ -110,7 +111,7 @@ impl DeepepOutputs {
         let dtype = DeepepDtype::from_code(self.allocation_dtype[g]).expect("allocations have known dtypes");
         let offset = self.allocation_elems[g];
         let t = Self::describe(dtype, shape, &contiguous_strides(shape)[..shape.len()]);
-        self.allocation_elems[g] += span(shape, &t.strides[..shape.len()]);
+        self.allocation_elems[g] = offset.saturating_add(span(shape, &t.strides[..shape.len()]));
         self.push_view(t, g as i32, offset)
     }
 
@@ -121,6 +122,29 @@ impl DeepepOutputs {
 
     pub fn get(&self, i: usize) -> &DeepepTensor {
         &self.tensors[i]
+    }
+
+    /// The description, once every output's dims are non-negative and its end in its allocation,
+    /// in bytes, fits i64 (the builder saturates instead of overflowing). `names` are the
+    /// outputs' names in order, for the error.
+    pub fn checked(self, names: &[&str]) -> Result<Self> {
+        for i in 0..self.count as usize {
+            let t = &self.tensors[i];
+            if t.dtype == DTYPE_ABSENT {
+                continue;
+            }
+            let (dims, strides) = (want_dims(t), &t.strides[..t.ndim as usize]);
+            let size = DeepepDtype::from_code(t.dtype).map_or(1, |d| d.size());
+            let s = span(dims, strides);
+            let end_bytes = self.offset[i].checked_add(s).and_then(|end| end.checked_mul(size));
+            let name = names.get(i).copied().unwrap_or("an output");
+            ensure_arg!(dims.iter().all(|d| *d >= 0), "{name} would have a negative dimension: {dims:?}");
+            ensure_arg!(
+                s < i64::MAX && end_bytes.is_some_and(|b| b < i64::MAX),
+                "{name} would have shape {dims:?}: more bytes than a 64-bit size holds"
+            );
+        }
+        Ok(self)
     }
 }
 
@@ -147,6 +171,11 @@ pub fn check_output<'a>(name: &str, given: &'a DeepepTensor, want: &DeepepTensor
     Ok(Some(view))
 }
 
+/// [`check_output`] of an output the description has: its view.
+pub fn check_required<'a>(name: &str, given: &'a DeepepTensor, want: &DeepepTensor) -> Result<TensorView<'a>> {
+    check_output(name, given, want)?.ok_or_else(|| Error::internal(format!("{name} is described as absent")))
+}
+
 fn want_dims(t: &DeepepTensor) -> &[i64] {
     &t.shape[..t.ndim as usize]
 }
@@ -171,6 +200,23 @@ mod tests {
         let mut e = DeepepOutputs::default();
         e.push(DEEPEP_DTYPE_BOOL, &[0, 8]);
         assert_eq!(e.allocation_elems[0], 0);
+    }
+
+    #[test]
+    fn sizes_past_64_bits_are_errors_not_overflows() {
+        let mut o = DeepepOutputs::default();
+        let a = o.push(DEEPEP_DTYPE_INT32, &[4]);
+        o.push_after(a, &[1 << 40, 1 << 40]);
+        o.push_after(a, &[2]);
+        let err = o.checked(&["counts", "big", "tail"]).unwrap_err();
+        assert_eq!(err.message, "big would have shape [1099511627776, 1099511627776]: more bytes than a 64-bit size holds");
+        let mut bytes = DeepepOutputs::default();
+        bytes.push(DEEPEP_DTYPE_INT64, &[1 << 61]);
+        assert!(bytes.checked(&["wide"]).unwrap_err().message.starts_with("wide would have shape"));
+        let mut fine = DeepepOutputs::default();
+        fine.push(DEEPEP_DTYPE_BOOL, &[0, i64::MAX]);
+        fine.push_absent();
+        assert!(fine.checked(&["empty"]).is_ok());
     }
 
     #[test]

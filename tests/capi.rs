@@ -263,3 +263,30 @@ fn low_latency_output_queries_reject_null_and_describe_nothing() {
     assert!(view.data.is_null() && view.dtype == 0 && view.ndim == 0 && view.shape == [0; 4]);
     expect_err(deepep_get_next_low_latency_combine_buffer(ptr::null(), 128, 7168, 288, ptr::null_mut()), DEEPEP_ERROR_INVALID_ARGUMENT, "out must not be NULL");
 }
+
+#[test]
+fn output_queries_name_null_arguments_and_zero_their_output() {
+    use deepep_nccl::normal::combine::DeepepIntranodeCombineArgs;
+    use deepep_nccl::normal::dispatch::DeepepIntranodeDispatchArgs;
+    use deepep_nccl::outputs::DeepepOutputs;
+    // SAFETY: both argument structs are plain old data (descriptors, ints); all-zero is all absent.
+    let dispatch: DeepepIntranodeDispatchArgs = unsafe { std::mem::zeroed() };
+    let combine: DeepepIntranodeCombineArgs = unsafe { std::mem::zeroed() };
+    let null = ptr::null();
+    let mut out = DeepepOutputs::default();
+    let queries: [(&str, &dyn Fn(*mut DeepepOutputs, bool) -> DeepepStatus); 4] = [
+        ("layout", &|o, _| deepep_get_dispatch_layout_outputs(null, 16, 8, o)),
+        ("handle", &|o, with_args| deepep_intranode_dispatch_handle_outputs(null, if with_args { &dispatch } else { ptr::null() }, o)),
+        ("dispatch", &|o, with_args| deepep_intranode_dispatch_outputs(null, if with_args { &dispatch } else { ptr::null() }, 5, o)),
+        ("combine", &|o, with_args| deepep_intranode_combine_outputs(null, if with_args { &combine } else { ptr::null() }, o)),
+    ];
+    for (what, query) in queries {
+        out.count = 3; // a failed query leaves count 0
+        expect_err(query(&mut out, true), DEEPEP_ERROR_INVALID_ARGUMENT, "buffer must not be NULL");
+        assert_eq!((out.count, out.num_allocations), (0, 0), "{what}");
+        expect_err(query(ptr::null_mut(), true), DEEPEP_ERROR_INVALID_ARGUMENT, "out must not be NULL");
+        if what != "layout" {
+            expect_err(query(&mut out, false), DEEPEP_ERROR_INVALID_ARGUMENT, "args must not be NULL");
+        }
+    }
+}

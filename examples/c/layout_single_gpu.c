@@ -14,6 +14,15 @@ static int fail(const char* what, DeepepStatus st) {
   return st == DEEPEP_ERROR_NO_DEVICE ? 2 : 1;
 }
 
+static size_t dtype_size(int32_t dtype) {
+  switch (dtype) {
+    case DEEPEP_DTYPE_INT64: return 8;
+    case DEEPEP_DTYPE_INT32: case DEEPEP_DTYPE_FLOAT32: return 4;
+    case DEEPEP_DTYPE_BFLOAT16: case DEEPEP_DTYPE_FLOAT16: return 2;
+    default: return 1;
+  }
+}
+
 static DeepepTensor tensor(void* data, DeepepDtype dtype, int ndim, int64_t d0, int64_t d1) {
   DeepepTensor t;
   memset(&t, 0, sizeof t);
@@ -51,28 +60,36 @@ int main(void) {
     want_rank += topk[t * K] >= 0; /* slot 0 is always valid here */
   }
 
-  void *d_topk, *d_counts, *d_in_rank;
+  /* The outputs as the library describes them: per rank [1] and per expert [E] share one int32
+   * allocation (no per-rdma-rank counts on one rank: tensors[1] is absent), is_token_in_rank
+   * [T, 1] has its own. */
+  DeepepOutputs layout;
+  if ((st = deepep_get_dispatch_layout_outputs(buf, T, E, &layout)) != DEEPEP_SUCCESS)
+    return fail("deepep_get_dispatch_layout_outputs", st);
+  void* allocations[DEEPEP_MAX_OP_OUTPUTS] = {NULL};
+  for (int g = 0; g < layout.num_allocations; ++g)
+    cudaMalloc(&allocations[g], (size_t)layout.allocation_elems[g] * dtype_size(layout.allocation_dtype[g]));
+  for (int i = 0; i < layout.count; ++i) /* each output's address: its allocation plus its offset */
+    if (layout.allocation[i] >= 0)
+      layout.tensors[i].data = (char*)allocations[layout.allocation[i]] + layout.offset[i] * dtype_size(layout.tensors[i].dtype);
+
+  void* d_topk;
   cudaMalloc(&d_topk, sizeof topk);
-  cudaMalloc(&d_counts, sizeof(int32_t) * (1 + E));
-  cudaMalloc(&d_in_rank, T);
   cudaMemcpy(d_topk, topk, sizeof topk, cudaMemcpyHostToDevice);
   DeepepTensor t_topk = tensor(d_topk, DEEPEP_DTYPE_INT64, 2, T, K);
-  DeepepTensor t_rank = tensor(d_counts, DEEPEP_DTYPE_INT32, 1, 1, 0);
-  DeepepTensor t_expert = tensor((int32_t*)d_counts + 1, DEEPEP_DTYPE_INT32, 1, E, 0);
-  DeepepTensor t_in_rank = tensor(d_in_rank, DEEPEP_DTYPE_BOOL, 2, T, 1);
-  st = deepep_get_dispatch_layout(buf, &t_topk, E, &t_rank, NULL, &t_expert, &t_in_rank, NULL);
+  st = deepep_get_dispatch_layout(buf, &t_topk, E, &layout.tensors[0], NULL, &layout.tensors[2], &layout.tensors[3], NULL);
   if (st != DEEPEP_SUCCESS) return fail("deepep_get_dispatch_layout", st);
   cudaDeviceSynchronize();
 
-  int32_t counts[1 + E];
-  cudaMemcpy(counts, d_counts, sizeof counts, cudaMemcpyDeviceToHost);
-  int ok = counts[0] == want_rank && memcmp(counts + 1, want_expert, sizeof want_expert) == 0;
-  printf("layout: tokens to rank 0 = %d (expected %d), experts %s\n", counts[0], want_rank, ok ? "match" : "MISMATCH");
+  int32_t per_rank = 0, per_expert[E];
+  cudaMemcpy(&per_rank, layout.tensors[0].data, sizeof per_rank, cudaMemcpyDeviceToHost);
+  cudaMemcpy(per_expert, layout.tensors[2].data, sizeof per_expert, cudaMemcpyDeviceToHost);
+  int ok = per_rank == want_rank && memcmp(per_expert, want_expert, sizeof want_expert) == 0;
+  printf("layout: tokens to rank 0 = %d (expected %d), experts %s\n", per_rank, want_rank, ok ? "match" : "MISMATCH");
 
   if ((st = deepep_buffer_destroy(buf)) != DEEPEP_SUCCESS) return fail("deepep_buffer_destroy", st);
   deepep_buffer_free(buf);
   cudaFree(d_topk);
-  cudaFree(d_counts);
-  cudaFree(d_in_rank);
+  for (int g = 0; g < layout.num_allocations; ++g) cudaFree(allocations[g]);
   return ok ? 0 : 1;
 }

@@ -79,6 +79,32 @@ struct DeviceOutputs {
   size_t elems(int i) const { return static_cast<size_t>(described.allocation_elems[described.allocation[i]]); }
 };
 
+// An op's outputs as the library describes them (Buffer::*_outputs), in cudaMalloc'd memory freed on
+// scope exit; outputs[i] goes into the op's arguments as it is.
+struct OutputMemory {
+  DeepepOutputs outputs;
+  std::vector<std::unique_ptr<DeviceMemory>> allocations;
+  explicit OutputMemory(const DeepepOutputs& described) : outputs(described) {
+    std::vector<void*> bases;
+    for (int g = 0; g < outputs.num_allocations; ++g) {
+      allocations.push_back(std::make_unique<DeviceMemory>(static_cast<size_t>(deepep::allocation_bytes(outputs, g))));
+      bases.push_back(allocations.back()->ptr);
+    }
+    deepep::place_outputs(outputs, bases.data());
+  }
+  const DeepepTensor& operator[](int i) const { return outputs.tensors[i]; }
+};
+
+// The elements of a contiguous device tensor.
+template <typename V>
+std::vector<V> download(const DeepepTensor& src) {
+  size_t count = 1;
+  for (int d = 0; d < src.ndim; ++d) count *= static_cast<size_t>(src.shape[d]);
+  std::vector<V> out(count);
+  cuda_check(cudaMemcpy(out.data(), src.data, count * sizeof(V), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+  return out;
+}
+
 // Check failures are counted, not thrown, so every rank reaches every collective call.
 struct Checker {
   int rank;

@@ -23,24 +23,26 @@ int main() {
       topk[i] = (i % 11 == 0) ? -1 : (i * 13) % E;
       if (topk[i] >= 0) ++want[topk[i]];
     }
-    void *d_topk, *d_out, *d_in_rank;
+    // The outputs as the library describes them: per rank [1] and per expert [E] share one int32
+    // allocation (no per-rdma-rank counts on one rank), is_token_in_rank [T, 1] has its own.
+    DeepepOutputs layout = buffer.dispatch_layout_outputs(T, E);
+    std::vector<void*> allocations(static_cast<size_t>(layout.num_allocations));
+    for (int g = 0; g < layout.num_allocations; ++g) cudaMalloc(&allocations[g], deepep::allocation_bytes(layout, g));
+    deepep::place_outputs(layout, allocations.data());
+    void* d_topk;
     cudaMalloc(&d_topk, topk.size() * sizeof(int64_t));
-    cudaMalloc(&d_out, (1 + E) * sizeof(int32_t));
-    cudaMalloc(&d_in_rank, T);
     cudaMemcpy(d_topk, topk.data(), topk.size() * sizeof(int64_t), cudaMemcpyHostToDevice);
-    buffer.get_dispatch_layout(deepep::make_tensor(d_topk, DEEPEP_DTYPE_INT64, {T, K}), E,
-                               deepep::make_tensor(d_out, DEEPEP_DTYPE_INT32, {1}), nullptr,
-                               deepep::make_tensor(static_cast<int32_t*>(d_out) + 1, DEEPEP_DTYPE_INT32, {E}),
-                               deepep::make_tensor(d_in_rank, DEEPEP_DTYPE_BOOL, {T, 1}));
+    buffer.get_dispatch_layout(deepep::make_tensor(d_topk, DEEPEP_DTYPE_INT64, {T, K}), E, layout);
     cudaDeviceSynchronize();
-    std::vector<int32_t> got(1 + E);
-    cudaMemcpy(got.data(), d_out, got.size() * sizeof(int32_t), cudaMemcpyDeviceToHost);
-    const bool ok = std::vector<int32_t>(got.begin() + 1, got.end()) == want && got[0] == T;
-    std::printf("layout: %d tokens to rank 0, per-expert counts %s\n", got[0], ok ? "match" : "MISMATCH");
+    int32_t per_rank = 0;
+    std::vector<int32_t> per_expert(E);
+    cudaMemcpy(&per_rank, layout.tensors[0].data, sizeof per_rank, cudaMemcpyDeviceToHost);
+    cudaMemcpy(per_expert.data(), layout.tensors[2].data, per_expert.size() * sizeof(int32_t), cudaMemcpyDeviceToHost);
+    const bool ok = per_expert == want && per_rank == T;
+    std::printf("layout: %d tokens to rank 0, per-expert counts %s\n", per_rank, ok ? "match" : "MISMATCH");
     buffer.destroy();
     cudaFree(d_topk);
-    cudaFree(d_out);
-    cudaFree(d_in_rank);
+    for (void* allocation : allocations) cudaFree(allocation);
     return ok ? 0 : 1;
   } catch (const deepep::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());

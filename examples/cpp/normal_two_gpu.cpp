@@ -23,7 +23,7 @@ namespace {
 
 using namespace example;
 
-constexpr int R = 2, T = 64, H = 256, K = 2, E = 8, EPR = E / R, NUM_SMS = 8, C = NUM_SMS / 2;
+constexpr int R = 2, T = 64, H = 256, K = 2, E = 8, EPR = E / R, NUM_SMS = 8;
 
 // Expert of slot k of token t on rank s; -1 = none. Experts [4r, 4r + 4) live on rank r.
 // Token 5 mod 16 goes nowhere, token 9 mod 16 has one expert; the rest have two distinct.
@@ -78,38 +78,39 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   }
 
   DeviceMemory d_x(x.size() * 2), d_topk(topk.size() * 8), d_weights(weights.size() * 4);
-  DeviceMemory d_per_rank(R * 4), d_per_expert(E * 4), d_in_rank(T * R);
-  DeviceMemory d_rank_prefix(R * R * 4), d_channel_prefix(R * C * 4), d_recv_channel_prefix(R * C * 4),
-      d_send_head(T * R * 4);
   upload(d_x, x);
   upload(d_topk, topk);
   upload(d_weights, weights);
   cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize after uploads");  // the ops run on the comm stream
 
+  // Layout on the GPU (null stream: the buffer's comm stream, like every op below), into outputs
+  // the library describes: per rank, per rdma rank (absent with 2 ranks), per expert, is_token_in_rank.
   using deepep::make_tensor;
+  const DeepepTensor topk_idx = make_tensor(d_topk.ptr, DEEPEP_DTYPE_INT64, {T, K});
+  const OutputMemory layout(buffer.dispatch_layout_outputs(T, E));
+  buffer.get_dispatch_layout(topk_idx, E, layout.outputs);
+  cuda_check(cudaDeviceSynchronize(), "get_dispatch_layout");
+  chk.expect(download<int32_t>(layout[0]) == want_per_rank, "layout num_tokens_per_rank");
+  chk.expect(download<int32_t>(layout[2]) == want_per_expert, "layout num_tokens_per_expert");
+  chk.expect(download<uint8_t>(layout[3]) == want_in_rank, "layout is_token_in_rank");
+
   DeepepIntranodeDispatchArgs args{};  // every tensor absent (dtype 0)
   args.x = make_tensor(d_x.ptr, DEEPEP_DTYPE_BFLOAT16, {T, H});
-  args.topk_idx = make_tensor(d_topk.ptr, DEEPEP_DTYPE_INT64, {T, K});
+  args.topk_idx = topk_idx;
   args.topk_weights = make_tensor(d_weights.ptr, DEEPEP_DTYPE_FLOAT32, {T, K});
-  args.num_tokens_per_rank = make_tensor(d_per_rank.ptr, DEEPEP_DTYPE_INT32, {R});
-  args.is_token_in_rank = make_tensor(d_in_rank.ptr, DEEPEP_DTYPE_BOOL, {T, R});
-  args.num_tokens_per_expert = make_tensor(d_per_expert.ptr, DEEPEP_DTYPE_INT32, {E});
-  args.rank_prefix_matrix = make_tensor(d_rank_prefix.ptr, DEEPEP_DTYPE_INT32, {R, R});
-  args.channel_prefix_matrix = make_tensor(d_channel_prefix.ptr, DEEPEP_DTYPE_INT32, {R, C});
-  args.recv_channel_prefix_matrix = make_tensor(d_recv_channel_prefix.ptr, DEEPEP_DTYPE_INT32, {R, C});
-  args.send_head = make_tensor(d_send_head.ptr, DEEPEP_DTYPE_INT32, {T, R});
+  args.num_tokens_per_rank = layout[0];
+  args.is_token_in_rank = layout[3];
+  args.num_tokens_per_expert = layout[2];
   args.config = cfg.raw();
   args.cached = 0;
   args.expert_alignment = 1;
   args.num_worst_tokens = 0;
-
-  // Layout on the GPU (null stream: the buffer's comm stream, like every op below).
-  buffer.get_dispatch_layout(args.topk_idx, E, args.num_tokens_per_rank, nullptr, args.num_tokens_per_expert,
-                             args.is_token_in_rank);
-  cuda_check(cudaDeviceSynchronize(), "get_dispatch_layout");
-  chk.expect(download<int32_t>(d_per_rank, R) == want_per_rank, "layout num_tokens_per_rank");
-  chk.expect(download<int32_t>(d_per_expert, E) == want_per_expert, "layout num_tokens_per_expert");
-  chk.expect(download<uint8_t>(d_in_rank, T * R) == want_in_rank, "layout is_token_in_rank");
+  // The handle's matrices (rank_prefix, channel_prefix, recv_channel_prefix, send_head), one allocation.
+  const OutputMemory handle(buffer.intranode_dispatch_handle_outputs(args));
+  args.rank_prefix_matrix = handle[0];
+  args.channel_prefix_matrix = handle[1];
+  args.recv_channel_prefix_matrix = handle[2];
+  args.send_head = handle[3];
 
   // What this rank receives: from each source s, the tokens s sends here, in token order.
   std::vector<int> want_from(R, 0);
@@ -131,22 +132,16 @@ int run_rank(int rank, const deepep::UniqueId& id) {
              "num_recv_tokens_per_expert");
   if (n < 0) throw std::runtime_error("prepare returned no receive count");
 
-  DeviceMemory d_recv_x(static_cast<size_t>(n) * H * 2), d_recv_topk(static_cast<size_t>(n) * K * 8),
-      d_recv_weights(static_cast<size_t>(n) * K * 4), d_recv_src(static_cast<size_t>(n) * 4);
-  DeepepIntranodeDispatchOutputs outs{};
-  outs.recv_x = make_tensor(d_recv_x.ptr, DEEPEP_DTYPE_BFLOAT16, {n, H});
-  outs.recv_x_scales = deepep::absent_tensor();
-  outs.recv_topk_idx = make_tensor(d_recv_topk.ptr, DEEPEP_DTYPE_INT64, {n, K});
-  outs.recv_topk_weights = make_tensor(d_recv_weights.ptr, DEEPEP_DTYPE_FLOAT32, {n, K});
-  outs.recv_src_idx = make_tensor(d_recv_src.ptr, DEEPEP_DTYPE_INT32, {n});
-  buffer.intranode_dispatch(args, outs);
+  // N-row outputs: recv_x, recv_x_scales (absent: no FP8), recv_topk_idx, recv_topk_weights, recv_src_idx.
+  const OutputMemory recv(buffer.intranode_dispatch_outputs(args, n));
+  buffer.intranode_dispatch(args, recv.outputs);
   cuda_check(cudaDeviceSynchronize(), "intranode_dispatch");
 
-  const auto recv_x = download<uint16_t>(d_recv_x, static_cast<size_t>(n) * H);
-  const auto recv_topk = download<int64_t>(d_recv_topk, static_cast<size_t>(n) * K);
-  const auto recv_weights = download<float>(d_recv_weights, static_cast<size_t>(n) * K);
-  const auto recv_src = download<int32_t>(d_recv_src, n);
-  const auto rank_prefix = download<int32_t>(d_rank_prefix, R * R);
+  const auto recv_x = download<uint16_t>(recv[0]);
+  const auto recv_topk = download<int64_t>(recv[2]);
+  const auto recv_weights = download<float>(recv[3]);
+  const auto recv_src = download<int32_t>(recv[4]);
+  const auto rank_prefix = download<int32_t>(handle[0]);
   if (n == want_n) {
     int row = 0, cumulative = 0;
     for (int s = 0; s < R; ++s) {
@@ -177,24 +172,24 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   }
 
   // Combine the received rows back (with their top-k weights) using the dispatch handle.
-  DeviceMemory d_combined(static_cast<size_t>(T) * H * 2), d_combined_weights(T * K * 4);
   DeepepIntranodeCombineArgs cargs{};
-  cargs.x = outs.recv_x;
-  cargs.topk_weights = outs.recv_topk_weights;
+  cargs.x = recv[0];
+  cargs.topk_weights = recv[3];
   cargs.bias_0 = deepep::absent_tensor();
   cargs.bias_1 = deepep::absent_tensor();
-  cargs.src_idx = outs.recv_src_idx;
+  cargs.src_idx = recv[4];
   cargs.rank_prefix_matrix = args.rank_prefix_matrix;
   cargs.channel_prefix_matrix = args.recv_channel_prefix_matrix;  // the handle's receive-side matrix
   cargs.send_head = args.send_head;
-  cargs.combined_x = make_tensor(d_combined.ptr, DEEPEP_DTYPE_BFLOAT16, {T, H});
-  cargs.combined_topk_weights = make_tensor(d_combined_weights.ptr, DEEPEP_DTYPE_FLOAT32, {T, K});
   cargs.config = cfg.raw();
+  const OutputMemory combined_out(buffer.intranode_combine_outputs(cargs));  // [T, H] bf16, [T, K] f32
+  cargs.combined_x = combined_out[0];
+  cargs.combined_topk_weights = combined_out[1];
   buffer.intranode_combine(cargs);
   cuda_check(cudaDeviceSynchronize(), "intranode_combine");
 
-  const auto combined = download<uint16_t>(d_combined, static_cast<size_t>(T) * H);
-  const auto combined_weights = download<float>(d_combined_weights, T * K);
+  const auto combined = download<uint16_t>(combined_out[0]);
+  const auto combined_weights = download<float>(combined_out[1]);
   for (int t = 0; t < T; ++t) {
     const float want = static_cast<float>(ranks_of(rank, t) * (rank + 1));
     bool ok = true;

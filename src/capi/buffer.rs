@@ -5,6 +5,7 @@ use super::{ffi, out_ref};
 use crate::buffer::{Buffer, BufferArgs};
 use crate::error::{DeepepStatus, Error, Result};
 use crate::layout::{self, LayoutArgs};
+use crate::outputs::DeepepOutputs;
 use crate::tensor::DeepepTensor;
 
 /// Opaque handle to one rank's buffer.
@@ -181,7 +182,8 @@ fn opt<'a>(t: *const DeepepTensor) -> Option<&'a DeepepTensor> {
     unsafe { t.as_ref() }
 }
 
-/// DeepEP's get_dispatch_layout. Outputs are caller-allocated: num_tokens_per_rank
+/// DeepEP's get_dispatch_layout. Outputs are caller-allocated, as
+/// deepep_get_dispatch_layout_outputs describes them: num_tokens_per_rank
 /// int32 [num_ranks], num_tokens_per_rdma_rank int32 [num_ranks/8] (only when
 /// num_ranks > 8, else NULL), num_tokens_per_expert int32 [num_experts],
 /// is_token_in_rank bool [num_tokens, num_ranks]. topk_idx is int64 (or int32)
@@ -208,5 +210,34 @@ pub extern "C" fn deepep_get_dispatch_layout(
             is_token_in_rank: opt(is_token_in_rank),
         };
         layout::get_dispatch_layout(buffer_ref(buf)?, &args, stream)
+    })
+}
+
+/// Writes to `*out` what a deepep_get_dispatch_layout caller allocates for `num_tokens` rows of
+/// topk_idx and `num_experts` experts (R = the buffer's ranks). out->tensors, in order:
+/// num_tokens_per_rank int32 [R]; num_tokens_per_rdma_rank int32 [R / 8], absent (dtype 0)
+/// up to 8 ranks, when the op takes NULL for it; num_tokens_per_expert int32 [E]; these three
+/// are views of one int32 allocation; is_token_in_rank bool [num_tokens, R], an allocation of
+/// its own. Allocate as DeepepOutputs says, set each present tensors[i].data and pass
+/// &out->tensors[i] to the op. Errors name num_tokens (< 0) or num_experts (<= 0); on any error
+/// *out is zeroed (count 0).
+#[no_mangle]
+pub extern "C" fn deepep_get_dispatch_layout_outputs(
+    buf: *const DeepepBuffer,
+    num_tokens: i64,
+    num_experts: c_int,
+    out: *mut DeepepOutputs,
+) -> DeepepStatus {
+    outputs_query(out, || layout::layout_outputs(buffer_ref(buf)?.layout.num_ranks, num_tokens, num_experts))
+}
+
+/// The output queries' common part: zeroes `*out` (a failed query leaves count 0), then writes
+/// `describe`'s geometry.
+pub(super) fn outputs_query(out: *mut DeepepOutputs, describe: impl FnOnce() -> Result<DeepepOutputs>) -> DeepepStatus {
+    ffi(|| {
+        let out = out_ref("out", out)?;
+        *out = DeepepOutputs::default();
+        *out = describe()?;
+        Ok(())
     })
 }

@@ -3,16 +3,20 @@
 //! Dispatch is two calls because the receive count is decided on the GPU:
 //! `deepep_intranode_dispatch_prepare` (notify; for a non-cached dispatch
 //! without num_worst_tokens it waits for the count), then the caller allocates
-//! the outputs with N = num_recv_tokens (or num_worst_tokens, or the handle's
-//! row count) rows and calls `deepep_intranode_dispatch`. Both take the same
-//! args and must be issued back to back on the same stream. All ops of a
-//! buffer must be ordered on one stream (NULL: the buffer's comm stream).
+//! the outputs `deepep_intranode_dispatch_outputs` describes (N rows: the count,
+//! num_worst_tokens or the handle's row count) and calls `deepep_intranode_dispatch`.
+//! Both take the same args and must be issued back to back on the same stream.
+//! All ops of a buffer must be ordered on one stream (NULL: the buffer's comm
+//! stream). The `*_outputs` queries say what each op's caller allocates.
 use std::os::raw::{c_int, c_void};
 
-use super::{buffer::buffer_ref, ffi, out_ref};
-use crate::error::Error;
+use super::buffer::{buffer_ref, outputs_query};
+use super::{ffi, out_ref};
+use crate::buffer::Buffer;
+use crate::error::{Error, Result};
 use crate::normal::combine::{self, DeepepIntranodeCombineArgs};
 use crate::normal::dispatch::{self, DeepepIntranodeDispatchArgs, DeepepIntranodeDispatchOutputs};
+use crate::outputs::DeepepOutputs;
 
 fn args_ref<'a, T>(name: &str, ptr: *const T) -> crate::error::Result<&'a T> {
     // SAFETY: callers pass a valid struct pointer or NULL; NULL is rejected.
@@ -67,4 +71,63 @@ pub extern "C" fn deepep_intranode_combine(
     stream: *mut c_void,
 ) -> crate::error::DeepepStatus {
     ffi(|| combine::combine(buffer_ref(buf)?, args_ref("args", args)?, stream))
+}
+
+/// An output query of an op's args (checked before the buffer, so that each NULL is named).
+fn args_query<T>(
+    buf: *const super::DeepepBuffer,
+    args: *const T,
+    out: *mut DeepepOutputs,
+    describe: impl FnOnce(&Buffer, &T) -> Result<DeepepOutputs>,
+) -> crate::error::DeepepStatus {
+    outputs_query(out, || {
+        let args = args_ref("args", args)?;
+        describe(buffer_ref(buf)?, args)
+    })
+}
+
+/// Writes to `*out` the dispatch handle's int32 matrices the caller allocates, before
+/// deepep_intranode_dispatch_prepare (they go into args). Reads args->x ([T, H], checked as the
+/// op does), args->config.num_sms (C = num_sms / 2 channels) and args->cached; the other fields
+/// may still be unset. out->tensors, in order, all views of one int32 allocation:
+/// rank_prefix_matrix [R, R] and channel_prefix_matrix [R, C], both absent (dtype 0) when cached
+/// (pass the handle's), recv_channel_prefix_matrix [R, C], send_head [T, R].
+#[no_mangle]
+pub extern "C" fn deepep_intranode_dispatch_handle_outputs(
+    buf: *const super::DeepepBuffer,
+    args: *const DeepepIntranodeDispatchArgs,
+    out: *mut DeepepOutputs,
+) -> crate::error::DeepepStatus {
+    args_query(buf, args, out, dispatch::handle_outputs_for)
+}
+
+/// Writes to `*out` the outputs of deepep_intranode_dispatch, after prepare with the same
+/// (complete) args, which are validated as the op does. out->tensors are laid out as
+/// DeepepIntranodeDispatchOutputs, each with N rows and its own allocation: recv_x [N, H] in
+/// x's dtype; recv_x_scales [N, S] row-major in x_scales' dtype, absent without x_scales;
+/// recv_topk_idx [N, K] in topk_idx's dtype and recv_topk_weights [N, K] float32, both absent
+/// without top-k (always in cached mode); recv_src_idx [N] int32. N is num_recv_tokens in
+/// cached mode (the handle's count, as DeepEP), else args->num_worst_tokens when > 0, else
+/// num_recv_tokens (the count prepare returned); it must then be >= 0.
+#[no_mangle]
+pub extern "C" fn deepep_intranode_dispatch_outputs(
+    buf: *const super::DeepepBuffer,
+    args: *const DeepepIntranodeDispatchArgs,
+    num_recv_tokens: c_int,
+    out: *mut DeepepOutputs,
+) -> crate::error::DeepepStatus {
+    args_query(buf, args, out, |buffer, args| dispatch::recv_outputs_for(buffer, args, num_recv_tokens))
+}
+
+/// Writes to `*out` the outputs of deepep_intranode_combine for these args (inputs and handle
+/// validated as the op does; args->combined_x and args->combined_topk_weights are ignored).
+/// out->tensors, in order, each its own allocation: combined_x [T, H] in x's dtype with
+/// T = send_head's rows; combined_topk_weights [T, K] float32, absent without topk_weights.
+#[no_mangle]
+pub extern "C" fn deepep_intranode_combine_outputs(
+    buf: *const super::DeepepBuffer,
+    args: *const DeepepIntranodeCombineArgs,
+    out: *mut DeepepOutputs,
+) -> crate::error::DeepepStatus {
+    args_query(buf, args, out, combine::combine_outputs_for)
 }

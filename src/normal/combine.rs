@@ -3,13 +3,14 @@
 //! the handle's routing. One kernel, no host wait.
 use std::os::raw::c_void;
 
-use super::plan_for;
+use super::{plan_for, ChannelPlan};
 use crate::buffer::{Buffer, NormalKernel};
 use crate::config::DeepepConfig;
 use crate::ensure_arg;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::kernels::{self, CombineParams};
-use crate::tensor::{check, check_aligned16, check_opt, check_shape, DeepepTensor, DeepepDtype::*};
+use crate::outputs::{check_output, check_required, DeepepOutputs};
+use crate::tensor::{check, check_aligned16, check_opt, check_shape, DeepepDtype, DeepepDtype::*, DeepepTensor, TensorView};
 
 /// Arguments of one intranode combine. Absent optional tensors have dtype 0.
 #[repr(C)]
@@ -35,17 +36,62 @@ pub struct DeepepIntranodeCombineArgs {
     pub config: DeepepConfig,
 }
 
-/// Validates and launches the combine kernel on `stream` (NULL: the comm stream).
-pub fn combine(buffer: &Buffer, a: &DeepepIntranodeCombineArgs, stream: *mut c_void) -> Result<()> {
+/// The combine's outputs, in DeepEP's order.
+pub const COMBINE_OUTPUTS: [&str; 2] = ["combined_x", "combined_topk_weights"];
+
+/// What a combine caller allocates ([`COMBINE_OUTPUTS`] order): combined_x [T, H] in x's dtype
+/// and combined_topk_weights [T, K] float32 (absent without topk_weights), T = send_head's rows.
+pub fn combine_outputs(num_tokens: i64, hidden: i64, x_dtype: DeepepDtype, num_topk: Option<i64>) -> Result<DeepepOutputs> {
+    ensure_arg!(num_tokens >= 0, "num_tokens must be >= 0, got {num_tokens}");
+    let mut o = DeepepOutputs::default();
+    o.push(x_dtype, &[num_tokens, hidden]);
+    match num_topk {
+        Some(k) => o.push(DEEPEP_DTYPE_FLOAT32, &[num_tokens, k]),
+        None => o.push_absent(),
+    };
+    o.checked(&COMBINE_OUTPUTS)
+}
+
+/// The outputs' geometry for these args (deepep_intranode_combine_outputs): the inputs are
+/// validated as the op does; the output descriptors in the args are ignored.
+pub fn combine_outputs_for(buffer: &Buffer, a: &DeepepIntranodeCombineArgs) -> Result<DeepepOutputs> {
+    validate(buffer, a)?.outputs()
+}
+
+/// Everything the kernel needs but the outputs, checked.
+struct Plan<'a> {
+    x: TensorView<'a>,
+    weights: Option<TensorView<'a>>,
+    send_head: TensorView<'a>,
+    rank_prefix: TensorView<'a>,
+    channel_prefix: TensorView<'a>,
+    bias_0: *const c_void,
+    bias_1: *const c_void,
+    channels: ChannelPlan,
+    num_tokens: i64,
+    num_recv_rows: i64,
+    hidden: i64,
+    num_topk: i64,
+    slot_bytes: i64,
+}
+
+impl Plan<'_> {
+    fn outputs(&self) -> Result<DeepepOutputs> {
+        combine_outputs(self.num_tokens, self.hidden, self.x.dtype, self.weights.map(|_| self.num_topk))
+    }
+}
+
+fn validate<'a>(buffer: &Buffer, a: &'a DeepepIntranodeCombineArgs) -> Result<Plan<'a>> {
     let r = buffer.layout.num_ranks as i64;
     let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
     check_aligned16("x", &x)?;
     let (n, h) = (x.dims()[0], x.dims()[1]);
-    let hidden_bytes = h * 2;
+    let hidden_bytes = h.checked_mul(2).unwrap_or(i64::MAX);
     ensure_arg!(
         hidden_bytes % 16 == 0 && h > 0,
         "x: hidden size {h} must be a positive multiple of 8 bfloat16 elements (16-byte rows)"
     );
+    ensure_arg!(hidden_bytes <= i32::MAX as i64, "x: {hidden_bytes} bytes per row is too large");
     let src_idx = check("src_idx", Some(&a.src_idx), &[DEEPEP_DTYPE_INT32], 1)?;
     ensure_arg!(
         src_idx.dims()[0] == n,
@@ -96,43 +142,82 @@ pub fn combine(buffer: &Buffer, a: &DeepepIntranodeCombineArgs, stream: *mut c_v
     };
     let bias_0 = bias("bias_0", &a.bias_0)?;
     let bias_1 = bias("bias_1", &a.bias_1)?;
-    let out = check("combined_x", Some(&a.combined_x), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
-    check_shape("combined_x", &out, &[t, h])?;
+    Ok(Plan {
+        x,
+        weights,
+        send_head,
+        rank_prefix,
+        channel_prefix,
+        bias_0,
+        bias_1,
+        channels: plan,
+        num_tokens: t,
+        num_recv_rows: n,
+        hidden: h,
+        num_topk: k,
+        slot_bytes: slot,
+    })
+}
+
+/// Validates and launches the combine kernel on `stream` (NULL: the comm stream).
+pub fn combine(buffer: &Buffer, a: &DeepepIntranodeCombineArgs, stream: *mut c_void) -> Result<()> {
+    let plan = validate(buffer, a)?;
+    let want = plan.outputs()?;
+    let out = check_required(COMBINE_OUTPUTS[0], &a.combined_x, want.get(0))?;
     check_aligned16("combined_x", &out)?;
-    let out_weights = match (&weights, check_opt("combined_topk_weights", &a.combined_topk_weights, &[DEEPEP_DTYPE_FLOAT32], 2)?) {
-        (Some(_), Some(o)) => {
-            check_shape("combined_topk_weights", &o, &[t, k])?;
-            o.ptr().cast::<f32>()
-        }
-        (None, None) => std::ptr::null_mut(),
-        (Some(_), None) => return Err(Error::invalid("combined_topk_weights must be given with topk_weights")),
-        (None, Some(_)) => return Err(Error::invalid("combined_topk_weights must be absent without topk_weights")),
-    };
+    let out_weights = check_output(COMBINE_OUTPUTS[1], &a.combined_topk_weights, want.get(1))?
+        .map_or(std::ptr::null_mut(), |o| o.ptr().cast::<f32>());
 
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
-        let common =
-            res.normal_common(buffer.wait_context(res), &buffer.args, plan.num_channels, plan.ring_tokens, NormalKernel::Data);
+        let channels = plan.channels;
+        let common = res.normal_common(
+            buffer.wait_context(res),
+            &buffer.args,
+            channels.num_channels,
+            channels.ring_tokens,
+            NormalKernel::Data,
+        );
         let params = CombineParams {
             common,
-            x: x.ptr(),
-            topk_weights: weights.map_or(std::ptr::null(), |w| w.ptr() as *const f32),
-            bias_0,
-            bias_1,
-            rank_prefix_matrix: rank_prefix.ptr() as *const i32,
-            recv_channel_prefix_matrix: channel_prefix.ptr() as *const i32,
-            send_head: send_head.ptr() as *const i32,
+            x: plan.x.ptr(),
+            topk_weights: plan.weights.map_or(std::ptr::null(), |w| w.ptr() as *const f32),
+            bias_0: plan.bias_0,
+            bias_1: plan.bias_1,
+            rank_prefix_matrix: plan.rank_prefix.ptr() as *const i32,
+            recv_channel_prefix_matrix: plan.channel_prefix.ptr() as *const i32,
+            send_head: plan.send_head.ptr() as *const i32,
             combined_x: out.ptr(),
             combined_topk_weights: out_weights,
-            num_tokens: t,
-            num_recv_rows: n,
-            hidden_bytes: hidden_bytes as i32,
-            num_topk: k as i32,
-            slot_bytes: slot as i32,
+            num_tokens: plan.num_tokens,
+            num_recv_rows: plan.num_recv_rows,
+            hidden_bytes: (plan.hidden * 2) as i32,
+            num_topk: plan.num_topk as i32,
+            slot_bytes: plan.slot_bytes as i32,
             reserved: 0,
         };
         // SAFETY: params point at validated tensors, the live window, devComm and workspace.
         let rc = unsafe { kernels::deepep_launch_normal_combine(res.dev_comm.as_ptr(), &params, stream) };
         kernels::launch_result("combine", rc)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn combine_outputs_follow_send_head_rows_and_weights() {
+        let o = combine_outputs(128, 7168, DEEPEP_DTYPE_BFLOAT16, Some(8)).unwrap();
+        assert_eq!((o.count, o.num_allocations), (2, 2));
+        assert_eq!((o.get(0).dtype, &o.get(0).shape[..2], &o.get(0).strides[..2]), (DEEPEP_DTYPE_BFLOAT16 as i32, &[128, 7168][..], &[7168, 1][..]));
+        assert_eq!((o.get(1).dtype, &o.get(1).shape[..2]), (DEEPEP_DTYPE_FLOAT32 as i32, &[128, 8][..]));
+        assert_eq!(o.allocation_elems[..2], [128 * 7168, 128 * 8]);
+        let o = combine_outputs(0, 2048, DEEPEP_DTYPE_BFLOAT16, None).unwrap();
+        assert_eq!((o.count, o.num_allocations, o.allocation_elems[0]), (2, 1, 0));
+        assert_eq!((o.get(1).dtype, o.allocation[1]), (0, -1));
+        assert_eq!(&o.get(0).shape[..2], &[0, 2048]);
+        let huge = combine_outputs(i64::MAX / 2, 4096, DEEPEP_DTYPE_BFLOAT16, None).unwrap_err();
+        assert!(huge.message.starts_with("combined_x would have shape"), "{}", huge.message);
+    }
 }

@@ -5,14 +5,18 @@
 use std::os::raw::c_void;
 use std::time::Instant;
 
-use super::{plan_for, ChannelPlan};
+use super::{channel_plan, plan_for, ChannelPlan};
 use crate::buffer::{Buffer, NormalKernel};
 use crate::config::DeepepConfig;
 use crate::cuda;
 use crate::ensure_arg;
 use crate::error::{DeepepStatus, Error, Result};
 use crate::kernels::{self, DispatchParams, NotifyParams, MAX_LOCAL_EXPERTS};
-use crate::tensor::{check, check_aligned16, check_opt, check_shape, check_strided, DeepepDtype, DeepepDtype::*, DeepepTensor, TensorView};
+use crate::outputs::{check_output, check_required, DeepepOutputs};
+use crate::tensor::{
+    check, check_aligned16, check_opt, check_shape, check_strided, DeepepDtype, DeepepDtype::*, DeepepTensor, TensorView,
+    DTYPE_ABSENT,
+};
 
 /// Arguments of one intranode dispatch (both calls take the same struct).
 /// Absent optional tensors have dtype 0.
@@ -52,7 +56,8 @@ pub struct DeepepIntranodeDispatchArgs {
 }
 
 /// Outputs of deepep_intranode_dispatch, allocated by the caller after
-/// deepep_intranode_dispatch_prepare: N rows each.
+/// deepep_intranode_dispatch_prepare as deepep_intranode_dispatch_outputs
+/// describes them (same order): N rows each.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DeepepIntranodeDispatchOutputs {
@@ -91,12 +96,96 @@ struct Plan {
     slot_bytes: i64,
 }
 
-fn validate(buffer: &Buffer, a: &DeepepIntranodeDispatchArgs) -> Result<Plan> {
-    let r = buffer.layout.num_ranks as i64;
+/// The handle's outputs, in DeepEP's handle order.
+pub const HANDLE_OUTPUTS: [&str; 4] = ["rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "send_head"];
+/// The receive outputs, in [`DeepepIntranodeDispatchOutputs`]' field order.
+pub const RECV_OUTPUTS: [&str; 5] = ["recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx"];
+
+/// What a dispatch caller allocates for the handle ([`HANDLE_OUTPUTS`] order), int32 in one
+/// allocation: rank_prefix_matrix [R, R], channel_prefix_matrix [R, C] (both absent when cached:
+/// the handle's are passed), recv_channel_prefix_matrix [R, C], send_head [T, R].
+pub fn handle_outputs(num_ranks: i64, num_tokens: i64, num_channels: i64, cached: bool) -> Result<DeepepOutputs> {
+    ensure_arg!(num_tokens >= 0, "num_tokens must be >= 0, got {num_tokens}");
+    let (r, c) = (num_ranks, num_channels);
+    let mut o = DeepepOutputs::default();
+    let first = if cached {
+        o.push_absent();
+        o.push_absent();
+        o.push(DEEPEP_DTYPE_INT32, &[r, c])
+    } else {
+        let first = o.push(DEEPEP_DTYPE_INT32, &[r, r]);
+        o.push_after(first, &[r, c]);
+        o.push_after(first, &[r, c]);
+        first
+    };
+    o.push_after(first, &[num_tokens, r]);
+    o.checked(&HANDLE_OUTPUTS)
+}
+
+/// What a dispatch caller allocates for the received rows ([`RECV_OUTPUTS`] order), N rows each:
+/// recv_x [N, H] in x's dtype, recv_x_scales [N, S] row-major in the scales' dtype (absent
+/// without scales), recv_topk_idx [N, K] in topk_idx's dtype and recv_topk_weights [N, K] float32
+/// (both absent without top-k, as in cached mode), recv_src_idx [N] int32.
+pub fn recv_outputs(
+    num_rows: i64,
+    x: (DeepepDtype, i64),
+    scales: Option<(DeepepDtype, i64)>,
+    topk: Option<(DeepepDtype, i64)>,
+) -> Result<DeepepOutputs> {
+    ensure_arg!(num_rows >= 0, "the receive count must be >= 0, got {num_rows}");
+    let mut o = DeepepOutputs::default();
+    o.push(x.0, &[num_rows, x.1]);
+    match scales {
+        Some((dtype, s)) => o.push(dtype, &[num_rows, s]),
+        None => o.push_absent(),
+    };
+    match topk {
+        Some((dtype, k)) => {
+            o.push(dtype, &[num_rows, k]);
+            o.push(DEEPEP_DTYPE_FLOAT32, &[num_rows, k])
+        }
+        None => {
+            o.push_absent();
+            o.push_absent()
+        }
+    };
+    o.push(DEEPEP_DTYPE_INT32, &[num_rows]);
+    o.checked(&RECV_OUTPUTS)
+}
+
+/// Rows of the receive outputs: in cached mode the handle's count (as DeepEP, whatever
+/// num_worst_tokens says), else num_worst_tokens when > 0, else prepare's count.
+pub fn num_recv_rows(cached: bool, num_worst_tokens: i32, num_recv_tokens: i32) -> Result<i64> {
+    if !cached && num_worst_tokens > 0 {
+        return Ok(num_worst_tokens as i64);
+    }
+    let what = if cached { "the handle's receive count" } else { "the count prepare returned" };
+    ensure_arg!(num_recv_tokens >= 0, "num_recv_tokens must be {what} (>= 0), got {num_recv_tokens}");
+    Ok(num_recv_tokens as i64)
+}
+
+/// The handle's geometry for these args (deepep_intranode_dispatch_handle_outputs): reads x,
+/// config.num_sms and cached only, so the handle's descriptors may still be unset.
+pub fn handle_outputs_for(buffer: &Buffer, a: &DeepepIntranodeDispatchArgs) -> Result<DeepepOutputs> {
+    let (x, _) = check_x(a)?;
+    let channels = channel_plan(&a.config, buffer.num_device_sms())?;
+    handle_outputs(buffer.layout.num_ranks as i64, x.dims()[0], channels.num_channels as i64, a.cached != 0)
+}
+
+/// The receive geometry for complete args (deepep_intranode_dispatch_outputs): the args are
+/// validated as the op does, the outputs' rows follow [`num_recv_rows`].
+pub fn recv_outputs_for(buffer: &Buffer, a: &DeepepIntranodeDispatchArgs, num_recv_tokens: i32) -> Result<DeepepOutputs> {
+    let plan = validate(buffer, a)?;
+    plan.recv_outputs(num_recv_rows(plan.cached, plan.num_worst_tokens, num_recv_tokens)?)
+}
+
+/// x as both calls and the handle query read it: [T, H] contiguous, 16-byte aligned rows of a
+/// positive multiple of 16 bytes; with the bytes per row.
+fn check_x(a: &DeepepIntranodeDispatchArgs) -> Result<(TensorView<'_>, i64)> {
     let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16, DEEPEP_DTYPE_FLOAT16, DEEPEP_DTYPE_FLOAT32, DEEPEP_DTYPE_FLOAT8_E4M3], 2)?;
     check_aligned16("x", &x)?;
     let (t, h) = (x.dims()[0], x.dims()[1]);
-    let hidden_bytes = h * x.dtype.size();
+    let hidden_bytes = h.checked_mul(x.dtype.size()).unwrap_or(i64::MAX);
     ensure_arg!(
         hidden_bytes % 16 == 0 && hidden_bytes > 0,
         "x: hidden size {h} ({hidden_bytes} bytes per row) must give a positive multiple of 16 bytes per row \
@@ -106,6 +195,13 @@ fn validate(buffer: &Buffer, a: &DeepepIntranodeDispatchArgs) -> Result<Plan> {
     );
     ensure_arg!(hidden_bytes <= i32::MAX as i64, "x: {hidden_bytes} bytes per row is too large");
     ensure_arg!(t <= i32::MAX as i64, "x has {t} tokens; at most {} are supported", i32::MAX);
+    Ok((x, hidden_bytes))
+}
+
+fn validate(buffer: &Buffer, a: &DeepepIntranodeDispatchArgs) -> Result<Plan> {
+    let r = buffer.layout.num_ranks as i64;
+    let (x, hidden_bytes) = check_x(a)?;
+    let t = x.dims()[0];
 
     let scales = match a.x_scales.dtype {
         0 => None,
@@ -162,24 +258,31 @@ fn validate(buffer: &Buffer, a: &DeepepIntranodeDispatchArgs) -> Result<Plan> {
         (topk, e as i32, per_rank.ptr() as *const i32, per_expert.ptr() as *const i32)
     };
 
-    let rank_prefix = check("rank_prefix_matrix", Some(&a.rank_prefix_matrix), &[DEEPEP_DTYPE_INT32], 2)?;
-    check_shape("rank_prefix_matrix", &rank_prefix, &[r, r])?;
-    let channel_prefix = check("channel_prefix_matrix", Some(&a.channel_prefix_matrix), &[DEEPEP_DTYPE_INT32], 2)?;
-    ensure_arg!(
-        channel_prefix.dims() == [r, c],
-        "channel_prefix_matrix must have shape [{r}, {c}] ({r} ranks, config.num_sms / 2 = {c} channels), got {:?}{}",
-        channel_prefix.dims(),
-        if cached { "; a cached dispatch needs the config the handle was made with" } else { "" }
-    );
-    let recv_channel_prefix = check("recv_channel_prefix_matrix", Some(&a.recv_channel_prefix_matrix), &[DEEPEP_DTYPE_INT32], 2)?;
-    check_shape("recv_channel_prefix_matrix", &recv_channel_prefix, &[r, c])?;
-    let send_head = match check_opt("send_head", &a.send_head, &[DEEPEP_DTYPE_INT32], 2)? {
-        Some(v) => {
-            check_shape("send_head", &v, &[t, r])?;
-            v.ptr() as *mut i32
-        }
-        None if cached => std::ptr::null_mut(),
-        None => return Err(Error::invalid("send_head must be given (it is part of the handle)")),
+    // The handle: outputs as handle_outputs describes them; cached, its first two are inputs.
+    let handle = handle_outputs(r, t, c, cached)?;
+    let (rank_prefix, channel_prefix) = if cached {
+        let rank_prefix = check("rank_prefix_matrix", Some(&a.rank_prefix_matrix), &[DEEPEP_DTYPE_INT32], 2)?;
+        check_shape("rank_prefix_matrix", &rank_prefix, &[r, r])?;
+        let channel_prefix = check("channel_prefix_matrix", Some(&a.channel_prefix_matrix), &[DEEPEP_DTYPE_INT32], 2)?;
+        ensure_arg!(
+            channel_prefix.dims() == [r, c],
+            "channel_prefix_matrix must have shape [{r}, {c}] ({r} ranks, config.num_sms / 2 = {c} channels), got {:?}; \
+             a cached dispatch needs the config the handle was made with",
+            channel_prefix.dims()
+        );
+        (rank_prefix, channel_prefix)
+    } else {
+        (
+            check_required(HANDLE_OUTPUTS[0], &a.rank_prefix_matrix, handle.get(0))?,
+            check_required(HANDLE_OUTPUTS[1], &a.channel_prefix_matrix, handle.get(1))?,
+        )
+    };
+    let recv_channel_prefix = check_required(HANDLE_OUTPUTS[2], &a.recv_channel_prefix_matrix, handle.get(2))?;
+    // A cached dispatch may leave send_head out (DeepEP's cached calls do not return it).
+    let send_head = if cached && a.send_head.dtype == DTYPE_ABSENT {
+        std::ptr::null_mut()
+    } else {
+        check_required(HANDLE_OUTPUTS[3], &a.send_head, handle.get(3))?.ptr().cast()
     };
     ensure_arg!(a.expert_alignment >= 1, "expert_alignment must be >= 1, got {}", a.expert_alignment);
     ensure_arg!(a.num_worst_tokens >= 0, "num_worst_tokens must be >= 0, got {}", a.num_worst_tokens);
@@ -324,43 +427,32 @@ fn wait_for_recv_count(buffer: &Buffer, res: &crate::buffer::Resources, counts: 
     }
 }
 
-fn check_rows<'a>(name: &str, t: &'a DeepepTensor, dtypes: &[DeepepDtype], cols: Option<i64>, rows: i64) -> Result<TensorView<'a>> {
-    let v = check(name, Some(t), dtypes, if cols.is_some() { 2 } else { 1 })?;
-    match cols {
-        Some(c) => check_shape(name, &v, &[rows, c])?,
-        None => check_shape(name, &v, &[rows])?,
+impl Plan {
+    /// [`recv_outputs`] of this dispatch with `num_rows` rows.
+    fn recv_outputs(&self, num_rows: i64) -> Result<DeepepOutputs> {
+        recv_outputs(
+            num_rows,
+            (self.x_dtype, self.hidden_bytes / self.x_dtype.size()),
+            self.scales.map(|(dtype, _, s, _, _)| (dtype, s)),
+            self.topk.map(|(dtype, _, _, k)| (dtype, k)),
+        )
     }
-    Ok(v)
 }
 
 /// Launches the data kernel into the caller's outputs (N rows; rows past the
 /// received count stay as allocated, except recv_topk_idx = -1 there).
 pub fn launch(buffer: &Buffer, args: &DeepepIntranodeDispatchArgs, outs: &DeepepIntranodeDispatchOutputs, stream: *mut c_void) -> Result<()> {
     let plan = validate(buffer, args)?;
+    // N is recv_src_idx's length; every output must then be as recv_outputs describes.
     let src_idx = check("recv_src_idx", Some(&outs.recv_src_idx), &[DEEPEP_DTYPE_INT32], 1)?;
     let n = src_idx.dims()[0];
-    let recv_x = check_rows("recv_x", &outs.recv_x, &[plan.x_dtype], Some(plan.hidden_bytes / plan.x_dtype.size()), n)?;
+    let want = plan.recv_outputs(n)?;
+    let recv_x = check_required(RECV_OUTPUTS[0], &outs.recv_x, want.get(0))?;
     check_aligned16("recv_x", &recv_x)?;
-    let recv_scales = match plan.scales {
-        Some((dtype, _, s, _, _)) => check_rows("recv_x_scales", &outs.recv_x_scales, &[dtype], Some(s), n)?.ptr(),
-        None => {
-            ensure_arg!(outs.recv_x_scales.dtype == 0, "recv_x_scales must be absent without x_scales");
-            std::ptr::null_mut()
-        }
-    };
-    let (recv_topk, recv_weights) = match plan.topk {
-        Some((dtype, _, _, k)) => (
-            check_rows("recv_topk_idx", &outs.recv_topk_idx, &[dtype], Some(k), n)?.ptr(),
-            check_rows("recv_topk_weights", &outs.recv_topk_weights, &[DEEPEP_DTYPE_FLOAT32], Some(k), n)?.ptr(),
-        ),
-        None => {
-            ensure_arg!(
-                outs.recv_topk_idx.dtype == 0 && outs.recv_topk_weights.dtype == 0,
-                "recv_topk_idx/recv_topk_weights must be absent without topk_idx"
-            );
-            (std::ptr::null_mut(), std::ptr::null_mut())
-        }
-    };
+    let ptr = |view: Option<TensorView<'_>>| view.map_or(std::ptr::null_mut(), |v| v.ptr());
+    let recv_scales = ptr(check_output(RECV_OUTPUTS[1], &outs.recv_x_scales, want.get(1))?);
+    let recv_topk = ptr(check_output(RECV_OUTPUTS[2], &outs.recv_topk_idx, want.get(2))?);
+    let recv_weights = ptr(check_output(RECV_OUTPUTS[3], &outs.recv_topk_weights, want.get(3))?);
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
         let common = res.normal_common(
@@ -405,4 +497,80 @@ pub fn launch(buffer: &Buffer, args: &DeepepIntranodeDispatchArgs, outs: &Deepep
         let rc = unsafe { kernels::deepep_launch_normal_dispatch(&params, stream) };
         kernels::launch_result("dispatch", rc)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outputs::DEEPEP_MAX_OP_OUTPUTS;
+
+    fn dims(o: &DeepepOutputs, i: usize) -> Vec<i64> {
+        o.get(i).shape[..o.get(i).ndim as usize].to_vec()
+    }
+
+    #[test]
+    fn handle_outputs_are_one_int32_allocation() {
+        for (r, t, c) in [(2, 64, 12), (8, 0, 10), (16, 4096, 4)] {
+            let o = handle_outputs(r, t, c, false).unwrap();
+            assert_eq!((o.count, o.num_allocations, o.allocation_dtype[0]), (4, 1, DEEPEP_DTYPE_INT32 as i32));
+            assert_eq!((0..4).map(|i| dims(&o, i)).collect::<Vec<_>>(), [vec![r, r], vec![r, c], vec![r, c], vec![t, r]]);
+            assert_eq!(o.offset[..4], [0, r * r, r * r + r * c, r * r + 2 * r * c]);
+            assert_eq!(o.allocation[..4], [0; 4]);
+            assert_eq!(o.allocation_elems[0], r * r + 2 * r * c + t * r);
+
+            let cached = handle_outputs(r, t, c, true).unwrap();
+            assert_eq!((cached.count, cached.num_allocations), (4, 1));
+            assert_eq!((cached.get(0).dtype, cached.get(1).dtype, cached.allocation[0], cached.allocation[1]), (0, 0, -1, -1));
+            assert_eq!((dims(&cached, 2), dims(&cached, 3)), (vec![r, c], vec![t, r]));
+            assert_eq!((cached.offset[2], cached.offset[3], cached.allocation_elems[0]), (0, r * c, r * c + t * r));
+        }
+        assert!(handle_outputs(2, -1, 4, false).unwrap_err().message.contains("num_tokens must be >= 0"));
+        assert!(handle_outputs(8, i64::MAX / 4, 4, false).unwrap_err().message.starts_with("send_head would have shape"));
+    }
+
+    #[test]
+    fn recv_outputs_follow_the_inputs() {
+        // BF16 with int64 top-k, no scales.
+        let o = recv_outputs(100, (DEEPEP_DTYPE_BFLOAT16, 7168), None, Some((DEEPEP_DTYPE_INT64, 8))).unwrap();
+        assert_eq!((o.count, o.num_allocations), (5, 4));
+        let codes: Vec<i32> = (0..5).map(|i| o.get(i).dtype).collect();
+        assert_eq!(codes, [DEEPEP_DTYPE_BFLOAT16 as i32, 0, DEEPEP_DTYPE_INT64 as i32, DEEPEP_DTYPE_FLOAT32 as i32, DEEPEP_DTYPE_INT32 as i32]);
+        assert_eq!((dims(&o, 0), dims(&o, 2), dims(&o, 3), dims(&o, 4)), (vec![100, 7168], vec![100, 8], vec![100, 8], vec![100]));
+        // FP8 with float32 scales (row-major even when x_scales is not) and int32 top-k.
+        let o = recv_outputs(7, (DEEPEP_DTYPE_FLOAT8_E4M3, 7168), Some((DEEPEP_DTYPE_FLOAT32, 56)), Some((DEEPEP_DTYPE_INT32, 4))).unwrap();
+        assert_eq!((o.get(1).dtype, dims(&o, 1), &o.get(1).strides[..2]), (DEEPEP_DTYPE_FLOAT32 as i32, vec![7, 56], &[56, 1][..]));
+        assert_eq!((o.get(0).dtype, o.get(2).dtype), (DEEPEP_DTYPE_FLOAT8_E4M3 as i32, DEEPEP_DTYPE_INT32 as i32));
+        assert_eq!(o.num_allocations, 5);
+        // Cached (no top-k), no rows.
+        let o = recv_outputs(0, (DEEPEP_DTYPE_BFLOAT16, 256), None, None).unwrap();
+        assert_eq!((o.get(2).dtype, o.get(3).dtype, dims(&o, 0), dims(&o, 4)), (0, 0, vec![0, 256], vec![0]));
+        assert_eq!(o.allocation_elems[..2], [0, 0]);
+        assert!(recv_outputs(-1, (DEEPEP_DTYPE_BFLOAT16, 256), None, None).is_err());
+    }
+
+    #[test]
+    fn receive_rows_follow_deepeps_rule() {
+        assert_eq!(num_recv_rows(false, 0, 37).unwrap(), 37);
+        assert_eq!(num_recv_rows(false, 512, -1).unwrap(), 512, "num_worst_tokens: prepare returns -1");
+        assert_eq!(num_recv_rows(true, 0, 20).unwrap(), 20);
+        assert_eq!(num_recv_rows(true, 512, 20).unwrap(), 20, "cached: the handle's count, as DeepEP");
+        let err = num_recv_rows(true, 0, -1).unwrap_err();
+        assert_eq!(err.message, "num_recv_tokens must be the handle's receive count (>= 0), got -1");
+        assert!(num_recv_rows(false, 0, -1).unwrap_err().message.contains("the count prepare returned"));
+    }
+
+    #[test]
+    fn described_receive_outputs_are_laid_out_as_the_outputs_struct() {
+        // The host paths pass &outputs.tensors[0] as a DeepepIntranodeDispatchOutputs.
+        assert!(RECV_OUTPUTS.len() <= DEEPEP_MAX_OP_OUTPUTS);
+        assert_eq!(std::mem::size_of::<DeepepIntranodeDispatchOutputs>(), RECV_OUTPUTS.len() * std::mem::size_of::<DeepepTensor>());
+        let fields = [
+            std::mem::offset_of!(DeepepIntranodeDispatchOutputs, recv_x),
+            std::mem::offset_of!(DeepepIntranodeDispatchOutputs, recv_x_scales),
+            std::mem::offset_of!(DeepepIntranodeDispatchOutputs, recv_topk_idx),
+            std::mem::offset_of!(DeepepIntranodeDispatchOutputs, recv_topk_weights),
+            std::mem::offset_of!(DeepepIntranodeDispatchOutputs, recv_src_idx),
+        ];
+        assert_eq!(fields, [0, 80, 160, 240, 320]);
+    }
 }

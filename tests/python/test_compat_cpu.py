@@ -512,7 +512,6 @@ def test_normal_mode_argument_structs_match_the_c_abi():
     from deep_ep_cpp import _normal
 
     assert _normal._DISPATCH_ARGS.size == 11 * 80 + 20 + 16 + 4
-    assert _normal._DISPATCH_OUTPUTS.size == 5 * 80
     assert _normal._COMBINE_ARGS.size == 10 * 80 + 20 + 4
 
 
@@ -698,3 +697,158 @@ def test_deep_ep_extension_kwargs():
         buffer.low_latency_dispatch(None, None, 128, 256, use_fp16=True)
     with pytest.raises(NotImplementedError, match="internode normal-mode dispatch"):
         buffer.internode_dispatch(None)
+
+
+# --- Output geometry (DeepepOutputs) and the stream order, against the C and C++ sources ----------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run_compiled(tmp_path, compiler, source, *flags):
+    """Builds and runs a small C/C++ program; skips without the compiler."""
+    path = shutil.which(compiler)
+    if path is None:
+        pytest.skip(f"no {compiler}")
+    src = tmp_path / ("probe.c" if compiler == "gcc" else "probe.cpp")
+    src.write_text(source)
+    exe = tmp_path / "probe"
+    subprocess.run([path, *flags, str(src), "-o", str(exe)], check=True, capture_output=True, text=True)
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+
+
+def test_outputs_struct_matches_the_c_header(tmp_path):
+    """ctypes' DeepepOutputs (and the DeepepTensor in it) has the C header's offsets and sizes, and
+    the receive outputs' descriptors can be passed as a DeepepIntranodeDispatchOutputs."""
+    from deep_ep_cpp import _lib
+
+    structs = {"DeepepOutputs": _lib.DeepepOutputs, "DeepepTensor": _lib.DeepepTensor}
+    recv = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
+    fields = [(name, f) for name, cls in structs.items() for f, _ in cls._fields_]
+    fields += [("DeepepIntranodeDispatchOutputs", f) for f in recv]
+    probe = "\n".join(f'  printf("{s}.{f} %zu %zu\\n", offsetof({s}, {f}), sizeof((({s} *)0)->{f}));'
+                      for s, f in fields)
+    sizes = "\n".join(f'  printf("{s} %zu\\n", sizeof({s}));' for s in (*structs, "DeepepIntranodeDispatchOutputs"))
+    source = f"#include <stddef.h>\n#include <stdio.h>\n#include \"deepep_nccl.h\"\nint main(void) {{\n{sizes}\n{probe}\n  return 0;\n}}\n"
+    lines = _run_compiled(tmp_path, "gcc", source, "-std=c11", "-Wall", "-Werror", f"-I{REPO / 'include'}")
+    got = dict(line.split(" ", 1) for line in lines if line)
+    tensor = ctypes.sizeof(_lib.DeepepTensor)
+    want = {name: str(ctypes.sizeof(cls)) for name, cls in structs.items()}
+    want["DeepepIntranodeDispatchOutputs"] = str(len(recv) * tensor)
+    for s, f in fields:
+        if s in structs:
+            field = getattr(structs[s], f)
+            want[f"{s}.{f}"] = f"{field.offset} {field.size}"
+        else:  # tensors[i] of the receive outputs' description is field i
+            want[f"{s}.{f}"] = f"{recv.index(f) * tensor} {tensor}"
+    assert got == want
+    assert _lib._OUTPUTS_FORMAT.size == ctypes.sizeof(_lib.DeepepOutputs)
+
+
+def test_allocate_outputs_follows_the_description(monkeypatch):
+    """allocate_outputs (with a stand-in torch): outputs sharing an allocation are views of one
+    torch.empty at their offsets, the others one empty_strided each, absent ones None; point_outputs
+    then writes each address into its descriptor."""
+    import types
+
+    from deep_ep_cpp import _lib
+
+    made = []
+
+    class Storage:
+        def __init__(self, elems, dtype):
+            self.elems, self.dtype = elems, dtype
+
+        def as_strided(self, shape, strides, offset):
+            return Tensor((self.dtype, shape, strides, offset), 0x1000 + offset)
+
+    class Tensor(tuple):
+        def __new__(cls, fields, ptr):
+            t = super().__new__(cls, fields)
+            t.ptr = ptr
+            return t
+
+        def data_ptr(self):
+            return self.ptr
+
+    def empty(elems, dtype, device):
+        made.append((elems, dtype, device))
+        if isinstance(elems, tuple):  # a contiguous output alone in its allocation
+            return Tensor((dtype, elems, device), 0x2000)
+        return Storage(elems, dtype)
+
+    fake = types.SimpleNamespace(empty=empty, empty_strided=lambda shape, strides, dtype, device: Tensor(
+        (dtype, shape, strides, device), 0x2000))
+    monkeypatch.setattr(_lib, "torch", fake)
+    monkeypatch.setattr(_lib, "DTYPES_BY_CODE", {_lib.DTYPE_INT32: "int32", _lib.DTYPE_BOOL: "bool"})
+    # The layout's description with 4 ranks, 16 experts, 8 tokens: counts [4] + [16] in one int32
+    # allocation, no rdma counts, is_token_in_rank [8, 4] alone.
+    o = _lib.DeepepOutputs()
+    o.count, o.num_allocations = 4, 2
+    layout = [(_lib.DTYPE_INT32, (4,), (1,), 0, 0), None, (_lib.DTYPE_INT32, (16,), (1,), 0, 4),
+              (_lib.DTYPE_BOOL, (8, 4), (4, 1), 1, 0)]
+    for i, desc in enumerate(layout):
+        if desc is None:
+            o.allocation[i] = -1
+            continue
+        code, shape, strides, group, offset = desc
+        pad = (0,) * (4 - len(shape))
+        _lib.TENSOR_FORMAT.pack_into(o, _lib.DeepepOutputs.tensors.offset + i * 80, 0, code, len(shape), *shape, *pad,
+                                     *strides, *pad)
+        o.allocation[i], o.offset[i] = group, offset
+    o.allocation_dtype[0], o.allocation_elems[0] = _lib.DTYPE_INT32, 20
+    o.allocation_dtype[1], o.allocation_elems[1] = _lib.DTYPE_BOOL, 32
+    tensors = _lib.allocate_outputs(o, "dev")
+    assert made == [(20, "int32", "dev"), ((8, 4), "bool", "dev")]
+    assert tensors == [("int32", (4,), (1,), 0), None, ("int32", (16,), (1,), 4), ("bool", (8, 4), "dev")]
+    _lib.point_outputs(o, tensors)
+    assert [o.tensors[i].data or 0 for i in range(4)] == [0x1000, 0, 0x1004, 0x2000]
+    assert _lib.output_address(o, 3) == ctypes.addressof(o.tensors[3])
+    assert (o.tensors[3].ndim, tuple(o.tensors[3].shape[:2])) == (2, (8, 4))  # only the address changed
+
+
+def test_stream_order_matches_the_compiled_path(tmp_path, monkeypatch):
+    """The two implementations of DeepEP's stream order (_streams.py through torch events, the
+    compiled path's _fast_order.h through the driver) have the same flags, and each set of flags
+    makes the same waits in the same order around a launch."""
+    from deep_ep_cpp import _streams
+
+    source = """#include <cstdio>
+#include "_fast_order.h"
+static const char* name(uintptr_t s) { return s == 1 ? "comm" : "compute"; }
+struct Recorder {
+  bool usable() const { return true; }
+  int wait(uintptr_t waiter, uintptr_t signaler) const {
+    std::printf(" %s<-%s", name(waiter), name(signaler));
+    return 0;
+  }
+  void synchronize(uintptr_t) const {}
+};
+int main() {
+  std::printf("%d %d\\n", deepep_fast::kOrderBefore, deepep_fast::kOrderAfter);
+  const Recorder recorder;
+  for (int flags = 0; flags < 4; ++flags) {
+    const deepep_fast::OrderingOf<Recorder> ordering{&recorder, 2, flags};
+    std::printf("%d:", flags);
+    ordering.before(1);  // the launch on the comm stream (1) comes here
+    ordering.after(1);
+    std::printf("\\n");
+  }
+}
+"""
+    compiled = _run_compiled(tmp_path, "g++", source, "-std=c++17", "-Wall", "-Wextra", "-Werror",
+                             f"-I{REPO / 'compat' / 'python' / 'deep_ep_cpp'}")
+    assert compiled[0] == f"{_streams.ORDER_BEFORE} {_streams.ORDER_AFTER}"
+
+    waits = []
+    monkeypatch.setattr(_streams, "stream_wait_stream", lambda event, waiter, signaler: waits.append(
+        f" {waiter}<-{signaler}"))
+    protocol = _streams.StreamProtocol()
+    protocol._sync_event = "event"
+    python = []
+    for flags in range(4):
+        waits.clear()
+        protocol._order_before(flags, "comm", "compute")  # the ctypes path's launch comes here
+        protocol._op_end("comm", "compute", False, False, (), flags)
+        python.append(f"{flags}:" + "".join(waits))
+    assert compiled[1:5] == python
+    assert python[3] == "3: comm<-compute compute<-comm"

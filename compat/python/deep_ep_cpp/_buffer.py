@@ -1,7 +1,6 @@
 """deep_ep_cpp.Buffer: DeepEP's pybind Buffer (positional C++ signatures) over the C ABI."""
 import contextlib
 import ctypes
-import struct
 import sys
 import warnings
 from ctypes import byref, c_bool, c_int, c_int64, c_void_p
@@ -11,12 +10,14 @@ from ._low_latency import LowLatencyMode
 from ._normal import NormalMode
 from ._streams import without_torch_function
 from ._lib import (
-    DTYPE_BOOL,
-    DTYPE_INT32,
     UNIQUE_ID_BYTES,
+    DeepepOutputs,
     DeepepTensor,
+    allocate_outputs,
     check,
     lib,
+    output_address,
+    point_outputs,
     raise_status,
     require_torch,
 )
@@ -27,8 +28,6 @@ _HANDLE_BYTES = len(_HANDLE_MAGIC) + UNIQUE_ID_BYTES
 _NUM_MAX_NVL_PEERS = 8
 
 _pack_tensor = _lib.TENSOR_FORMAT.pack_into
-# `data` is a DeepepTensor's first field: re-point a descriptor whose shape is fixed.
-_pack_data = struct.Struct("@P").pack_into
 
 _torch = _lib.torch
 _DTYPE_CODES = _lib.TORCH_DTYPE_CODES
@@ -104,21 +103,15 @@ class Buffer(NormalMode, LowLatencyMode):
         self._comm_stream = None
         self._comm_stream_ptr = None
 
-        # Layout descriptors live as long as the Buffer; each call only repacks them.
-        self._num_layout_rdma_ranks = num_ranks // _NUM_MAX_NVL_PEERS if num_ranks > _NUM_MAX_NVL_PEERS else 0
+        # The layout's descriptors live as long as the Buffer: topk_idx's, and the outputs' as the
+        # library describes them (deepep_get_dispatch_layout_outputs), re-pointed per call.
         self._topk_desc = DeepepTensor()
-        self._rank_desc = DeepepTensor()
-        self._rdma_desc = DeepepTensor()
-        self._expert_desc = DeepepTensor()
-        self._in_rank_desc = DeepepTensor()
-        _pack_tensor(self._rank_desc, 0, 0, DTYPE_INT32, 1, num_ranks, 0, 0, 0, 1, 0, 0, 0)
-        _pack_tensor(self._rdma_desc, 0, 0, DTYPE_INT32, 1, self._num_layout_rdma_ranks, 0, 0, 0, 1, 0, 0, 0)
         self._topk_addr = ctypes.addressof(self._topk_desc)
-        self._rank_addr = ctypes.addressof(self._rank_desc)
-        self._rdma_addr = ctypes.addressof(self._rdma_desc) if self._num_layout_rdma_ranks else None
-        self._expert_addr = ctypes.addressof(self._expert_desc)
-        self._in_rank_addr = ctypes.addressof(self._in_rank_desc)
+        self._layout_outputs = DeepepOutputs()
+        self._layout_outputs_addr = ctypes.addressof(self._layout_outputs)
+        self._layout_output_addrs = [output_address(self._layout_outputs, i) for i in range(4)]
         self._layout_fn = lib.deepep_get_dispatch_layout
+        self._layout_outputs_fn = lib.deepep_get_dispatch_layout_outputs
         self._sync_event = None
         # The compiled host path: built (once per machine) or loaded here, in the collective
         # constructor, not in a first op that peers may already wait on.
@@ -255,8 +248,10 @@ class Buffer(NormalMode, LowLatencyMode):
             self._normal_fast = self._fast.NormalOps(
                 *(ctypes.cast(fn, c_void_p).value for fn in (
                     lib.deepep_get_dispatch_layout, lib.deepep_intranode_dispatch_prepare,
-                    lib.deepep_intranode_dispatch, lib.deepep_intranode_combine)),
-                self._num_ranks, self._num_layout_rdma_ranks, self._device_id)
+                    lib.deepep_intranode_dispatch, lib.deepep_intranode_combine,
+                    lib.deepep_get_dispatch_layout_outputs, lib.deepep_intranode_dispatch_handle_outputs,
+                    lib.deepep_intranode_dispatch_outputs, lib.deepep_intranode_combine_outputs)),
+                self._num_ranks, self._device_id)
 
     def destroy(self):
         handle = self._live_handle()
@@ -284,61 +279,39 @@ class Buffer(NormalMode, LowLatencyMode):
                 order = 0  # the compiled path did the waits
         finally:
             self._op_allocated(compute, allocate_on_comm_stream)
-        per_rank, per_rdma, per_expert, in_rank, counts = result
-        event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (topk_idx, counts, in_rank), order)
+        per_rank, per_rdma, per_expert, in_rank = result
+        # per_rank's storage is the one allocation of the three count vectors.
+        event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (topk_idx, per_rank, in_rank), order)
         return per_rank, per_rdma, per_expert, in_rank, event
 
     def _layout_ctypes(self, handle, topk_idx, num_experts):
         """The layout through ctypes: (per rank, per rdma rank or None, per expert,
-        is_token_in_rank, the allocation behind the counts), as the compiled path's."""
-        torch = _torch
+        is_token_in_rank) as the library describes them, as the compiled path's."""
         self._check_device("topk_idx", topk_idx)
         code = _DTYPE_CODES.get(topk_idx.dtype)
         if code is None:
             raise RuntimeError(
                 f"deepep-nccl: topk_idx must have dtype torch.int64 or torch.int32, got {topk_idx.dtype}"
             )
-        if num_experts <= 0:  # before sizing tensors by it
-            raise RuntimeError(f"deepep-nccl: num_experts must be positive, got {num_experts}")
-        # One allocation for the three count vectors, plus is_token_in_rank.
-        num_ranks = self._num_ranks
-        num_rdma_ranks = self._num_layout_rdma_ranks
         shape = topk_idx.shape
-        num_tokens = shape[0] if shape else 0
-        counts = torch.empty(num_ranks + num_rdma_ranks + num_experts, dtype=torch.int32, device=self._device)
-        in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=self._device)
-        if num_rdma_ranks:
-            per_rank, per_rdma, per_expert = counts.split_with_sizes((num_ranks, num_rdma_ranks, num_experts))
-        else:
-            per_rank, per_expert = counts.split_with_sizes((num_ranks, num_experts))
-            per_rdma = None
-
-        # Descriptors (strides in elements). Dims past the 4th are dropped: the C ABI rejects
-        # any topk_idx that is not 2-D by its ndim anyway.
+        outputs = self._layout_outputs
+        status = self._layout_outputs_fn(handle, shape[0] if shape else 0, num_experts, self._layout_outputs_addr)
+        if status:
+            raise_status(status)
+        tensors = allocate_outputs(outputs, self._device)
+        point_outputs(outputs, tensors)
+        # topk_idx's descriptor (strides in elements). Dims past the 4th are dropped: the C ABI
+        # rejects any topk_idx that is not 2-D by its ndim anyway.
         dims = (*shape, 0, 0, 0, 0)[:4]
         strides = (*topk_idx.stride(), 0, 0, 0, 0)[:4]
         _pack_tensor(self._topk_desc, 0, topk_idx.data_ptr(), code, len(shape), *dims, *strides)
-        base = counts.data_ptr()
-        _pack_data(self._rank_desc, 0, base)
-        if num_rdma_ranks:
-            _pack_data(self._rdma_desc, 0, base + 4 * num_ranks)
-        expert_ptr = base + 4 * (num_ranks + num_rdma_ranks)
-        _pack_tensor(self._expert_desc, 0, expert_ptr, DTYPE_INT32, 1, num_experts, 0, 0, 0, 1, 0, 0, 0)
-        in_rank_ptr = in_rank.data_ptr()
-        _pack_tensor(self._in_rank_desc, 0, in_rank_ptr, DTYPE_BOOL, 2, num_tokens, num_ranks, 0, 0, num_ranks, 1, 0, 0)
-        status = self._layout_fn(
-            handle,
-            self._topk_addr,
-            num_experts,
-            self._rank_addr,
-            self._rdma_addr,
-            self._expert_addr,
-            self._in_rank_addr,
-            self._comm_stream_ptr,
-        )
+        rank_addr, rdma_addr, expert_addr, in_rank_addr = self._layout_output_addrs
+        status = self._layout_fn(handle, self._topk_addr, num_experts, rank_addr,
+                                 None if tensors[1] is None else rdma_addr, expert_addr, in_rank_addr,
+                                 self._comm_stream_ptr)
         if status:
             raise_status(status)
-        return per_rank, per_rdma, per_expert, in_rank, counts
+        return tensors
 
     def internode_dispatch(
         self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,

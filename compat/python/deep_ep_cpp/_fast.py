@@ -26,8 +26,8 @@ _NAME = "_deepep_fast"
 _HERE = Path(__file__).resolve().parent
 _SOURCE = _HERE / "_fast.cpp"
 # What the build compiles: the module and the headers it includes (one translation unit).
-_SOURCES = (_SOURCE, _HERE / "_fast_common.h", _HERE / "_fast_streams.h", _HERE / "_fast_ll.h",
-            _HERE / "_fast_normal.h", _HERE / "_fast_hook.h")
+_SOURCES = (_SOURCE, _HERE / "_fast_common.h", _HERE / "_fast_order.h", _HERE / "_fast_streams.h",
+            _HERE / "_fast_ll.h", _HERE / "_fast_normal.h", _HERE / "_fast_hook.h")
 _module = None
 _tried = False
 

@@ -72,6 +72,16 @@ inline std::array<c10::optional<at::Tensor>, DEEPEP_MAX_OP_OUTPUTS> allocate(con
   return out;
 }
 
+// allocate(), plus each present output's address written into its descriptor: o.tensors[i] then
+// describes output i completely, ready for the op (absent ones stay all-zero).
+inline std::array<c10::optional<at::Tensor>, DEEPEP_MAX_OP_OUTPUTS> allocate_placed(DeepepOutputs& o,
+                                                                                  const at::TensorOptions& on_device) {
+  auto out = allocate(o, on_device);
+  for (int i = 0; i < o.count; ++i)
+    if (out[i].has_value()) o.tensors[i].data = out[i]->data_ptr();
+  return out;
+}
+
 // The C ABI's descriptor of t (strides in elements); false for a dtype or rank it cannot carry.
 // The Rust side checks shapes and dtypes against the op.
 inline bool describe(DeepepTensor& d, const at::Tensor& t) {

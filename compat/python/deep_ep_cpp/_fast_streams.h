@@ -2,18 +2,17 @@
 // stream before an op, and the compute stream for the comm stream after it, through an event.
 // The module is built with torch's headers only (no CUDA toolkit needed), so the few CUDA driver
 // entry points are looked up in the libcuda that torch already loaded. Through Python the same
-// two record + wait pairs cost about 3.5 us per op (torch's event methods).
+// two record + wait pairs cost about 3.5 us per op (torch's event methods). The ctypes path's twin
+// is _streams.py; _fast_order.h says why two remain and which test holds them equal.
 #pragma once
 
 #include <dlfcn.h>
 
 #include "_fast_common.h"
+#include "_fast_order.h"
 
 namespace deepep_fast {
 
-// Order flags of an op: what the compiled path does around its launch.
-constexpr int kOrderBefore = 1;  // the launch stream waits for the compute stream's work so far
-constexpr int kOrderAfter = 2;   // the compute stream waits for the launch
 // Returned (with the driver's error code) when the ordering itself failed.
 constexpr int kDriverError = -3;
 
@@ -91,26 +90,8 @@ class StreamOrder {
   CudaDriver::Event event_ = nullptr;
 };
 
-// The ordering around one launch on `stream` for an op called on `compute` (flags: kOrder*).
-struct Ordering {
-  const StreamOrder* order;
-  uintptr_t compute;
-  int flags;
-
-  // Checked before anything else: an op that cannot order its streams here takes the ctypes path.
-  bool usable() const { return flags == 0 || order->usable(); }
-
-  // Before a launch whose input checks passed; 0 or the driver's error.
-  int before(uintptr_t stream) const { return (flags & kOrderBefore) ? order->wait(stream, compute) : 0; }
-  // After a successful launch; 0 or the driver's error. On an error the caller drops the op's
-  // outputs, which the compute stream's allocator may then reuse: the launch finishes first.
-  int after(uintptr_t stream) const {
-    if (!(flags & kOrderAfter)) return 0;
-    const int error = order->wait(compute, stream);
-    if (error != 0) order->synchronize(stream);
-    return error;
-  }
-};
+// The ordering around one launch (_fast_order.h) through this buffer's event.
+using Ordering = OrderingOf<StreamOrder>;
 
 inline py::tuple driver_error(int code) { return py::make_tuple(kDriverError, code); }
 

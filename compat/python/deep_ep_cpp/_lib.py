@@ -86,25 +86,41 @@ class DeepepOutputs(ctypes.Structure):
     ]
 
 
+# A whole DeepepOutputs in one unpack (much cheaper than reading ctypes fields one by one): count,
+# num_allocations, 8 x the 11 DeepepTensor fields, then allocation, offset, allocation_dtype and
+# allocation_elems (8 each).
+_OUTPUTS_FORMAT = struct.Struct(f"@2i{'Pii4q4q' * MAX_OP_OUTPUTS}{MAX_OP_OUTPUTS}i{MAX_OP_OUTPUTS}q"
+                                f"{MAX_OP_OUTPUTS}i{MAX_OP_OUTPUTS}q")
+assert _OUTPUTS_FORMAT.size == ctypes.sizeof(DeepepOutputs)
+_GROUP_AT = 2 + 11 * MAX_OP_OUTPUTS
+_OFFSET_AT = _GROUP_AT + MAX_OP_OUTPUTS
+_ALLOCATION_DTYPE_AT = _OFFSET_AT + MAX_OP_OUTPUTS
+_ALLOCATION_ELEMS_AT = _ALLOCATION_DTYPE_AT + MAX_OP_OUTPUTS
+_TENSORS_OFFSET = DeepepOutputs.tensors.offset
+_TENSOR_BYTES = ctypes.sizeof(DeepepTensor)
+
+
 def output_plan(outputs):
-    """A DeepepOutputs read once into plain Python for allocate_planned (ctypes field reads cost
-    more than the allocations): per output None (absent) or (shape, strides, contiguous, dtype
-    code, shared allocation or -1 when alone, offset), and per allocation shared by several
-    outputs (index, elements, dtype code)."""
-    count = outputs.count
-    groups = outputs.allocation[:count]
+    """A DeepepOutputs read once into plain Python for allocate_planned: per output None (absent)
+    or (shape, strides, contiguous, dtype code, shared allocation or -1 when alone, offset), and
+    per allocation shared by several outputs (index, elements, dtype code)."""
+    fields = _OUTPUTS_FORMAT.unpack_from(outputs)
+    count = fields[0]
+    groups = fields[_GROUP_AT:_GROUP_AT + count]
     shared = tuple(sorted({g for g in groups if g >= 0 and groups.count(g) > 1}))
     entries = []
     for i in range(count):
-        t, g = outputs.tensors[i], groups[i]
+        g = groups[i]
         if g < 0:
             entries.append(None)
             continue
-        n = t.ndim
-        shape, strides = tuple(t.shape[:n]), tuple(t.strides[:n])
-        entries.append((shape, strides, strides == _row_major(shape), t.dtype, g if g in shared else -1,
-                        outputs.offset[i]))
-    return tuple(entries), tuple((g, outputs.allocation_elems[g], outputs.allocation_dtype[g]) for g in shared)
+        at = 2 + 11 * i  # data, dtype, ndim, shape[4], strides[4]
+        n = fields[at + 2]
+        shape, strides = fields[at + 3:at + 3 + n], fields[at + 7:at + 7 + n]
+        entries.append((shape, strides, strides == _row_major(shape), fields[at + 1], g if g in shared else -1,
+                        fields[_OFFSET_AT + i]))
+    shared_allocations = tuple((g, fields[_ALLOCATION_ELEMS_AT + g], fields[_ALLOCATION_DTYPE_AT + g]) for g in shared)
+    return tuple(entries), shared_allocations
 
 
 def _row_major(shape):
@@ -116,7 +132,9 @@ def _row_major(shape):
 
 
 def allocate_planned(plan, device):
-    """The outputs of an output_plan, allocated by torch: a list with None for absent outputs."""
+    """The outputs of an output_plan, allocated by torch (its caching allocator stays in charge):
+    a list with None for absent outputs. An output alone in its allocation is one torch.empty
+    (contiguous) or torch.empty_strided; outputs sharing one are views of a single torch.empty."""
     entries, shared = plan
     torch = require_torch()
     dtypes = DTYPES_BY_CODE
@@ -137,11 +155,25 @@ def allocate_planned(plan, device):
 
 
 def allocate_outputs(outputs, device):
-    """The outputs a DeepepOutputs describes, allocated by torch (its caching allocator stays in
-    charge): a list with None for absent outputs. An output alone in its allocation is one
-    torch.empty (contiguous) or torch.empty_strided; outputs sharing one are views of a single
-    torch.empty. allocate_planned(output_plan(...)) for outputs allocated many times."""
+    """allocate_planned(output_plan(outputs)): for outputs described once per call."""
     return allocate_planned(output_plan(outputs), device)
+
+
+def point_outputs(outputs, tensors):
+    """Writes the address of each allocated output (allocate_outputs' list) into its descriptor in
+    `outputs`: tensors[i] of the struct (at output_address(outputs, i)) then describes output i
+    completely, ready for the op; absent ones stay all-zero."""
+    for i, t in enumerate(tensors):
+        if t is not None:
+            _pack_pointer(outputs, _TENSORS_OFFSET + i * _TENSOR_BYTES, t.data_ptr())
+
+
+def output_address(outputs, i):
+    """The address of outputs.tensors[i], a DeepepTensor (for point_outputs' descriptors)."""
+    return ctypes.addressof(outputs) + _TENSORS_OFFSET + i * _TENSOR_BYTES
+
+
+_pack_pointer = struct.Struct("@P").pack_into
 
 
 # Packs a whole DeepepTensor in one call: much cheaper than setting ctypes fields one by one.
@@ -216,6 +248,11 @@ _PROTOTYPES = {
         [c_void_p, c_int64, c_int64, c_int, c_bool, c_bool, POINTER(DeepepOutputs)],
     ),
     "deepep_low_latency_combine_outputs": (c_int, [c_void_p, c_int64, c_int64, POINTER(DeepepOutputs)]),
+    # Output geometry of the layout and the normal-mode ops (writes a DeepepOutputs).
+    "deepep_get_dispatch_layout_outputs": (c_int, [c_void_p, c_int64, c_int, c_void_p]),
+    "deepep_intranode_dispatch_handle_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_intranode_dispatch_outputs": (c_int, [c_void_p, c_void_p, c_int, c_void_p]),
+    "deepep_intranode_combine_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
 }
 
 

@@ -43,8 +43,10 @@ def stream_handle(stream):
 
 
 # The waits of DeepEP's protocol an op still has to do (the compiled path's order flags, the same
-# values as _fast_streams.h's): the launch stream after the compute stream, and the compute stream
-# after the launch. The compiled path does them around its launch; the ctypes path here.
+# values as _fast_order.h's): the launch stream after the compute stream, and the compute stream
+# after the launch. The compiled path does them around its launch through the CUDA driver (it must
+# not call back into Python), the ctypes path here through torch events: two implementations, held
+# to the same flags and waits by tests/python (test_stream_order_matches_the_compiled_path).
 ORDER_BEFORE = 1
 ORDER_AFTER = 2
 
