@@ -8,7 +8,8 @@ use parking_lot::Mutex;
 
 use crate::config::{check_buffer_args, RankLayout};
 use crate::cuda::{self, DeviceMemory, HostMapped, PrimaryContext, Stream};
-use crate::error::{DeepepStatus, Error, Result};
+use crate::error::{Error, Result};
+use crate::faults;
 use crate::kernels::{self, StallRecord, WaitContext};
 use crate::nccl::{self, Communicator, DevComm, LsaGeometry, SymmetricWindow};
 
@@ -362,35 +363,13 @@ impl Buffer {
         let fault = res.fault.read();
         if fault.flag == 1 {
             res.fault.write(kernels::FaultRecord::default());
-            return Err(crate::normal::fault_error(&fault));
+            return Err(faults::fault_error(&fault));
         }
         let record = res.stall.read();
         if record.flag == 0 {
             return Ok(());
         }
-        let (peer, n) = (record.peer, record.counter);
-        let what = match record.op {
-            kernels::WAIT_OP_LSA_BARRIER => format!("rank {peer} never arrived at LSA barrier slot {n}"),
-            kernels::WAIT_OP_DISPATCH_SLOT => format!("rank {peer} never sent its dispatch data (channel {n})"),
-            kernels::WAIT_OP_DISPATCH_CONSUMED => format!("rank {peer} never freed a dispatch ring slot (channel {n})"),
-            kernels::WAIT_OP_COMBINE_SLOT => format!("rank {peer} never sent its combine data (channel {n})"),
-            kernels::WAIT_OP_COMBINE_CONSUMED => format!("rank {peer} never freed a combine ring slot (channel {n})"),
-            kernels::WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch"),
-            kernels::WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine"),
-            kernels::WAIT_OP_LL_CLEAN => format!("rank {peer} never arrived at clean_low_latency_buffer's barrier"),
-            other => format!("rank {peer} stalled wait op {other} counter {n}"),
-        };
-        let err = Error::new(
-            DeepepStatus::DEEPEP_ERROR_TIMEOUT,
-            format!(
-                "GPU wait timed out on rank {} after {:.1} s: {what} (expected {}, saw {}). \
-                 The buffer is unusable; destroy it.",
-                record.rank,
-                self.timeout_ns.load(Ordering::Relaxed) as f64 / 1e9,
-                record.expected,
-                record.seen
-            ),
-        );
+        let err = faults::stall_error(&record, self.timeout_ns.load(Ordering::Relaxed));
         *self.failure.lock() = Some(err.clone());
         Err(err)
     }
