@@ -19,7 +19,29 @@
  */
 #define DEEPEP_UNIQUE_ID_BYTES 128
 
+/**
+ * Most dimensions of a `DeepepTensor`.
+ */
 #define DEEPEP_MAX_DIMS 4
+
+/**
+ * Most experts per rank: the capacity of a per-expert received-count list.
+ */
+#define DEEPEP_MAX_LOCAL_EXPERTS 1024
+
+/**
+ * GPUs per NVLink domain (DeepEP's `NUM_MAX_NVL_PEERS`); normal mode runs within one.
+ */
+#define DEEPEP_NUM_MAX_NVL_PEERS 8
+
+/**
+ * `phases` of a low-latency call: the send, the receive (DeepEP's hook), or both.
+ */
+#define DEEPEP_LL_PHASE_SEND 1
+
+#define DEEPEP_LL_PHASE_RECV 2
+
+#define DEEPEP_LL_PHASE_BOTH (DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV)
 
 /**
  * Status codes returned by every C ABI function.

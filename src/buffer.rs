@@ -225,7 +225,6 @@ impl Buffer {
                 unique_id.len()
             ))
         })?;
-        kernels::check_struct_layouts()?;
         let device_id = cuda::current_device()?;
         nccl::check_runtime_version()?;
         let timeout_ns = std::env::var("DEEPEP_GPU_TIMEOUT_SECS")

@@ -5,7 +5,7 @@ use crate::ensure_arg;
 use crate::error::Result;
 
 /// GPUs per NVLink domain in DeepEP's topology (`NUM_MAX_NVL_PEERS`).
-pub const NUM_MAX_NVL_PEERS: i32 = 8;
+pub const NUM_MAX_NVL_PEERS: i32 = crate::capi::DEEPEP_NUM_MAX_NVL_PEERS;
 /// Nodes for the normal internode kernels (`NUM_MAX_RDMA_PEERS`).
 pub const NUM_MAX_RDMA_PEERS: i32 = 20;
 /// `num_nvl_bytes` / `num_rdma_bytes` must be multiples of this.

@@ -5,21 +5,22 @@ use crate::kernels::{self, FaultRecord, StallRecord};
 
 /// Turns a fault the GPU recorded into an error naming the argument and the limit.
 pub(crate) fn fault_error(f: &FaultRecord) -> Error {
-    let message = match f.code {
-        kernels::FAULT_TOPK_OUT_OF_RANGE => format!(
+    // A negative code wraps to no known code.
+    let message = match f.code as kernels::DeepepFaultCode {
+        kernels::DEEPEP_FAULT_TOPK_OUT_OF_RANGE => format!(
             "topk_idx holds {} at flat index {}; entries must be -1 or an expert id in [0, {})",
             f.b, f.a, f.c
         ),
-        kernels::FAULT_RANK_COUNT => format!(
+        kernels::DEEPEP_FAULT_RANK_COUNT => format!(
             "num_tokens_per_rank[{}] is {} but is_token_in_rank selects {} tokens for rank {}; \
              pass the outputs of one get_dispatch_layout call",
             f.a, f.b, f.c, f.a
         ),
-        kernels::FAULT_WORST_TOO_SMALL => format!(
+        kernels::DEEPEP_FAULT_WORST_TOO_SMALL => format!(
             "num_worst_tokens ({}) is smaller than the {} tokens this rank received; rows past it were dropped",
             f.a, f.b
         ),
-        other => format!("the GPU reported bad input (fault code {other}, {} {} {})", f.a, f.b, f.c),
+        _ => format!("the GPU reported bad input (fault code {}, {} {} {})", f.code, f.a, f.b, f.c),
     };
     Error::invalid(message)
 }
@@ -27,16 +28,17 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
 /// Turns an expired GPU wait into the timeout error that makes the buffer unusable.
 pub(crate) fn stall_error(record: &StallRecord, timeout_ns: u64) -> Error {
     let (peer, n) = (record.peer, record.counter);
-    let what = match record.op {
-        kernels::WAIT_OP_LSA_BARRIER => format!("rank {peer} never arrived at LSA barrier slot {n}"),
-        kernels::WAIT_OP_DISPATCH_SLOT => format!("rank {peer} never sent its dispatch data (channel {n})"),
-        kernels::WAIT_OP_DISPATCH_CONSUMED => format!("rank {peer} never freed a dispatch ring slot (channel {n})"),
-        kernels::WAIT_OP_COMBINE_SLOT => format!("rank {peer} never sent its combine data (channel {n})"),
-        kernels::WAIT_OP_COMBINE_CONSUMED => format!("rank {peer} never freed a combine ring slot (channel {n})"),
-        kernels::WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch"),
-        kernels::WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine"),
-        kernels::WAIT_OP_LL_CLEAN => format!("rank {peer} never arrived at clean_low_latency_buffer's barrier"),
-        other => format!("rank {peer} stalled wait op {other} counter {n}"),
+    // A negative op wraps to no known op.
+    let what = match record.op as kernels::DeepepWaitOp {
+        kernels::DEEPEP_WAIT_OP_LSA_BARRIER => format!("rank {peer} never arrived at LSA barrier slot {n}"),
+        kernels::DEEPEP_WAIT_OP_DISPATCH_SLOT => format!("rank {peer} never sent its dispatch data (channel {n})"),
+        kernels::DEEPEP_WAIT_OP_DISPATCH_CONSUMED => format!("rank {peer} never freed a dispatch ring slot (channel {n})"),
+        kernels::DEEPEP_WAIT_OP_COMBINE_SLOT => format!("rank {peer} never sent its combine data (channel {n})"),
+        kernels::DEEPEP_WAIT_OP_COMBINE_CONSUMED => format!("rank {peer} never freed a combine ring slot (channel {n})"),
+        kernels::DEEPEP_WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch"),
+        kernels::DEEPEP_WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine"),
+        kernels::DEEPEP_WAIT_OP_LL_CLEAN => format!("rank {peer} never arrived at clean_low_latency_buffer's barrier"),
+        _ => format!("rank {peer} stalled wait op {} counter {n}", record.op),
     };
     Error::new(
         DeepepStatus::DEEPEP_ERROR_TIMEOUT,
@@ -57,9 +59,9 @@ mod tests {
 
     #[test]
     fn faults_name_the_argument() {
-        let f = FaultRecord { flag: 1, code: kernels::FAULT_TOPK_OUT_OF_RANGE, a: 5, b: 300, c: 256 };
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_TOPK_OUT_OF_RANGE as i32, a: 5, b: 300, c: 256 };
         assert!(fault_error(&f).message.contains("topk_idx holds 300 at flat index 5"));
-        let f = FaultRecord { flag: 1, code: kernels::FAULT_RANK_COUNT, a: 2, b: 10, c: 9 };
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RANK_COUNT as i32, a: 2, b: 10, c: 9 };
         assert!(fault_error(&f).message.starts_with("num_tokens_per_rank[2] is 10"));
     }
 
@@ -69,7 +71,7 @@ mod tests {
             flag: 1,
             rank: 3,
             peer: 5,
-            op: kernels::WAIT_OP_DISPATCH_SLOT,
+            op: kernels::DEEPEP_WAIT_OP_DISPATCH_SLOT as i32,
             counter: 7,
             reserved: 0,
             expected: 2,

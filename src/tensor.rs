@@ -1,9 +1,8 @@
 //! Tensors cross the C ABI as small descriptors: pointer, dtype, shape, strides.
 //! This module validates them and names the offending argument on failure.
+use crate::capi::DEEPEP_MAX_DIMS;
 use crate::ensure_arg;
 use crate::error::Result;
-
-pub const DEEPEP_MAX_DIMS: usize = 4;
 
 /// Element types known to the ABI. Values are stable.
 #[allow(non_camel_case_types)]

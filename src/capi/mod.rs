@@ -21,6 +21,16 @@ pub const DEEPEP_ABI_VERSION: u32 = 1;
 /// Size of the NCCL unique id that bootstraps a buffer.
 pub const DEEPEP_UNIQUE_ID_BYTES: usize = 128;
 const _: () = assert!(DEEPEP_UNIQUE_ID_BYTES == nccl_sys::NCCL_UNIQUE_ID_BYTES);
+/// Most dimensions of a `DeepepTensor`.
+pub const DEEPEP_MAX_DIMS: usize = 4;
+/// Most experts per rank: the capacity of a per-expert received-count list.
+pub const DEEPEP_MAX_LOCAL_EXPERTS: i32 = 1024;
+/// GPUs per NVLink domain (DeepEP's `NUM_MAX_NVL_PEERS`); normal mode runs within one.
+pub const DEEPEP_NUM_MAX_NVL_PEERS: i32 = 8;
+/// `phases` of a low-latency call: the send, the receive (DeepEP's hook), or both.
+pub const DEEPEP_LL_PHASE_SEND: i32 = 1;
+pub const DEEPEP_LL_PHASE_RECV: i32 = 2;
+pub const DEEPEP_LL_PHASE_BOTH: i32 = DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV;
 
 /// Runs `f`, converting errors and panics into a status plus last-error text.
 pub(crate) fn ffi(f: impl FnOnce() -> Result<()>) -> DeepepStatus {
