@@ -366,6 +366,13 @@ extern "C" {
 uint32_t deepep_abi_version(void);
 
 /**
+ * Value of a public constant of this header by its C name: a `#define` (e.g.
+ * "DEEPEP_MAX_LOCAL_EXPERTS") or a value of `DeepepStatus`, `DeepepDtype` or `DeepepConfigKind`
+ * (e.g. "DEEPEP_DTYPE_BFLOAT16"). Lets bindings read them from the library instead of copying them.
+ */
+DeepepStatus deepep_abi_constant(const char *name, int64_t *out);
+
+/**
  * Library version string, e.g. "0.1.0".
  */
 const char *deepep_library_version(void);

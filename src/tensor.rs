@@ -20,20 +20,20 @@ pub enum DeepepDtype {
 }
 
 impl DeepepDtype {
+    /// Every dtype (named as in C, so `{:?}` prints the C name).
+    pub(crate) const ALL: [Self; 8] = [
+        Self::DEEPEP_DTYPE_BOOL,
+        Self::DEEPEP_DTYPE_UINT8,
+        Self::DEEPEP_DTYPE_INT32,
+        Self::DEEPEP_DTYPE_INT64,
+        Self::DEEPEP_DTYPE_FLOAT32,
+        Self::DEEPEP_DTYPE_BFLOAT16,
+        Self::DEEPEP_DTYPE_FLOAT16,
+        Self::DEEPEP_DTYPE_FLOAT8_E4M3,
+    ];
+
     pub fn from_code(code: i32) -> Option<Self> {
-        use DeepepDtype::*;
-        [
-            DEEPEP_DTYPE_BOOL,
-            DEEPEP_DTYPE_UINT8,
-            DEEPEP_DTYPE_INT32,
-            DEEPEP_DTYPE_INT64,
-            DEEPEP_DTYPE_FLOAT32,
-            DEEPEP_DTYPE_BFLOAT16,
-            DEEPEP_DTYPE_FLOAT16,
-            DEEPEP_DTYPE_FLOAT8_E4M3,
-        ]
-        .into_iter()
-        .find(|d| *d as i32 == code)
+        Self::ALL.into_iter().find(|d| *d as i32 == code)
     }
 
     pub fn name(self) -> &'static str {

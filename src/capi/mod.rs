@@ -1,10 +1,12 @@
 //! The C ABI: the one door into the core. Every function returns a
 //! `DeepepStatus`; on failure `deepep_last_error()` says what went wrong on this
 //! thread. No panic crosses the boundary.
+use std::ffi::CStr;
 use std::os::raw::{c_char, c_int};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::error::{clear_last_error, last_error_ptr, set_last_error, DeepepStatus, Error, Result};
+use crate::tensor::DeepepDtype;
 
 mod buffer;
 mod config;
@@ -31,6 +33,23 @@ pub const DEEPEP_NUM_MAX_NVL_PEERS: i32 = 8;
 pub const DEEPEP_LL_PHASE_SEND: i32 = 1;
 pub const DEEPEP_LL_PHASE_RECV: i32 = 2;
 pub const DEEPEP_LL_PHASE_BOTH: i32 = DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV;
+
+/// `(C name, value)` of each constant given, the name taken from the Rust identifier.
+macro_rules! by_name {
+    ($($name:ident),* $(,)?) => { [$((stringify!($name), $name as i64)),*] };
+}
+
+/// Every public `#define` of the header (a test checks the header has no other).
+const PUBLIC_CONSTANTS: [(&str, i64); 8] = by_name!(
+    DEEPEP_ABI_VERSION,
+    DEEPEP_UNIQUE_ID_BYTES,
+    DEEPEP_MAX_DIMS,
+    DEEPEP_MAX_LOCAL_EXPERTS,
+    DEEPEP_NUM_MAX_NVL_PEERS,
+    DEEPEP_LL_PHASE_SEND,
+    DEEPEP_LL_PHASE_RECV,
+    DEEPEP_LL_PHASE_BOTH,
+);
 
 /// Runs `f`, converting errors and panics into a status plus last-error text.
 pub(crate) fn ffi(f: impl FnOnce() -> Result<()>) -> DeepepStatus {
@@ -63,6 +82,37 @@ pub(crate) fn out_ref<'a, T>(name: &str, ptr: *mut T) -> Result<&'a mut T> {
 #[no_mangle]
 pub extern "C" fn deepep_abi_version() -> u32 {
     DEEPEP_ABI_VERSION
+}
+
+/// Value of a public constant of this header by its C name: a `#define` (e.g.
+/// "DEEPEP_MAX_LOCAL_EXPERTS") or a value of `DeepepStatus`, `DeepepDtype` or `DeepepConfigKind`
+/// (e.g. "DEEPEP_DTYPE_BFLOAT16"). Lets bindings read them from the library instead of copying them.
+#[no_mangle]
+pub extern "C" fn deepep_abi_constant(name: *const c_char, out: *mut i64) -> DeepepStatus {
+    ffi(|| {
+        if name.is_null() {
+            return Err(Error::invalid("name must not be NULL"));
+        }
+        // SAFETY: name is non-NULL and the caller passes a NUL-terminated string.
+        let name = unsafe { CStr::from_ptr(name) }.to_string_lossy();
+        let out = out_ref("out", out)?;
+        *out = abi_constant(&name).ok_or_else(|| Error::invalid(format!("no ABI constant is named {name:?}")))?;
+        Ok(())
+    })
+}
+
+fn abi_constant(name: &str) -> Option<i64> {
+    // The enums' variants carry their C names.
+    let statuses = DeepepStatus::ALL.map(|s| (format!("{s:?}"), s as i64));
+    let dtypes = DeepepDtype::ALL.map(|d| (format!("{d:?}"), d as i64));
+    let config_kinds = DeepepConfigKind::ALL.map(|k| (format!("{k:?}"), k as i64));
+    PUBLIC_CONSTANTS
+        .into_iter()
+        .map(|(n, v)| (n.to_string(), v))
+        .chain(statuses)
+        .chain(dtypes)
+        .chain(config_kinds)
+        .find_map(|(n, v)| (n == name).then_some(v))
 }
 
 /// Library version string, e.g. "0.1.0".
