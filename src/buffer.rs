@@ -36,13 +36,13 @@ const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// Low-latency counters at the end of the workspace (see [`LlWorkspace`]).
 const WS_LL: usize = WORKSPACE_BYTES - (64 << 10);
 /// Largest rank count the LL workspace arrays hold.
-pub const LL_MAX_RANKS: i32 = 1024;
+pub(crate) const LL_MAX_RANKS: i32 = 1024;
 /// recv_epoch: a u32 per (op kind, half, block).
 const LL_EPOCH_BYTES: usize = 4 * 4 * kernels::LL_MAX_BLOCKS as usize;
 const _: () = assert!(LL_MAX_RANKS as usize * 20 + 128 + LL_EPOCH_BYTES <= WORKSPACE_BYTES - WS_LL);
 /// Virtual-node setting: ranks [k*n, (k+1)*n) form one node; LL traffic between
 /// nodes takes the remote (GIN-protocol) path, emulated over NVLink.
-pub const VIRTUAL_NODE_ENV: &str = "DEEPEP_VIRTUAL_NODE_SIZE";
+pub(crate) const VIRTUAL_NODE_ENV: &str = "DEEPEP_VIRTUAL_NODE_SIZE";
 /// LSA barrier slot used by host-driven control kernels (create/destroy/checks).
 const CONTROL_BARRIER_SLOT: i32 = 0;
 /// Slot of the dispatch notify kernel; data kernels use one slot per block after it.

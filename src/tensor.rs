@@ -129,7 +129,7 @@ fn non_null<'a>(name: &str, view: TensorView<'a>) -> Result<TensorView<'a>> {
 }
 
 /// dtype code 0 marks an absent tensor in argument structs that embed descriptors.
-pub const DTYPE_ABSENT: i32 = 0;
+pub(crate) const DTYPE_ABSENT: i32 = 0;
 
 /// [`check`] for an optional tensor embedded in an argument struct: `None` when absent.
 pub fn check_opt<'a>(

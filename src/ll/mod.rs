@@ -12,9 +12,9 @@ use crate::error::{Error, Result};
 use crate::kernels::{self, LlCommon, LL_MAX_TOPK, MAX_LOCAL_EXPERTS};
 
 /// Largest `num_max_dispatch_tokens_per_rank` (row positions are 16-bit in the slot header).
-pub const MAX_TOKENS_PER_RANK: i64 = 1024;
+pub(crate) const MAX_TOKENS_PER_RANK: i64 = 1024;
 /// Expert ids travel as 16-bit values; 0xffff marks an empty top-k entry.
-pub const MAX_EXPERTS: i64 = 0xffff;
+pub(crate) const MAX_EXPERTS: i64 = 0xffff;
 
 fn align(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
