@@ -1,6 +1,7 @@
 //! Tensors cross the C ABI as small descriptors: pointer, dtype, shape, strides.
 //! This module validates them and names the offending argument on failure.
-use crate::capi::DEEPEP_MAX_DIMS;
+// Defined with the C ABI's other constants; re-exported so `tensor::DEEPEP_MAX_DIMS` keeps working.
+pub use crate::capi::DEEPEP_MAX_DIMS;
 use crate::ensure_arg;
 use crate::error::Result;
 

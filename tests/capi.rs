@@ -104,8 +104,8 @@ fn every_constant_of_the_committed_header_is_readable() {
         }
         checked += 1;
     }
-    // 8 #defines, 10 statuses, 8 dtypes, 2 config kinds.
-    assert_eq!(checked, 28);
+    // At least 8 #defines, 10 statuses, 8 dtypes, 2 config kinds: the parse found them.
+    assert!(checked >= 28, "only {checked} constants found in the header");
 }
 
 #[test]
