@@ -1,5 +1,5 @@
-//! Builds the CUDA kernels (kernels/*.cu) with nvcc against the NCCL headers
-//! nccl-sys found, links cudart statically, and regenerates include/deepep_nccl.h.
+//! Regenerates include/deepep_nccl.h, then builds the CUDA kernels (kernels/*.cu) with nvcc
+//! against the NCCL headers nccl-sys found and links cudart statically.
 //!
 //! Env: CUDA_HOME (nvcc at $CUDA_HOME/bin/nvcc; else nvcc on PATH),
 //! DEEPEP_CUDA_ARCHS (comma list, default "90a"), NCCL_HOME (via nccl-sys).
@@ -77,10 +77,11 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=DEEPEP_CUDA_ARCHS");
+    // First: kernels/deepep_kernels.h includes the public header for the constants it shares.
+    generate_header();
     let nccl_root = std::env::var("DEP_NCCL_ROOT").expect("nccl-sys exports DEP_NCCL_ROOT");
     build_kernels(&nccl_root);
     // Find libnccl.so.2 next to the installed Python package (site-packages/nvidia/nccl/lib)
     // or next to the library itself, without LD_LIBRARY_PATH.
     println!("cargo:rustc-cdylib-link-arg=-Wl,-rpath,$ORIGIN:$ORIGIN/../nvidia/nccl/lib");
-    generate_header();
 }

@@ -12,7 +12,7 @@
 /**
  * Bumped on any incompatible change to this header.
  */
-#define DEEPEP_ABI_VERSION 1
+#define DEEPEP_ABI_VERSION 2
 
 /**
  * Size of the NCCL unique id that bootstraps a buffer.
@@ -20,11 +20,33 @@
 #define DEEPEP_UNIQUE_ID_BYTES 128
 
 /**
+ * Most dimensions of a `DeepepTensor`.
+ */
+#define DEEPEP_MAX_DIMS 4
+
+/**
+ * Most experts per rank: the capacity of a per-expert received-count list.
+ */
+#define DEEPEP_MAX_LOCAL_EXPERTS 1024
+
+/**
+ * GPUs per NVLink domain (DeepEP's `NUM_MAX_NVL_PEERS`); normal mode runs within one.
+ */
+#define DEEPEP_NUM_MAX_NVL_PEERS 8
+
+/**
+ * `phases` of a low-latency call: the send, the receive (DeepEP's hook), or both.
+ */
+#define DEEPEP_LL_PHASE_SEND 1
+
+#define DEEPEP_LL_PHASE_RECV 2
+
+#define DEEPEP_LL_PHASE_BOTH (DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV)
+
+/**
  * Most outputs one op describes (the normal dispatch's handle has four, its receive five).
  */
 #define DEEPEP_MAX_OP_OUTPUTS 8
-
-#define DEEPEP_MAX_DIMS 4
 
 /**
  * Status codes returned by every C ABI function.
@@ -381,6 +403,13 @@ extern "C" {
  * ABI version of this library (`DEEPEP_ABI_VERSION` it was built with).
  */
 uint32_t deepep_abi_version(void);
+
+/**
+ * Value of a public constant of this header by its C name: a `#define` (e.g.
+ * "DEEPEP_MAX_LOCAL_EXPERTS") or a value of `DeepepStatus`, `DeepepDtype` or `DeepepConfigKind`
+ * (e.g. "DEEPEP_DTYPE_BFLOAT16"). Lets bindings read them from the library instead of copying them.
+ */
+DeepepStatus deepep_abi_constant(const char *name, int64_t *out);
 
 /**
  * Library version string, e.g. "0.1.0".

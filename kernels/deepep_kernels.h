@@ -1,11 +1,15 @@
-// Launch surface between the Rust core and the CUDA kernels.
-// Plain C structs: Rust mirrors them in src/kernels.rs and checks their sizes
-// against deepep_kernel_struct_size() when the library is first used.
+// Launch surface between the Rust core and the CUDA kernels: the one definition of these
+// structs, enums and constants. Rust's view (src/kernels/bindings.rs, with compile-time
+// size/offset checks) is generated from this file by scripts/gen-kernel-bindings.sh.
 #ifndef DEEPEP_KERNELS_H
 #define DEEPEP_KERNELS_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+// Constants the public C ABI exposes too (DEEPEP_MAX_LOCAL_EXPERTS, DEEPEP_NUM_MAX_NVL_PEERS,
+// DEEPEP_LL_PHASE_*) are defined once in src/capi; build.rs writes this header before nvcc runs.
+#include "../include/deepep_nccl.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -80,9 +84,10 @@ typedef struct DeepepFaultRecord {
   int64_t a, b, c;
 } DeepepFaultRecord;
 
-#define DEEPEP_MAX_LOCAL_EXPERTS 1024
-#define DEEPEP_MAX_NVL_RANKS 8
+#define DEEPEP_MAX_NVL_RANKS DEEPEP_NUM_MAX_NVL_PEERS  // normal mode runs within one NVLink domain
 #define DEEPEP_MAX_CHANNELS 128
+// One notify exchange slot: R totals + C channel prefixes + local expert counts.
+#define DEEPEP_NOTIFY_SLOT_INTS (DEEPEP_MAX_NVL_RANKS + DEEPEP_MAX_CHANNELS + DEEPEP_MAX_LOCAL_EXPERTS)
 
 // Host-mapped receive counts of one non-cached dispatch: the notify kernel writes
 // the per-expert list, then num_recv_tokens (the host spins on it, -1 before).
@@ -180,8 +185,6 @@ typedef struct DeepepCombineParams {
 
 // ---------------------------------------------------------------- low-latency mode
 #define DEEPEP_LL_MAX_TOPK 16
-#define DEEPEP_LL_PHASE_SEND 1
-#define DEEPEP_LL_PHASE_RECV 2
 #define DEEPEP_LL_MAX_BLOCKS 1024  // grid limit of the LL kernels (recv_epoch has a slot per block)
 
 // Where the LL kernels of one call meet their peers: byte offsets of this call's
@@ -261,6 +264,10 @@ typedef struct DeepepLlCombineParams {
 // clean_low_latency_buffer: barrier, zero this rank's LL state, barrier (one block, stream-ordered).
 #define DEEPEP_LL_CLEAN_BANK 2     // common.parity of the clean barrier: GIN signal ids 4R + source
 #define DEEPEP_LL_CLEAN_REGIONS 4
+// GIN signal ids: (bank * DEEPEP_LL_SIGNAL_KINDS + kind) * R + source rank, where bank is the
+// buffer half (0, 1) or DEEPEP_LL_CLEAN_BANK (kind 0 only).
+#define DEEPEP_LL_SIGNAL_KINDS 2   // dispatch, combine
+#define DEEPEP_LL_GIN_SIGNALS_PER_RANK (DEEPEP_LL_CLEAN_BANK * DEEPEP_LL_SIGNAL_KINDS + 1)
 typedef struct DeepepLlCleanParams {
   DeepepLlCommon common;          // transport fields; signal_offset: the barrier's arrival words [R],
                                   // outside the LL halves and never zeroed; parity: DEEPEP_LL_CLEAN_BANK
@@ -271,29 +278,13 @@ typedef struct DeepepLlCleanParams {
   int32_t reserved;
 } DeepepLlCleanParams;
 
-enum DeepepKernelStruct {
-  DEEPEP_STRUCT_STALL_RECORD = 0,
-  DEEPEP_STRUCT_WAIT_CONTEXT = 1,
-  DEEPEP_STRUCT_LAYOUT_PARAMS = 2,
-  DEEPEP_STRUCT_DEV_COMM = 3,
-  DEEPEP_STRUCT_DEV_COMM_REQUIREMENTS = 4,
-  DEEPEP_STRUCT_NOTIFY_PARAMS = 5,
-  DEEPEP_STRUCT_DISPATCH_PARAMS = 6,
-  DEEPEP_STRUCT_COMBINE_PARAMS = 7,
-  DEEPEP_STRUCT_RECV_COUNTS = 8,
-  DEEPEP_STRUCT_FAULT_RECORD = 9,
-  DEEPEP_STRUCT_LL_DISPATCH_PARAMS = 10,
-  DEEPEP_STRUCT_LL_COMBINE_PARAMS = 11,
-  DEEPEP_STRUCT_LL_CLEAN_PARAMS = 12,
-};
-
-// sizeof() of each struct above as compiled by nvcc (0 for an unknown id).
-size_t deepep_kernel_struct_size(int which);
 // NCCL_VERSION_CODE of the headers the kernels were compiled against.
 int deepep_kernels_nccl_version(void);
+// sizeof(ncclDevComm) and sizeof(ncclDevCommRequirements) in those headers (they vary by version).
+size_t deepep_devcomm_size(void);
+size_t deepep_devcomm_requirements_size(void);
 
-// Fills an ncclDevCommRequirements (of deepep_kernel_struct_size(DEV_COMM_REQUIREMENTS)
-// bytes) asking for `lsa_barrier_count` LSA barriers and, if gin_signal_count > 0, GIN to
+// Fills an ncclDevCommRequirements (of deepep_devcomm_requirements_size() bytes) asking for `lsa_barrier_count` LSA barriers and, if gin_signal_count > 0, GIN to
 // every rank with that many signals.
 void deepep_devcomm_requirements_init(void* reqs, int lsa_barrier_count, int gin_signal_count);
 
@@ -325,8 +316,14 @@ int deepep_launch_normal_combine(const void* dev_comm, const DeepepCombineParams
 int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk);
 int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk);
 
-// Low-latency mode (kernels/ll_*.cu). remote_kind: 0 all peers by LSA stores, 1 peers outside
-// the (virtual) node through the GIN protocol emulated over LSA, 2 through NCCL GIN.
+// How the LL kernels reach peers outside the sender's (virtual) node (`remote_kind`).
+enum DeepepLlRemoteKind {
+  DEEPEP_LL_REMOTE_NONE = 0,      // every peer is in the node: LSA stores
+  DEEPEP_LL_REMOTE_EMULATED = 1,  // the GIN protocol emulated over LSA (virtual nodes)
+  DEEPEP_LL_REMOTE_GIN = 2,       // NCCL GIN
+};
+
+// Low-latency mode (kernels/ll_*.cu). remote_kind: an enum DeepepLlRemoteKind.
 int deepep_launch_ll_dispatch(const void* dev_comm, const DeepepLlDispatchParams* params, int remote_kind,
                               int num_blocks, void* stream);
 int deepep_launch_ll_combine(const void* dev_comm, const DeepepLlCombineParams* params, int remote_kind,

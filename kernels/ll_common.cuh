@@ -44,7 +44,7 @@ constexpr int kSignalDispatch = 0;
 constexpr int kSignalCombine = 1;
 constexpr int kStateWaiting = 0, kStateArrived = 1, kStateMasked = 2;
 
-enum RemoteKind { kRemoteNone = 0, kRemoteEmulated = 1, kRemoteGin = 2 };
+enum RemoteKind { kRemoteNone = DEEPEP_LL_REMOTE_NONE, kRemoteEmulated = DEEPEP_LL_REMOTE_EMULATED, kRemoteGin = DEEPEP_LL_REMOTE_GIN };
 
 // Dispatch slot: header (source token, then one (expert, position) word per
 // top-k entry), then the payload (FP8 + fp32 scales, or BF16).
@@ -100,7 +100,7 @@ struct Transport {
   }
 #if DEEPEP_HAVE_GIN
   __device__ __forceinline__ int gin_signal_id(int kind, int src) const {
-    return (c.parity * 2 + kind) * c.num_ranks + src;
+    return (c.parity * DEEPEP_LL_SIGNAL_KINDS + kind) * c.num_ranks + src;
   }
   __device__ __forceinline__ int gin_context(int peer) const {
     return dev_comm.ginContextCount > 0 ? peer % dev_comm.ginContextCount : 0;

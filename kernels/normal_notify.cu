@@ -15,7 +15,7 @@ namespace normal {
 
 constexpr int kNotifyThreads = 1024;
 // One exchange slot: R totals + C channel prefixes + local expert counts.
-constexpr int kNotifySlotInts = DEEPEP_MAX_NVL_RANKS + DEEPEP_MAX_CHANNELS + DEEPEP_MAX_LOCAL_EXPERTS;
+constexpr int kNotifySlotInts = DEEPEP_NOTIFY_SLOT_INTS;
 constexpr int kNotifySlotBytes = kNotifySlotInts * 4;
 
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_comm, DeepepNotifyParams p) {

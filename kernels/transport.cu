@@ -8,26 +8,9 @@
 #include "bounded_wait.cuh"
 #include "deepep_kernels.h"
 
-extern "C" size_t deepep_kernel_struct_size(int which) {
-  switch (which) {
-    case DEEPEP_STRUCT_STALL_RECORD: return sizeof(DeepepStallRecord);
-    case DEEPEP_STRUCT_WAIT_CONTEXT: return sizeof(DeepepWaitContext);
-    case DEEPEP_STRUCT_LAYOUT_PARAMS: return sizeof(DeepepLayoutParams);
-    case DEEPEP_STRUCT_DEV_COMM: return sizeof(ncclDevComm);
-    case DEEPEP_STRUCT_DEV_COMM_REQUIREMENTS: return sizeof(ncclDevCommRequirements);
-    case DEEPEP_STRUCT_NOTIFY_PARAMS: return sizeof(DeepepNotifyParams);
-    case DEEPEP_STRUCT_DISPATCH_PARAMS: return sizeof(DeepepDispatchParams);
-    case DEEPEP_STRUCT_COMBINE_PARAMS: return sizeof(DeepepCombineParams);
-    case DEEPEP_STRUCT_RECV_COUNTS: return sizeof(DeepepRecvCounts);
-    case DEEPEP_STRUCT_FAULT_RECORD: return sizeof(DeepepFaultRecord);
-    case DEEPEP_STRUCT_LL_DISPATCH_PARAMS: return sizeof(DeepepLlDispatchParams);
-    case DEEPEP_STRUCT_LL_COMBINE_PARAMS: return sizeof(DeepepLlCombineParams);
-    case DEEPEP_STRUCT_LL_CLEAN_PARAMS: return sizeof(DeepepLlCleanParams);
-    default: return 0;
-  }
-}
-
 extern "C" int deepep_kernels_nccl_version(void) { return NCCL_VERSION_CODE; }
+extern "C" size_t deepep_devcomm_size(void) { return sizeof(ncclDevComm); }
+extern "C" size_t deepep_devcomm_requirements_size(void) { return sizeof(ncclDevCommRequirements); }
 
 extern "C" void deepep_devcomm_requirements_init(void* out, int lsa_barrier_count, int gin_signal_count) {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)

@@ -9,6 +9,12 @@ echo "== build (NCCL ${DEEPEP_NCCL_VERSION}) and header freshness"
 cargo build --release --locked
 git diff --exit-code -- include/deepep_nccl.h || { echo "include/deepep_nccl.h is stale: commit the regenerated header" >&2; exit 1; }
 
+echo "== kernel bindings freshness (src/kernels/bindings.rs from kernels/deepep_kernels.h)"
+# Builds the generator (bindgen, ~20 s the first time) and fetches the libclang wheel.
+bash scripts/gen-kernel-bindings.sh target/tools/bindings.rs
+diff -u src/kernels/bindings.rs target/tools/bindings.rs \
+  || { echo "src/kernels/bindings.rs is stale: run scripts/gen-kernel-bindings.sh and commit it" >&2; exit 1; }
+
 echo "== Rust unit and C ABI tests"
 cargo test --release --locked --workspace
 

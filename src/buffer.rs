@@ -8,7 +8,8 @@ use parking_lot::Mutex;
 
 use crate::config::{check_buffer_args, RankLayout};
 use crate::cuda::{self, DeviceMemory, HostMapped, PrimaryContext, Stream};
-use crate::error::{DeepepStatus, Error, Result};
+use crate::error::{Error, Result};
+use crate::faults;
 use crate::kernels::{self, StallRecord, WaitContext};
 use crate::nccl::{self, Communicator, DevComm, LsaGeometry, SymmetricWindow};
 
@@ -35,13 +36,13 @@ const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// Low-latency counters at the end of the workspace (see [`LlWorkspace`]).
 const WS_LL: usize = WORKSPACE_BYTES - (64 << 10);
 /// Largest rank count the LL workspace arrays hold.
-pub const LL_MAX_RANKS: i32 = 1024;
+pub(crate) const LL_MAX_RANKS: i32 = 1024;
 /// recv_epoch: a u32 per (op kind, half, block).
 const LL_EPOCH_BYTES: usize = 4 * 4 * kernels::LL_MAX_BLOCKS as usize;
 const _: () = assert!(LL_MAX_RANKS as usize * 20 + 128 + LL_EPOCH_BYTES <= WORKSPACE_BYTES - WS_LL);
 /// Virtual-node setting: ranks [k*n, (k+1)*n) form one node; LL traffic between
 /// nodes takes the remote (GIN-protocol) path, emulated over NVLink.
-pub const VIRTUAL_NODE_ENV: &str = "DEEPEP_VIRTUAL_NODE_SIZE";
+pub(crate) const VIRTUAL_NODE_ENV: &str = "DEEPEP_VIRTUAL_NODE_SIZE";
 /// LSA barrier slot used by host-driven control kernels (create/destroy/checks).
 const CONTROL_BARRIER_SLOT: i32 = 0;
 /// Slot of the dispatch notify kernel; data kernels use one slot per block after it.
@@ -224,7 +225,6 @@ impl Buffer {
                 unique_id.len()
             ))
         })?;
-        kernels::check_struct_layouts()?;
         let device_id = cuda::current_device()?;
         nccl::check_runtime_version()?;
         let timeout_ns = std::env::var("DEEPEP_GPU_TIMEOUT_SECS")
@@ -362,35 +362,13 @@ impl Buffer {
         let fault = res.fault.read();
         if fault.flag == 1 {
             res.fault.write(kernels::FaultRecord::default());
-            return Err(crate::normal::fault_error(&fault));
+            return Err(faults::fault_error(&fault));
         }
         let record = res.stall.read();
         if record.flag == 0 {
             return Ok(());
         }
-        let (peer, n) = (record.peer, record.counter);
-        let what = match record.op {
-            kernels::WAIT_OP_LSA_BARRIER => format!("rank {peer} never arrived at LSA barrier slot {n}"),
-            kernels::WAIT_OP_DISPATCH_SLOT => format!("rank {peer} never sent its dispatch data (channel {n})"),
-            kernels::WAIT_OP_DISPATCH_CONSUMED => format!("rank {peer} never freed a dispatch ring slot (channel {n})"),
-            kernels::WAIT_OP_COMBINE_SLOT => format!("rank {peer} never sent its combine data (channel {n})"),
-            kernels::WAIT_OP_COMBINE_CONSUMED => format!("rank {peer} never freed a combine ring slot (channel {n})"),
-            kernels::WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch"),
-            kernels::WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine"),
-            kernels::WAIT_OP_LL_CLEAN => format!("rank {peer} never arrived at clean_low_latency_buffer's barrier"),
-            other => format!("rank {peer} stalled wait op {other} counter {n}"),
-        };
-        let err = Error::new(
-            DeepepStatus::DEEPEP_ERROR_TIMEOUT,
-            format!(
-                "GPU wait timed out on rank {} after {:.1} s: {what} (expected {}, saw {}). \
-                 The buffer is unusable; destroy it.",
-                record.rank,
-                self.timeout_ns.load(Ordering::Relaxed) as f64 / 1e9,
-                record.expected,
-                record.seen
-            ),
-        );
+        let err = faults::stall_error(&record, self.timeout_ns.load(Ordering::Relaxed));
         *self.failure.lock() = Some(err.clone());
         Err(err)
     }

@@ -5,11 +5,11 @@ use crate::ensure_arg;
 use crate::error::Result;
 
 /// GPUs per NVLink domain in DeepEP's topology (`NUM_MAX_NVL_PEERS`).
-pub const NUM_MAX_NVL_PEERS: i32 = 8;
+pub(crate) const NUM_MAX_NVL_PEERS: i32 = crate::capi::DEEPEP_NUM_MAX_NVL_PEERS;
 /// Nodes for the normal internode kernels (`NUM_MAX_RDMA_PEERS`).
-pub const NUM_MAX_RDMA_PEERS: i32 = 20;
+pub(crate) const NUM_MAX_RDMA_PEERS: i32 = 20;
 /// `num_nvl_bytes` / `num_rdma_bytes` must be multiples of this.
-pub const NUM_BUFFER_ALIGNMENT_BYTES: i64 = 128;
+pub(crate) const NUM_BUFFER_ALIGNMENT_BYTES: i64 = 128;
 const NUM_MAX_TOPK: i64 = 128;
 const NUM_MAX_SCALES: i64 = 128;
 /// sizeof(topk_idx_t): DeepEP's default build uses int64.

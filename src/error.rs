@@ -49,22 +49,22 @@ impl DeepepStatus {
         self.c_name().to_str().expect("status names are ASCII")
     }
 
+    /// Every status (named as in C, so `{:?}` prints the C name).
+    pub(crate) const ALL: [Self; 10] = [
+        Self::DEEPEP_SUCCESS,
+        Self::DEEPEP_ERROR_INVALID_ARGUMENT,
+        Self::DEEPEP_ERROR_NO_DEVICE,
+        Self::DEEPEP_ERROR_CUDA,
+        Self::DEEPEP_ERROR_NCCL,
+        Self::DEEPEP_ERROR_VERSION_MISMATCH,
+        Self::DEEPEP_ERROR_NOT_AVAILABLE,
+        Self::DEEPEP_ERROR_TIMEOUT,
+        Self::DEEPEP_ERROR_UNSUPPORTED,
+        Self::DEEPEP_ERROR_INTERNAL,
+    ];
+
     pub fn from_code(code: i32) -> Option<Self> {
-        use DeepepStatus::*;
-        [
-            DEEPEP_SUCCESS,
-            DEEPEP_ERROR_INVALID_ARGUMENT,
-            DEEPEP_ERROR_NO_DEVICE,
-            DEEPEP_ERROR_CUDA,
-            DEEPEP_ERROR_NCCL,
-            DEEPEP_ERROR_VERSION_MISMATCH,
-            DEEPEP_ERROR_NOT_AVAILABLE,
-            DEEPEP_ERROR_TIMEOUT,
-            DEEPEP_ERROR_UNSUPPORTED,
-            DEEPEP_ERROR_INTERNAL,
-        ]
-        .into_iter()
-        .find(|s| *s as i32 == code)
+        Self::ALL.into_iter().find(|s| *s as i32 == code)
     }
 }
 

@@ -6,6 +6,7 @@ pub mod capi;
 pub mod config;
 pub mod cuda;
 pub mod error;
+mod faults;
 pub mod kernels;
 pub mod layout;
 pub mod ll;

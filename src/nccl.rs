@@ -249,10 +249,10 @@ impl DevComm {
     /// `gin_signals` > 0 also asks for GIN to every rank with that many signals.
     pub fn new(comm: &Communicator, lsa_barrier_count: i32, gin_signals: i32) -> Result<Self> {
         let words = |bytes: usize| bytes.div_ceil(8);
-        let mut reqs = vec![0u64; words(kernels::nccl_struct_size(kernels::STRUCT_DEV_COMM_REQUIREMENTS))];
+        let mut reqs = vec![0u64; words(kernels::devcomm_requirements_size())];
         // SAFETY: reqs holds sizeof(ncclDevCommRequirements) bytes, 8-aligned.
         unsafe { kernels::deepep_devcomm_requirements_init(reqs.as_mut_ptr().cast(), lsa_barrier_count, gin_signals) };
-        let mut storage = vec![0u64; words(kernels::nccl_struct_size(kernels::STRUCT_DEV_COMM))];
+        let mut storage = vec![0u64; words(kernels::devcomm_size())];
         // SAFETY: both blobs have the sizes the NCCL headers define.
         let rc = unsafe { sys::ncclDevCommCreate(comm.raw(), reqs.as_ptr().cast(), storage.as_mut_ptr().cast()) };
         check(&format!("ncclDevCommCreate(lsaBarrierCount={lsa_barrier_count})"), rc, comm.raw())?;

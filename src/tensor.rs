@@ -1,9 +1,9 @@
 //! Tensors cross the C ABI as small descriptors: pointer, dtype, shape, strides.
 //! This module validates them and names the offending argument on failure.
+// Defined with the C ABI's other constants; re-exported so `tensor::DEEPEP_MAX_DIMS` keeps working.
+pub use crate::capi::DEEPEP_MAX_DIMS;
 use crate::ensure_arg;
 use crate::error::Result;
-
-pub const DEEPEP_MAX_DIMS: usize = 4;
 
 /// Element types known to the ABI. Values are stable.
 #[allow(non_camel_case_types)]
@@ -21,20 +21,20 @@ pub enum DeepepDtype {
 }
 
 impl DeepepDtype {
+    /// Every dtype (named as in C, so `{:?}` prints the C name).
+    pub(crate) const ALL: [Self; 8] = [
+        Self::DEEPEP_DTYPE_BOOL,
+        Self::DEEPEP_DTYPE_UINT8,
+        Self::DEEPEP_DTYPE_INT32,
+        Self::DEEPEP_DTYPE_INT64,
+        Self::DEEPEP_DTYPE_FLOAT32,
+        Self::DEEPEP_DTYPE_BFLOAT16,
+        Self::DEEPEP_DTYPE_FLOAT16,
+        Self::DEEPEP_DTYPE_FLOAT8_E4M3,
+    ];
+
     pub fn from_code(code: i32) -> Option<Self> {
-        use DeepepDtype::*;
-        [
-            DEEPEP_DTYPE_BOOL,
-            DEEPEP_DTYPE_UINT8,
-            DEEPEP_DTYPE_INT32,
-            DEEPEP_DTYPE_INT64,
-            DEEPEP_DTYPE_FLOAT32,
-            DEEPEP_DTYPE_BFLOAT16,
-            DEEPEP_DTYPE_FLOAT16,
-            DEEPEP_DTYPE_FLOAT8_E4M3,
-        ]
-        .into_iter()
-        .find(|d| *d as i32 == code)
+        Self::ALL.into_iter().find(|d| *d as i32 == code)
     }
 
     pub fn name(self) -> &'static str {
@@ -130,7 +130,7 @@ fn non_null<'a>(name: &str, view: TensorView<'a>) -> Result<TensorView<'a>> {
 }
 
 /// dtype code 0 marks an absent tensor in argument structs that embed descriptors.
-pub const DTYPE_ABSENT: i32 = 0;
+pub(crate) const DTYPE_ABSENT: i32 = 0;
 
 /// [`check`] for an optional tensor embedded in an argument struct: `None` when absent.
 pub fn check_opt<'a>(

@@ -52,6 +52,62 @@ fn status_strings_name_every_code() {
     assert_eq!(name(42), "DEEPEP_UNKNOWN_STATUS");
 }
 
+fn abi_constant(name: &str) -> Result<i64, DeepepStatus> {
+    let c_name = std::ffi::CString::new(name).unwrap();
+    let mut value = i64::MIN;
+    match deepep_abi_constant(c_name.as_ptr(), &mut value) {
+        DEEPEP_SUCCESS => Ok(value),
+        status => Err(status),
+    }
+}
+
+#[test]
+fn abi_constants_are_readable_by_name() {
+    assert_eq!(abi_constant("DEEPEP_ABI_VERSION"), Ok(DEEPEP_ABI_VERSION as i64));
+    assert_eq!(abi_constant("DEEPEP_MAX_LOCAL_EXPERTS"), Ok(DEEPEP_MAX_LOCAL_EXPERTS as i64));
+    assert_eq!(abi_constant("DEEPEP_NUM_MAX_NVL_PEERS"), Ok(8));
+    assert_eq!(abi_constant("DEEPEP_LL_PHASE_BOTH"), Ok(3));
+    assert_eq!(abi_constant("DEEPEP_ERROR_TIMEOUT"), Ok(DEEPEP_ERROR_TIMEOUT as i64));
+    assert_eq!(abi_constant("DEEPEP_DTYPE_BFLOAT16"), Ok(DeepepDtype::DEEPEP_DTYPE_BFLOAT16 as i64));
+    assert_eq!(abi_constant("DEEPEP_NO_SUCH_THING"), Err(DEEPEP_ERROR_INVALID_ARGUMENT));
+    assert!(last_error().contains("\"DEEPEP_NO_SUCH_THING\""), "{}", last_error());
+    let mut value = 0;
+    expect_err(deepep_abi_constant(ptr::null(), &mut value), DEEPEP_ERROR_INVALID_ARGUMENT, "name must not be NULL");
+    expect_err(
+        deepep_abi_constant(c"DEEPEP_MAX_DIMS".as_ptr(), ptr::null_mut()),
+        DEEPEP_ERROR_INVALID_ARGUMENT,
+        "out must not be NULL",
+    );
+}
+
+#[test]
+fn every_constant_of_the_committed_header_is_readable() {
+    let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/deepep_nccl.h")).unwrap();
+    let mut checked = 0;
+    for line in header.lines().map(str::trim) {
+        // `#define NAME VALUE` (the include guard has no value) and enumerators `NAME = VALUE,`.
+        let (name, value) = if let Some(define) = line.strip_prefix("#define ") {
+            match define.split_once(' ') {
+                Some(pair) => pair,
+                None => continue,
+            }
+        } else if let Some((name, value)) = line.strip_suffix(',').and_then(|l| l.split_once(" = ")) {
+            (name, value)
+        } else {
+            continue;
+        };
+        assert!(name.starts_with("DEEPEP_"), "unexpected public name {name}");
+        let read = abi_constant(name).unwrap_or_else(|_| panic!("{name}: {}", last_error()));
+        // Expressions such as (DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV) are checked by name only.
+        if let Ok(literal) = value.parse::<i64>() {
+            assert_eq!(read, literal, "{name}");
+        }
+        checked += 1;
+    }
+    // At least 8 #defines, 10 statuses, 8 dtypes, 2 config kinds: the parse found them.
+    assert!(checked >= 28, "only {checked} constants found in the header");
+}
+
 #[test]
 fn unique_id_needs_room_and_fills_it() {
     let mut id = [0u8; DEEPEP_UNIQUE_ID_BYTES];

@@ -14,6 +14,11 @@ pub enum DeepepConfigKind {
     DEEPEP_CONFIG_COMBINE = 1,
 }
 
+impl DeepepConfigKind {
+    /// Every kind (named as in C, so `{:?}` prints the C name).
+    pub(crate) const ALL: [Self; 2] = [Self::DEEPEP_CONFIG_DISPATCH, Self::DEEPEP_CONFIG_COMBINE];
+}
+
 /// `Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)` with DeepEP's checks;
 /// rdma_recv is rounded up to a multiple of rdma_send.
 #[no_mangle]

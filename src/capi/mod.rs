@@ -1,10 +1,13 @@
 //! The C ABI: the one door into the core. Every function returns a
 //! `DeepepStatus`; on failure `deepep_last_error()` says what went wrong on this
 //! thread. No panic crosses the boundary.
+use std::ffi::CStr;
 use std::os::raw::{c_char, c_int};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::error::{clear_last_error, last_error_ptr, set_last_error, DeepepStatus, Error, Result};
+use crate::outputs::DEEPEP_MAX_OP_OUTPUTS;
+use crate::tensor::DeepepDtype;
 
 mod buffer;
 mod config;
@@ -17,10 +20,38 @@ pub use low_latency::*;
 pub use normal::*;
 
 /// Bumped on any incompatible change to this header.
-pub const DEEPEP_ABI_VERSION: u32 = 1;
+pub const DEEPEP_ABI_VERSION: u32 = 2;
 /// Size of the NCCL unique id that bootstraps a buffer.
 pub const DEEPEP_UNIQUE_ID_BYTES: usize = 128;
 const _: () = assert!(DEEPEP_UNIQUE_ID_BYTES == nccl_sys::NCCL_UNIQUE_ID_BYTES);
+/// Most dimensions of a `DeepepTensor`.
+pub const DEEPEP_MAX_DIMS: usize = 4;
+/// Most experts per rank: the capacity of a per-expert received-count list.
+pub const DEEPEP_MAX_LOCAL_EXPERTS: i32 = 1024;
+/// GPUs per NVLink domain (DeepEP's `NUM_MAX_NVL_PEERS`); normal mode runs within one.
+pub const DEEPEP_NUM_MAX_NVL_PEERS: i32 = 8;
+/// `phases` of a low-latency call: the send, the receive (DeepEP's hook), or both.
+pub const DEEPEP_LL_PHASE_SEND: i32 = 1;
+pub const DEEPEP_LL_PHASE_RECV: i32 = 2;
+pub const DEEPEP_LL_PHASE_BOTH: i32 = DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV;
+
+/// `(C name, value)` of each constant given, the name taken from the Rust identifier.
+macro_rules! by_name {
+    ($($name:ident),* $(,)?) => { [$((stringify!($name), $name as i64)),*] };
+}
+
+/// Every public `#define` of the header (a test checks the header has no other).
+const PUBLIC_CONSTANTS: [(&str, i64); 9] = by_name!(
+    DEEPEP_ABI_VERSION,
+    DEEPEP_UNIQUE_ID_BYTES,
+    DEEPEP_MAX_DIMS,
+    DEEPEP_MAX_LOCAL_EXPERTS,
+    DEEPEP_NUM_MAX_NVL_PEERS,
+    DEEPEP_LL_PHASE_SEND,
+    DEEPEP_LL_PHASE_RECV,
+    DEEPEP_LL_PHASE_BOTH,
+    DEEPEP_MAX_OP_OUTPUTS,
+);
 
 /// Runs `f`, converting errors and panics into a status plus last-error text.
 pub(crate) fn ffi(f: impl FnOnce() -> Result<()>) -> DeepepStatus {
@@ -53,6 +84,37 @@ pub(crate) fn out_ref<'a, T>(name: &str, ptr: *mut T) -> Result<&'a mut T> {
 #[no_mangle]
 pub extern "C" fn deepep_abi_version() -> u32 {
     DEEPEP_ABI_VERSION
+}
+
+/// Value of a public constant of this header by its C name: a `#define` (e.g.
+/// "DEEPEP_MAX_LOCAL_EXPERTS") or a value of `DeepepStatus`, `DeepepDtype` or `DeepepConfigKind`
+/// (e.g. "DEEPEP_DTYPE_BFLOAT16"). Lets bindings read them from the library instead of copying them.
+#[no_mangle]
+pub extern "C" fn deepep_abi_constant(name: *const c_char, out: *mut i64) -> DeepepStatus {
+    ffi(|| {
+        if name.is_null() {
+            return Err(Error::invalid("name must not be NULL"));
+        }
+        // SAFETY: name is non-NULL and the caller passes a NUL-terminated string.
+        let name = unsafe { CStr::from_ptr(name) }.to_string_lossy();
+        let out = out_ref("out", out)?;
+        *out = abi_constant(&name).ok_or_else(|| Error::invalid(format!("no ABI constant is named {name:?}")))?;
+        Ok(())
+    })
+}
+
+fn abi_constant(name: &str) -> Option<i64> {
+    // The enums' variants carry their C names.
+    let statuses = DeepepStatus::ALL.map(|s| (format!("{s:?}"), s as i64));
+    let dtypes = DeepepDtype::ALL.map(|d| (format!("{d:?}"), d as i64));
+    let config_kinds = DeepepConfigKind::ALL.map(|k| (format!("{k:?}"), k as i64));
+    PUBLIC_CONSTANTS
+        .into_iter()
+        .map(|(n, v)| (n.to_string(), v))
+        .chain(statuses)
+        .chain(dtypes)
+        .chain(config_kinds)
+        .find_map(|(n, v)| (n == name).then_some(v))
 }
 
 /// Library version string, e.g. "0.1.0".

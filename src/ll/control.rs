@@ -31,15 +31,16 @@ pub fn clean(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64, st
         let (counters, counter_bytes) = res.ll_counters();
         let mut common = super::common(buffer, res, shape, &halves[0], 0, 0, kernels::LL_CLEAN_BANK);
         common.signal_offset = barrier_offset;
-        let signal_bytes = 8 * shape.num_ranks;
+        let signal_bytes = kernels::LL_SIGNAL_BYTES_PER_RANK as i64 * shape.num_ranks;
         let gin = res.remote_kind == kernels::LL_REMOTE_GIN;
+        // The halves' GIN signal ids: the banks before the clean barrier's.
+        let gin_signals = kernels::LL_CLEAN_BANK * kernels::LL_SIGNAL_KINDS * shape.num_ranks as i32;
         let params = kernels::LlCleanParams {
             common,
             barrier_epoch,
             zero: [signals[0].cast(), signals[1].cast(), counters, std::ptr::null_mut()],
             zero_bytes: [signal_bytes, signal_bytes, counter_bytes as i64, 0],
-            // The halves' signal ids (parity * 2 + kind) * R + source: 4R of them.
-            num_gin_signals: if gin { 4 * shape.num_ranks as i32 } else { 0 },
+            num_gin_signals: if gin { gin_signals } else { 0 },
             reserved: 0,
         };
         // SAFETY: dev_comm is this buffer's live device communicator; every pointer in params is

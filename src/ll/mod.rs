@@ -9,13 +9,12 @@ use crate::buffer::{Buffer, Resources, LL_MAX_RANKS};
 use crate::config::low_latency_rdma_size_hint;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
-use crate::kernels::{self, LlCommon, LL_MAX_TOPK};
+use crate::kernels::{self, LlCommon, LL_MAX_TOPK, MAX_LOCAL_EXPERTS};
 
 /// Largest `num_max_dispatch_tokens_per_rank` (row positions are 16-bit in the slot header).
-pub const MAX_TOKENS_PER_RANK: i64 = 1024;
-pub const MAX_LOCAL_EXPERTS: i64 = 1024;
+pub(crate) const MAX_TOKENS_PER_RANK: i64 = 1024;
 /// Expert ids travel as 16-bit values; 0xffff marks an empty top-k entry.
-pub const MAX_EXPERTS: i64 = 0xffff;
+pub(crate) const MAX_EXPERTS: i64 = 0xffff;
 
 fn align(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
@@ -44,7 +43,7 @@ impl LlShape {
             "num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})"
         );
         ensure_arg!(
-            num_experts / num_ranks <= MAX_LOCAL_EXPERTS,
+            num_experts / num_ranks <= MAX_LOCAL_EXPERTS as i64,
             "num_experts / num_ranks ({}) must be at most {MAX_LOCAL_EXPERTS} local experts",
             num_experts / num_ranks
         );
@@ -120,7 +119,7 @@ impl LlLayout {
         let deepep_end = 2 * sig + 2 * send + 2 * recv;
         let p = parity as u64;
 
-        let signal_bytes = 8 * r;
+        let signal_bytes = kernels::LL_SIGNAL_BYTES_PER_RANK * r;
         let combine_bytes = e * m * slots.combine_slot;
         let staging_bytes = if slots.remote { m * slots.dispatch_slot + r * slots.count_bytes } else { 0 };
         let dispatch_bytes = staging_bytes + r * m * slots.dispatch_slot + r * slots.count_bytes;

@@ -1,5 +1,5 @@
 //! Normal (high-throughput) mode within one NVLink domain: the checks both ops
-//! share (ranks, config, NVL budget), fault reporting, and the ops themselves
+//! share (ranks, config, NVL budget), and the ops themselves
 //! in [`dispatch`] and [`combine`].
 pub mod combine;
 pub mod dispatch;
@@ -7,8 +7,8 @@ pub mod dispatch;
 use crate::buffer::Buffer;
 use crate::config::DeepepConfig;
 use crate::ensure_arg;
-use crate::error::{Error, Result};
-use crate::kernels::{self, FaultRecord};
+use crate::error::Result;
+use crate::kernels;
 
 /// Channels and ring size one op runs with, from its `Config`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,27 +57,6 @@ pub fn check_nvl_budget(num_nvl_bytes: i64, op: &str, plan: ChannelPlan, num_ran
     Ok(())
 }
 
-/// Turns a fault the GPU recorded into an error naming the argument and the limit.
-pub fn fault_error(f: &FaultRecord) -> Error {
-    let message = match f.code {
-        kernels::FAULT_TOPK_OUT_OF_RANGE => format!(
-            "topk_idx holds {} at flat index {}; entries must be -1 or an expert id in [0, {})",
-            f.b, f.a, f.c
-        ),
-        kernels::FAULT_RANK_COUNT => format!(
-            "num_tokens_per_rank[{}] is {} but is_token_in_rank selects {} tokens for rank {}; \
-             pass the outputs of one get_dispatch_layout call",
-            f.a, f.b, f.c, f.a
-        ),
-        kernels::FAULT_WORST_TOO_SMALL => format!(
-            "num_worst_tokens ({}) is smaller than the {} tokens this rank received; rows past it were dropped",
-            f.a, f.b
-        ),
-        other => format!("the GPU reported bad input (fault code {other}, {} {} {})", f.a, f.b, f.c),
-    };
-    Error::invalid(message)
-}
-
 /// Shared by both ops: validated config, ranks and budget for `slot_bytes`.
 fn plan_for(buffer: &Buffer, config: &DeepepConfig, op: &str, slot_bytes: i64) -> Result<ChannelPlan> {
     check_ranks(buffer.layout.num_ranks)?;
@@ -120,14 +99,6 @@ mod tests {
         check_nvl_budget(hint, "dispatch", plan, 4, slot).unwrap();
         let err = check_nvl_budget(1 << 20, "dispatch", plan, 4, slot).unwrap_err();
         assert!(err.message.starts_with("num_nvl_bytes (1048576) is too small for this dispatch"), "{}", err.message);
-    }
-
-    #[test]
-    fn faults_name_the_argument() {
-        let f = FaultRecord { flag: 1, code: kernels::FAULT_TOPK_OUT_OF_RANGE, a: 5, b: 300, c: 256 };
-        assert!(fault_error(&f).message.contains("topk_idx holds 300 at flat index 5"));
-        let f = FaultRecord { flag: 1, code: kernels::FAULT_RANK_COUNT, a: 2, b: 10, c: 9 };
-        assert!(fault_error(&f).message.starts_with("num_tokens_per_rank[2] is 10"));
     }
 
     #[test]

@@ -1,0 +1,90 @@
+//! The messages of what the kernels record in host-mapped memory: bad input they found (the
+//! fault record) and a bounded wait that expired (the stall record).
+use crate::error::{DeepepStatus, Error};
+use crate::kernels::{self, FaultRecord, StallRecord};
+
+/// Turns a fault the GPU recorded into an error naming the argument and the limit.
+pub(crate) fn fault_error(f: &FaultRecord) -> Error {
+    // A negative code wraps to no known code.
+    let message = match f.code as kernels::DeepepFaultCode {
+        kernels::DEEPEP_FAULT_TOPK_OUT_OF_RANGE => format!(
+            "topk_idx holds {} at flat index {}; entries must be -1 or an expert id in [0, {})",
+            f.b, f.a, f.c
+        ),
+        kernels::DEEPEP_FAULT_RANK_COUNT => format!(
+            "num_tokens_per_rank[{}] is {} but is_token_in_rank selects {} tokens for rank {}; \
+             pass the outputs of one get_dispatch_layout call",
+            f.a, f.b, f.c, f.a
+        ),
+        kernels::DEEPEP_FAULT_WORST_TOO_SMALL => format!(
+            "num_worst_tokens ({}) is smaller than the {} tokens this rank received; rows past it were dropped",
+            f.a, f.b
+        ),
+        _ => format!("the GPU reported bad input (fault code {}, {} {} {})", f.code, f.a, f.b, f.c),
+    };
+    Error::invalid(message)
+}
+
+/// Turns an expired GPU wait into the timeout error that makes the buffer unusable.
+pub(crate) fn stall_error(record: &StallRecord, timeout_ns: u64) -> Error {
+    let (peer, n) = (record.peer, record.counter);
+    // A negative op wraps to no known op.
+    let what = match record.op as kernels::DeepepWaitOp {
+        kernels::DEEPEP_WAIT_OP_LSA_BARRIER => format!("rank {peer} never arrived at LSA barrier slot {n}"),
+        kernels::DEEPEP_WAIT_OP_DISPATCH_SLOT => format!("rank {peer} never sent its dispatch data (channel {n})"),
+        kernels::DEEPEP_WAIT_OP_DISPATCH_CONSUMED => format!("rank {peer} never freed a dispatch ring slot (channel {n})"),
+        kernels::DEEPEP_WAIT_OP_COMBINE_SLOT => format!("rank {peer} never sent its combine data (channel {n})"),
+        kernels::DEEPEP_WAIT_OP_COMBINE_CONSUMED => format!("rank {peer} never freed a combine ring slot (channel {n})"),
+        kernels::DEEPEP_WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch"),
+        kernels::DEEPEP_WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine"),
+        kernels::DEEPEP_WAIT_OP_LL_CLEAN => format!("rank {peer} never arrived at clean_low_latency_buffer's barrier"),
+        _ => format!("rank {peer} stalled wait op {} counter {n}", record.op),
+    };
+    Error::new(
+        DeepepStatus::DEEPEP_ERROR_TIMEOUT,
+        format!(
+            "GPU wait timed out on rank {} after {:.1} s: {what} (expected {}, saw {}). \
+             The buffer is unusable; destroy it.",
+            record.rank,
+            timeout_ns as f64 / 1e9,
+            record.expected,
+            record.seen
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn faults_name_the_argument() {
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_TOPK_OUT_OF_RANGE as i32, a: 5, b: 300, c: 256 };
+        assert!(fault_error(&f).message.contains("topk_idx holds 300 at flat index 5"));
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RANK_COUNT as i32, a: 2, b: 10, c: 9 };
+        assert!(fault_error(&f).message.starts_with("num_tokens_per_rank[2] is 10"));
+    }
+
+    #[test]
+    fn stalls_name_the_peer_and_the_wait() {
+        let record = StallRecord {
+            flag: 1,
+            rank: 3,
+            peer: 5,
+            op: kernels::DEEPEP_WAIT_OP_DISPATCH_SLOT as i32,
+            counter: 7,
+            reserved: 0,
+            expected: 2,
+            seen: 1,
+        };
+        let err = stall_error(&record, 100_000_000_000);
+        assert_eq!(err.status, DeepepStatus::DEEPEP_ERROR_TIMEOUT);
+        assert_eq!(
+            err.message,
+            "GPU wait timed out on rank 3 after 100.0 s: rank 5 never sent its dispatch data (channel 7) \
+             (expected 2, saw 1). The buffer is unusable; destroy it."
+        );
+        let unknown = stall_error(&StallRecord { op: -4, ..record }, 1_500_000_000);
+        assert!(unknown.message.contains("after 1.5 s: rank 5 stalled wait op -4 counter 7"), "{}", unknown.message);
+    }
+}
