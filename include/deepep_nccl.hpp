@@ -165,8 +165,11 @@ inline void low_latency_check_shape(int64_t num_max_dispatch_tokens_per_rank, in
 
 // Which phases an LL call runs (the C ABI's `phases`): send only is DeepEP's return_recv_hook,
 // receive only is the hook.
-// TODO(abi-constant): DEEPEP_LL_PHASE_SEND / DEEPEP_LL_PHASE_RECV / DEEPEP_LL_PHASE_BOTH.
-enum class LowLatencyPhases : int32_t { send = 1, receive = 2, both = 3 };
+enum class LowLatencyPhases : int32_t {
+  send = DEEPEP_LL_PHASE_SEND,
+  receive = DEEPEP_LL_PHASE_RECV,
+  both = DEEPEP_LL_PHASE_BOTH,
+};
 
 // The receive phase of a send-only LL call (DeepEP's hook). It keeps copies of the args, the
 // stream and the buffer half, so the caller may reuse its struct; the Buffer and every tensor

@@ -5,9 +5,12 @@ cd "$(dirname "$0")/.."
 T0=$(date +%s)
 . scripts/toolchain.sh
 
-echo "== build (NCCL ${DEEPEP_NCCL_VERSION}) and header freshness"
+echo "== build (NCCL ${DEEPEP_NCCL_VERSION}) and the freshness of what it generates"
 cargo build --release --locked
-git diff --exit-code -- include/deepep_nccl.h || { echo "include/deepep_nccl.h is stale: commit the regenerated header" >&2; exit 1; }
+generated=(include/deepep_nccl.h compat/python/deep_ep_cpp/_abi_version.py)
+git diff --exit-code -- "${generated[@]}" \
+  && [ -z "$(git ls-files --others --exclude-standard -- "${generated[@]}")" ] \
+  || { echo "${generated[*]}: stale or not committed: commit what cargo build generated" >&2; exit 1; }
 
 echo "== kernel bindings freshness (src/kernels/bindings.rs from kernels/deepep_kernels.h)"
 # Builds the generator (bindgen, ~20 s the first time) and fetches the libclang wheel.

@@ -716,34 +716,6 @@ def _run_compiled(tmp_path, compiler, source, *flags):
     return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
 
 
-def test_outputs_struct_matches_the_c_header(tmp_path):
-    """ctypes' DeepepOutputs (and the DeepepTensor in it) has the C header's offsets and sizes, and
-    the receive outputs' descriptors can be passed as a DeepepIntranodeDispatchOutputs."""
-    from deep_ep_cpp import _lib
-
-    structs = {"DeepepOutputs": _lib.DeepepOutputs, "DeepepTensor": _lib.DeepepTensor}
-    recv = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
-    fields = [(name, f) for name, cls in structs.items() for f, _ in cls._fields_]
-    fields += [("DeepepIntranodeDispatchOutputs", f) for f in recv]
-    probe = "\n".join(f'  printf("{s}.{f} %zu %zu\\n", offsetof({s}, {f}), sizeof((({s} *)0)->{f}));'
-                      for s, f in fields)
-    sizes = "\n".join(f'  printf("{s} %zu\\n", sizeof({s}));' for s in (*structs, "DeepepIntranodeDispatchOutputs"))
-    source = f"#include <stddef.h>\n#include <stdio.h>\n#include \"deepep_nccl.h\"\nint main(void) {{\n{sizes}\n{probe}\n  return 0;\n}}\n"
-    lines = _run_compiled(tmp_path, "gcc", source, "-std=c11", "-Wall", "-Werror", f"-I{REPO / 'include'}")
-    got = dict(line.split(" ", 1) for line in lines if line)
-    tensor = ctypes.sizeof(_lib.DeepepTensor)
-    want = {name: str(ctypes.sizeof(cls)) for name, cls in structs.items()}
-    want["DeepepIntranodeDispatchOutputs"] = str(len(recv) * tensor)
-    for s, f in fields:
-        if s in structs:
-            field = getattr(structs[s], f)
-            want[f"{s}.{f}"] = f"{field.offset} {field.size}"
-        else:  # tensors[i] of the receive outputs' description is field i
-            want[f"{s}.{f}"] = f"{recv.index(f) * tensor} {tensor}"
-    assert got == want
-    assert _lib._OUTPUTS_FORMAT.size == ctypes.sizeof(_lib.DeepepOutputs)
-
-
 def test_allocate_outputs_follows_the_description(monkeypatch):
     """allocate_outputs (with a stand-in torch): outputs sharing an allocation are views of one
     torch.empty at their offsets, the others one empty_strided each, absent ones None; point_outputs

@@ -42,42 +42,7 @@ def _last_error():
 
 # --- struct layouts ------------------------------------------------------------------------------
 
-# (struct, its fields whose offsets are checked); the ctypes structs are checked field by field.
-_LAYOUTS = (
-    ("DeepepTensor", [f for f, _ in DeepepTensor._fields_]),
-    ("DeepepOutputs", [f for f, _ in DeepepOutputs._fields_]),
-    ("DeepepLowLatencyDispatchArgs", ["packed_recv_x", "phases"]),
-    ("DeepepLowLatencyCombineArgs", ["phases"]),
-)
-
-
-def _layout_program():
-    """A C program printing "name value" for the constants, sizes and offsets in _LAYOUTS."""
-    lines = [f'P("{c}", {c});' for c in ("DEEPEP_MAX_DIMS", "DEEPEP_MAX_OP_OUTPUTS")]
-    for name, fields in _LAYOUTS:
-        lines.append(f'P("{name}", sizeof({name}));')
-        lines += [f'P("{name}.{f}", offsetof({name}, {f}));' for f in fields]
-    return ("#include <stddef.h>\n#include <stdio.h>\n#include \"deepep_nccl.h\"\n"
-            '#define P(name, value) printf("%s %ld\\n", name, (long)(value))\n'
-            "int main(void) {\n  " + "\n  ".join(lines) + "\n  return 0;\n}\n")
-
-
-def test_ctypes_structs_match_the_c_header(tmp_path):
-    out = _run_program(tmp_path, "gcc", _layout_program(), ".c", "-std=c11", "-Wall", "-Werror")
-    c = {name: int(value) for name, value in (line.split() for line in out.splitlines())}
-    assert (c["DEEPEP_MAX_DIMS"], c["DEEPEP_MAX_OP_OUTPUTS"]) == (_lib.MAX_DIMS, _lib.MAX_OP_OUTPUTS)
-    for struct_type in (DeepepTensor, DeepepOutputs):
-        name = struct_type.__name__
-        assert c[name] == ctypes.sizeof(struct_type)
-        for field, _ in struct_type._fields_:
-            assert c[f"{name}.{field}"] == getattr(struct_type, field).offset, f"{name}.{field}"
-    assert c["DeepepTensor"] == _lib.TENSOR_FORMAT.size
-    # _low_latency.py packs the LL args by hand: their outputs follow 4 input descriptors.
-    assert c["DeepepLowLatencyDispatchArgs"] == _low_latency._DISPATCH_ARGS.size
-    assert c["DeepepLowLatencyDispatchArgs.packed_recv_x"] == 4 * _low_latency._DESC_BYTES
-    assert c["DeepepLowLatencyDispatchArgs.phases"] == _low_latency._DISPATCH_PHASES_AT
-    assert c["DeepepLowLatencyCombineArgs"] == _low_latency._COMBINE_ARGS.size
-    assert c["DeepepLowLatencyCombineArgs.phases"] == _low_latency._COMBINE_PHASES_AT
+# Struct layouts: tests/python/test_abi_layouts_cpu.py checks every struct deep_ep_cpp lays out.
 
 
 def test_low_latency_prototypes_match_the_header():
@@ -301,21 +266,6 @@ def test_receive_hooks_agree_across_the_three_host_paths(tmp_path):
         assert tuple(map(int, lines[f"hpp_{op}"])) == want, op
         assert tuple(map(int, lines[f"fast_{op}"])) == want, op
         assert _ctypes_hook_launch(args_struct, num_experts_at, phases_at) == want, op
-
-
-def test_phase_values_have_one_definition():
-    # The library's own (the kernels' phase bits) are what the three host copies spell out.
-    rust = (ROOT / "src" / "kernels.rs").read_text()
-    kernels = (ROOT / "kernels" / "deepep_kernels.h").read_text()
-    for name, value in (("SEND", _low_latency._SEND), ("RECV", _low_latency._RECV)):
-        assert re.search(rf"pub const LL_PHASE_{name}: i32 = {value};", rust), name
-        assert re.search(rf"#define DEEPEP_LL_PHASE_{name} {value}\b", kernels), name
-    assert _low_latency._BOTH == _low_latency._SEND | _low_latency._RECV
-    # Once the public header has them (DEEPEP_LL_PHASE_*), they must agree too.
-    header = (HEADER_DIR / "deepep_nccl.h").read_text()
-    for name, value in (("SEND", _low_latency._SEND), ("RECV", _low_latency._RECV), ("BOTH", _low_latency._BOTH)):
-        found = re.search(rf"#define DEEPEP_LL_PHASE_{name} (\d+)", header)
-        assert found is None or int(found.group(1)) == value, name
 
 
 # --- with a GPU: the queries on a real one-rank buffer -------------------------------------------

@@ -10,6 +10,7 @@ from ._low_latency import LowLatencyMode
 from ._normal import NormalMode
 from ._streams import without_torch_function
 from ._lib import (
+    NUM_MAX_NVL_PEERS,
     UNIQUE_ID_BYTES,
     DeepepOutputs,
     DeepepTensor,
@@ -25,7 +26,6 @@ from ._lib import (
 # get_local_ipc_handle() bytes: the magic, then rank 0's ncclUniqueId (zeros on other ranks).
 _HANDLE_MAGIC = b"DEEPEPNCCL1"
 _HANDLE_BYTES = len(_HANDLE_MAGIC) + UNIQUE_ID_BYTES
-_NUM_MAX_NVL_PEERS = 8
 
 _pack_tensor = _lib.TENSOR_FORMAT.pack_into
 
@@ -152,13 +152,13 @@ class Buffer(NormalMode, LowLatencyMode):
         return out.value
 
     def get_num_rdma_ranks(self):
-        return max(1, self._num_ranks // _NUM_MAX_NVL_PEERS)
+        return max(1, self._num_ranks // NUM_MAX_NVL_PEERS)
 
     def get_rdma_rank(self):
-        return self._rank // _NUM_MAX_NVL_PEERS
+        return self._rank // NUM_MAX_NVL_PEERS
 
     def get_root_rdma_rank(self, global_):
-        return self._rank % _NUM_MAX_NVL_PEERS if global_ else 0
+        return self._rank % NUM_MAX_NVL_PEERS if global_ else 0
 
     def get_local_device_id(self):
         return self._device_id

@@ -16,10 +16,9 @@
 namespace deepep_fast {
 
 // Phases of an LL op (its args' `phases`): the send, the receive, or both.
-// TODO(abi-constant): DEEPEP_LL_PHASE_SEND / DEEPEP_LL_PHASE_RECV / DEEPEP_LL_PHASE_BOTH.
-constexpr int kPhaseSend = 1;
-constexpr int kPhaseRecv = 2;
-constexpr int kPhaseBoth = 3;
+constexpr int kPhaseSend = DEEPEP_LL_PHASE_SEND;
+constexpr int kPhaseRecv = DEEPEP_LL_PHASE_RECV;
+constexpr int kPhaseBoth = DEEPEP_LL_PHASE_BOTH;
 
 // The receive phase of a send-only call of `fn` (deepep_low_latency_dispatch or _combine): a copy
 // of the args with phases = receive, the send's stream and buffer half. operator() launches it and

@@ -29,8 +29,6 @@ using CombineOutputsFn = decltype(&deepep_intranode_combine_outputs);
 // its functions in the libdeepep_nccl.so that deep_ep_cpp loaded.
 class NormalOps {
  public:
-  // The most local experts a non-cached dispatch reports counts for (as the ctypes path).
-  static constexpr int kMaxLocalExperts = 1024;
 
   NormalOps(uintptr_t layout_fn, uintptr_t prepare_fn, uintptr_t dispatch_fn, uintptr_t combine_fn,
             uintptr_t layout_outputs_fn, uintptr_t handle_outputs_fn, uintptr_t dispatch_outputs_fn,
@@ -45,7 +43,7 @@ class NormalOps {
         combine_outputs_fn_(reinterpret_cast<CombineOutputsFn>(combine_outputs_fn)),
         num_ranks_(num_ranks),
         device_(device),
-        per_expert_(kMaxLocalExperts) {
+        per_expert_(DEEPEP_MAX_LOCAL_EXPERTS) {
     on_device_ = at::TensorOptions().device(at::kCUDA, device);
   }
 
@@ -126,11 +124,11 @@ class NormalOps {
 
     int num_recv = 0;
     if (cached || num_worst_tokens > 0) {
-      status = prepare_fn_(as_buffer(buffer), &a, &num_recv, per_expert_.data(), kMaxLocalExperts, as_stream(stream));
+      status = prepare_fn_(as_buffer(buffer), &a, &num_recv, per_expert_.data(), DEEPEP_MAX_LOCAL_EXPERTS, as_stream(stream));
     } else {
       // This call waits on the host for the receive counts: other Python threads may run meanwhile.
       py::gil_scoped_release unlocked;
-      status = prepare_fn_(as_buffer(buffer), &a, &num_recv, per_expert_.data(), kMaxLocalExperts, as_stream(stream));
+      status = prepare_fn_(as_buffer(buffer), &a, &num_recv, per_expert_.data(), DEEPEP_MAX_LOCAL_EXPERTS, as_stream(stream));
     }
     if (status != 0) return py::make_tuple(status);
 
@@ -139,7 +137,7 @@ class NormalOps {
     py::list per_expert_list;
     if (num_recv >= 0 && num_tokens_per_expert.has_value()) {
       const int64_t local = num_tokens_per_expert->size(0) / num_ranks_;
-      for (int64_t e = 0; e < std::min<int64_t>(local, kMaxLocalExperts); ++e) per_expert_list.append(per_expert_[e]);
+      for (int64_t e = 0; e < std::min<int64_t>(local, DEEPEP_MAX_LOCAL_EXPERTS); ++e) per_expert_list.append(per_expert_[e]);
     }
 
     DeepepOutputs& r = recv_outputs_;

@@ -10,31 +10,39 @@ import struct
 
 from ._event import EventHandle
 from ._lib import DTYPES_BY_CODE, DeepepOutputs, DeepepTensor, allocate_planned, check, lib, output_plan
-from ._lib import raise_status, tensor_fields
+from ._lib import (LL_PHASE_BOTH, LL_PHASE_RECV, LL_PHASE_SEND, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, raise_status,
+                   tensor_fields)
 from ._lib import torch as _torch
 from ._streams import (ORDER_AFTER, ORDER_BEFORE, StreamProtocol, stream_handle, stream_wait_stream,
                        without_torch_function)
 
-_TENSOR = "Pii4q4q"
-_DISPATCH_ARGS = struct.Struct("@" + _TENSOR * 9 + "6i0P")
-_COMBINE_ARGS = struct.Struct("@" + _TENSOR * 7 + "6i0P")
-# TODO(abi-constant): DEEPEP_LL_PHASE_SEND / DEEPEP_LL_PHASE_RECV / DEEPEP_LL_PHASE_BOTH.
-_SEND, _RECV, _BOTH = 1, 2, 3
-# Byte offset of the `phases` field: after the tensors and M, num_experts, then 3 (dispatch:
-# use_fp8, round_scale, use_ue8m0) or 2 (combine: use_logfmt, zero_copy) ints.
-_DISPATCH_PHASES_AT = struct.calcsize("@" + _TENSOR * 9 + "5i")
-_COMBINE_PHASES_AT = struct.calcsize("@" + _TENSOR * 7 + "4i")
+_T, _I = "tensor", "int32"
+_DISPATCH = ArgsLayout("DeepepLowLatencyDispatchArgs", (
+    ("x", _T), ("topk_idx", _T), ("cumulative_local_expert_recv_stats", _T), ("dispatch_wait_recv_cost_stats", _T),
+    ("packed_recv_x", _T), ("packed_recv_x_scales", _T), ("packed_recv_count", _T), ("packed_recv_src_info", _T),
+    ("packed_recv_layout_range", _T), ("num_max_dispatch_tokens_per_rank", _I), ("num_experts", _I),
+    ("use_fp8", _I), ("round_scale", _I), ("use_ue8m0", _I), ("phases", _I)))
+_COMBINE = ArgsLayout("DeepepLowLatencyCombineArgs", (
+    ("x", _T), ("topk_idx", _T), ("topk_weights", _T), ("src_info", _T), ("layout_range", _T),
+    ("combine_wait_recv_cost_stats", _T), ("out", _T), ("num_max_dispatch_tokens_per_rank", _I),
+    ("num_experts", _I), ("use_logfmt", _I), ("zero_copy", _I), ("phases", _I), ("reserved", _I)))
+_DISPATCH_ARGS = _DISPATCH.struct
+_COMBINE_ARGS = _COMBINE.struct
+_SEND, _RECV, _BOTH = LL_PHASE_SEND, LL_PHASE_RECV, LL_PHASE_BOTH
+_DISPATCH_PHASES_AT = _DISPATCH.offset("phases")
+_COMBINE_PHASES_AT = _COMBINE.offset("phases")
 
 _desc = tensor_fields
 
 # A dispatch's args start with its 4 input descriptors (x, topk_idx, the two stats tensors); its 5
 # output descriptors follow, in the order deepep_low_latency_dispatch_outputs describes them, and
 # only their data pointers change between calls of one shape.
-_DESC_BYTES = struct.calcsize("@" + _TENSOR)
-_DISPATCH_INPUTS = struct.Struct("@" + _TENSOR * 4)
+_DESC_BYTES = struct.calcsize("@" + TENSOR_FIELDS)
+_DISPATCH_INPUTS = struct.Struct("@" + TENSOR_FIELDS * 4)
+_DISPATCH_OUTPUTS_AT = _DISPATCH.offset("packed_recv_x")
 _DISPATCH_OUTPUTS = 5
 # Index of each output's data pointer in the args seen as 64-bit words.
-_DISPATCH_OUTPUT_POINTER_WORDS = tuple((4 + i) * _DESC_BYTES // 8 for i in range(_DISPATCH_OUTPUTS))
+_DISPATCH_OUTPUT_POINTER_WORDS = tuple((_DISPATCH_OUTPUTS_AT + i * _DESC_BYTES) // 8 for i in range(_DISPATCH_OUTPUTS))
 _MAX_DISPATCH_SHAPES = 64
 
 
@@ -52,10 +60,10 @@ class _DispatchShape:
         self.outputs = outputs
         self.allocation = output_plan(outputs)
         self.args = ctypes.create_string_buffer(_DISPATCH_ARGS.size)
-        _DISPATCH_ARGS.pack_into(self.args, 0, *(0,) * (9 * 11), m, num_experts, int(use_fp8), int(round_scale),
+        _DISPATCH_ARGS.pack_into(self.args, 0, *(0,) * (9 * TENSOR_WORDS), m, num_experts, int(use_fp8), int(round_scale),
                                  int(use_ue8m0), 0)
         # The output descriptors as the library wrote them (data NULL until a call allocates).
-        ctypes.memmove(ctypes.addressof(self.args) + 4 * _DESC_BYTES, ctypes.addressof(outputs.tensors),
+        ctypes.memmove(ctypes.addressof(self.args) + _DISPATCH_OUTPUTS_AT, ctypes.addressof(outputs.tensors),
                        _DISPATCH_OUTPUTS * _DESC_BYTES)
         self.words = memoryview(self.args).cast("B").cast("Q")
         # The compiled path fills the same struct and allocates from a copy of `outputs`.
@@ -296,8 +304,8 @@ class LowLatencyMode(StreamProtocol):
 
     @without_torch_function
     def low_latency_query_mask_buffer(self, mask_status):
-        desc = ctypes.create_string_buffer(struct.calcsize("@" + _TENSOR))
-        struct.pack_into("@" + _TENSOR, desc, 0, *_desc("mask_status", mask_status))
+        desc = ctypes.create_string_buffer(_DESC_BYTES)
+        struct.pack_into("@" + TENSOR_FIELDS, desc, 0, *_desc("mask_status", mask_status))
         check(lib.deepep_low_latency_query_mask_buffer(self._live_handle(), ctypes.addressof(desc),
                                                        stream_handle(self._current_stream())))
 

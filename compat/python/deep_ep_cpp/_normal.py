@@ -9,23 +9,29 @@ the ctypes path descriptors are packed into preallocated argument structs with s
 import ctypes
 import struct
 
-from ._lib import DeepepOutputs, allocate_outputs, lib, output_address, point_outputs, raise_status, tensor_fields
+from ._lib import (MAX_LOCAL_EXPERTS, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, DeepepOutputs, allocate_outputs, lib,
+                   output_address, point_outputs, raise_status, tensor_fields)
 from ._streams import StreamProtocol, without_torch_function
 
-_TENSOR = "Pii4q4q"
-_TENSOR_BYTES = struct.calcsize("@" + _TENSOR)
-# DeepepIntranodeDispatchArgs: 11 tensors, Config (5 x int32), cached, expert_alignment,
-# num_worst_tokens, reserved; "0P" pads the tail to the struct's 8-byte alignment.
-_DISPATCH_ARGS = struct.Struct("@" + _TENSOR * 11 + "5i4i0P")
-_COMBINE_ARGS = struct.Struct("@" + _TENSOR * 10 + "5i0P")
-# The handle's 4 descriptors (rank_prefix_matrix .. send_head, tensors 7-10 of the dispatch args)
-# and the combine's 2 outputs (tensors 8-9 of its args), packed once they are allocated.
-_HANDLE = struct.Struct("@" + _TENSOR * 4)
-_HANDLE_AT = 7 * _TENSOR_BYTES
-_COMBINED = struct.Struct("@" + _TENSOR * 2)
-_COMBINED_AT = 8 * _TENSOR_BYTES
-_ABSENT = (0,) * 11
-_MAX_LOCAL_EXPERTS = 1024
+_T = "tensor"
+_DISPATCH = ArgsLayout("DeepepIntranodeDispatchArgs", (
+    ("x", _T), ("x_scales", _T), ("topk_idx", _T), ("topk_weights", _T), ("num_tokens_per_rank", _T),
+    ("is_token_in_rank", _T), ("num_tokens_per_expert", _T), ("rank_prefix_matrix", _T),
+    ("channel_prefix_matrix", _T), ("recv_channel_prefix_matrix", _T), ("send_head", _T), ("config", "config"),
+    ("cached", "int32"), ("expert_alignment", "int32"), ("num_worst_tokens", "int32"), ("reserved", "int32")))
+_COMBINE = ArgsLayout("DeepepIntranodeCombineArgs", (
+    ("x", _T), ("topk_weights", _T), ("bias_0", _T), ("bias_1", _T), ("src_idx", _T), ("rank_prefix_matrix", _T),
+    ("channel_prefix_matrix", _T), ("send_head", _T), ("combined_x", _T), ("combined_topk_weights", _T),
+    ("config", "config")))
+_DISPATCH_ARGS = _DISPATCH.struct
+_COMBINE_ARGS = _COMBINE.struct
+# The handle's 4 descriptors (rank_prefix_matrix .. send_head) and the combine's 2 outputs, packed
+# once they are allocated.
+_HANDLE = struct.Struct("@" + TENSOR_FIELDS * 4)
+_HANDLE_AT = _DISPATCH.offset("rank_prefix_matrix")
+_COMBINED = struct.Struct("@" + TENSOR_FIELDS * 2)
+_COMBINED_AT = _COMBINE.offset("combined_x")
+_ABSENT = (0,) * TENSOR_WORDS
 
 
 _desc = tensor_fields
@@ -59,7 +65,7 @@ class NormalMode(StreamProtocol):
         self._combine_outputs_addr = ctypes.addressof(self._combine_outputs)
         self._num_recv = ctypes.c_int()
         self._num_recv_addr = ctypes.addressof(self._num_recv)
-        self._per_expert = (ctypes.c_int * _MAX_LOCAL_EXPERTS)()
+        self._per_expert = (ctypes.c_int * MAX_LOCAL_EXPERTS)()
         self._per_expert_addr = ctypes.addressof(self._per_expert)
 
     def _check_device(self, name, t):
@@ -151,7 +157,7 @@ class NormalMode(StreamProtocol):
                           *_desc("channel_prefix_matrix", channel_prefix),
                           *_desc("recv_channel_prefix_matrix", recv_channel_prefix), *_desc("send_head", send_head))
         status = lib.deepep_intranode_dispatch_prepare(
-            handle, args_addr, self._num_recv_addr, self._per_expert_addr, _MAX_LOCAL_EXPERTS, stream)
+            handle, args_addr, self._num_recv_addr, self._per_expert_addr, MAX_LOCAL_EXPERTS, stream)
         if status:
             raise_status(status)
         counted = self._num_recv.value  # -1 unless prepare waited for the counts
