@@ -716,8 +716,8 @@ def _run_compiled(tmp_path, compiler, source, *flags):
     return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
 
 
-def test_allocate_outputs_follows_the_description(monkeypatch):
-    """allocate_outputs (with a stand-in torch): outputs sharing an allocation are views of one
+def test_allocate_planned_follows_the_description(monkeypatch):
+    """allocate_planned(output_plan(...)) (with a stand-in torch): outputs sharing an allocation are views of one
     torch.empty at their offsets, the others one empty_strided each, absent ones None; point_outputs
     then writes each address into its descriptor."""
     import types
@@ -769,7 +769,7 @@ def test_allocate_outputs_follows_the_description(monkeypatch):
         o.allocation[i], o.offset[i] = group, offset
     o.allocation_dtype[0], o.allocation_elems[0] = _lib.DTYPE_INT32, 20
     o.allocation_dtype[1], o.allocation_elems[1] = _lib.DTYPE_BOOL, 32
-    tensors = _lib.allocate_outputs(o, "dev")
+    tensors = _lib.allocate_planned(_lib.output_plan(o), "dev")
     assert made == [(20, "int32", "dev"), ((8, 4), "bool", "dev")]
     assert tensors == [("int32", (4,), (1,), 0), None, ("int32", (16,), (1,), 4), ("bool", (8, 4), "dev")]
     _lib.point_outputs(o, tensors)
@@ -824,3 +824,34 @@ int main() {
         python.append(f"{flags}:" + "".join(waits))
     assert compiled[1:5] == python
     assert python[3] == "3: comm<-compute compute<-comm"
+
+
+def test_output_plans_query_once_per_key():
+    """OutputPlans runs the library's query once per key, raises its error naming the argument, and
+    stays bounded."""
+    from deep_ep_cpp import _lib
+
+    calls = []
+
+    def query(key):
+        def run(address):
+            calls.append(key)
+            out = _lib.DeepepOutputs.from_address(address)
+            out.count, out.num_allocations = 1, 1
+            out.allocation[0], out.allocation_dtype[0], out.allocation_elems[0] = 0, _lib.DTYPE_INT32, key
+            out.tensors[0].dtype, out.tensors[0].ndim = _lib.DTYPE_INT32, 1
+            out.tensors[0].shape[0], out.tensors[0].strides[0] = key, 1
+            return 0
+        return run
+
+    plans = _lib.OutputPlans(limit=2)
+    first = plans.get(5, query(5))
+    assert plans.get(5, query(5)) is first and calls == [5]
+    assert first[1] == ((((5,), (1,), True, _lib.DTYPE_INT32, -1, 0),), ())
+    assert first[2] == (_lib.output_address(first[0], 0),)
+    plans.get(6, query(6))
+    plans.get(7, query(7))  # the third key clears the two held
+    plans.get(5, query(5))
+    assert calls == [5, 6, 7, 5]
+    with pytest.raises(RuntimeError, match="buffer must not be NULL"):
+        plans.get(8, lambda out: _lib.lib.deepep_get_dispatch_layout_outputs(None, 8, 8, out))

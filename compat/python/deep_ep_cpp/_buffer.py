@@ -10,14 +10,14 @@ from ._low_latency import LowLatencyMode
 from ._normal import NormalMode
 from ._streams import without_torch_function
 from ._lib import (
+    MAX_DIMS,
     NUM_MAX_NVL_PEERS,
     UNIQUE_ID_BYTES,
-    DeepepOutputs,
     DeepepTensor,
-    allocate_outputs,
+    OutputPlans,
+    allocate_planned,
     check,
     lib,
-    output_address,
     point_outputs,
     raise_status,
     require_torch,
@@ -28,6 +28,7 @@ _HANDLE_MAGIC = b"DEEPEPNCCL1"
 _HANDLE_BYTES = len(_HANDLE_MAGIC) + UNIQUE_ID_BYTES
 
 _pack_tensor = _lib.TENSOR_FORMAT.pack_into
+_ZERO_DIMS = (0,) * MAX_DIMS
 
 _torch = _lib.torch
 _DTYPE_CODES = _lib.TORCH_DTYPE_CODES
@@ -104,12 +105,10 @@ class Buffer(NormalMode, LowLatencyMode):
         self._comm_stream_ptr = None
 
         # The layout's descriptors live as long as the Buffer: topk_idx's, and the outputs' as the
-        # library describes them (deepep_get_dispatch_layout_outputs), re-pointed per call.
+        # library describes them (deepep_get_dispatch_layout_outputs) per shape, re-pointed per call.
         self._topk_desc = DeepepTensor()
         self._topk_addr = ctypes.addressof(self._topk_desc)
-        self._layout_outputs = DeepepOutputs()
-        self._layout_outputs_addr = ctypes.addressof(self._layout_outputs)
-        self._layout_output_addrs = [output_address(self._layout_outputs, i) for i in range(4)]
+        self._layout_plans = OutputPlans()
         self._layout_fn = lib.deepep_get_dispatch_layout
         self._layout_outputs_fn = lib.deepep_get_dispatch_layout_outputs
         self._sync_event = None
@@ -294,18 +293,17 @@ class Buffer(NormalMode, LowLatencyMode):
                 f"deepep-nccl: topk_idx must have dtype torch.int64 or torch.int32, got {topk_idx.dtype}"
             )
         shape = topk_idx.shape
-        outputs = self._layout_outputs
-        status = self._layout_outputs_fn(handle, shape[0] if shape else 0, num_experts, self._layout_outputs_addr)
-        if status:
-            raise_status(status)
-        tensors = allocate_outputs(outputs, self._device)
+        num_tokens = shape[0] if shape else 0
+        outputs, plan, addresses = self._layout_plans.get(
+            (num_tokens, num_experts), lambda out: self._layout_outputs_fn(handle, num_tokens, num_experts, out))
+        tensors = allocate_planned(plan, self._device)
         point_outputs(outputs, tensors)
-        # topk_idx's descriptor (strides in elements). Dims past the 4th are dropped: the C ABI
+        # topk_idx's descriptor (strides in elements). Dims past MAX_DIMS are dropped: the C ABI
         # rejects any topk_idx that is not 2-D by its ndim anyway.
-        dims = (*shape, 0, 0, 0, 0)[:4]
-        strides = (*topk_idx.stride(), 0, 0, 0, 0)[:4]
+        dims = (*shape, *_ZERO_DIMS)[:MAX_DIMS]
+        strides = (*topk_idx.stride(), *_ZERO_DIMS)[:MAX_DIMS]
         _pack_tensor(self._topk_desc, 0, topk_idx.data_ptr(), code, len(shape), *dims, *strides)
-        rank_addr, rdma_addr, expert_addr, in_rank_addr = self._layout_output_addrs
+        rank_addr, rdma_addr, expert_addr, in_rank_addr = addresses
         status = self._layout_fn(handle, self._topk_addr, num_experts, rank_addr,
                                  None if tensors[1] is None else rdma_addr, expert_addr, in_rank_addr,
                                  self._comm_stream_ptr)

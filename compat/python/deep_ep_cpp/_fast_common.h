@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <stdexcept>
@@ -47,6 +48,16 @@ inline at::ScalarType scalar_type(int32_t code) {
 inline at::IntArrayRef dims(const DeepepTensor& t) { return at::IntArrayRef(t.shape, size_t(t.ndim)); }
 inline at::IntArrayRef steps(const DeepepTensor& t) { return at::IntArrayRef(t.strides, size_t(t.ndim)); }
 
+// Whether t's strides are the row-major ones of its shape (at::empty is the cheaper allocation).
+inline bool row_major(const DeepepTensor& t) {
+  int64_t step = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    if (t.strides[d] != step) return false;
+    step *= std::max<int64_t>(t.shape[d], 1);
+  }
+  return true;
+}
+
 // The outputs a DeepepOutputs describes (deepep_*_outputs), allocated by torch; absent ones are
 // empty optionals. An output alone in its allocation is one at::empty_strided; outputs sharing
 // one are views of a single at::empty.
@@ -62,7 +73,8 @@ inline std::array<c10::optional<at::Tensor>, DEEPEP_MAX_OP_OUTPUTS> allocate(con
     if (g < 0) continue;
     const DeepepTensor& t = o.tensors[i];
     if (members[g] == 1) {
-      out[i] = at::empty_strided(dims(t), steps(t), on_device.dtype(scalar_type(t.dtype)));
+      const auto options = on_device.dtype(scalar_type(t.dtype));
+      out[i] = row_major(t) ? at::empty(dims(t), options) : at::empty_strided(dims(t), steps(t), options);
       continue;
     }
     if (!bases[g].defined())

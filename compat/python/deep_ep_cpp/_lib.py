@@ -212,9 +212,29 @@ def allocate_planned(plan, device):
     return result
 
 
-def allocate_outputs(outputs, device):
-    """allocate_planned(output_plan(outputs)): for outputs described once per call."""
-    return allocate_planned(output_plan(outputs), device)
+class OutputPlans:
+    """The library's description of one op's outputs (a DeepepOutputs) per key of everything its
+    query reads, queried and read once: the query through ctypes and output_plan cost more than
+    the allocations. A stale entry cannot corrupt anything: the op checks the descriptors it is
+    given against the same geometry. Bounded: cleared when `limit` keys are held."""
+
+    def __init__(self, limit=64):
+        self._entries, self._limit = {}, limit
+
+    def get(self, key, query):
+        """(outputs, plan, the address of each outputs.tensors[i]) for key; query(address of a fresh
+        DeepepOutputs) runs the library's query and returns its status."""
+        entry = self._entries.get(key)
+        if entry is None:
+            outputs = DeepepOutputs()
+            status = query(ctypes.addressof(outputs))
+            if status:
+                raise_status(status)
+            if len(self._entries) >= self._limit:
+                self._entries.clear()
+            addresses = tuple(output_address(outputs, i) for i in range(outputs.count))
+            entry = self._entries[key] = (outputs, output_plan(outputs), addresses)
+        return entry
 
 
 def point_outputs(outputs, tensors):

@@ -9,7 +9,7 @@ import ctypes
 import struct
 
 from ._event import EventHandle
-from ._lib import DTYPES_BY_CODE, DeepepOutputs, DeepepTensor, allocate_planned, check, lib, output_plan
+from ._lib import DTYPES_BY_CODE, DeepepOutputs, DeepepTensor, OutputPlans, allocate_planned, check, lib, output_plan
 from ._lib import (LL_PHASE_BOTH, LL_PHASE_RECV, LL_PHASE_SEND, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, raise_status,
                    tensor_fields)
 from ._lib import torch as _torch
@@ -132,8 +132,8 @@ class LowLatencyMode(StreamProtocol):
         self._ll_next_combine_fn = ctypes.cast(lib.deepep_get_next_low_latency_combine_buffer, ctypes.c_void_p).value
         self._ll_dispatch_shapes = {}
         self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
-        # combined_x's description for the last (T, H), per path: asked again only when they change.
-        self._ll_combine_key = self._ll_combine_allocation = None
+        # combined_x's description per (T, H) on the ctypes path; the compiled path keeps its own.
+        self._ll_combine_plans = OutputPlans()
         self._ll_combine_outputs = None if self._ll_fast is None else self._ll_fast.LlCombineOutputs(
             ctypes.cast(lib.deepep_low_latency_combine_outputs, ctypes.c_void_p).value)
         self._ll_idx = ctypes.c_int()
@@ -255,8 +255,10 @@ class LowLatencyMode(StreamProtocol):
         if x.dim() != 3:
             raise RuntimeError(f"deepep-nccl: x must be [E_l, R*M, H], got shape {tuple(x.shape)}")
         if out is None:
-            combined_x = allocate_planned(self._ll_combine_plan(handle, topk_idx.shape[0], x.shape[2]),
-                                          self._device)[0]
+            num_tokens, hidden = topk_idx.shape[0], x.shape[2]
+            _, plan, _ = self._ll_combine_plans.get(
+                (num_tokens, hidden), lambda out: lib.deepep_low_latency_combine_outputs(handle, num_tokens, hidden, out))
+            combined_x = allocate_planned(plan, self._device)[0]
         else:
             combined_x = out
         _COMBINE_ARGS.pack_into(
@@ -270,15 +272,6 @@ class LowLatencyMode(StreamProtocol):
                                       return_recv_hook, (x, topk_idx, topk_weights, src_info, layout_range,
                                                          combine_wait_recv_cost_stats, combined_x))
         return combined_x, event, hook
-
-    def _ll_combine_plan(self, handle, num_tokens, hidden):
-        """combined_x's allocation (deepep_low_latency_combine_outputs) for T tokens of hidden H."""
-        key = (num_tokens, hidden)
-        if key != self._ll_combine_key:
-            outputs = DeepepOutputs()
-            check(lib.deepep_low_latency_combine_outputs(handle, num_tokens, hidden, ctypes.byref(outputs)))
-            self._ll_combine_key, self._ll_combine_allocation = key, output_plan(outputs)
-        return self._ll_combine_allocation
 
     @without_torch_function
     def get_next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):

@@ -9,8 +9,8 @@ the ctypes path descriptors are packed into preallocated argument structs with s
 import ctypes
 import struct
 
-from ._lib import (MAX_LOCAL_EXPERTS, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, DeepepOutputs, allocate_outputs, lib,
-                   output_address, point_outputs, raise_status, tensor_fields)
+from ._lib import (MAX_LOCAL_EXPERTS, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, OutputPlans, allocate_planned, lib,
+                   point_outputs, raise_status, tensor_fields)
 from ._streams import StreamProtocol, without_torch_function
 
 _T = "tensor"
@@ -37,6 +37,11 @@ _ABSENT = (0,) * TENSOR_WORDS
 _desc = tensor_fields
 
 
+def _layout_key(t):
+    """What an optional input contributes to its op's output geometry."""
+    return None if t is None else (t.dtype, t.shape[1:])
+
+
 def _config_fields(config):
     c = config._c
     return (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
@@ -56,13 +61,7 @@ class NormalMode(StreamProtocol):
         # What the library says each op's caller allocates (deepep_intranode_*_outputs). The
         # receive outputs' descriptors, re-pointed per call, are the DeepepIntranodeDispatchOutputs
         # the dispatch takes (same field order).
-        self._handle_outputs = DeepepOutputs()
-        self._recv_outputs = DeepepOutputs()
-        self._combine_outputs = DeepepOutputs()
-        self._handle_outputs_addr = ctypes.addressof(self._handle_outputs)
-        self._recv_outputs_addr = ctypes.addressof(self._recv_outputs)
-        self._recv_tensors_addr = output_address(self._recv_outputs, 0)
-        self._combine_outputs_addr = ctypes.addressof(self._combine_outputs)
+        self._handle_plans, self._recv_plans, self._combine_plans = OutputPlans(), OutputPlans(), OutputPlans()
         self._num_recv = ctypes.c_int()
         self._num_recv_addr = ctypes.addressof(self._num_recv)
         self._per_expert = (ctypes.c_int * MAX_LOCAL_EXPERTS)()
@@ -147,10 +146,11 @@ class NormalMode(StreamProtocol):
             *_desc("num_tokens_per_expert", None if cached else num_tokens_per_expert),
             *(_ABSENT * 4), *_config_fields(config), int(cached), expert_alignment, num_worst_tokens, 0,
         )
-        status = lib.deepep_intranode_dispatch_handle_outputs(handle, args_addr, self._handle_outputs_addr)
-        if status:
-            raise_status(status)
-        rank_prefix, channel_prefix, recv_channel_prefix, send_head = allocate_outputs(self._handle_outputs, device)
+        num_tokens = x.shape[0] if x.dim() else 0
+        _, plan, _ = self._handle_plans.get(
+            (num_tokens, config.num_sms, cached),
+            lambda out: lib.deepep_intranode_dispatch_handle_outputs(handle, args_addr, out))
+        rank_prefix, channel_prefix, recv_channel_prefix, send_head = allocate_planned(plan, device)
         if cached:
             rank_prefix, channel_prefix = cached_rank_prefix_matrix, cached_channel_prefix_matrix
         _HANDLE.pack_into(args, _HANDLE_AT, *_desc("rank_prefix_matrix", rank_prefix),
@@ -163,14 +163,15 @@ class NormalMode(StreamProtocol):
         counted = self._num_recv.value  # -1 unless prepare waited for the counts
         per_expert_list = self._per_expert[: num_tokens_per_expert.shape[0] // self._num_ranks] if counted >= 0 else []
 
-        recv = self._recv_outputs
-        status = lib.deepep_intranode_dispatch_outputs(
-            handle, args_addr, cached_num_recv_tokens if cached else counted, self._recv_outputs_addr)
-        if status:
-            raise_status(status)
-        received = allocate_outputs(recv, device)
+        # Everything the receive query reads: the row count and the received rows' layout.
+        num_recv = cached_num_recv_tokens if cached else counted
+        key = (num_recv, cached, num_worst_tokens, x.dtype, x.shape[1:], _layout_key(x_scales), _layout_key(topk_idx),
+               _layout_key(topk_weights))
+        recv, plan, addresses = self._recv_plans.get(
+            key, lambda out: lib.deepep_intranode_dispatch_outputs(handle, args_addr, num_recv, out))
+        received = allocate_planned(plan, device)
         point_outputs(recv, received)
-        status = lib.deepep_intranode_dispatch(handle, args_addr, self._recv_tensors_addr, stream)
+        status = lib.deepep_intranode_dispatch(handle, args_addr, addresses[0], stream)
         if status:
             raise_status(status)
         recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = received
@@ -215,10 +216,9 @@ class NormalMode(StreamProtocol):
             *_desc("channel_prefix_matrix", channel_prefix_matrix), *_desc("send_head", send_head),
             *(_ABSENT * 2), *_config_fields(config),
         )
-        status = lib.deepep_intranode_combine_outputs(handle, args_addr, self._combine_outputs_addr)
-        if status:
-            raise_status(status)
-        combined_x, combined_topk_weights = allocate_outputs(self._combine_outputs, self._device)
+        key = (send_head.shape, x.dtype, x.shape[1:], _layout_key(topk_weights))
+        _, plan, _ = self._combine_plans.get(key, lambda out: lib.deepep_intranode_combine_outputs(handle, args_addr, out))
+        combined_x, combined_topk_weights = allocate_planned(plan, self._device)
         _COMBINED.pack_into(args, _COMBINED_AT, *_desc("combined_x", combined_x),
                             *_desc("combined_topk_weights", combined_topk_weights))
         status = lib.deepep_intranode_combine(handle, args_addr, self._comm_stream_ptr)
