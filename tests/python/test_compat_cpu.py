@@ -834,9 +834,9 @@ def test_output_plans_query_once_per_key():
     calls = []
 
     def query(key):
-        def run(address):
+        def run(pointer):
             calls.append(key)
-            out = _lib.DeepepOutputs.from_address(address)
+            out = pointer._obj
             out.count, out.num_allocations = 1, 1
             out.allocation[0], out.allocation_dtype[0], out.allocation_elems[0] = 0, _lib.DTYPE_INT32, key
             out.tensors[0].dtype, out.tensors[0].ndim = _lib.DTYPE_INT32, 1
@@ -855,3 +855,21 @@ def test_output_plans_query_once_per_key():
     assert calls == [5, 6, 7, 5]
     with pytest.raises(RuntimeError, match="buffer must not be NULL"):
         plans.get(8, lambda out: _lib.lib.deepep_get_dispatch_layout_outputs(None, 8, 8, out))
+
+
+@pytest.mark.parametrize("name, args", [
+    ("deepep_get_dispatch_layout_outputs", (None, 8, 8)),
+    ("deepep_intranode_dispatch_handle_outputs", (None, ctypes.c_void_p(8))),
+    ("deepep_intranode_dispatch_outputs", (None, ctypes.c_void_p(8), 5)),
+    ("deepep_intranode_combine_outputs", (None, ctypes.c_void_p(8))),
+    ("deepep_low_latency_dispatch_outputs", (None, 128, 7168, 288, True, False)),
+    ("deepep_low_latency_combine_outputs", (None, 17, 7168)),
+])
+def test_every_output_query_takes_what_output_plans_passes(name, args):
+    """Each query's ctypes prototype takes the pointer OutputPlans passes (the ctypes path's only
+    way to call them); with no buffer, the library's error is raised."""
+    from deep_ep_cpp import _lib
+
+    query = getattr(_lib.lib, name)
+    with pytest.raises(RuntimeError, match="buffer must not be NULL"):
+        _lib.OutputPlans().get("key", lambda out: query(*args, out))

@@ -222,12 +222,12 @@ class OutputPlans:
         self._entries, self._limit = {}, limit
 
     def get(self, key, query):
-        """(outputs, plan, the address of each outputs.tensors[i]) for key; query(address of a fresh
+        """(outputs, plan, the address of each outputs.tensors[i]) for key; query(byref of a fresh
         DeepepOutputs) runs the library's query and returns its status."""
         entry = self._entries.get(key)
         if entry is None:
             outputs = DeepepOutputs()
-            status = query(ctypes.addressof(outputs))
+            status = query(ctypes.byref(outputs))
             if status:
                 raise_status(status)
             if len(self._entries) >= self._limit:
