@@ -717,21 +717,15 @@ def _run_compiled(tmp_path, compiler, source, *flags):
 
 
 def test_allocate_planned_follows_the_description(monkeypatch):
-    """allocate_planned(output_plan(...)) (with a stand-in torch): outputs sharing an allocation are views of one
-    torch.empty at their offsets, the others one empty_strided each, absent ones None; point_outputs
-    then writes each address into its descriptor."""
+    """allocate_planned(output_plan(...)) (with a stand-in torch): outputs sharing an allocation are
+    parts of one torch.empty (split when they lie back to back in output order, else views at
+    their offsets), the others one torch.empty each, absent ones None; point_outputs then writes
+    each address into its descriptor."""
     import types
 
     from deep_ep_cpp import _lib
 
     made = []
-
-    class Storage:
-        def __init__(self, elems, dtype):
-            self.elems, self.dtype = elems, dtype
-
-        def as_strided(self, shape, strides, offset):
-            return Tensor((self.dtype, shape, strides, offset), 0x1000 + offset)
 
     class Tensor(tuple):
         def __new__(cls, fields, ptr):
@@ -741,6 +735,17 @@ def test_allocate_planned_follows_the_description(monkeypatch):
 
         def data_ptr(self):
             return self.ptr
+
+    class Storage:
+        def __init__(self, elems, dtype):
+            self.elems, self.dtype = elems, dtype
+
+        def as_strided(self, shape, strides, offset):
+            return Tensor((self.dtype, shape, strides, offset), 0x1000 + offset)
+
+        def split_with_sizes(self, sizes):
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            return [Tensor((self.dtype, (n,), "part", at), 0x1000 + at) for n, at in zip(sizes, offsets)]
 
     def empty(elems, dtype, device):
         made.append((elems, dtype, device))
@@ -752,30 +757,37 @@ def test_allocate_planned_follows_the_description(monkeypatch):
         (dtype, shape, strides, device), 0x2000))
     monkeypatch.setattr(_lib, "torch", fake)
     monkeypatch.setattr(_lib, "DTYPES_BY_CODE", {_lib.DTYPE_INT32: "int32", _lib.DTYPE_BOOL: "bool"})
-    # The layout's description with 4 ranks, 16 experts, 8 tokens: counts [4] + [16] in one int32
-    # allocation, no rdma counts, is_token_in_rank [8, 4] alone.
-    o = _lib.DeepepOutputs()
-    o.count, o.num_allocations = 4, 2
-    layout = [(_lib.DTYPE_INT32, (4,), (1,), 0, 0), None, (_lib.DTYPE_INT32, (16,), (1,), 0, 4),
-              (_lib.DTYPE_BOOL, (8, 4), (4, 1), 1, 0)]
-    for i, desc in enumerate(layout):
-        if desc is None:
-            o.allocation[i] = -1
-            continue
-        code, shape, strides, group, offset = desc
-        pad = (0,) * (4 - len(shape))
-        _lib.TENSOR_FORMAT.pack_into(o, _lib.DeepepOutputs.tensors.offset + i * 80, 0, code, len(shape), *shape, *pad,
-                                     *strides, *pad)
-        o.allocation[i], o.offset[i] = group, offset
-    o.allocation_dtype[0], o.allocation_elems[0] = _lib.DTYPE_INT32, 20
-    o.allocation_dtype[1], o.allocation_elems[1] = _lib.DTYPE_BOOL, 32
+
+    def describe(layout):
+        o = _lib.DeepepOutputs()
+        o.count, o.num_allocations = len(layout), 2
+        for i, desc in enumerate(layout):
+            if desc is None:
+                o.allocation[i] = -1
+                continue
+            code, shape, strides, group, offset = desc
+            pad = (0,) * (_lib.MAX_DIMS - len(shape))
+            _lib.TENSOR_FORMAT.pack_into(o, _lib.DeepepOutputs.tensors.offset + i * _lib.TENSOR_FORMAT.size, 0, code,
+                                         len(shape), *shape, *pad, *strides, *pad)
+            o.allocation[i], o.offset[i] = group, offset
+        o.allocation_dtype[0], o.allocation_elems[0] = _lib.DTYPE_INT32, 20
+        o.allocation_dtype[1], o.allocation_elems[1] = _lib.DTYPE_BOOL, 32
+        return o
+
+    # The layout's description with 4 ranks, 16 experts, 8 tokens: counts [4] + [16] back to back
+    # in one int32 allocation, no rdma counts, is_token_in_rank [8, 4] alone.
+    o = describe([(_lib.DTYPE_INT32, (4,), (1,), 0, 0), None, (_lib.DTYPE_INT32, (16,), (1,), 0, 4),
+                  (_lib.DTYPE_BOOL, (8, 4), (4, 1), 1, 0)])
     tensors = _lib.allocate_planned(_lib.output_plan(o), "dev")
     assert made == [(20, "int32", "dev"), ((8, 4), "bool", "dev")]
-    assert tensors == [("int32", (4,), (1,), 0), None, ("int32", (16,), (1,), 4), ("bool", (8, 4), "dev")]
+    assert tensors == [("int32", (4,), "part", 0), None, ("int32", (16,), "part", 4), ("bool", (8, 4), "dev")]
     _lib.point_outputs(o, tensors)
     assert [o.tensors[i].data or 0 for i in range(4)] == [0x1000, 0, 0x1004, 0x2000]
     assert _lib.output_address(o, 3) == ctypes.addressof(o.tensors[3])
     assert (o.tensors[3].ndim, tuple(o.tensors[3].shape[:2])) == (2, (8, 4))  # only the address changed
+    # Not in output order: views at their offsets.
+    o = describe([(_lib.DTYPE_INT32, (4,), (1,), 0, 16), (_lib.DTYPE_INT32, (16,), (1,), 0, 0)])
+    assert _lib.allocate_planned(_lib.output_plan(o), "dev") == [("int32", (4,), (1,), 16), ("int32", (16,), (1,), 0)]
 
 
 def test_stream_order_matches_the_compiled_path(tmp_path, monkeypatch):

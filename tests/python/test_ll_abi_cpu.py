@@ -151,7 +151,7 @@ def test_output_plan_reads_shared_allocations():
     o.allocation[3], o.offset[3] = 0, 16
     o.allocation_elems[0] = 64
     entries, shared = _lib.output_plan(o)
-    assert shared == ((0, 64, 3),)
+    assert shared == ((0, 64, 3, [16, 48]),)  # back to back in output order: split sizes
     assert entries == (((4, 4), (4, 1), True, 3, 0, 0), None, ((2, 6, 3), (18, 1, 6), False, 5, -1, 0),
                        ((4, 12), (12, 1), True, 3, 0, 16))
 

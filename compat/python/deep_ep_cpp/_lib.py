@@ -161,7 +161,9 @@ _TENSOR_BYTES = ctypes.sizeof(DeepepTensor)
 def output_plan(outputs):
     """A DeepepOutputs read once into plain Python for allocate_planned: per output None (absent)
     or (shape, strides, contiguous, dtype code, shared allocation or -1 when alone, offset), and
-    per allocation shared by several outputs (index, elements, dtype code)."""
+    per allocation shared by several outputs (index, elements, dtype code, split sizes): the split
+    sizes when its outputs are contiguous and back to back in output order (allocate_planned then
+    splits the allocation, as torch code would), else None (views at their offsets)."""
     fields = _OUTPUTS_FORMAT.unpack_from(outputs)
     count = fields[0]
     groups = fields[_GROUP_AT:_GROUP_AT + count]
@@ -177,8 +179,26 @@ def output_plan(outputs):
         shape, strides = fields[at + 3:at + 3 + n], fields[at + 3 + MAX_DIMS:at + 3 + MAX_DIMS + n]
         entries.append((shape, strides, strides == _row_major(shape), fields[at + 1], g if g in shared else -1,
                         fields[_OFFSET_AT + i]))
-    shared_allocations = tuple((g, fields[_ALLOCATION_ELEMS_AT + g], fields[_ALLOCATION_DTYPE_AT + g]) for g in shared)
-    return tuple(entries), shared_allocations
+    allocations = []
+    for g in shared:
+        elems = fields[_ALLOCATION_ELEMS_AT + g]
+        members = [e for e in entries if e is not None and e[4] == g]
+        sizes, end = [], 0
+        for shape, _, contiguous, _, _, offset in members:
+            if not contiguous or offset != end:
+                sizes = None
+                break
+            sizes.append(_numel(shape))
+            end += sizes[-1]
+        allocations.append((g, elems, fields[_ALLOCATION_DTYPE_AT + g], sizes if end == elems else None))
+    return tuple(entries), tuple(allocations)
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _row_major(shape):
@@ -192,18 +212,27 @@ def _row_major(shape):
 def allocate_planned(plan, device):
     """The outputs of an output_plan, allocated by torch (its caching allocator stays in charge):
     a list with None for absent outputs. An output alone in its allocation is one torch.empty
-    (contiguous) or torch.empty_strided; outputs sharing one are views of a single torch.empty."""
+    (contiguous) or torch.empty_strided; outputs sharing one are parts of a single torch.empty."""
     entries, shared = plan
     torch = require_torch()
     dtypes = DTYPES_BY_CODE
-    bases = {g: torch.empty(elems, dtype=dtypes[code], device=device) for g, elems, code in shared}
+    splits, bases = {}, {}
+    for g, elems, code, sizes in shared:
+        base = torch.empty(elems, dtype=dtypes[code], device=device)
+        if sizes is None:
+            bases[g] = base
+        else:
+            splits[g] = iter(base.split_with_sizes(sizes))
     result = []
     for entry in entries:
         if entry is None:
             result.append(None)
             continue
         shape, strides, contiguous, code, g, offset = entry
-        if g >= 0:
+        if g in splits:
+            part = next(splits[g])
+            result.append(part if len(shape) == 1 else part.view(shape))
+        elif g >= 0:
             result.append(bases[g].as_strided(shape, strides, offset))
         elif contiguous:
             result.append(torch.empty(shape, dtype=dtypes[code], device=device))
