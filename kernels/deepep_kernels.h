@@ -333,6 +333,8 @@ int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t 
 // Bytes of one dispatch count message (per-expert counts and the filled-slot bitmap).
 int64_t deepep_ll_count_bytes(int32_t num_local_experts, int32_t max_tokens);
 int64_t deepep_ll_combine_slot_bytes(int32_t hidden, int32_t use_logfmt);
+// Bytes between rows of the zero-copy combine view (deepep_get_next_low_latency_combine_buffer).
+int64_t deepep_ll_view_row_bytes(int32_t hidden);
 // Whether this build has the NCCL GIN transport (NCCL >= 2.28.7 headers).
 int deepep_ll_gin_compiled(void);
 // clean_low_latency_buffer on `stream`: a barrier over the ranks (masked ones skipped in shrink

@@ -24,6 +24,8 @@ namespace ll {
 // Per (expert, token) that is 2H + 4H/128 bytes, DeepEP's combine message, for any H % 128 == 0.
 __host__ __device__ constexpr int64_t combine_data_bytes(int hidden) { return 2 * int64_t(hidden); }
 __host__ __device__ constexpr int64_t combine_meta_bytes(int hidden) { return 4 * int64_t(hidden / 128); }
+// Bytes between rows of the zero-copy combine view: DeepEP's (H + H/64) BF16 elements.
+__host__ __device__ constexpr int64_t view_row_bytes(int hidden) { return 2 * int64_t(hidden) + hidden / 32; }
 // 256-channel groups of a BF16 row (one int4 per lane); the last is half a warp when H % 256 == 128.
 __host__ __device__ constexpr int combine_groups(int hidden) { return (hidden + 255) / 256; }
 
@@ -43,7 +45,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t rows_per_expert = int64_t(R) * M;
   const int64_t cslot = combine_data_bytes(H);
-  const int64_t view_row_bytes = 2 * int64_t(H) + H / 32;  // DeepEP's (H + H/64) BF16 elements
+  const int64_t view_row = view_row_bytes(H);
   const uint64_t meta_base = c.combine_recv_offset + uint64_t(c.num_experts) * M * cslot;
   // smem: prefix [El*R + 1] of block sizes in (expert, source) order; each block's first packed
   // row [El*R]; rows per home [R]; this block's written chunks per home [R].
@@ -108,7 +110,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     const int row = block_begin[lo] + (row_idx - prefix[lo]);
     const int t = __ldg(p.src_info + int64_t(e) * rows_per_expert + row);
     const int global_expert = c.rank * El + e;
-    const uint64_t view_offset = c.view_offset + (uint64_t(e) * rows_per_expert + row) * view_row_bytes;
+    const uint64_t view_offset = c.view_offset + (uint64_t(e) * rows_per_expert + row) * view_row;
     const int4* src = zero_copy ? reinterpret_cast<const int4*>(tr.local(view_offset))
                                 : static_cast<const int4*>(p.x) + (int64_t(e) * rows_per_expert + row) * row_vec;
     const uint64_t slot_index = uint64_t(global_expert) * M + t;
@@ -358,6 +360,8 @@ int launch_combine_remote(const ncclDevComm& dc, const DeepepLlCombineParams& p,
 
 // Bytes of the combine area per (expert, token): data slot plus metadata slot; -1 when this
 // build has no LogFMT and it is asked for.
+extern "C" int64_t deepep_ll_view_row_bytes(int32_t hidden) { return deepep::ll::view_row_bytes(hidden); }
+
 extern "C" int64_t deepep_ll_combine_slot_bytes(int32_t hidden, int32_t use_logfmt) {
   if (use_logfmt && !DEEPEP_HAVE_LOGFMT) return -1;
   return deepep::ll::combine_data_bytes(hidden) + deepep::ll::combine_meta_bytes(hidden);

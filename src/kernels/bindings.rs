@@ -1000,6 +1000,7 @@ unsafe extern "C" {
     ) -> i64;
     pub fn deepep_ll_count_bytes(num_local_experts: i32, max_tokens: i32) -> i64;
     pub fn deepep_ll_combine_slot_bytes(hidden: i32, use_logfmt: i32) -> i64;
+    pub fn deepep_ll_view_row_bytes(hidden: i32) -> i64;
     pub fn deepep_ll_gin_compiled() -> ::std::os::raw::c_int;
     pub fn deepep_launch_ll_clean(
         dev_comm: *const ::std::os::raw::c_void,

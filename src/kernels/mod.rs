@@ -103,6 +103,12 @@ pub fn ll_combine_slot_bytes(hidden: i32, use_logfmt: bool) -> Option<i64> {
     (v > 0).then_some(v)
 }
 
+/// Bytes between rows of the zero-copy combine view, as the combine kernel writes them.
+pub fn ll_view_row_bytes(hidden: i32) -> i64 {
+    // SAFETY: pure arithmetic.
+    unsafe { deepep_ll_view_row_bytes(hidden) }
+}
+
 /// Whether the kernels were built with the NCCL GIN transport.
 pub fn ll_gin_compiled() -> bool {
     // SAFETY: returns a compile-time constant.

@@ -88,12 +88,13 @@ pub fn clean_mask(buffer: &Buffer, stream: *mut c_void) -> Result<()> {
     })
 }
 
-/// The zero-copy combine view of `shape` (data NULL): BF16 [E_l, R*M, H] whose rows lie one
-/// combine message apart, H + H/64 elements (the BF16 row, then room for H/128 float32 scales),
-/// as in DeepEP. Hosts take shape and strides from here (deepep_get_next_low_latency_combine_buffer).
+/// The zero-copy combine view of `shape` (data NULL): BF16 [E_l, R*M, H] whose rows lie as far
+/// apart as the combine kernel writes them (H + H/64 elements, DeepEP's layout). Hosts take shape
+/// and strides from here (deepep_get_next_low_latency_combine_buffer).
 pub fn combine_view(shape: LlShape) -> DeepepTensor {
     let (el, rows, h) = (shape.local_experts(), shape.rows(), shape.hidden);
-    let row = h + h / 64;
+    // LlShape bounds hidden to an int32 multiple of 128.
+    let row = kernels::ll_view_row_bytes(h as i32) / DEEPEP_DTYPE_BFLOAT16.size();
     DeepepOutputs::describe(DEEPEP_DTYPE_BFLOAT16, &[el, rows, h], &[rows * row, row, 1])
 }
 
