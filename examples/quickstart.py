@@ -2,6 +2,8 @@
 exactly as DeepEP users do, computes the dispatch layout of a random MoE routing
 (4096 tokens, ~256 experts, top-8) and checks it against plain torch.
 
+`--preflight` only checks for torch with CUDA and a GPU (one line and exit 1 without them).
+
 Run from the repo root:
   PYTHONPATH=compat/python DEEPEP_NCCL_LIBRARY=target/release/libdeepep_nccl.so python examples/quickstart.py
 """
@@ -74,6 +76,8 @@ def main():
         print('No CUDA GPU visible: deepep-nccl needs at least one NVIDIA GPU '
               f'(check nvidia-smi and CUDA_VISIBLE_DEVICES{cpu_only}).')
         sys.exit(1)
+    if '--preflight' in sys.argv[1:]:  # scripts/quickstart.sh: torch and a GPU, checked before the build
+        return
     try:
         importlib.import_module('deep_ep')  # fail here, with a hint, rather than in every worker
     except Exception as e:

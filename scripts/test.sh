@@ -88,6 +88,40 @@ NEWER_NCCL="$(deepep_site_packages "$NEWER_VENV")/nvidia/nccl"
 NCCL_HOME="$NEWER_NCCL" LD_LIBRARY_PATH="$NEWER_NCCL/lib" CARGO_TARGET_DIR=target-nccl2323 \
   cargo test --release --locked --lib -- kernels nccl::tests::the_linked
 
+echo "== the wheel (scripts/build_wheel.sh), installed into a fresh venv: the CPU tests against the install"
+bash scripts/build_wheel.sh
+wheel=$(ls dist/deepep_nccl-*.whl)
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+python3 -m venv "$scratch/venv"
+# The wheel alone, plus the NCCL it declares (pinned to what it was built against) and pytest.
+"$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$wheel"
+"$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check "nvidia-nccl-cu13==$DEEPEP_NCCL_VERSION" pytest
+(
+  cd "$scratch"  # outside the repo, nothing pointing at it: only the venv's copy can be imported
+  unset PYTHONPATH DEEPEP_NCCL_LIBRARY
+  "$scratch/venv/bin/python" - "$DEEPEP_NCCL_VERSION" <<'PY'
+import importlib.metadata, importlib.util, sys, sysconfig
+from pathlib import Path
+import deep_ep_cpp  # deep_ep itself needs torch at import
+from deep_ep_cpp import _fast, _lib
+site = Path(sysconfig.get_paths()["platlib"]).resolve()
+for path in (importlib.util.find_spec("deep_ep").origin, deep_ep_cpp.__file__, _lib.LIBRARY_PATH, _fast._header_dir()):
+    assert Path(path).resolve().is_relative_to(site), f"{path} is not from the venv's {site}"
+requires = importlib.metadata.requires("deepep-nccl")
+assert requires == [f"nvidia-nccl-cu13~={sys.argv[1]}"], requires
+print(f"installed: {Path(deep_ep_cpp.__file__).parent} (library {_lib.LIBRARY_PATH.name}; requires {requires[0]})")
+PY
+  "$scratch/venv/bin/python" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python"
+)
+# A source checkout without the library: the install stops and says how to build it.
+mkdir "$scratch/src" && cp -r compat/python/pyproject.toml compat/python/setup.py compat/python/deep_ep "$scratch/src/"
+mkdir "$scratch/src/deep_ep_cpp" && cp compat/python/deep_ep_cpp/*.py "$scratch/src/deep_ep_cpp/"
+set +e; out=$("$scratch/venv/bin/python" -m pip install --disable-pip-version-check --no-deps "$scratch/src" 2>&1); rc=$?; set -e
+[ "$rc" -ne 0 ] && grep -q "scripts/quickstart.sh" <<<"$out" \
+  || { echo "$out"; echo "pip install of compat/python without the library: expected a failure naming the build" >&2; exit 1; }
+echo "ok: pip install without libdeepep_nccl.so fails with: $(grep -m1 'libdeepep_nccl.so is missing' <<<"$out")"
+
 echo "== artifact: glibc floor and NEEDED"
 floor=$(objdump -T target/release/libdeepep_nccl.so | grep -o 'GLIBC_[0-9.]*' | sort -V | tail -1)
 echo "highest glibc symbol version: $floor"

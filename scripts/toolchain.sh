@@ -16,7 +16,10 @@ deepep_site_packages() {
   "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
 }
 
-command -v cargo >/dev/null || { echo "cargo not found: install Rust (https://rustup.rs)" >&2; exit 1; }
+# Rust >= Cargo.toml's rust-version (the locked crates' newest need).
+command -v cargo >/dev/null || {
+  echo "cargo not found: install Rust >= 1.88 with rustup (curl https://sh.rustup.rs -sSf | sh), or skip the build: pip install a prebuilt deepep_nccl wheel (scripts/build_wheel.sh on a machine with Rust)" >&2
+  exit 1; }
 # Unpinned nvvm/crt pull 13.5, whose ptxas rejects 13.0's PTX ("Unsupported .version").
 deepep_install_wheels "$DEEPEP_VENV" \
   nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \

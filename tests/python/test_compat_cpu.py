@@ -348,7 +348,7 @@ def test_compiled_host_path_sources_ship_with_the_package():
     assert included and included <= {p.name for p in _fast._SOURCES}
     # A source checkout finds the C header in include/; an install gets a copy (quickstart.sh).
     assert _fast._header_dir() is not None and (_fast._header_dir() / "deepep_nccl.h").is_file()
-    pyproject = (Path(_fast.__file__).parents[1] / "pyproject.toml").read_text()
+    pyproject = (REPO / "compat" / "python" / "pyproject.toml").read_text()
     assert '"*.cpp"' in pyproject and '"*.h"' in pyproject
 
 
@@ -820,7 +820,7 @@ int main() {
 }
 """
     compiled = _run_compiled(tmp_path, "g++", source, "-std=c++17", "-Wall", "-Wextra", "-Werror",
-                             f"-I{REPO / 'compat' / 'python' / 'deep_ep_cpp'}")
+                             f"-I{Path(_streams.__file__).parent}")  # the imported package: installed or compat/python
     assert compiled[0] == f"{_streams.ORDER_BEFORE} {_streams.ORDER_AFTER}"
 
     waits = []

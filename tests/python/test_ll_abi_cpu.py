@@ -18,7 +18,7 @@ from deep_ep_cpp._lib import DeepepOutputs, DeepepTensor, lib
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER_DIR = ROOT / "include"
-PACKAGE_DIR = ROOT / "compat" / "python" / "deep_ep_cpp"
+PACKAGE_DIR = Path(_lib.__file__).parent  # the imported package: installed (its shipped headers) or compat/python
 INVALID_ARGUMENT = 1
 _devices = ctypes.c_int()
 HAS_GPU = lib.deepep_device_count(ctypes.byref(_devices)) == 0 and _devices.value > 0
