@@ -3,8 +3,7 @@
 //! host side of bounded GPU waits.
 use std::os::raw::c_void;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-
-use parking_lot::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use crate::config::{check_buffer_args, RankLayout};
 use crate::cuda::{self, DeviceMemory, HostMapped, PrimaryContext, Stream};
@@ -49,6 +48,13 @@ const CONTROL_BARRIER_SLOT: i32 = 0;
 const NOTIFY_BARRIER_SLOT: i32 = 1;
 const DATA_BARRIER_BASE: i32 = 2;
 const DEFAULT_TIMEOUT_SECS: f64 = 100.0;
+
+/// Locks ignoring poison: a panic inside an op is already reported as
+/// DEEPEP_ERROR_INTERNAL by the C ABI, and the guarded state stays consistent
+/// (each critical section either completes its take/store or changes nothing).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 fn align_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
@@ -334,7 +340,7 @@ impl Buffer {
     }
 
     pub fn is_available(&self) -> bool {
-        self.resources.lock().is_some() && self.failure.lock().is_none()
+        lock(&self.resources).is_some() && lock(&self.failure).is_none()
     }
 
     pub fn set_timeout_ns(&self, ns: u64) {
@@ -344,7 +350,7 @@ impl Buffer {
     /// Runs `f` with live resources, the buffer's context current, and any
     /// stall reported by an earlier asynchronous kernel turned into an error.
     pub(crate) fn with_resources<T>(&self, f: impl FnOnce(&Resources) -> Result<T>) -> Result<T> {
-        let guard = self.resources.lock();
+        let guard = lock(&self.resources);
         let Some(res) = guard.as_ref() else {
             return Err(Error::not_available("the buffer was destroyed; create a new one"));
         };
@@ -356,7 +362,7 @@ impl Buffer {
     /// Reports an expired GPU wait (the buffer becomes unusable) or bad input
     /// a kernel found (reported once; the buffer stays usable).
     pub(crate) fn check_stall(&self, res: &Resources) -> Result<()> {
-        if let Some(err) = self.failure.lock().clone() {
+        if let Some(err) = lock(&self.failure).clone() {
             return Err(err);
         }
         let fault = res.fault.read();
@@ -369,7 +375,7 @@ impl Buffer {
             return Ok(());
         }
         let err = faults::stall_error(&record, self.timeout_ns.load(Ordering::Relaxed));
-        *self.failure.lock() = Some(err.clone());
+        *lock(&self.failure) = Some(err.clone());
         Err(err)
     }
 
@@ -454,14 +460,14 @@ impl Buffer {
 
     /// Collective, orderly teardown. A second call is an error, as in DeepEP.
     pub fn destroy(&self) -> Result<()> {
-        let mut guard = self.resources.lock();
+        let mut guard = lock(&self.resources);
         let Some(res) = guard.take() else {
             return Err(Error::not_available("destroy() was already called on this buffer"));
         };
         res.ctx.make_current()?;
         // Peers may still be reading our window: barrier before releasing it,
         // unless the barriers are already out of step after a timeout.
-        if self.failure.lock().is_none() {
+        if lock(&self.failure).is_none() {
             self.control_barrier(&res)?;
         }
         let Resources { stream, workspace, stall, fault, recv_counts, dev_comm, comm, window, ctx, .. } = res;
@@ -474,7 +480,7 @@ impl Buffer {
 
     /// Called when the handle is released without destroy().
     pub fn release(self) {
-        if self.resources.lock().is_none() {
+        if lock(&self.resources).is_none() {
             return;
         }
         if self.args.explicitly_destroy {
