@@ -13,6 +13,7 @@ fn create() -> (deepep_nccl::DeepepStatus, String) {
     let mut buf = std::ptr::null_mut();
     let status = deepep_buffer_create(0, 1, id.as_ptr(), id.len(), 1 << 20, 0, false, false, false, &mut buf);
     assert!(buf.is_null());
+    // SAFETY: deepep_last_error returns a NUL-terminated string valid until the next call.
     (status, unsafe { CStr::from_ptr(deepep_last_error()) }.to_string_lossy().into_owned())
 }
 
