@@ -49,19 +49,32 @@
 #define DEEPEP_MAX_OP_OUTPUTS 8
 
 /**
- * Status codes returned by every C ABI function.
+ * Status codes returned by every C ABI function that returns a status; on any
+ * code but DEEPEP_SUCCESS, deepep_last_error() says what went wrong. Each
+ * function's "Returns:" line lists the codes it can return.
  */
 typedef enum {
+  /**
+   * The call did what it says; deepep_last_error() is "".
+   */
   DEEPEP_SUCCESS = 0,
   /**
-   * An argument is null, out of range, or has the wrong dtype/shape.
+   * An argument is null, out of range, or has the wrong dtype/shape; also a bad
+   * DEEPEP_* environment variable at Buffer creation, and bad input a kernel found
+   * (reported by the next op on the buffer, which stays usable).
    */
   DEEPEP_ERROR_INVALID_ARGUMENT = 1,
   /**
    * No CUDA driver or no CUDA device.
    */
   DEEPEP_ERROR_NO_DEVICE = 2,
+  /**
+   * A CUDA driver or runtime call (or a kernel launch) failed; the message names it.
+   */
   DEEPEP_ERROR_CUDA = 3,
+  /**
+   * An NCCL call failed (communicator, window or device communicator); the message names it.
+   */
   DEEPEP_ERROR_NCCL = 4,
   /**
    * The NCCL loaded at run time does not match the headers the kernels were built with.
@@ -408,8 +421,12 @@ uint32_t deepep_abi_version(void);
  * Value of a public constant of this header by its C name: a `#define` (e.g.
  * "DEEPEP_MAX_LOCAL_EXPERTS") or a value of `DeepepStatus`, `DeepepDtype` or `DeepepConfigKind`
  * (e.g. "DEEPEP_DTYPE_BFLOAT16"). Lets bindings read them from the library instead of copying them.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL pointer, or no constant of that name);
+ * DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_abi_constant(const char *name, int64_t *out);
+DeepepStatus deepep_abi_constant(const char *name,
+                                 int64_t *out);
 
 /**
  * Library version string, e.g. "0.1.0".
@@ -423,6 +440,9 @@ int deepep_nccl_compiled_version(void);
 
 /**
  * NCCL version of the libnccl.so.2 loaded in this process (ncclGetVersion).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL out); DEEPEP_ERROR_NCCL;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_nccl_runtime_version(int *out);
 
@@ -439,17 +459,30 @@ const char *deepep_status_string(int status);
 
 /**
  * Number of CUDA devices; DEEPEP_ERROR_NO_DEVICE when there is no driver or no GPU.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL out); DEEPEP_ERROR_NO_DEVICE (no driver or
+ * no GPU); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_device_count(int *out);
 
 /**
  * Writes a fresh ncclUniqueId (DEEPEP_UNIQUE_ID_BYTES bytes) for rank 0 to share.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL out or len too small); DEEPEP_ERROR_NCCL;
+ * DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_get_unique_id(uint8_t *out, uintptr_t len);
+DeepepStatus deepep_get_unique_id(uint8_t *out,
+                                  uintptr_t len);
 
 /**
  * Collective: all `num_ranks` ranks call this with the same unique id (from
  * rank 0's deepep_get_unique_id). Uses the calling thread's current CUDA device.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL pointer, bad sizes or ranks, a bad DEEPEP_*
+ * environment variable); DEEPEP_ERROR_NO_DEVICE; DEEPEP_ERROR_CUDA; DEEPEP_ERROR_NCCL;
+ * DEEPEP_ERROR_VERSION_MISMATCH (runtime NCCL minor differs from the build's); DEEPEP_ERROR_UNSUPPORTED
+ * (ranks beyond NVLink without low_latency_mode or without GIN); DEEPEP_ERROR_TIMEOUT (a peer never
+ * reached the creation check); DEEPEP_ERROR_INTERNAL (also: a peer check mismatch).
  */
 DeepepStatus deepep_buffer_create(int rank,
                                   int num_ranks,
@@ -465,6 +498,10 @@ DeepepStatus deepep_buffer_create(int rank,
 /**
  * Collective teardown (DeepEP's destroy()). The handle stays valid for
  * queries and must still be released with deepep_buffer_free.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer); DEEPEP_ERROR_NOT_AVAILABLE
+ * (already destroyed); DEEPEP_ERROR_TIMEOUT (a peer never reached the teardown barrier);
+ * DEEPEP_ERROR_CUDA; DEEPEP_ERROR_NCCL; DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_destroy(DeepepBuffer *buf);
 
@@ -472,51 +509,83 @@ DeepepStatus deepep_buffer_destroy(DeepepBuffer *buf);
  * Releases the handle. Without a prior destroy: tears down collectively if
  * the buffer was created with explicitly_destroy=false, else warns and leaks.
  * NULL is a no-op.
+ *
+ * Returns: DEEPEP_SUCCESS (a failed teardown is logged, see DEEPEP_LOG); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_free(DeepepBuffer *buf);
 
 /**
  * This rank's index in [0, num_ranks).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_buffer_get_rank(const DeepepBuffer *buf, int *out);
+DeepepStatus deepep_buffer_get_rank(const DeepepBuffer *buf,
+                                    int *out);
 
 /**
  * Number of ranks in the buffer's communicator.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_buffer_get_num_ranks(const DeepepBuffer *buf, int *out);
+DeepepStatus deepep_buffer_get_num_ranks(const DeepepBuffer *buf,
+                                         int *out);
 
 /**
  * max(1, num_ranks / 8), as DeepEP.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_buffer_get_num_rdma_ranks(const DeepepBuffer *buf, int *out);
+DeepepStatus deepep_buffer_get_num_rdma_ranks(const DeepepBuffer *buf,
+                                              int *out);
 
 /**
  * rank / 8, as DeepEP.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_buffer_get_rdma_rank(const DeepepBuffer *buf, int *out);
+DeepepStatus deepep_buffer_get_rdma_rank(const DeepepBuffer *buf,
+                                         int *out);
 
 /**
  * CUDA device ordinal the buffer lives on.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_buffer_get_local_device_id(const DeepepBuffer *buf, int *out);
+DeepepStatus deepep_buffer_get_local_device_id(const DeepepBuffer *buf,
+                                               int *out);
 
 /**
  * Streaming multiprocessors on the buffer's device.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_buffer_get_num_device_sms(const DeepepBuffer *buf, int *out);
+DeepepStatus deepep_buffer_get_num_device_sms(const DeepepBuffer *buf,
+                                              int *out);
 
 /**
  * DeepEP's get_root_rdma_rank(global): global ? rank % 8 : 0.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_buffer_get_root_rdma_rank(const DeepepBuffer *buf, bool global, int *out);
+DeepepStatus deepep_buffer_get_root_rdma_rank(const DeepepBuffer *buf,
+                                              bool global,
+                                              int *out);
 
 /**
  * True after a successful create and until destroy (or a GPU wait timeout).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_buffer_is_available(const DeepepBuffer *buf, bool *out);
+DeepepStatus deepep_buffer_is_available(const DeepepBuffer *buf,
+                                        bool *out);
 
 /**
  * Device pointer and size of the local NVL (or RDMA) region of the symmetric buffer.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_get_local_buffer(const DeepepBuffer *buf,
                                             bool use_rdma_buffer,
@@ -525,22 +594,41 @@ DeepepStatus deepep_buffer_get_local_buffer(const DeepepBuffer *buf,
 
 /**
  * The buffer's high-priority communication stream (a cudaStream_t).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_buffer_get_comm_stream(const DeepepBuffer *buf, void **out);
+DeepepStatus deepep_buffer_get_comm_stream(const DeepepBuffer *buf,
+                                           void **out);
 
 /**
  * Collective barrier across the ranks (blocks the host until it completes or times out).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_barrier(const DeepepBuffer *buf);
 
 /**
  * Collective health check: every rank writes to every peer through NVLink
  * (LSA) and verifies what arrived.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL (also: a peer's window does not match).
  */
 DeepepStatus deepep_buffer_check_peers(const DeepepBuffer *buf);
 
 /**
  * Budget of every GPU wait of this buffer (default 100 s, or DEEPEP_GPU_TIMEOUT_SECS).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or timeout_ms 0);
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_set_gpu_timeout_ms(const DeepepBuffer *buf, uint64_t timeout_ms);
 
@@ -552,6 +640,11 @@ DeepepStatus deepep_buffer_set_gpu_timeout_ms(const DeepepBuffer *buf, uint64_t 
  * is_token_in_rank bool [num_tokens, num_ranks]. topk_idx is int64 (or int32)
  * [num_tokens, num_topk]; negative entries mean "no expert". Launches on
  * `stream` (NULL: the buffer's comm stream) without host synchronisation.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_get_dispatch_layout(const DeepepBuffer *buf,
                                         const DeepepTensor *topk_idx,
@@ -571,6 +664,9 @@ DeepepStatus deepep_get_dispatch_layout(const DeepepBuffer *buf,
  * its own. Allocate as DeepepOutputs says, set each present tensors[i].data and pass
  * &out->tensors[i] to the op. Errors name num_tokens (< 0) or num_experts (<= 0); on any error
  * *out is zeroed (count 0).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_get_dispatch_layout_outputs(const DeepepBuffer *buf,
                                                 int64_t num_tokens,
@@ -580,6 +676,9 @@ DeepepStatus deepep_get_dispatch_layout_outputs(const DeepepBuffer *buf,
 /**
  * `Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)` with DeepEP's checks;
  * rdma_recv is rounded up to a multiple of rdma_send.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_config_init(DeepepConfig *out,
                                 int num_sms,
@@ -590,11 +689,20 @@ DeepepStatus deepep_config_init(DeepepConfig *out,
 
 /**
  * `Buffer.get_dispatch_config(num_ranks)` / `get_combine_config(num_ranks)` for `num_sms`.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_config_default(DeepepConfig *out, int kind, int num_ranks, int num_sms);
+DeepepStatus deepep_config_default(DeepepConfig *out,
+                                   int kind,
+                                   int num_ranks,
+                                   int num_sms);
 
 /**
  * `Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)`.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_config_nvl_buffer_size_hint(const DeepepConfig *cfg,
                                                 int64_t hidden_bytes,
@@ -603,6 +711,9 @@ DeepepStatus deepep_config_nvl_buffer_size_hint(const DeepepConfig *cfg,
 
 /**
  * `Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)`.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_config_rdma_buffer_size_hint(const DeepepConfig *cfg,
                                                  int64_t hidden_bytes,
@@ -611,6 +722,9 @@ DeepepStatus deepep_config_rdma_buffer_size_hint(const DeepepConfig *cfg,
 
 /**
  * `get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)`.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_low_latency_rdma_size_hint(int64_t num_max_dispatch_tokens_per_rank,
                                                int64_t hidden,
@@ -620,6 +734,9 @@ DeepepStatus deepep_low_latency_rdma_size_hint(int64_t num_max_dispatch_tokens_p
 
 /**
  * DeepEP's Buffer constructor checks, without creating anything.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_check_buffer_args(int rank,
                                       int num_ranks,
@@ -632,6 +749,9 @@ DeepepStatus deepep_check_buffer_args(int rank,
  * ranks) without a buffer, with the messages dispatch and combine give. Bindings that allocate
  * the outputs call it before allocating, so that an M of a million fails here, not in an
  * out-of-memory error.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_low_latency_check_shape(int64_t num_max_dispatch_tokens_per_rank,
                                             int64_t hidden,
@@ -645,6 +765,9 @@ DeepepStatus deepep_low_latency_check_shape(int64_t num_max_dispatch_tokens_per_
  * pass them in `DeepepLowLatencyDispatchArgs` (use_ue8m0 needs use_fp8). The shape is checked
  * first, with deepep_low_latency_check_shape's limits, so an out-of-range M fails before
  * anything is allocated. On failure `*out` describes no outputs (count 0).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_low_latency_dispatch_outputs(const DeepepBuffer *buf,
                                                  int64_t num_max_dispatch_tokens_per_rank,
@@ -658,6 +781,9 @@ DeepepStatus deepep_low_latency_dispatch_outputs(const DeepepBuffer *buf,
  * The output of an LL combine of `num_tokens` tokens (the rows of its topk_idx; at most
  * num_max_dispatch_tokens_per_rank): combined_x [T, H] bfloat16, for `DeepepLowLatencyCombineArgs.out`.
  * On failure `*out` describes no outputs (count 0).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_low_latency_combine_outputs(const DeepepBuffer *buf,
                                                 int64_t num_tokens,
@@ -666,6 +792,11 @@ DeepepStatus deepep_low_latency_combine_outputs(const DeepepBuffer *buf,
 
 /**
  * DeepEP's low_latency_dispatch; see `DeepepLowLatencyDispatchArgs`.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_low_latency_dispatch(const DeepepBuffer *buf,
                                          const DeepepLowLatencyDispatchArgs *args,
@@ -674,6 +805,11 @@ DeepepStatus deepep_low_latency_dispatch(const DeepepBuffer *buf,
 
 /**
  * DeepEP's low_latency_combine; see `DeepepLowLatencyCombineArgs`.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_UNSUPPORTED (use_logfmt in a build without LogFMT); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_low_latency_combine(const DeepepBuffer *buf,
                                         const DeepepLowLatencyCombineArgs *args,
@@ -684,6 +820,11 @@ DeepepStatus deepep_low_latency_combine(const DeepepBuffer *buf,
  * Collective: zeroes both halves' signals and resets the half to 0 (call it after
  * normal-mode ops and before LL ops, as DeepEP requires). One kernel on `stream` (NULL: the
  * comm stream) with a device-side barrier before and after; the host does not wait.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_clean_low_latency_buffer(const DeepepBuffer *buf,
                                              int num_max_dispatch_tokens_per_rank,
@@ -695,6 +836,11 @@ DeepepStatus deepep_clean_low_latency_buffer(const DeepepBuffer *buf,
  * The zero-copy combine view of the next LL call's half, as a full descriptor: data, BF16,
  * [E_l, R*M, H] and its element strides (rows H + H/64 apart, DeepEP's layout). Write the
  * experts' outputs there, then combine with zero_copy = 1. `*out` is all zero on failure.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_get_next_low_latency_combine_buffer(const DeepepBuffer *buf,
                                                         int num_max_dispatch_tokens_per_rank,
@@ -704,6 +850,11 @@ DeepepStatus deepep_get_next_low_latency_combine_buffer(const DeepepBuffer *buf,
 
 /**
  * Shrink mode: masks (mask=true) or unmasks a rank, in stream order.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_low_latency_update_mask_buffer(const DeepepBuffer *buf,
                                                    int rank_to_mask,
@@ -712,6 +863,11 @@ DeepepStatus deepep_low_latency_update_mask_buffer(const DeepepBuffer *buf,
 
 /**
  * Shrink mode: copies the mask (1 = masked) into `mask_status`, an int32 [R] device tensor.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_low_latency_query_mask_buffer(const DeepepBuffer *buf,
                                                   const DeepepTensor *mask_status,
@@ -719,14 +875,25 @@ DeepepStatus deepep_low_latency_query_mask_buffer(const DeepepBuffer *buf,
 
 /**
  * Shrink mode: unmasks every rank, in stream order.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_low_latency_clean_mask_buffer(const DeepepBuffer *buf, void *stream);
+DeepepStatus deepep_low_latency_clean_mask_buffer(const DeepepBuffer *buf,
+                                                  void *stream);
 
 /**
  * Step 1 of DeepEP's intranode_dispatch. Writes the receive count to
  * `*num_recv_tokens` and E/R aligned per-expert counts to
  * `num_recv_tokens_per_expert` (capacity `per_expert_capacity`) when it waited
  * for them; writes -1 (and nothing to the list) in cached or num_worst_tokens mode.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, e.g. waiting for the receive counts, or in an
+ * earlier op); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_intranode_dispatch_prepare(const DeepepBuffer *buf,
                                                const DeepepIntranodeDispatchArgs *args,
@@ -737,6 +904,11 @@ DeepepStatus deepep_intranode_dispatch_prepare(const DeepepBuffer *buf,
 
 /**
  * Step 2 of DeepEP's intranode_dispatch: the data kernel into the caller's outputs.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_intranode_dispatch(const DeepepBuffer *buf,
                                        const DeepepIntranodeDispatchArgs *args,
@@ -746,6 +918,11 @@ DeepepStatus deepep_intranode_dispatch(const DeepepBuffer *buf,
 /**
  * DeepEP's intranode_combine: sums each token's rows over the ranks it was
  * sent to (fp32, plus biases) into combined_x on its source rank.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_intranode_combine(const DeepepBuffer *buf,
                                       const DeepepIntranodeCombineArgs *args,
@@ -758,6 +935,9 @@ DeepepStatus deepep_intranode_combine(const DeepepBuffer *buf,
  * may still be unset. out->tensors, in order, all views of one int32 allocation:
  * rank_prefix_matrix [R, R] and channel_prefix_matrix [R, C], both absent (dtype 0) when cached
  * (pass the handle's), recv_channel_prefix_matrix [R, C], send_head [T, R].
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_intranode_dispatch_handle_outputs(const DeepepBuffer *buf,
                                                       const DeepepIntranodeDispatchArgs *args,
@@ -772,6 +952,9 @@ DeepepStatus deepep_intranode_dispatch_handle_outputs(const DeepepBuffer *buf,
  * without top-k (always in cached mode); recv_src_idx [N] int32. N is num_recv_tokens in
  * cached mode (the handle's count, as DeepEP), else args->num_worst_tokens when > 0, else
  * num_recv_tokens (the count prepare returned); it must then be >= 0.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_intranode_dispatch_outputs(const DeepepBuffer *buf,
                                                const DeepepIntranodeDispatchArgs *args,
@@ -783,6 +966,9 @@ DeepepStatus deepep_intranode_dispatch_outputs(const DeepepBuffer *buf,
  * validated as the op does; args->combined_x and args->combined_topk_weights are ignored).
  * out->tensors, in order, each its own allocation: combined_x [T, H] in x's dtype with
  * T = send_head's rows; combined_topk_weights [T, K] float32, absent without topk_weights.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_intranode_combine_outputs(const DeepepBuffer *buf,
                                               const DeepepIntranodeCombineArgs *args,

@@ -3,14 +3,15 @@
 //! host side of bounded GPU waits.
 use std::os::raw::c_void;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-
-use parking_lot::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use crate::config::{check_buffer_args, RankLayout};
 use crate::cuda::{self, DeviceMemory, HostMapped, PrimaryContext, Stream};
+use crate::env::{Settings, VIRTUAL_NODE_ENV};
 use crate::error::{Error, Result};
 use crate::faults;
 use crate::kernels::{self, StallRecord, WaitContext};
+use crate::log::Level;
 use crate::nccl::{self, Communicator, DevComm, LsaGeometry, SymmetricWindow};
 
 /// Control region at the start of the window: peer-check slots at 0, the LL clean
@@ -40,15 +41,18 @@ pub(crate) const LL_MAX_RANKS: i32 = 1024;
 /// recv_epoch: a u32 per (op kind, half, block).
 const LL_EPOCH_BYTES: usize = 4 * 4 * kernels::LL_MAX_BLOCKS as usize;
 const _: () = assert!(LL_MAX_RANKS as usize * 20 + 128 + LL_EPOCH_BYTES <= WORKSPACE_BYTES - WS_LL);
-/// Virtual-node setting: ranks [k*n, (k+1)*n) form one node; LL traffic between
-/// nodes takes the remote (GIN-protocol) path, emulated over NVLink.
-pub(crate) const VIRTUAL_NODE_ENV: &str = "DEEPEP_VIRTUAL_NODE_SIZE";
 /// LSA barrier slot used by host-driven control kernels (create/destroy/checks).
 const CONTROL_BARRIER_SLOT: i32 = 0;
 /// Slot of the dispatch notify kernel; data kernels use one slot per block after it.
 const NOTIFY_BARRIER_SLOT: i32 = 1;
 const DATA_BARRIER_BASE: i32 = 2;
-const DEFAULT_TIMEOUT_SECS: f64 = 100.0;
+
+/// Locks ignoring poison: a panic inside an op is already reported as
+/// DEEPEP_ERROR_INTERNAL by the C ABI, and the guarded state stays consistent
+/// (each critical section either completes its take/store or changes nothing).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 fn align_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
@@ -218,6 +222,8 @@ impl Buffer {
     /// Collective over all ranks sharing `unique_id`.
     pub fn create(args: BufferArgs, unique_id: &[u8]) -> Result<Self> {
         check_buffer_args(args.rank, args.num_ranks, args.num_nvl_bytes, args.num_rdma_bytes, args.low_latency_mode)?;
+        // Before anything collective: every rank rejects a bad value the same way.
+        let settings = Settings::from_env(args.num_ranks)?;
         let id: [u8; nccl_sys::NCCL_UNIQUE_ID_BYTES] = unique_id.try_into().map_err(|_| {
             Error::invalid(format!(
                 "unique_id must be {} bytes (an ncclUniqueId), got {}",
@@ -227,12 +233,7 @@ impl Buffer {
         })?;
         let device_id = cuda::current_device()?;
         nccl::check_runtime_version()?;
-        let timeout_ns = std::env::var("DEEPEP_GPU_TIMEOUT_SECS")
-            .ok()
-            .and_then(|v| v.parse::<f64>().ok())
-            .filter(|v| *v > 0.0)
-            .unwrap_or(DEFAULT_TIMEOUT_SECS);
-        let resources = Self::create_resources(&args, device_id, &id)?;
+        let resources = Self::create_resources(&args, device_id, &id, &settings)?;
         let buffer = Self {
             args,
             layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks },
@@ -241,7 +242,7 @@ impl Buffer {
             lsa_size: resources.lsa_size,
             resources: Mutex::new(Some(resources)),
             failure: Mutex::new(None),
-            timeout_ns: AtomicU64::new((timeout_ns * 1e9) as u64),
+            timeout_ns: AtomicU64::new((settings.gpu_timeout_secs * 1e9) as u64),
             check_tag: AtomicU32::new(0x5eed_0000),
             ll_parity: AtomicU32::new(0),
         };
@@ -250,7 +251,7 @@ impl Buffer {
         Ok(buffer)
     }
 
-    fn create_resources(args: &BufferArgs, device_id: i32, id: &[u8; 128]) -> Result<Resources> {
+    fn create_resources(args: &BufferArgs, device_id: i32, id: &[u8; 128], settings: &Settings) -> Result<Resources> {
         let ctx = PrimaryContext::retain(device_id)?;
         let num_sms = ctx.sm_count()?;
         let comm = Communicator::init_rank(args.num_ranks, id, args.rank)?;
@@ -263,7 +264,7 @@ impl Buffer {
                 args.rank, team.nRanks, args.num_ranks
             )));
         }
-        let virtual_node = virtual_node_size(args.num_ranks)?;
+        let virtual_node = settings.virtual_node_size;
         let nvl_offset = CONTROL_BYTES;
         let rdma_offset = nvl_offset + align_up(args.num_nvl_bytes as usize, WINDOW_ALIGN);
         let window_bytes = rdma_offset + align_up(args.num_rdma_bytes as usize, WINDOW_ALIGN);
@@ -291,6 +292,23 @@ impl Buffer {
         } else {
             (args.num_ranks, kernels::LL_REMOTE_NONE)
         };
+        if crate::log::enabled(Level::Info) {
+            let report = CreationReport {
+                args: *args,
+                nccl_runtime: nccl::runtime_version()?,
+                nccl_compiled: kernels::compiled_nccl_version(),
+                lsa_base_rank: info.rank - info.lsa_rank,
+                lsa_size: info.lsa_size,
+                node_size,
+                remote_kind,
+                virtual_node_env: crate::env::read(VIRTUAL_NODE_ENV).is_some(),
+                num_sms,
+                gpu_timeout_secs: settings.gpu_timeout_secs,
+            };
+            for (level, line) in report.lines() {
+                crate::log::log_at!(level, Some(args.rank), "{line}");
+            }
+        }
         Ok(Resources {
             stream: Stream::new_high_priority()?,
             workspace: DeviceMemory::zeroed(WORKSPACE_BYTES)?,
@@ -334,7 +352,7 @@ impl Buffer {
     }
 
     pub fn is_available(&self) -> bool {
-        self.resources.lock().is_some() && self.failure.lock().is_none()
+        lock(&self.resources).is_some() && lock(&self.failure).is_none()
     }
 
     pub fn set_timeout_ns(&self, ns: u64) {
@@ -344,7 +362,7 @@ impl Buffer {
     /// Runs `f` with live resources, the buffer's context current, and any
     /// stall reported by an earlier asynchronous kernel turned into an error.
     pub(crate) fn with_resources<T>(&self, f: impl FnOnce(&Resources) -> Result<T>) -> Result<T> {
-        let guard = self.resources.lock();
+        let guard = lock(&self.resources);
         let Some(res) = guard.as_ref() else {
             return Err(Error::not_available("the buffer was destroyed; create a new one"));
         };
@@ -356,7 +374,7 @@ impl Buffer {
     /// Reports an expired GPU wait (the buffer becomes unusable) or bad input
     /// a kernel found (reported once; the buffer stays usable).
     pub(crate) fn check_stall(&self, res: &Resources) -> Result<()> {
-        if let Some(err) = self.failure.lock().clone() {
+        if let Some(err) = lock(&self.failure).clone() {
             return Err(err);
         }
         let fault = res.fault.read();
@@ -369,7 +387,7 @@ impl Buffer {
             return Ok(());
         }
         let err = faults::stall_error(&record, self.timeout_ns.load(Ordering::Relaxed));
-        *self.failure.lock() = Some(err.clone());
+        *lock(&self.failure) = Some(err.clone());
         Err(err)
     }
 
@@ -454,14 +472,14 @@ impl Buffer {
 
     /// Collective, orderly teardown. A second call is an error, as in DeepEP.
     pub fn destroy(&self) -> Result<()> {
-        let mut guard = self.resources.lock();
+        let mut guard = lock(&self.resources);
         let Some(res) = guard.take() else {
             return Err(Error::not_available("destroy() was already called on this buffer"));
         };
         res.ctx.make_current()?;
         // Peers may still be reading our window: barrier before releasing it,
         // unless the barriers are already out of step after a timeout.
-        if self.failure.lock().is_none() {
+        if lock(&self.failure).is_none() {
             self.control_barrier(&res)?;
         }
         let Resources { stream, workspace, stall, fault, recv_counts, dev_comm, comm, window, ctx, .. } = res;
@@ -474,34 +492,147 @@ impl Buffer {
 
     /// Called when the handle is released without destroy().
     pub fn release(self) {
-        if self.resources.lock().is_none() {
+        if lock(&self.resources).is_none() {
             return;
         }
         if self.args.explicitly_destroy {
-            eprintln!(
-                "deepep-nccl: WARNING: Buffer (rank {}) released with explicitly_destroy=True but destroy() was never \
-                 called; its GPU resources are leaked",
-                self.args.rank
+            crate::log::log_warn!(
+                self.args.rank,
+                "Buffer released with explicitly_destroy=True but destroy() was never called; its GPU resources are \
+                 leaked"
             );
             std::mem::forget(self);
         } else if let Err(e) = self.destroy() {
-            eprintln!("deepep-nccl: Buffer (rank {}) teardown failed: {e}", self.args.rank);
+            crate::log::log_error!(self.args.rank, "Buffer teardown failed: {e}");
         }
     }
 }
 
-/// `DEEPEP_VIRTUAL_NODE_SIZE`, or `num_ranks` when unset.
-fn virtual_node_size(num_ranks: i32) -> Result<i32> {
-    let Ok(text) = std::env::var(VIRTUAL_NODE_ENV) else {
-        return Ok(num_ranks);
-    };
-    let n: i32 = text.trim().parse().map_err(|_| {
-        Error::invalid(format!("{VIRTUAL_NODE_ENV}={text:?} must be a positive integer (ranks per virtual node)"))
-    })?;
-    if n <= 0 || num_ranks % n != 0 {
-        return Err(Error::invalid(format!(
-            "{VIRTUAL_NODE_ENV}={n} must be a positive divisor of the rank count ({num_ranks})"
-        )));
+/// What Buffer creation decided, as DEEPEP_LOG=info prints it (pure, so a CPU test
+/// can show the lines without a GPU).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CreationReport {
+    pub args: BufferArgs,
+    pub nccl_runtime: i32,
+    pub nccl_compiled: i32,
+    pub lsa_base_rank: i32,
+    pub lsa_size: i32,
+    pub node_size: i32,
+    pub remote_kind: i32,
+    pub virtual_node_env: bool,
+    pub num_sms: i32,
+    pub gpu_timeout_secs: f64,
+}
+
+impl CreationReport {
+    /// How this rank reaches `peer` in low-latency mode.
+    fn ll_transport(&self, peer: i32) -> &'static str {
+        let node = |r: i32| r / self.node_size;
+        if node(peer) == node(self.args.rank) {
+            "LSA (NVLink/P2P loads and stores)"
+        } else if self.remote_kind == kernels::LL_REMOTE_GIN {
+            "GIN (NCCL GPU-initiated networking)"
+        } else {
+            "remote protocol emulated over NVLink (virtual node)"
+        }
     }
-    Ok(n)
+
+    pub fn lines(&self) -> Vec<(Level, String)> {
+        let a = &self.args;
+        let v = nccl::format_version;
+        let nvl_offset = CONTROL_BYTES;
+        let rdma_offset = nvl_offset + align_up(a.num_nvl_bytes as usize, WINDOW_ALIGN);
+        let window = rdma_offset + align_up(a.num_rdma_bytes as usize, WINDOW_ALIGN);
+        let mut lines = vec![
+            (Level::Info, format!(
+                "Buffer created: {} ranks, low_latency_mode={}, {} SMs, GPU wait timeout {} s",
+                a.num_ranks, a.low_latency_mode, self.num_sms, self.gpu_timeout_secs
+            )),
+            (Level::Info, format!(
+                "NCCL runtime {}, kernels compiled against NCCL {} (the only kernel build: nothing to choose)",
+                v(self.nccl_runtime), v(self.nccl_compiled)
+            )),
+            (Level::Info, format!(
+                "LSA team (NVLink domain): ranks {}..{} ({} ranks)",
+                self.lsa_base_rank, self.lsa_base_rank + self.lsa_size - 1, self.lsa_size
+            )),
+            (Level::Info, format!(
+                "window {window} bytes: control [0, {nvl_offset}), NVL [{nvl_offset}, +{}), RDMA [{rdma_offset}, +{}) \
+                 (LL halves placed per op shape); workspace {WORKSPACE_BYTES} bytes",
+                a.num_nvl_bytes, a.num_rdma_bytes
+            )),
+        ];
+        if self.node_size < a.num_ranks {
+            let how = if self.remote_kind == kernels::LL_REMOTE_GIN { "LSA teams" } else { "DEEPEP_VIRTUAL_NODE_SIZE" };
+            lines.push((Level::Info, format!("nodes of {} ranks (from {how})", self.node_size)));
+        } else if self.virtual_node_env {
+            lines.push((Level::Info, format!("{VIRTUAL_NODE_ENV}={} = all ranks: one node", self.node_size)));
+        }
+        if self.lsa_size == a.num_ranks {
+            lines.push((Level::Info, format!("normal-mode transport: LSA to all {} ranks", a.num_ranks)));
+        }
+        if a.low_latency_mode {
+            // Runs of consecutive peers with one transport.
+            let mut runs: Vec<(i32, i32, &str)> = Vec::new();
+            for p in 0..a.num_ranks {
+                let t = self.ll_transport(p);
+                match runs.last_mut() {
+                    Some(run) if run.2 == t => run.1 = p,
+                    _ => runs.push((p, p, t)),
+                }
+            }
+            let text: Vec<String> = runs.iter().map(|(s, e, t)| format!("ranks {s}..{e}: {t}")).collect();
+            lines.push((Level::Info, format!("low-latency transport per peer: {}", text.join("; "))));
+            lines.extend((0..a.num_ranks).map(|p| (Level::Debug, format!("peer {p}: {}", self.ll_transport(p)))));
+        }
+        lines
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The DEEPEP_LOG=info lines of a 4-rank LL buffer with DEEPEP_VIRTUAL_NODE_SIZE=2
+    /// (`cargo test creation_report -- --nocapture` prints them).
+    #[test]
+    fn creation_report_lines() {
+        let report = CreationReport {
+            args: BufferArgs {
+                rank: 1,
+                num_ranks: 4,
+                num_nvl_bytes: 1 << 30,
+                num_rdma_bytes: 1 << 29,
+                low_latency_mode: true,
+                explicitly_destroy: false,
+                enable_shrink: false,
+            },
+            nccl_runtime: 22903,
+            nccl_compiled: 22903,
+            lsa_base_rank: 0,
+            lsa_size: 4,
+            node_size: 2,
+            remote_kind: kernels::LL_REMOTE_EMULATED,
+            virtual_node_env: true,
+            num_sms: 132,
+            gpu_timeout_secs: 100.0,
+        };
+        let lines: Vec<String> = report
+            .lines()
+            .into_iter()
+            .map(|(level, line)| crate::log::format_line(level, Some(1), format_args!("{line}")))
+            .collect();
+        for line in &lines {
+            println!("{line}");
+        }
+        let text = lines.join("\n");
+        assert!(lines[..7].iter().all(|l| l.starts_with("[deepep-nccl rank 1] info: ")));
+        assert_eq!(lines[7..].len(), 4, "one debug line per peer");
+        assert!(lines[9].ends_with("debug: peer 2: remote protocol emulated over NVLink (virtual node)"));
+        assert!(text.contains("NCCL runtime 2.29.3, kernels compiled against NCCL 2.29.3 (the only kernel build"));
+        assert!(text.contains("ranks 0..1: LSA (NVLink/P2P loads and stores); ranks 2..3: remote protocol emulated"));
+        assert!(text.contains("nodes of 2 ranks (from DEEPEP_VIRTUAL_NODE_SIZE)"));
+        assert!(text.contains("NVL [1048576, +1073741824), RDMA [1074790400, +536870912)"));
+        assert!(text.contains("normal-mode transport: LSA to all 4 ranks"));
+    }
 }

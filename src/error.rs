@@ -4,17 +4,24 @@ use std::cell::RefCell;
 use std::ffi::{CStr, CString};
 use std::fmt;
 
-/// Status codes returned by every C ABI function.
+/// Status codes returned by every C ABI function that returns a status; on any
+/// code but DEEPEP_SUCCESS, deepep_last_error() says what went wrong. Each
+/// function's "Returns:" line lists the codes it can return.
 #[allow(non_camel_case_types)]
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeepepStatus {
+    /// The call did what it says; deepep_last_error() is "".
     DEEPEP_SUCCESS = 0,
-    /// An argument is null, out of range, or has the wrong dtype/shape.
+    /// An argument is null, out of range, or has the wrong dtype/shape; also a bad
+    /// DEEPEP_* environment variable at Buffer creation, and bad input a kernel found
+    /// (reported by the next op on the buffer, which stays usable).
     DEEPEP_ERROR_INVALID_ARGUMENT = 1,
     /// No CUDA driver or no CUDA device.
     DEEPEP_ERROR_NO_DEVICE = 2,
+    /// A CUDA driver or runtime call (or a kernel launch) failed; the message names it.
     DEEPEP_ERROR_CUDA = 3,
+    /// An NCCL call failed (communicator, window or device communicator); the message names it.
     DEEPEP_ERROR_NCCL = 4,
     /// The NCCL loaded at run time does not match the headers the kernels were built with.
     DEEPEP_ERROR_VERSION_MISMATCH = 5,

@@ -26,7 +26,7 @@ fn check(what: &str, rc: sys::ncclResult_t, comm: sys::ncclComm_t) -> Result<()>
     }
 }
 
-fn format_version(code: i32) -> String {
+pub(crate) fn format_version(code: i32) -> String {
     let (major, minor, patch) = sys::split_version(code);
     format!("{major}.{minor}.{patch}")
 }

@@ -20,6 +20,12 @@ pub(super) fn buffer_ref<'a>(buf: *const DeepepBuffer) -> Result<&'a Buffer> {
 
 /// Collective: all `num_ranks` ranks call this with the same unique id (from
 /// rank 0's deepep_get_unique_id). Uses the calling thread's current CUDA device.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL pointer, bad sizes or ranks, a bad DEEPEP_*
+/// environment variable); DEEPEP_ERROR_NO_DEVICE; DEEPEP_ERROR_CUDA; DEEPEP_ERROR_NCCL;
+/// DEEPEP_ERROR_VERSION_MISMATCH (runtime NCCL minor differs from the build's); DEEPEP_ERROR_UNSUPPORTED
+/// (ranks beyond NVLink without low_latency_mode or without GIN); DEEPEP_ERROR_TIMEOUT (a peer never
+/// reached the creation check); DEEPEP_ERROR_INTERNAL (also: a peer check mismatch).
 #[no_mangle]
 pub extern "C" fn deepep_buffer_create(
     rank: c_int,
@@ -50,6 +56,10 @@ pub extern "C" fn deepep_buffer_create(
 
 /// Collective teardown (DeepEP's destroy()). The handle stays valid for
 /// queries and must still be released with deepep_buffer_free.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer); DEEPEP_ERROR_NOT_AVAILABLE
+/// (already destroyed); DEEPEP_ERROR_TIMEOUT (a peer never reached the teardown barrier);
+/// DEEPEP_ERROR_CUDA; DEEPEP_ERROR_NCCL; DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_destroy(buf: *mut DeepepBuffer) -> DeepepStatus {
     ffi(|| buffer_ref(buf)?.destroy())
@@ -58,6 +68,8 @@ pub extern "C" fn deepep_buffer_destroy(buf: *mut DeepepBuffer) -> DeepepStatus 
 /// Releases the handle. Without a prior destroy: tears down collectively if
 /// the buffer was created with explicitly_destroy=false, else warns and leaks.
 /// NULL is a no-op.
+///
+/// Returns: DEEPEP_SUCCESS (a failed teardown is logged, see DEEPEP_LOG); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_free(buf: *mut DeepepBuffer) -> DeepepStatus {
     ffi(|| {
@@ -79,42 +91,56 @@ fn int_query(buf: *const DeepepBuffer, out: *mut c_int, value: impl FnOnce(&Buff
 }
 
 /// This rank's index in [0, num_ranks).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_rank(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.layout.rank)
 }
 
 /// Number of ranks in the buffer's communicator.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_num_ranks(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.layout.num_ranks)
 }
 
 /// max(1, num_ranks / 8), as DeepEP.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_num_rdma_ranks(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.layout.num_rdma_ranks())
 }
 
 /// rank / 8, as DeepEP.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_rdma_rank(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.layout.rdma_rank())
 }
 
 /// CUDA device ordinal the buffer lives on.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_local_device_id(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.device_id)
 }
 
 /// Streaming multiprocessors on the buffer's device.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_num_device_sms(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.num_device_sms())
 }
 
 /// DeepEP's get_root_rdma_rank(global): global ? rank % 8 : 0.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_root_rdma_rank(buf: *const DeepepBuffer, global: bool, out: *mut c_int) -> DeepepStatus {
     ffi(|| {
@@ -124,6 +150,8 @@ pub extern "C" fn deepep_buffer_get_root_rdma_rank(buf: *const DeepepBuffer, glo
 }
 
 /// True after a successful create and until destroy (or a GPU wait timeout).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_is_available(buf: *const DeepepBuffer, out: *mut bool) -> DeepepStatus {
     ffi(|| {
@@ -133,6 +161,11 @@ pub extern "C" fn deepep_buffer_is_available(buf: *const DeepepBuffer, out: *mut
 }
 
 /// Device pointer and size of the local NVL (or RDMA) region of the symmetric buffer.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_local_buffer(buf: *const DeepepBuffer, use_rdma_buffer: bool, out_ptr: *mut *mut c_void, out_bytes: *mut i64) -> DeepepStatus {
     ffi(|| {
@@ -144,6 +177,11 @@ pub extern "C" fn deepep_buffer_get_local_buffer(buf: *const DeepepBuffer, use_r
 }
 
 /// The buffer's high-priority communication stream (a cudaStream_t).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_comm_stream(buf: *const DeepepBuffer, out: *mut *mut c_void) -> DeepepStatus {
     ffi(|| {
@@ -153,6 +191,11 @@ pub extern "C" fn deepep_buffer_get_comm_stream(buf: *const DeepepBuffer, out: *
 }
 
 /// Collective barrier across the ranks (blocks the host until it completes or times out).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_barrier(buf: *const DeepepBuffer) -> DeepepStatus {
     ffi(|| buffer_ref(buf)?.barrier())
@@ -160,12 +203,20 @@ pub extern "C" fn deepep_buffer_barrier(buf: *const DeepepBuffer) -> DeepepStatu
 
 /// Collective health check: every rank writes to every peer through NVLink
 /// (LSA) and verifies what arrived.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL (also: a peer's window does not match).
 #[no_mangle]
 pub extern "C" fn deepep_buffer_check_peers(buf: *const DeepepBuffer) -> DeepepStatus {
     ffi(|| buffer_ref(buf)?.check_peers())
 }
 
 /// Budget of every GPU wait of this buffer (default 100 s, or DEEPEP_GPU_TIMEOUT_SECS).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or timeout_ms 0);
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_set_gpu_timeout_ms(buf: *const DeepepBuffer, timeout_ms: u64) -> DeepepStatus {
     ffi(|| {
@@ -189,6 +240,11 @@ fn opt<'a>(t: *const DeepepTensor) -> Option<&'a DeepepTensor> {
 /// is_token_in_rank bool [num_tokens, num_ranks]. topk_idx is int64 (or int32)
 /// [num_tokens, num_topk]; negative entries mean "no expert". Launches on
 /// `stream` (NULL: the buffer's comm stream) without host synchronisation.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_get_dispatch_layout(
     buf: *const DeepepBuffer,
@@ -221,6 +277,9 @@ pub extern "C" fn deepep_get_dispatch_layout(
 /// its own. Allocate as DeepepOutputs says, set each present tensors[i].data and pass
 /// &out->tensors[i] to the op. Errors name num_tokens (< 0) or num_experts (<= 0); on any error
 /// *out is zeroed (count 0).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_get_dispatch_layout_outputs(
     buf: *const DeepepBuffer,

@@ -21,6 +21,9 @@ impl DeepepConfigKind {
 
 /// `Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)` with DeepEP's checks;
 /// rdma_recv is rounded up to a multiple of rdma_send.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_config_init(
     out: *mut DeepepConfig,
@@ -43,6 +46,9 @@ pub extern "C" fn deepep_config_init(
 }
 
 /// `Buffer.get_dispatch_config(num_ranks)` / `get_combine_config(num_ranks)` for `num_sms`.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_config_default(out: *mut DeepepConfig, kind: c_int, num_ranks: c_int, num_sms: c_int) -> DeepepStatus {
     ffi(|| {
@@ -62,6 +68,9 @@ fn config_ref<'a>(cfg: *const DeepepConfig) -> Result<&'a DeepepConfig, Error> {
 }
 
 /// `Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)`.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_config_nvl_buffer_size_hint(cfg: *const DeepepConfig, hidden_bytes: i64, num_ranks: c_int, out: *mut i64) -> DeepepStatus {
     ffi(|| {
@@ -71,6 +80,9 @@ pub extern "C" fn deepep_config_nvl_buffer_size_hint(cfg: *const DeepepConfig, h
 }
 
 /// `Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)`.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_config_rdma_buffer_size_hint(cfg: *const DeepepConfig, hidden_bytes: i64, num_ranks: c_int, out: *mut i64) -> DeepepStatus {
     ffi(|| {
@@ -80,6 +92,9 @@ pub extern "C" fn deepep_config_rdma_buffer_size_hint(cfg: *const DeepepConfig, 
 }
 
 /// `get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)`.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_low_latency_rdma_size_hint(
     num_max_dispatch_tokens_per_rank: i64,
@@ -95,6 +110,9 @@ pub extern "C" fn deepep_low_latency_rdma_size_hint(
 }
 
 /// DeepEP's Buffer constructor checks, without creating anything.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_check_buffer_args(rank: c_int, num_ranks: c_int, num_nvl_bytes: i64, num_rdma_bytes: i64, low_latency_mode: bool) -> DeepepStatus {
     ffi(|| config::check_buffer_args(rank, num_ranks, num_nvl_bytes, num_rdma_bytes, low_latency_mode))

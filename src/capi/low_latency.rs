@@ -20,6 +20,9 @@ fn args_ref<'a, T>(ptr: *const T) -> crate::error::Result<&'a T> {
 /// ranks) without a buffer, with the messages dispatch and combine give. Bindings that allocate
 /// the outputs call it before allocating, so that an M of a million fails here, not in an
 /// out-of-memory error.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_low_latency_check_shape(
     num_max_dispatch_tokens_per_rank: i64,
@@ -40,6 +43,9 @@ pub extern "C" fn deepep_low_latency_check_shape(
 /// pass them in `DeepepLowLatencyDispatchArgs` (use_ue8m0 needs use_fp8). The shape is checked
 /// first, with deepep_low_latency_check_shape's limits, so an out-of-range M fails before
 /// anything is allocated. On failure `*out` describes no outputs (count 0).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_low_latency_dispatch_outputs(
     buf: *const super::DeepepBuffer,
@@ -63,6 +69,9 @@ pub extern "C" fn deepep_low_latency_dispatch_outputs(
 /// The output of an LL combine of `num_tokens` tokens (the rows of its topk_idx; at most
 /// num_max_dispatch_tokens_per_rank): combined_x [T, H] bfloat16, for `DeepepLowLatencyCombineArgs.out`.
 /// On failure `*out` describes no outputs (count 0).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_low_latency_combine_outputs(
     buf: *const super::DeepepBuffer,
@@ -81,6 +90,11 @@ pub extern "C" fn deepep_low_latency_combine_outputs(
 }
 
 /// DeepEP's low_latency_dispatch; see `DeepepLowLatencyDispatchArgs`.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_low_latency_dispatch(
     buf: *const super::DeepepBuffer,
@@ -92,6 +106,11 @@ pub extern "C" fn deepep_low_latency_dispatch(
 }
 
 /// DeepEP's low_latency_combine; see `DeepepLowLatencyCombineArgs`.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_UNSUPPORTED (use_logfmt in a build without LogFMT); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_low_latency_combine(
     buf: *const super::DeepepBuffer,
@@ -105,6 +124,11 @@ pub extern "C" fn deepep_low_latency_combine(
 /// Collective: zeroes both halves' signals and resets the half to 0 (call it after
 /// normal-mode ops and before LL ops, as DeepEP requires). One kernel on `stream` (NULL: the
 /// comm stream) with a device-side barrier before and after; the host does not wait.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_clean_low_latency_buffer(
     buf: *const super::DeepepBuffer,
@@ -122,6 +146,11 @@ pub extern "C" fn deepep_clean_low_latency_buffer(
 /// The zero-copy combine view of the next LL call's half, as a full descriptor: data, BF16,
 /// [E_l, R*M, H] and its element strides (rows H + H/64 apart, DeepEP's layout). Write the
 /// experts' outputs there, then combine with zero_copy = 1. `*out` is all zero on failure.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_get_next_low_latency_combine_buffer(
     buf: *const super::DeepepBuffer,
@@ -144,6 +173,11 @@ pub extern "C" fn deepep_get_next_low_latency_combine_buffer(
 }
 
 /// Shrink mode: masks (mask=true) or unmasks a rank, in stream order.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_low_latency_update_mask_buffer(
     buf: *const super::DeepepBuffer,
@@ -155,6 +189,11 @@ pub extern "C" fn deepep_low_latency_update_mask_buffer(
 }
 
 /// Shrink mode: copies the mask (1 = masked) into `mask_status`, an int32 [R] device tensor.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_low_latency_query_mask_buffer(
     buf: *const super::DeepepBuffer,
@@ -169,6 +208,11 @@ pub extern "C" fn deepep_low_latency_query_mask_buffer(
 }
 
 /// Shrink mode: unmasks every rank, in stream order.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_low_latency_clean_mask_buffer(buf: *const super::DeepepBuffer, stream: *mut c_void) -> DeepepStatus {
     ffi(|| control::clean_mask(buffer_ref(buf)?, stream))

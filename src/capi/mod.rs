@@ -89,6 +89,9 @@ pub extern "C" fn deepep_abi_version() -> u32 {
 /// Value of a public constant of this header by its C name: a `#define` (e.g.
 /// "DEEPEP_MAX_LOCAL_EXPERTS") or a value of `DeepepStatus`, `DeepepDtype` or `DeepepConfigKind`
 /// (e.g. "DEEPEP_DTYPE_BFLOAT16"). Lets bindings read them from the library instead of copying them.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL pointer, or no constant of that name);
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_abi_constant(name: *const c_char, out: *mut i64) -> DeepepStatus {
     ffi(|| {
@@ -130,6 +133,9 @@ pub extern "C" fn deepep_nccl_compiled_version() -> c_int {
 }
 
 /// NCCL version of the libnccl.so.2 loaded in this process (ncclGetVersion).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL out); DEEPEP_ERROR_NCCL;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_nccl_runtime_version(out: *mut c_int) -> DeepepStatus {
     ffi(|| {
@@ -155,6 +161,9 @@ pub extern "C" fn deepep_status_string(status: c_int) -> *const c_char {
 }
 
 /// Number of CUDA devices; DEEPEP_ERROR_NO_DEVICE when there is no driver or no GPU.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL out); DEEPEP_ERROR_NO_DEVICE (no driver or
+/// no GPU); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_device_count(out: *mut c_int) -> DeepepStatus {
     ffi(|| {
@@ -166,6 +175,9 @@ pub extern "C" fn deepep_device_count(out: *mut c_int) -> DeepepStatus {
 }
 
 /// Writes a fresh ncclUniqueId (DEEPEP_UNIQUE_ID_BYTES bytes) for rank 0 to share.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL out or len too small); DEEPEP_ERROR_NCCL;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_get_unique_id(out: *mut u8, len: usize) -> DeepepStatus {
     ffi(|| {

@@ -27,6 +27,11 @@ fn args_ref<'a, T>(name: &str, ptr: *const T) -> crate::error::Result<&'a T> {
 /// `*num_recv_tokens` and E/R aligned per-expert counts to
 /// `num_recv_tokens_per_expert` (capacity `per_expert_capacity`) when it waited
 /// for them; writes -1 (and nothing to the list) in cached or num_worst_tokens mode.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, e.g. waiting for the receive counts, or in an
+/// earlier op); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_intranode_dispatch_prepare(
     buf: *const super::DeepepBuffer,
@@ -52,6 +57,11 @@ pub extern "C" fn deepep_intranode_dispatch_prepare(
 }
 
 /// Step 2 of DeepEP's intranode_dispatch: the data kernel into the caller's outputs.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_intranode_dispatch(
     buf: *const super::DeepepBuffer,
@@ -64,6 +74,11 @@ pub extern "C" fn deepep_intranode_dispatch(
 
 /// DeepEP's intranode_combine: sums each token's rows over the ranks it was
 /// sent to (fp32, plus biases) into combined_x on its source rank.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+/// input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+/// timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_intranode_combine(
     buf: *const super::DeepepBuffer,
@@ -92,6 +107,9 @@ fn args_query<T>(
 /// may still be unset. out->tensors, in order, all views of one int32 allocation:
 /// rank_prefix_matrix [R, R] and channel_prefix_matrix [R, C], both absent (dtype 0) when cached
 /// (pass the handle's), recv_channel_prefix_matrix [R, C], send_head [T, R].
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_intranode_dispatch_handle_outputs(
     buf: *const super::DeepepBuffer,
@@ -109,6 +127,9 @@ pub extern "C" fn deepep_intranode_dispatch_handle_outputs(
 /// without top-k (always in cached mode); recv_src_idx [N] int32. N is num_recv_tokens in
 /// cached mode (the handle's count, as DeepEP), else args->num_worst_tokens when > 0, else
 /// num_recv_tokens (the count prepare returned); it must then be >= 0.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_intranode_dispatch_outputs(
     buf: *const super::DeepepBuffer,
@@ -123,6 +144,9 @@ pub extern "C" fn deepep_intranode_dispatch_outputs(
 /// validated as the op does; args->combined_x and args->combined_topk_weights are ignored).
 /// out->tensors, in order, each its own allocation: combined_x [T, H] in x's dtype with
 /// T = send_head's rows; combined_topk_weights [T, K] float32, absent without topk_weights.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_intranode_combine_outputs(
     buf: *const super::DeepepBuffer,

@@ -1,0 +1,79 @@
+//! Messages to stderr, filtered by `DEEPEP_LOG` (error|warn|info|debug, default
+//! warn), each prefixed `[deepep-nccl rank R]` so interleaved ranks stay readable.
+use std::fmt;
+use std::io::Write;
+use std::sync::OnceLock;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Level {
+    Error,
+    Warn,
+    Info,
+    Debug,
+}
+
+impl Level {
+    pub(crate) const ALL: [Self; 4] = [Self::Error, Self::Warn, Self::Info, Self::Debug];
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Error => "error",
+            Self::Warn => "warn",
+            Self::Info => "info",
+            Self::Debug => "debug",
+        }
+    }
+}
+
+/// Parsed once per process. A bad value logs at the default here; Buffer
+/// creation reports it as an error (crate::env::Settings).
+pub(crate) fn max_level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        crate::env::parse_log_level(crate::env::read(crate::env::LOG_ENV).as_deref()).unwrap_or(Level::Warn)
+    })
+}
+
+pub(crate) fn enabled(level: Level) -> bool {
+    level <= max_level()
+}
+
+/// One line as printed (without the newline).
+pub(crate) fn format_line(level: Level, rank: Option<i32>, message: fmt::Arguments<'_>) -> String {
+    match rank {
+        Some(r) => format!("[deepep-nccl rank {r}] {}: {message}", level.name()),
+        None => format!("[deepep-nccl] {}: {message}", level.name()),
+    }
+}
+
+pub(crate) fn emit(level: Level, rank: Option<i32>, message: fmt::Arguments<'_>) {
+    if enabled(level) {
+        // A closed stderr must not turn into a panic (eprintln! would).
+        let _ = writeln!(std::io::stderr().lock(), "{}", format_line(level, rank, message));
+    }
+}
+
+/// `log_at!(Level::Info, rank, "fmt", args)`; `rank` is an `Option<i32>`.
+macro_rules! log_at {
+    ($level:expr, $rank:expr, $($fmt:tt)+) => {
+        if $crate::log::enabled($level) {
+            $crate::log::emit($level, $rank, format_args!($($fmt)+))
+        }
+    };
+}
+macro_rules! log_error { ($rank:expr, $($fmt:tt)+) => { $crate::log::log_at!($crate::log::Level::Error, Some($rank), $($fmt)+) }; }
+macro_rules! log_warn { ($rank:expr, $($fmt:tt)+) => { $crate::log::log_at!($crate::log::Level::Warn, Some($rank), $($fmt)+) }; }
+
+// Crate-internal: the macros name pub(crate) items.
+pub(crate) use {log_at, log_error, log_warn};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_are_prefixed_and_levels_ordered() {
+        assert_eq!(format_line(Level::Warn, Some(3), format_args!("x {}", 1)), "[deepep-nccl rank 3] warn: x 1");
+        assert_eq!(format_line(Level::Error, None, format_args!("y")), "[deepep-nccl] error: y");
+        assert!(Level::Error < Level::Warn && Level::Warn < Level::Info && Level::Info < Level::Debug);
+    }
+}
