@@ -33,11 +33,13 @@ for t in $targets; do
   cargo +nightly fuzz run -a "${feat[@]}" "$t" "$work" fuzz/corpus/"$t" -- \
     -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 >"$work.log" 2>&1
   rc=$?
-  grep -E '^(Done|stat::number_of_executed_units|stat::average_exec_per_sec)|panicked at|SUMMARY|Failing input' "$work.log"
+  grep -E '^(Done|stat::number_of_executed_units|stat::average_exec_per_sec)' "$work.log"
   if [ $rc -ne 0 ]; then
     failed+=("$t")
-    tail -n 40 "$work.log"
-    echo "!! $t failed (rc $rc); log $work.log, crash input under fuzz/artifacts/$t/"
+    grep -A1 'panicked at' "$work.log" | head -n 4
+    grep -A2 '^Failing input' "$work.log" | head -n 3
+    echo "!! $t failed (rc $rc); full log $work.log. The call that did it:"
+    echo "   DEEPEP_FUZZ_TRACE=1 fuzz/target/x86_64-unknown-linux-gnu/release/$t fuzz/artifacts/$t/<crash file>"
   else
     rm -rf "$work" "$work.log"
   fi
