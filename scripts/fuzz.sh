@@ -3,8 +3,8 @@
 # target, starting from the committed corpus. Exits non-zero on any crash or failed assertion.
 # Usage: scripts/fuzz.sh [SECONDS_PER_TARGET] (default 30). Env: DEEPEP_FUZZ_OPTIONAL=1 turns a
 # missing nightly toolchain into a skip (exit 0) instead of a failure; DEEPEP_FUZZ_TARGETS
-# (space-separated) runs a subset; DEEPEP_FUZZ_SKIP_KNOWN=1 skips the input classes of findings
-# not yet fixed in src/ (fuzz/Cargo.toml feature skip_known) to look past them.
+# (space-separated) runs a subset; DEEPEP_FUZZ_RUNS=N runs N inputs per target from seed 1
+# instead of a time budget: the same inputs on every machine (what scripts/test.sh, and so CI, runs).
 secs=${1:-30}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -19,19 +19,21 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
   cargo install cargo-fuzz --locked
 fi
 targets=${DEEPEP_FUZZ_TARGETS:-"config_and_hints null_buffer_entries abi_constant_and_strings output_geometry"}
-feat=()
-[ "${DEEPEP_FUZZ_SKIP_KNOWN:-0}" = 1 ] && feat=(--features skip_known)
 # -a: debug assertions and overflow checks in the library too, so a wrap is a panic (INTERNAL).
 set +e
 # No target: builds them all at once (one link of the library).
-cargo +nightly fuzz build -a "${feat[@]}" || { echo "fuzz: build failed" >&2; exit 1; }
+cargo +nightly fuzz build -a || { echo "fuzz: build failed" >&2; exit 1; }
 failed=()
 for t in $targets; do
   # New inputs go to a scratch dir (the first one): the committed corpus is only read.
   work=$(mktemp -d)
-  echo "== $t (${secs}s)"
-  cargo +nightly fuzz run -a "${feat[@]}" "$t" "$work" fuzz/corpus/"$t" -- \
-    -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 >"$work.log" 2>&1
+  if [ -n "${DEEPEP_FUZZ_RUNS:-}" ]; then
+    budget=(-runs="$DEEPEP_FUZZ_RUNS" -seed=1); echo "== $t ($DEEPEP_FUZZ_RUNS runs, seed 1)"
+  else
+    budget=(-max_total_time="$secs"); echo "== $t (${secs}s)"
+  fi
+  cargo +nightly fuzz run -a "$t" "$work" fuzz/corpus/"$t" -- \
+    "${budget[@]}" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 >"$work.log" 2>&1
   rc=$?
   grep -E '^(Done|stat::number_of_executed_units|stat::average_exec_per_sec)' "$work.log"
   if [ $rc -ne 0 ]; then
@@ -48,4 +50,4 @@ if [ ${#failed[@]} -gt 0 ]; then
   echo "fuzz: FAILED: ${failed[*]}" >&2
   exit 1
 fi
-echo "fuzz: all targets passed (${secs}s each)"
+echo "fuzz: all targets passed"

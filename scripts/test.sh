@@ -122,6 +122,9 @@ set +e; out=$("$scratch/venv/bin/python" -m pip install --disable-pip-version-ch
   || { echo "$out"; echo "pip install of compat/python without the library: expected a failure naming the build" >&2; exit 1; }
 echo "ok: pip install without libdeepep_nccl.so fails with: $(grep -m1 'libdeepep_nccl.so is missing' <<<"$out")"
 
+echo "== fuzzing the C ABI's argument validation, size hints and output geometry (scripts/fuzz.sh; fixed seed and runs)"
+DEEPEP_FUZZ_RUNS=${DEEPEP_FUZZ_RUNS:-200000} bash scripts/fuzz.sh
+
 echo "== artifact: glibc floor and NEEDED"
 floor=$(objdump -T target/release/libdeepep_nccl.so | grep -o 'GLIBC_[0-9.]*' | sort -V | tail -1)
 echo "highest glibc symbol version: $floor"

@@ -58,13 +58,39 @@ impl DeepepConfig {
             "Config: num_max_rdma_chunked_send_tokens ({rdma_send}) must be <= num_max_rdma_chunked_recv_tokens / 2 ({})",
             rdma_recv / 2
         );
+        let rdma_recv_rounded = align_up(rdma_recv as i64, rdma_send as i64);
+        ensure_arg!(
+            rdma_recv_rounded <= i32::MAX as i64,
+            "Config: num_max_rdma_chunked_recv_tokens ({rdma_recv}) rounded up to a multiple of \
+             num_max_rdma_chunked_send_tokens ({rdma_send}) is {rdma_recv_rounded}, more than an int32 holds"
+        );
         Ok(Self {
             num_sms,
             num_max_nvl_chunked_send_tokens: nvl_send,
             num_max_nvl_chunked_recv_tokens: nvl_recv,
             num_max_rdma_chunked_send_tokens: rdma_send,
-            num_max_rdma_chunked_recv_tokens: align_up(rdma_recv as i64, rdma_send as i64) as i32,
+            num_max_rdma_chunked_recv_tokens: rdma_recv_rounded as i32,
         })
+    }
+
+    /// A config from a caller (a C struct) is one [`DeepepConfig::new`] accepts: the same checks,
+    /// the stored RDMA receive size a multiple of the send size.
+    pub fn check(&self) -> Result<()> {
+        let again = Self::new(
+            self.num_sms,
+            self.num_max_nvl_chunked_send_tokens,
+            self.num_max_nvl_chunked_recv_tokens,
+            self.num_max_rdma_chunked_send_tokens,
+            self.num_max_rdma_chunked_recv_tokens,
+        )?;
+        ensure_arg!(
+            again == *self,
+            "Config: num_max_rdma_chunked_recv_tokens ({}) must be a multiple of num_max_rdma_chunked_send_tokens \
+             ({}); build configs with deepep_config_init",
+            self.num_max_rdma_chunked_recv_tokens,
+            self.num_max_rdma_chunked_send_tokens
+        );
+        Ok(())
     }
 
     fn check_rank_topology(&self, num_ranks: i32) -> Result<()> {
@@ -79,42 +105,44 @@ impl DeepepConfig {
     /// `Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)`.
     pub fn nvl_buffer_size_hint(&self, hidden_bytes: i64, num_ranks: i32) -> Result<i64> {
         ensure_arg!(hidden_bytes > 0, "hidden_bytes must be positive, got {hidden_bytes}");
+        self.check()?;
         self.check_rank_topology(num_ranks)?;
         ensure_arg!(
             num_ranks <= NUM_MAX_NVL_PEERS || self.num_sms % 2 == 0,
             "num_sms must be even when num_ranks > {NUM_MAX_NVL_PEERS}, got {}",
             self.num_sms
         );
-        let rdma_ranks = (num_ranks / NUM_MAX_NVL_PEERS).max(1) as i64;
-        let nvl_ranks = num_ranks.min(NUM_MAX_NVL_PEERS) as i64;
-        let channels = (self.num_sms / 2) as i64;
-        let tokens = self.num_max_nvl_chunked_recv_tokens as i64;
-        let slots = channels * nvl_ranks * tokens;
-        let bytes = channels * nvl_ranks * (2 * rdma_ranks + 3) * 4
-            + slots * hidden_bytes
-            + slots * SOURCE_META_BYTES
-            + slots * NUM_MAX_TOPK * TOPK_IDX_BYTES
-            + slots * NUM_MAX_TOPK * 4
-            + slots * NUM_MAX_SCALES * 4;
-        Ok(align_up(bytes, NUM_BUFFER_ALIGNMENT_BYTES))
+        let rdma_ranks = (num_ranks / NUM_MAX_NVL_PEERS).max(1) as i128;
+        let nvl_ranks = num_ranks.min(NUM_MAX_NVL_PEERS) as i128;
+        let channels = (self.num_sms / 2) as i128;
+        let tokens = self.num_max_nvl_chunked_recv_tokens as i128;
+        let per_slot = hidden_bytes as i128
+            + (SOURCE_META_BYTES + NUM_MAX_TOPK * TOPK_IDX_BYTES + NUM_MAX_TOPK * 4 + NUM_MAX_SCALES * 4) as i128;
+        let bytes = (|| {
+            let slots = channels.checked_mul(nvl_ranks)?.checked_mul(tokens)?;
+            (channels * nvl_ranks * (2 * rdma_ranks + 3) * 4).checked_add(slots.checked_mul(per_slot)?)
+        })();
+        fit_hint("Config.get_nvl_buffer_size_hint", bytes, hidden_bytes, num_ranks)
     }
 
     /// `Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)`; 0 within one node.
     pub fn rdma_buffer_size_hint(&self, hidden_bytes: i64, num_ranks: i32) -> Result<i64> {
         ensure_arg!(hidden_bytes > 0, "hidden_bytes must be positive, got {hidden_bytes}");
+        self.check()?;
         self.check_rank_topology(num_ranks)?;
         if num_ranks <= NUM_MAX_NVL_PEERS {
             return Ok(0);
         }
-        let rdma_ranks = (num_ranks / NUM_MAX_NVL_PEERS) as i64;
-        let channels = (self.num_sms / 2) as i64;
-        let tokens = self.num_max_rdma_chunked_recv_tokens as i64;
-        let per_token = hidden_bytes + SOURCE_META_BYTES + NUM_MAX_TOPK * TOPK_IDX_BYTES + NUM_MAX_TOPK * 4
-            + NUM_MAX_SCALES * 4
-            + 16;
-        let bytes = channels * rdma_ranks * (NUM_MAX_NVL_PEERS as i64 * 2 + 2) * 2 * 4
-            + 2 * channels * rdma_ranks * tokens * per_token;
-        Ok(align_up(bytes, NUM_BUFFER_ALIGNMENT_BYTES))
+        let rdma_ranks = (num_ranks / NUM_MAX_NVL_PEERS) as i128;
+        let channels = (self.num_sms / 2) as i128;
+        let tokens = self.num_max_rdma_chunked_recv_tokens as i128;
+        let per_token = hidden_bytes as i128
+            + (SOURCE_META_BYTES + NUM_MAX_TOPK * TOPK_IDX_BYTES + NUM_MAX_TOPK * 4 + NUM_MAX_SCALES * 4 + 16) as i128;
+        let bytes = (|| {
+            let data = (2 * channels * rdma_ranks).checked_mul(tokens)?.checked_mul(per_token)?;
+            (channels * rdma_ranks * (NUM_MAX_NVL_PEERS as i128 * 2 + 2) * 2 * 4).checked_add(data)
+        })();
+        fit_hint("Config.get_rdma_buffer_size_hint", bytes, hidden_bytes, num_ranks)
     }
 }
 
@@ -167,16 +195,38 @@ pub fn low_latency_rdma_size_hint(
     ensure_arg!(hidden > 0, "hidden must be positive, got {hidden}");
     ensure_arg!(num_ranks > 0, "num_ranks must be positive, got {num_ranks}");
     ensure_arg!(num_experts > 0, "num_experts must be positive, got {num_experts}");
-    let m = num_max_dispatch_tokens_per_rank;
-    let e = num_experts as i64;
-    let scales = hidden / 128;
-    let dispatch_msg = 16 + (hidden * 2).max(hidden + scales * 4);
-    let combine_msg = scales * 4 + hidden * 2;
-    let send = (m * dispatch_msg).max(e * m * combine_msg);
-    let recv = (e * m * dispatch_msg).max(e * m * combine_msg);
-    let signal = align_up(e * 4, 128);
-    let total = 2 * signal + 2 * send + 2 * recv;
-    Ok((total + NUM_BUFFER_ALIGNMENT_BYTES) / NUM_BUFFER_ALIGNMENT_BYTES * NUM_BUFFER_ALIGNMENT_BYTES)
+    // In i128 with checked products: M x H x E of i64 inputs can pass even i128.
+    let (m, h, e) = (num_max_dispatch_tokens_per_rank as i128, hidden as i128, num_experts as i128);
+    let a = NUM_BUFFER_ALIGNMENT_BYTES as i128;
+    let hint = (|| {
+        let scales = h / 128;
+        let dispatch_msg = 16 + (h * 2).max(h + scales * 4);
+        let combine_msg = scales * 4 + h * 2;
+        let em = e.checked_mul(m)?;
+        let send = m.checked_mul(dispatch_msg)?.max(em.checked_mul(combine_msg)?);
+        let recv = em.checked_mul(dispatch_msg)?.max(em.checked_mul(combine_msg)?);
+        let signal = (e * 4 + 127) / 128 * 128;
+        let total = (2 * signal).checked_add(send.checked_mul(2)?)?.checked_add(recv.checked_mul(2)?)?;
+        // DeepEP adds a whole alignment unit even to an aligned total; kept for identical hints.
+        i64::try_from((total + a) / a * a).ok()
+    })();
+    hint.ok_or_else(|| {
+        crate::error::Error::invalid(format!(
+            "get_low_latency_rdma_size_hint({num_max_dispatch_tokens_per_rank}, {hidden}, {num_ranks}, {num_experts}) \
+             needs more bytes than a 64-bit size holds"
+        ))
+    })
+}
+
+/// A size hint in bytes (None: past i128), aligned as DeepEP aligns it, or an error naming the
+/// hint and its arguments when it does not fit an i64.
+fn fit_hint(what: &str, bytes: Option<i128>, hidden_bytes: i64, num_ranks: i32) -> Result<i64> {
+    let a = NUM_BUFFER_ALIGNMENT_BYTES as i128;
+    bytes.and_then(|b| i64::try_from((b + a - 1) / a * a).ok()).ok_or_else(|| {
+        crate::error::Error::invalid(format!(
+            "{what}(hidden_bytes={hidden_bytes}, num_ranks={num_ranks}) needs more bytes than a 64-bit size holds"
+        ))
+    })
 }
 
 /// Constructor checks of `deep_ep::Buffer` (csrc/deep_ep.cpp), with messages
@@ -256,6 +306,32 @@ impl RankLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fuzzer's findings (fuzz/corpus/*/regression_*): each was a wrapped value or an
+    /// overflow panic; each is now an error naming what does not fit.
+    #[test]
+    fn sizes_that_do_not_fit_are_errors_not_wrapped_values() {
+        let err = DeepepConfig::new(218955789, 1610, 3583, 3337, 2147483647).unwrap_err();
+        assert!(err.message.contains("more than an int32 holds"), "{}", err.message);
+        let hand_filled = DeepepConfig {
+            num_sms: -4,
+            num_max_nvl_chunked_send_tokens: 8,
+            num_max_nvl_chunked_recv_tokens: 1289,
+            num_max_rdma_chunked_send_tokens: 21755825,
+            num_max_rdma_chunked_recv_tokens: 0,
+        };
+        assert!(hand_filled.nvl_buffer_size_hint(2, 8).unwrap_err().message.contains("num_sms must be >= 0"));
+        let unrounded = DeepepConfig { num_max_rdma_chunked_recv_tokens: 129, ..default_config(ConfigKind::Dispatch, 8, 20).unwrap() };
+        assert!(unrounded.rdma_buffer_size_hint(2, 16).unwrap_err().message.contains("must be a multiple"));
+        let c = default_config(ConfigKind::Dispatch, 128, 3737).unwrap();
+        let err = c.nvl_buffer_size_hint(7196434303387885278, 2).unwrap_err();
+        assert!(err.message.contains("get_nvl_buffer_size_hint(hidden_bytes=7196434303387885278, num_ranks=2)"), "{}", err.message);
+        assert!(c.rdma_buffer_size_hint(i64::MAX, 128).unwrap_err().message.contains("64-bit"));
+        let err = low_latency_rdma_size_hint(1 << 31, 1 << 31, 160, 160).unwrap_err();
+        assert!(err.message.contains("more bytes than a 64-bit size holds"), "{}", err.message);
+        // The hints themselves are unchanged where they fit (DeepEP's values).
+        assert_eq!(low_latency_rdma_size_hint(128, 7168, 2, 288).unwrap() % NUM_BUFFER_ALIGNMENT_BYTES, 0);
+    }
 
     fn max_hint(num_ranks: i32, hidden_bytes: i64) -> (i64, i64) {
         let mut nvl = 0;

@@ -65,7 +65,7 @@ fn span(shape: &[i64], strides: &[i64]) -> i64 {
     if shape.iter().any(|d| *d == 0) {
         return 0;
     }
-    shape.iter().zip(strides).fold(1i64, |n, (d, s)| n.saturating_add((d - 1).saturating_mul(*s)))
+    shape.iter().zip(strides).fold(1i64, |n, (d, s)| n.saturating_add(d.saturating_sub(1).saturating_mul(*s)))
 }
 
 impl DeepepOutputs {

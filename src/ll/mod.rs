@@ -37,6 +37,7 @@ impl LlShape {
             "num_max_dispatch_tokens_per_rank must be in [1, {MAX_TOKENS_PER_RANK}], got {max_tokens}"
         );
         check_hidden(hidden)?;
+        ensure_arg!(num_ranks > 0, "num_ranks must be positive, got {num_ranks}");
         ensure_arg!(num_experts > 0, "num_experts must be positive, got {num_experts}");
         ensure_arg!(
             num_experts % num_ranks == 0,
