@@ -199,7 +199,7 @@ void both(const char* op) {
   const auto buffer = reinterpret_cast<const DeepepBuffer*>(uintptr_t{0x1000});
   void* stream = reinterpret_cast<void*>(uintptr_t{0x2000});
   deepep::LowLatencyHook hpp = deepep::LowLatencyHook::receive(record_status<Args>, buffer, args, stream, 1);
-  deepep_fast::LlRecvLaunch<Args> fast(record<Args>, 0x1000, args, 0x2000, 1);
+  deepep_fast::LlRecvLaunch<Args> fast(record_status<Args>, 0x1000, args, 0x2000, 1);
   args.num_experts = 99;
   args.phases = 3;
   hpp();

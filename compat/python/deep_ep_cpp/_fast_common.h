@@ -59,8 +59,8 @@ inline bool row_major(const DeepepTensor& t) {
 }
 
 // The outputs a DeepepOutputs describes (deepep_*_outputs), allocated by torch; absent ones are
-// empty optionals. An output alone in its allocation is one at::empty_strided; outputs sharing
-// one are views of a single at::empty.
+// empty optionals. An output alone in its allocation is one at::empty (or at::empty_strided);
+// outputs sharing one are views of a single at::empty.
 inline std::array<c10::optional<at::Tensor>, DEEPEP_MAX_OP_OUTPUTS> allocate(const DeepepOutputs& o,
                                                                           const at::TensorOptions& on_device) {
   std::array<int, DEEPEP_MAX_OP_OUTPUTS> members{};

@@ -26,7 +26,8 @@ constexpr int kPhaseBoth = DEEPEP_LL_PHASE_BOTH;
 template <typename Args>
 class LlRecvLaunch {
  public:
-  using Fn = int (*)(const DeepepBuffer*, const Args*, void*, int*);
+  // The shape of deepep_low_latency_dispatch / _combine (_fast_ll.h checks both against the header).
+  using Fn = DeepepStatus (*)(const DeepepBuffer*, const Args*, void*, int*);
 
   LlRecvLaunch(Fn fn, uintptr_t buffer, const Args& args, uintptr_t stream, int buffer_idx)
       : fn_(fn), buffer_(buffer), args_(args), stream_(stream), buffer_idx_(buffer_idx) {

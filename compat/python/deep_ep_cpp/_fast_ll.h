@@ -2,14 +2,20 @@
 // torch's C++ API, the C ABI's argument struct filled and called, in one Python call.
 #pragma once
 
+#include <type_traits>
+
 #include "_fast_hook.h"
 #include "_fast_streams.h"
 
 namespace deepep_fast {
 
-using LlDispatchFn = int (*)(const DeepepBuffer*, const DeepepLowLatencyDispatchArgs*, void*, int*);
-using LlCombineFn = int (*)(const DeepepBuffer*, const DeepepLowLatencyCombineArgs*, void*, int*);
-using LlCombineOutputsFn = int (*)(const DeepepBuffer*, int64_t, int64_t, DeepepOutputs*);
+// The C ABI's functions as the header declares them (only their addresses come from Python).
+using LlDispatchFn = decltype(&deepep_low_latency_dispatch);
+using LlCombineFn = decltype(&deepep_low_latency_combine);
+using LlCombineOutputsFn = decltype(&deepep_low_latency_combine_outputs);
+using NextCombineBufferFn = decltype(&deepep_get_next_low_latency_combine_buffer);
+static_assert(std::is_same_v<LlDispatchFn, LlRecvLaunch<DeepepLowLatencyDispatchArgs>::Fn> &&
+              std::is_same_v<LlCombineFn, LlRecvLaunch<DeepepLowLatencyCombineArgs>::Fn>);
 
 // deep_ep_cpp's raise_status (set once by set_status_raiser): a failed hook raises the library's
 // error exactly as the ctypes path does. Never destroyed: no destructor may run at interpreter exit.
@@ -189,7 +195,6 @@ inline py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, LlCo
   return py::make_tuple(status, combined_x, hook);
 }
 
-using NextCombineBufferFn = int (*)(const DeepepBuffer*, int, int, int, DeepepTensor*);
 
 // Drops the owner reference a zero-copy view held (its storage's context). Leaked once Python is
 // gone: a view may outlive the interpreter's teardown.

@@ -12,13 +12,11 @@
 
 namespace deepep_fast {
 
-using LayoutFn = int (*)(const DeepepBuffer*, const DeepepTensor*, int, const DeepepTensor*, const DeepepTensor*,
-                         const DeepepTensor*, const DeepepTensor*, void*);
-using DispatchPrepareFn = int (*)(const DeepepBuffer*, const DeepepIntranodeDispatchArgs*, int*, int*, int, void*);
-using DispatchFn = int (*)(const DeepepBuffer*, const DeepepIntranodeDispatchArgs*,
-                           const DeepepIntranodeDispatchOutputs*, void*);
-using CombineFn = int (*)(const DeepepBuffer*, const DeepepIntranodeCombineArgs*, void*);
-// The output queries, typed by the header's declarations (only their addresses are used).
+// The C ABI's functions as the header declares them (only their addresses come from Python).
+using LayoutFn = decltype(&deepep_get_dispatch_layout);
+using DispatchPrepareFn = decltype(&deepep_intranode_dispatch_prepare);
+using DispatchFn = decltype(&deepep_intranode_dispatch);
+using CombineFn = decltype(&deepep_intranode_combine);
 using LayoutOutputsFn = decltype(&deepep_get_dispatch_layout_outputs);
 using HandleOutputsFn = decltype(&deepep_intranode_dispatch_handle_outputs);
 using DispatchOutputsFn = decltype(&deepep_intranode_dispatch_outputs);
@@ -29,7 +27,6 @@ using CombineOutputsFn = decltype(&deepep_intranode_combine_outputs);
 // its functions in the libdeepep_nccl.so that deep_ep_cpp loaded.
 class NormalOps {
  public:
-
   NormalOps(uintptr_t layout_fn, uintptr_t prepare_fn, uintptr_t dispatch_fn, uintptr_t combine_fn,
             uintptr_t layout_outputs_fn, uintptr_t handle_outputs_fn, uintptr_t dispatch_outputs_fn,
             uintptr_t combine_outputs_fn, int64_t num_ranks, int device)
