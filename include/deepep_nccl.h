@@ -453,6 +453,11 @@ DeepepStatus deepep_nccl_runtime_version(int *out);
 const char *deepep_last_error(void);
 
 /**
+ * Bytes per element of a `DeepepDtype` value; 0 for a code that is not one.
+ */
+int64_t deepep_dtype_size(int32_t dtype);
+
+/**
  * Name of a status code, e.g. "DEEPEP_ERROR_INVALID_ARGUMENT".
  */
 const char *deepep_status_string(int status);

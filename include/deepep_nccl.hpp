@@ -113,16 +113,8 @@ inline DeepepTensor absent_tensor() noexcept { return DeepepTensor{}; }
 // g < o.num_allocations, then place_outputs(o, bases) (or output_tensor for one output): o.tensors[i]
 // then describes output i (absent ones keep dtype 0) and goes into the op's arguments as it is.
 
-// Bytes per element of a DeepepDtype value (0 for an unknown one).
-inline int64_t dtype_size(int32_t dtype) noexcept {
-  switch (dtype) {
-    case DEEPEP_DTYPE_BOOL: case DEEPEP_DTYPE_UINT8: case DEEPEP_DTYPE_FLOAT8_E4M3: return 1;
-    case DEEPEP_DTYPE_BFLOAT16: case DEEPEP_DTYPE_FLOAT16: return 2;
-    case DEEPEP_DTYPE_INT32: case DEEPEP_DTYPE_FLOAT32: return 4;
-    case DEEPEP_DTYPE_INT64: return 8;
-    default: return 0;
-  }
-}
+// Bytes per element of a DeepepDtype value (0 for an unknown one), as the library defines them.
+inline int64_t dtype_size(int32_t dtype) noexcept { return deepep_dtype_size(dtype); }
 
 // Bytes of allocation g of an op's outputs.
 inline int64_t allocation_bytes(const DeepepOutputs& outputs, int g) {

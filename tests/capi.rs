@@ -346,3 +346,12 @@ fn output_queries_name_null_arguments_and_zero_their_output() {
         }
     }
 }
+
+#[test]
+fn dtype_sizes_come_from_the_library() {
+    assert_eq!(deepep_dtype_size(DeepepDtype::DEEPEP_DTYPE_BFLOAT16 as i32), 2);
+    assert_eq!(deepep_dtype_size(DeepepDtype::DEEPEP_DTYPE_INT64 as i32), 8);
+    assert_eq!(deepep_dtype_size(DeepepDtype::DEEPEP_DTYPE_FLOAT8_E4M3 as i32), 1);
+    assert_eq!(deepep_dtype_size(0), 0);
+    assert_eq!(deepep_dtype_size(99), 0);
+}

@@ -151,6 +151,12 @@ pub extern "C" fn deepep_last_error() -> *const c_char {
     last_error_ptr()
 }
 
+/// Bytes per element of a `DeepepDtype` value; 0 for a code that is not one.
+#[no_mangle]
+pub extern "C" fn deepep_dtype_size(dtype: i32) -> i64 {
+    DeepepDtype::from_code(dtype).map_or(0, DeepepDtype::size)
+}
+
 /// Name of a status code, e.g. "DEEPEP_ERROR_INVALID_ARGUMENT".
 #[no_mangle]
 pub extern "C" fn deepep_status_string(status: c_int) -> *const c_char {
