@@ -48,36 +48,22 @@ template <typename V>
 void upload(const DeviceMemory& dst, const std::vector<V>& src) {
   cuda_check(cudaMemcpy(dst.ptr, src.data(), src.size() * sizeof(V), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
 }
+// `count` elements from device address `src`.
+template <typename V>
+std::vector<V> download_from(const void* src, size_t count) {
+  std::vector<V> out(count);
+  cuda_check(cudaMemcpy(out.data(), src, count * sizeof(V), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+  return out;
+}
 template <typename V>
 std::vector<V> download(const DeviceMemory& src, size_t count) {
-  std::vector<V> out(count);
-  cuda_check(cudaMemcpy(out.data(), src.ptr, count * sizeof(V), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-  return out;
+  return download_from<V>(src.ptr, count);
 }
 // `count` elements from the start of a described tensor.
 template <typename V>
 std::vector<V> download(const DeepepTensor& src, size_t count) {
-  std::vector<V> out(count);
-  cuda_check(cudaMemcpy(out.data(), src.data, count * sizeof(V), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-  return out;
+  return download_from<V>(src.data, count);
 }
-
-// An op's outputs as the library describes them (deepep_*_outputs): one cudaMalloc per
-// allocation, freed on scope exit; tensor(i) is output i's descriptor in that memory.
-struct DeviceOutputs {
-  DeepepOutputs described;
-  std::vector<std::unique_ptr<DeviceMemory>> memory;
-  std::vector<void*> bases;
-  explicit DeviceOutputs(const DeepepOutputs& o) : described(o) {
-    for (int g = 0; g < o.num_allocations; ++g) {
-      memory.push_back(std::make_unique<DeviceMemory>(static_cast<size_t>(deepep::allocation_bytes(o, g))));
-      bases.push_back(memory.back()->ptr);
-    }
-  }
-  DeepepTensor tensor(int i) const { return deepep::output_tensor(described, i, bases.data()); }
-  // Elements of output i's allocation (its whole span when it is alone there).
-  size_t elems(int i) const { return static_cast<size_t>(described.allocation_elems[described.allocation[i]]); }
-};
 
 // An op's outputs as the library describes them (Buffer::*_outputs), in cudaMalloc'd memory freed on
 // scope exit; outputs[i] goes into the op's arguments as it is.
@@ -93,6 +79,8 @@ struct OutputMemory {
     deepep::place_outputs(outputs, bases.data());
   }
   const DeepepTensor& operator[](int i) const { return outputs.tensors[i]; }
+  // Elements of output i's allocation (its whole span when it is alone there).
+  size_t elems(int i) const { return static_cast<size_t>(outputs.allocation_elems[outputs.allocation[i]]); }
 };
 
 // The elements of a contiguous device tensor.
@@ -100,9 +88,7 @@ template <typename V>
 std::vector<V> download(const DeepepTensor& src) {
   size_t count = 1;
   for (int d = 0; d < src.ndim; ++d) count *= static_cast<size_t>(src.shape[d]);
-  std::vector<V> out(count);
-  cuda_check(cudaMemcpy(out.data(), src.data, count * sizeof(V), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-  return out;
+  return download<V>(src, count);
 }
 
 // Check failures are counted, not thrown, so every rank reaches every collective call.

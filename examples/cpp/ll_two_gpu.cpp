@@ -132,7 +132,7 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   DeviceMemory d_x(x.size() * 2), d_topk(topk.size() * 8), d_weights(weights.size() * 4);
   DeviceMemory d_stats(EPR * 4), d_wait(R * 8);
   // The outputs, allocated as the library describes them for this shape and buffer.
-  const DeviceOutputs recv(buffer.low_latency_dispatch_outputs(M, H, E, /*use_fp8=*/false));
+  const OutputMemory recv(buffer.low_latency_dispatch_outputs(M, H, E, /*use_fp8=*/false));
   upload(d_x, x);
   upload(d_topk, topk);
   upload(d_weights, weights);
@@ -146,11 +146,11 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   args.topk_idx = make_tensor(d_topk.ptr, DEEPEP_DTYPE_INT64, {T, K});
   args.cumulative_local_expert_recv_stats = make_tensor(d_stats.ptr, DEEPEP_DTYPE_INT32, {EPR});
   args.dispatch_wait_recv_cost_stats = make_tensor(d_wait.ptr, DEEPEP_DTYPE_INT64, {R});
-  args.packed_recv_x = recv.tensor(0);
-  args.packed_recv_x_scales = recv.tensor(1);  // absent without FP8
-  args.packed_recv_count = recv.tensor(2);
-  args.packed_recv_src_info = recv.tensor(3);
-  args.packed_recv_layout_range = recv.tensor(4);
+  args.packed_recv_x = recv[0];
+  args.packed_recv_x_scales = recv[1];  // absent without FP8
+  args.packed_recv_count = recv[2];
+  args.packed_recv_src_info = recv[3];
+  args.packed_recv_layout_range = recv[4];
   // The host checks below read these as contiguous [E_l, R*M, H], [E_l], [E_l, R*M], [E_l, R].
   chk.expect(args.packed_recv_x.shape[1] == RM && args.packed_recv_x.strides[1] == H && recv.elems(0) == packed &&
                  recv.elems(2) == EPR && recv.elems(3) == static_cast<size_t>(EPR) * RM && recv.elems(4) == EPR * R &&
@@ -189,15 +189,15 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   // 2. FP8 dispatch as send, then receive with the half the send returned (DeepEP's hook), on
   // CUDA's default stream: it must be spelled default_stream(), as nullptr is the comm stream.
   before = chk.failures;
-  const DeviceOutputs recv8(buffer.low_latency_dispatch_outputs(M, H, E, /*use_fp8=*/true));
+  const OutputMemory recv8(buffer.low_latency_dispatch_outputs(M, H, E, /*use_fp8=*/true));
   DeepepLowLatencyDispatchArgs fargs = args;
   fargs.dispatch_wait_recv_cost_stats = deepep::absent_tensor();
-  fargs.packed_recv_x = recv8.tensor(0);
+  fargs.packed_recv_x = recv8[0];
   // DeepEP's layout: logical [E_l, R*M, H/128], column-major in the last two dims (its strides say).
-  fargs.packed_recv_x_scales = recv8.tensor(1);
-  fargs.packed_recv_count = recv8.tensor(2);
-  fargs.packed_recv_src_info = recv8.tensor(3);
-  fargs.packed_recv_layout_range = recv8.tensor(4);
+  fargs.packed_recv_x_scales = recv8[1];
+  fargs.packed_recv_count = recv8[2];
+  fargs.packed_recv_src_info = recv8[3];
+  fargs.packed_recv_layout_range = recv8[4];
   fargs.use_fp8 = 1;
   const int64_t* scale_step = fargs.packed_recv_x_scales.strides;
   chk.expect(fargs.packed_recv_x.dtype == DEEPEP_DTYPE_FLOAT8_E4M3 && recv8.elems(0) == packed &&
@@ -258,7 +258,7 @@ int run_rank(int rank, const deepep::UniqueId& id) {
         y[at] = float_to_bf16(bf16_to_float(recv_x[at]) * factor(rank * EPR + e));
       }
   DeviceMemory d_y(packed * 2);
-  const DeviceOutputs combined(buffer.low_latency_combine_outputs(T, H));  // out: [T, H] BF16
+  const OutputMemory combined(buffer.low_latency_combine_outputs(T, H));  // out: [T, H] BF16
   upload(d_y, y);
   // out[t] = sum over k of w * bf16(x[t] * factor(expert)), in fp32 (the kernel's fma chain).
   std::vector<float> want_out(static_cast<size_t>(T) * H), bound(static_cast<size_t>(T) * H);
@@ -283,7 +283,7 @@ int run_rank(int rank, const deepep::UniqueId& id) {
   cargs.src_info = args.packed_recv_src_info;  // the BF16 dispatch's handle
   cargs.layout_range = args.packed_recv_layout_range;
   cargs.combine_wait_recv_cost_stats = deepep::absent_tensor();
-  cargs.out = combined.tensor(0);
+  cargs.out = combined[0];
   cargs.num_max_dispatch_tokens_per_rank = M;
   cargs.num_experts = E;
 
