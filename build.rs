@@ -1,40 +1,151 @@
-//! Regenerates include/deepep_nccl.h, then builds the CUDA kernels (kernels/*.cu) with nvcc
-//! against the NCCL headers nccl-sys found and links cudart statically.
+//! Regenerates include/deepep_nccl.h, then builds the CUDA kernels (kernels/*.cu) with nvcc: the
+//! NCCL-dependent ones once per build of kernels/nccl_builds.txt, against that NCCL's headers
+//! (scripts/fetch_nccl_headers.py), the others once; links cudart statically.
 //!
-//! Env: CUDA_HOME (nvcc at $CUDA_HOME/bin/nvcc; else nvcc on PATH),
-//! DEEPEP_CUDA_ARCHS (comma list, default "90a"), NCCL_HOME (via nccl-sys).
-use std::path::PathBuf;
+//! Env: CUDA_HOME (nvcc at $CUDA_HOME/bin/nvcc; else nvcc on PATH), DEEPEP_CUDA_ARCHS (comma
+//! list, default "90a"), NCCL_HOME (the linked NCCL, via nccl-sys), DEEPEP_NCCL_HEADERS (default
+//! .nccl-headers), DEEPEP_NCCL_BUILDS (a subset of the builds, for development).
+use std::path::{Path, PathBuf};
 
 fn cuda_home() -> Option<PathBuf> {
     std::env::var_os("CUDA_HOME").map(PathBuf::from).filter(|p| p.join("bin/nvcc").is_file())
 }
 
-fn build_kernels(nccl_root: &str) {
-    let mut build = cc::Build::new();
-    build
-        .cuda(true)
-        .cudart("static")
-        // cc adds -G (device debug) to debug-profile builds: slow and unoptimized.
-        .debug(false)
-        .opt_level(3)
-        .flag("-std=c++17")
-        .flag("-lineinfo")
-        .flag("-Xptxas=-warn-spills")
-        .flag("-Xcompiler=-fvisibility=hidden")
-        .flag("-isystem")
-        .flag(format!("{nccl_root}/include"))
-        .include("kernels");
-    if let Some(home) = cuda_home() {
-        // cc picks nvcc from NVCC; `.compiler()` would lose its CUDA flag handling.
-        if std::env::var_os("NVCC").is_none() {
-            std::env::set_var("NVCC", home.join("bin/nvcc"));
-        }
-        println!("cargo:rustc-link-search=native={}", home.join("lib").display());
-        println!("cargo:rustc-link-search=native={}", home.join("lib64").display());
+/// Kernel sources that do not use the NCCL Device API: compiled once, not per NCCL build.
+const NCCL_INDEPENDENT_SOURCES: &[&str] = &["common_host.cu", "layout.cu"];
+
+/// One line of kernels/nccl_builds.txt.
+struct NcclBuild {
+    version: String,
+    serves_below: String,
+}
+
+fn version_code(version: &str) -> u32 {
+    let parts: Vec<u32> = version.split('.').map(|p| p.parse().expect("a numeric NCCL version")).collect();
+    let [major, minor, patch] = parts[..] else { panic!("NCCL version {version}: expected major.minor.patch") };
+    major * 10000 + minor * 100 + patch
+}
+
+/// The builds of kernels/nccl_builds.txt, or those of them DEEPEP_NCCL_BUILDS names (a comma list
+/// of header versions: a faster build for development that serves fewer NCCL versions).
+fn nccl_builds() -> Vec<NcclBuild> {
+    println!("cargo:rerun-if-changed=kernels/nccl_builds.txt");
+    println!("cargo:rerun-if-env-changed=DEEPEP_NCCL_BUILDS");
+    let text = std::fs::read_to_string("kernels/nccl_builds.txt").expect("kernels/nccl_builds.txt");
+    let all: Vec<NcclBuild> = text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or(""))
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            match fields[..] {
+                [] => None,
+                [version, serves_below, _sha256] => {
+                    Some(NcclBuild { version: version.into(), serves_below: serves_below.into() })
+                }
+                _ => panic!("kernels/nccl_builds.txt: expected `headers serves_below sha256`, got {l:?}"),
+            }
+        })
+        .collect();
+    let Ok(wanted) = std::env::var("DEEPEP_NCCL_BUILDS") else { return all };
+    let wanted: Vec<&str> = wanted.split(',').map(str::trim).filter(|v| !v.is_empty()).collect();
+    for v in &wanted {
+        assert!(all.iter().any(|b| b.version == *v), "DEEPEP_NCCL_BUILDS names {v}, not a build in kernels/nccl_builds.txt");
     }
+    all.into_iter().filter(|b| wanted.contains(&b.version.as_str())).collect()
+}
+
+fn headers_dir(version: &str) -> PathBuf {
+    println!("cargo:rerun-if-env-changed=DEEPEP_NCCL_HEADERS");
+    let root = std::env::var_os("DEEPEP_NCCL_HEADERS").map(PathBuf::from).unwrap_or_else(|| ".nccl-headers".into());
+    let include = root.join(version).join("include");
+    assert!(
+        include.join("nccl.h").is_file(),
+        "no NCCL {version} headers in {}: run `python3 scripts/fetch_nccl_headers.py` (scripts/toolchain.sh does)",
+        include.display()
+    );
+    include
+}
+
+fn nvcc() -> PathBuf {
+    if let Some(nvcc) = std::env::var_os("NVCC") {
+        return nvcc.into();
+    }
+    cuda_home().map_or_else(|| "nvcc".into(), |home| home.join("bin/nvcc"))
+}
+
+/// One nvcc compile of `source` to `object` against the NCCL headers in `headers`. Whole-program
+/// mode (no -rdc): each translation unit's device code is complete, so a build's objects need no
+/// device link and the builds' device code never meets.
+fn nvcc_compile(source: &Path, object: &Path, headers: &Path, defines: &[String]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(nvcc());
+    cmd.args(["-c", "-std=c++17", "-O3", "-lineinfo", "-Xptxas=-warn-spills"])
+        // -fno-gnu-unique: an inline function's static (and its guard) is then a hidden weak
+        // symbol that link_nccl_build can make local, not a process-wide unique one.
+        .args(["-Xcompiler=-fPIC,-fvisibility=hidden,-fno-gnu-unique,-ffunction-sections,-fdata-sections,-Wall,-Wextra,-O3"])
+        .arg("-isystem")
+        .arg(headers)
+        .args(["-I", "kernels"]);
     let archs = std::env::var("DEEPEP_CUDA_ARCHS").unwrap_or_else(|_| "90a".into());
     for arch in archs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
-        build.flag(format!("-gencode=arch=compute_{arch},code=sm_{arch}"));
+        cmd.arg(format!("-gencode=arch=compute_{arch},code=sm_{arch}"));
+    }
+    for d in defines {
+        cmd.arg(format!("-D{d}"));
+    }
+    cmd.arg("-o").arg(object).arg(source);
+    cmd
+}
+
+/// Runs the commands, as many at a time as cargo allows (NUM_JOBS); nvcc's warnings (ptxas
+/// spills) become cargo warnings. Panics naming the first command that failed.
+fn run_all(commands: Vec<std::process::Command>) {
+    let jobs = std::env::var("NUM_JOBS").ok().and_then(|j| j.parse().ok()).unwrap_or(1usize).max(1);
+    let queue = std::sync::Mutex::new(commands.into_iter());
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| loop {
+                let Some(mut cmd) = queue.lock().unwrap().next() else { return };
+                let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+                for line in String::from_utf8_lossy(&out.stderr).lines().chain(String::from_utf8_lossy(&out.stdout).lines()) {
+                    println!("cargo:warning={line}");
+                }
+                assert!(out.status.success(), "{cmd:?} failed: {}", out.status);
+            });
+        }
+    });
+}
+
+fn run(cmd: &mut std::process::Command) {
+    let status = cmd.status().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(status.success(), "{cmd:?} failed: {status}");
+}
+
+fn object_path(dir: &Path, source: &Path) -> PathBuf {
+    dir.join(source.file_name().expect("a file name")).with_extension("o")
+}
+
+/// Links one build's objects into one and makes every symbol but the build's table
+/// (kernels/nccl_build.cu) local: launchers, kernel stubs and NCCL's inline functions, all
+/// hidden, then never resolve across builds, whose names are identical. (Relocatable link and
+/// objcopy: GNU binutils, as on any Linux build machine with nvcc's host compiler.)
+fn link_nccl_build(build: &NcclBuild, objects: &[PathBuf], out_dir: &Path) -> PathBuf {
+    let linked = out_dir.join(format!("nccl-{}.o", build.version));
+    run(std::process::Command::new("ld").arg("-r").arg("-o").arg(&linked).args(objects));
+    // Section groups (COMDAT) would still be merged across builds by signature, dropping one
+    // build's copy while its code refers to it: removing the groups keeps each build's own.
+    run(std::process::Command::new("objcopy").args(["--localize-hidden", "--remove-section=.group"]).arg(&linked));
+    let table = format!("deepep_nccl_build_{}", version_code(&build.version));
+    let symbols = std::process::Command::new("nm").args(["-g", "--defined-only", "--format=just-symbols"]).arg(&linked).output();
+    let symbols = String::from_utf8(symbols.expect("nm").stdout).expect("nm output");
+    let globals: Vec<&str> = symbols.lines().collect();
+    assert!(globals == [table.as_str()], "NCCL build {}: global symbols {globals:?}, expected only {table}", build.version);
+    linked
+}
+
+fn build_kernels(nccl_root: &str) {
+    if let Some(home) = cuda_home() {
+        println!("cargo:rustc-link-search=native={}", home.join("lib").display());
+        println!("cargo:rustc-link-search=native={}", home.join("lib64").display());
     }
     let mut sources: Vec<PathBuf> = std::fs::read_dir("kernels")
         .expect("kernels/ directory")
@@ -52,10 +163,66 @@ fn build_kernels(nccl_root: &str) {
             println!("cargo:rerun-if-changed={}", path.display());
         }
     }
-    build.files(&sources).compile("deepep_kernels");
+    let (common, per_build): (Vec<PathBuf>, Vec<PathBuf>) = sources
+        .into_iter()
+        .partition(|p| NCCL_INDEPENDENT_SOURCES.iter().any(|n| p.file_name().is_some_and(|f| f == *n)));
+    assert_eq!(common.len(), NCCL_INDEPENDENT_SOURCES.len(), "build.rs names a missing NCCL-independent source");
+
+    let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let builds = nccl_builds();
+    assert!(!builds.is_empty(), "no NCCL build selected");
+    // Every compile of every build at once, so that the jobs keep all cores busy.
+    let mut commands = Vec::new();
+    let mut build_objects = Vec::new();
+    for build in &builds {
+        let dir = out_dir.join(format!("nccl-{}", build.version));
+        std::fs::create_dir_all(&dir).expect("build directory");
+        let headers = headers_dir(&build.version);
+        let defines = [format!("DEEPEP_NCCL_SERVES_BELOW={}", version_code(&build.serves_below))];
+        let objects: Vec<PathBuf> = per_build.iter().map(|s| object_path(&dir, s)).collect();
+        for (source, object) in per_build.iter().zip(&objects) {
+            commands.push(nvcc_compile(source, object, &headers, &defines));
+        }
+        build_objects.push(objects);
+    }
+    // The NCCL-independent sources include layout headers that include NCCL's: the linked NCCL's.
+    let common_dir = out_dir.join("common");
+    std::fs::create_dir_all(&common_dir).expect("build directory");
+    let nccl_include = PathBuf::from(nccl_root).join("include");
+    let mut archive_members: Vec<PathBuf> = common.iter().map(|s| object_path(&common_dir, s)).collect();
+    for (source, object) in common.iter().zip(&archive_members) {
+        commands.push(nvcc_compile(source, object, &nccl_include, &[]));
+    }
+    run_all(commands);
+    for (build, objects) in builds.iter().zip(&build_objects) {
+        archive_members.push(link_nccl_build(build, objects, &out_dir));
+    }
+    let archive = out_dir.join("libdeepep_kernels.a");
+    let _ = std::fs::remove_file(&archive);
+    run(std::process::Command::new("ar").arg("crs").arg(&archive).args(&archive_members));
+    println!("cargo:rustc-link-search=native={}", out_dir.display());
+    println!("cargo:rustc-link-lib=static=deepep_kernels");
+    println!("cargo:rustc-link-lib=static=cudart_static");
+    write_build_list(&builds, &out_dir);
     for lib in ["stdc++", "dl", "rt", "pthread"] {
         println!("cargo:rustc-link-lib={lib}");
     }
+}
+
+/// $OUT_DIR/nccl_builds.rs: each build's table accessor (kernels/nccl_build.cu), oldest first.
+fn write_build_list(builds: &[NcclBuild], out_dir: &std::path::Path) {
+    let names: Vec<String> = builds.iter().map(|b| format!("deepep_nccl_build_{}", version_code(&b.version))).collect();
+    let mut text = String::from("// Generated by build.rs from kernels/nccl_builds.txt.\nextern \"C\" {\n");
+    for name in &names {
+        text += &format!("    fn {name}() -> *const DeepepNcclBuild;\n");
+    }
+    text += &format!(
+        "}}\n/// Each compiled NCCL build's table accessor, oldest headers first.\n\
+         pub(crate) static NCCL_BUILD_TABLES: [unsafe extern \"C\" fn() -> *const DeepepNcclBuild; {}] = [{}];\n",
+        names.len(),
+        names.join(", ")
+    );
+    std::fs::write(out_dir.join("nccl_builds.rs"), text).expect("writing nccl_builds.rs");
 }
 
 fn generate_header() {

@@ -434,7 +434,9 @@ DeepepStatus deepep_abi_constant(const char *name,
 const char *deepep_library_version(void);
 
 /**
- * NCCL_VERSION_CODE of the headers the kernels were compiled against.
+ * NCCL_VERSION_CODE of the headers of the kernel build that serves the NCCL this process loaded
+ * (the library holds one build per NCCL device-API layout, kernels/nccl_builds.txt); 0 when no
+ * build serves it or NCCL cannot be queried (Buffer creation then fails naming both).
  */
 int deepep_nccl_compiled_version(void);
 

@@ -278,43 +278,9 @@ typedef struct DeepepLlCleanParams {
   int32_t reserved;
 } DeepepLlCleanParams;
 
-// NCCL_VERSION_CODE of the headers the kernels were compiled against.
-int deepep_kernels_nccl_version(void);
-// sizeof(ncclDevComm) and sizeof(ncclDevCommRequirements) in those headers (they vary by version).
-size_t deepep_devcomm_size(void);
-size_t deepep_devcomm_requirements_size(void);
-
-// Fills an ncclDevCommRequirements (of deepep_devcomm_requirements_size() bytes) asking for `lsa_barrier_count` LSA barriers and, if gin_signal_count > 0, GIN to
-// every rank with that many signals.
-void deepep_devcomm_requirements_init(void* reqs, int lsa_barrier_count, int gin_signal_count);
-
 typedef struct DeepepDevCommInfo {
   int32_t rank, num_ranks, lsa_rank, lsa_size;
 } DeepepDevCommInfo;
-void deepep_devcomm_info(const void* dev_comm, DeepepDevCommInfo* out);
-
-// All launchers return a cudaError_t value (0 on success). `stream` is a cudaStream_t.
-// Barrier across the LSA team on barrier slot `index` (< the devComm's lsaBarrierCount).
-int deepep_launch_lsa_barrier(const void* dev_comm, int index, DeepepWaitContext wait, void* stream);
-// Each rank writes `tag ^ lsa_rank` into every LSA peer's slot of `window` at
-// `slots_offset`, barriers, then counts slots that do not hold `tag ^ peer`.
-int deepep_launch_lsa_peer_check(const void* dev_comm, void* window, size_t slots_offset, uint32_t tag,
-                                 int barrier_index, DeepepWaitContext wait, int32_t* mismatches, void* stream);
-// Writes ncclGetLsaPointer(window, 0, p) for p < lsa_size to out[p], and
-// ncclGetLocalPointer(window, 0) to out[lsa_size] (one block; out in device memory).
-int deepep_launch_window_geometry(void* window, int lsa_size, uint64_t* out, void* stream);
-// get_dispatch_layout. The caller validated shapes; see layout.cu for the grid.
-int deepep_launch_dispatch_layout(const DeepepLayoutParams* params, void* stream);
-// Number of int32 partial-histogram elements a launch with these params needs.
-int64_t deepep_dispatch_layout_workspace_elems(const DeepepLayoutParams* params);
-
-// Normal mode (kernels/normal_*.cu). dev_comm: the buffer's ncclDevComm.
-int deepep_launch_normal_notify(const void* dev_comm, const DeepepNotifyParams* params, void* stream);
-int deepep_launch_normal_dispatch(const DeepepDispatchParams* params, void* stream);
-int deepep_launch_normal_combine(const void* dev_comm, const DeepepCombineParams* params, void* stream);
-// Bytes of one ring slot for a dispatch/combine row layout (both sides must agree).
-int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk);
-int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk);
 
 // How the LL kernels reach peers outside the sender's (virtual) node (`remote_kind`).
 enum DeepepLlRemoteKind {
@@ -323,25 +289,104 @@ enum DeepepLlRemoteKind {
   DEEPEP_LL_REMOTE_GIN = 2,       // NCCL GIN
 };
 
-// Low-latency mode (kernels/ll_*.cu). remote_kind: an enum DeepepLlRemoteKind.
-int deepep_launch_ll_dispatch(const void* dev_comm, const DeepepLlDispatchParams* params, int remote_kind,
-                              int num_blocks, void* stream);
-int deepep_launch_ll_combine(const void* dev_comm, const DeepepLlCombineParams* params, int remote_kind,
-                             int num_blocks, void* stream);
-// Bytes of one dispatch slot (header + payload) and of one combine slot.
+// ---- Entry points that do not depend on NCCL (compiled once) ----
+
+// get_dispatch_layout. The caller validated shapes; see layout.cu for the grid.
+int deepep_launch_dispatch_layout(const DeepepLayoutParams* params, void* stream);
+// Number of int32 partial-histogram elements a launch with these params needs.
+int64_t deepep_dispatch_layout_workspace_elems(const DeepepLayoutParams* params);
+// Bytes of one normal-mode ring slot for a dispatch/combine row layout (both sides must agree).
+int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk);
+int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk);
+// LL: bytes of one dispatch slot (header + payload) and of one combine slot (-1: LogFMT asked
+// for and not built).
 int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t use_fp8);
-// Bytes of one dispatch count message (per-expert counts and the filled-slot bitmap).
-int64_t deepep_ll_count_bytes(int32_t num_local_experts, int32_t max_tokens);
 int64_t deepep_ll_combine_slot_bytes(int32_t hidden, int32_t use_logfmt);
+// Bytes of one LL dispatch count message (per-expert counts and the filled-slot bitmap).
+int64_t deepep_ll_count_bytes(int32_t num_local_experts, int32_t max_tokens);
 // Bytes between rows of the zero-copy combine view (deepep_get_next_low_latency_combine_buffer).
 int64_t deepep_ll_view_row_bytes(int32_t hidden);
-// Whether this build has the NCCL GIN transport (NCCL >= 2.28.7 headers).
-int deepep_ll_gin_compiled(void);
+const char* deepep_cuda_error_string(int error);
+
+// ---- Entry points of one NCCL build ----
+// The kernels that use the NCCL Device API are compiled once per line of kernels/nccl_builds.txt,
+// against that NCCL's headers. A build's symbols are local to it (build.rs); the host reaches a
+// build only through its table, DeepepNcclBuild. Each signature is declared once, as a function
+// type: the table's field and, for the kernels' own translation units, the function.
+// All launchers return a cudaError_t value (0 on success). `stream` is a cudaStream_t;
+// `dev_comm` the buffer's ncclDevComm, made by this build's devcomm_requirements_init.
+
+// Fills an ncclDevCommRequirements (of devcomm_requirements_size bytes) asking for
+// `lsa_barrier_count` LSA barriers and, if gin_signal_count > 0, GIN to every rank with that many
+// signals.
+typedef void DeepepDevcommRequirementsInit(void* reqs, int lsa_barrier_count, int gin_signal_count);
+typedef void DeepepDevcommInfoFn(const void* dev_comm, DeepepDevCommInfo* out);
+// Barrier across the LSA team on barrier slot `index` (< the devComm's lsaBarrierCount).
+typedef int DeepepLaunchLsaBarrier(const void* dev_comm, int index, DeepepWaitContext wait, void* stream);
+// Each rank writes `tag ^ lsa_rank` into every LSA peer's slot of `window` at `slots_offset`,
+// barriers, then counts slots that do not hold `tag ^ peer`.
+typedef int DeepepLaunchLsaPeerCheck(const void* dev_comm, void* window, size_t slots_offset, uint32_t tag,
+                                     int barrier_index, DeepepWaitContext wait, int32_t* mismatches, void* stream);
+// Writes ncclGetLsaPointer(window, 0, p) for p < lsa_size to out[p], and
+// ncclGetLocalPointer(window, 0) to out[lsa_size] (one block; out in device memory).
+typedef int DeepepLaunchWindowGeometry(void* window, int lsa_size, uint64_t* out, void* stream);
+// Normal mode (kernels/normal_*.cu).
+typedef int DeepepLaunchNormalNotify(const void* dev_comm, const DeepepNotifyParams* params, void* stream);
+typedef int DeepepLaunchNormalDispatch(const DeepepDispatchParams* params, void* stream);
+typedef int DeepepLaunchNormalCombine(const void* dev_comm, const DeepepCombineParams* params, void* stream);
+// Low-latency mode (kernels/ll_*.cu). remote_kind: an enum DeepepLlRemoteKind.
+typedef int DeepepLaunchLlDispatch(const void* dev_comm, const DeepepLlDispatchParams* params, int remote_kind,
+                                   int num_blocks, void* stream);
+typedef int DeepepLaunchLlCombine(const void* dev_comm, const DeepepLlCombineParams* params, int remote_kind,
+                                  int num_blocks, void* stream);
 // clean_low_latency_buffer on `stream`: a barrier over the ranks (masked ones skipped in shrink
 // mode), the params' regions and GIN signals zeroed, a second barrier.
-int deepep_launch_ll_clean(const void* dev_comm, const DeepepLlCleanParams* params, int remote_kind, void* stream);
+typedef int DeepepLaunchLlClean(const void* dev_comm, const DeepepLlCleanParams* params, int remote_kind,
+                                void* stream);
 
-const char* deepep_cuda_error_string(int error);
+typedef struct DeepepNcclBuild {
+  int32_t nccl_version;             // NCCL_VERSION_CODE of the headers this build was compiled against
+  int32_t serves_below;             // the first NCCL_VERSION_CODE this build does not serve
+  int32_t gin_compiled;             // whether it has the GIN transport (NCCL >= 2.28.7 headers)
+  int32_t reserved;
+  size_t devcomm_size;              // sizeof(ncclDevComm) in those headers
+  size_t devcomm_requirements_size; // sizeof(ncclDevCommRequirements)
+  DeepepDevcommRequirementsInit* devcomm_requirements_init;
+  DeepepDevcommInfoFn* devcomm_info;
+  DeepepLaunchLsaBarrier* launch_lsa_barrier;
+  DeepepLaunchLsaPeerCheck* launch_lsa_peer_check;
+  DeepepLaunchWindowGeometry* launch_window_geometry;
+  DeepepLaunchNormalNotify* launch_normal_notify;
+  DeepepLaunchNormalDispatch* launch_normal_dispatch;
+  DeepepLaunchNormalCombine* launch_normal_combine;
+  DeepepLaunchLlDispatch* launch_ll_dispatch;
+  DeepepLaunchLlCombine* launch_ll_combine;
+  DeepepLaunchLlClean* launch_ll_clean;
+} DeepepNcclBuild;
+
+// A build's table is returned by deepep_nccl_build_<NCCL_VERSION_CODE of its headers>(); build.rs
+// lists them for Rust. DEEPEP_NCCL_BUILD_FN(code) names it (e.g. for NCCL_VERSION_CODE).
+#define DEEPEP_NCCL_BUILD_FN_(code) deepep_nccl_build_##code
+#define DEEPEP_NCCL_BUILD_FN(code) DEEPEP_NCCL_BUILD_FN_(code)
+#ifdef NCCL_VERSION_CODE
+// The build of the NCCL headers included before this file (C++ code linking the kernels' archive).
+const DeepepNcclBuild* DEEPEP_NCCL_BUILD_FN(NCCL_VERSION_CODE)(void);
+#endif
+
+#ifdef __CUDACC__
+// The definitions in the kernels' translation units (one copy per build, local to it).
+DeepepDevcommRequirementsInit deepep_devcomm_requirements_init;
+DeepepDevcommInfoFn deepep_devcomm_info;
+DeepepLaunchLsaBarrier deepep_launch_lsa_barrier;
+DeepepLaunchLsaPeerCheck deepep_launch_lsa_peer_check;
+DeepepLaunchWindowGeometry deepep_launch_window_geometry;
+DeepepLaunchNormalNotify deepep_launch_normal_notify;
+DeepepLaunchNormalDispatch deepep_launch_normal_dispatch;
+DeepepLaunchNormalCombine deepep_launch_normal_combine;
+DeepepLaunchLlDispatch deepep_launch_ll_dispatch;
+DeepepLaunchLlCombine deepep_launch_ll_combine;
+DeepepLaunchLlClean deepep_launch_ll_clean;
+#endif
 
 #ifdef __cplusplus
 }

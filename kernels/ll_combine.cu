@@ -9,23 +9,13 @@
 // slots in fp32 with fma in top-k order (DeepEP's order), then rounds to BF16.
 #include "ll_common.cuh"
 #include "ll_work_items.cuh"
-#if __has_include("ll_logfmt.cuh")
+#if DEEPEP_HAVE_LOGFMT
 #include "ll_logfmt.cuh"
-#define DEEPEP_HAVE_LOGFMT 1
-#else
-#define DEEPEP_HAVE_LOGFMT 0
 #endif
 
 namespace deepep {
 namespace ll {
 
-// The combine area: E * M data slots of one BF16 row (2H bytes; a LogFMT row uses the same
-// 256-byte block areas), then E * M metadata slots (4 bytes per 128-channel block, LogFMT only).
-// Per (expert, token) that is 2H + 4H/128 bytes, DeepEP's combine message, for any H % 128 == 0.
-__host__ __device__ constexpr int64_t combine_data_bytes(int hidden) { return 2 * int64_t(hidden); }
-__host__ __device__ constexpr int64_t combine_meta_bytes(int hidden) { return 4 * int64_t(hidden / 128); }
-// Bytes between rows of the zero-copy combine view: DeepEP's (H + H/64) BF16 elements.
-__host__ __device__ constexpr int64_t view_row_bytes(int hidden) { return 2 * int64_t(hidden) + hidden / 32; }
 // 256-channel groups of a BF16 row (one int4 per lane); the last is half a warp when H % 256 == 128.
 __host__ __device__ constexpr int combine_groups(int hidden) { return (hidden + 255) / 256; }
 
@@ -357,15 +347,6 @@ int launch_combine_remote(const ncclDevComm& dc, const DeepepLlCombineParams& p,
 
 }  // namespace ll
 }  // namespace deepep
-
-// Bytes of the combine area per (expert, token): data slot plus metadata slot; -1 when this
-// build has no LogFMT and it is asked for.
-extern "C" int64_t deepep_ll_view_row_bytes(int32_t hidden) { return deepep::ll::view_row_bytes(hidden); }
-
-extern "C" int64_t deepep_ll_combine_slot_bytes(int32_t hidden, int32_t use_logfmt) {
-  if (use_logfmt && !DEEPEP_HAVE_LOGFMT) return -1;
-  return deepep::ll::combine_data_bytes(hidden) + deepep::ll::combine_meta_bytes(hidden);
-}
 
 extern "C" int deepep_launch_ll_combine(const void* dev_comm, const DeepepLlCombineParams* params, int remote_kind,
                                         int num_blocks, void* stream) {

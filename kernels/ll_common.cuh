@@ -34,6 +34,11 @@
 #else
 #define DEEPEP_HAVE_GIN 0
 #endif
+#if __has_include("ll_logfmt.cuh")
+#define DEEPEP_HAVE_LOGFMT 1
+#else
+#define DEEPEP_HAVE_LOGFMT 0
+#endif
 
 namespace deepep {
 namespace ll {
@@ -49,6 +54,25 @@ enum RemoteKind { kRemoteNone = DEEPEP_LL_REMOTE_NONE, kRemoteEmulated = DEEPEP_
 // Dispatch slot: header (source token, then one (expert, position) word per
 // top-k entry), then the payload (FP8 + fp32 scales, or BF16).
 __host__ __device__ constexpr int64_t dispatch_header_bytes(int num_topk) { return align16(16 + 4 * num_topk); }
+
+// Count message: [per-expert counts: El][filled-slot bitmap: ceil(M / 32)].
+__host__ __device__ constexpr int count_bitmap_words(int max_tokens) { return (max_tokens + 31) / 32; }
+__host__ __device__ constexpr int64_t count_message_bytes(int local_experts, int max_tokens) {
+  return align16(4 * int64_t(local_experts + count_bitmap_words(max_tokens)));
+}
+
+// Padded to 16 bytes so that every slot starts 16-byte aligned (H = 128: 128 + 4 scales).
+__host__ __device__ constexpr int64_t dispatch_payload_bytes(int hidden, bool fp8) {
+  return fp8 ? align16(int64_t(hidden) + 4 * (hidden / 128)) : 2 * int64_t(hidden);
+}
+
+// The combine area: E * M data slots of one BF16 row (2H bytes; a LogFMT row uses the same
+// 256-byte block areas), then E * M metadata slots (4 bytes per 128-channel block, LogFMT only).
+// Per (expert, token) that is 2H + 4H/128 bytes, DeepEP's combine message, for any H % 128 == 0.
+__host__ __device__ constexpr int64_t combine_data_bytes(int hidden) { return 2 * int64_t(hidden); }
+__host__ __device__ constexpr int64_t combine_meta_bytes(int hidden) { return 4 * int64_t(hidden / 128); }
+// Bytes between rows of the zero-copy combine view: DeepEP's (H + H/64) BF16 elements.
+__host__ __device__ constexpr int64_t view_row_bytes(int hidden) { return 2 * int64_t(hidden) + hidden / 32; }
 
 // ---------------------------------------------------------------- top-k ids
 // Top-k entry i, read as a 32-bit id (an int64 entry's low word, as DeepEP's kernels read it).

@@ -28,17 +28,6 @@ namespace deepep {
 namespace ll {
 
 constexpr int kDoneTag = 1 << 30;
-// Count message: [per-expert counts: El][filled-slot bitmap: ceil(M / 32)].
-__host__ __device__ constexpr int count_bitmap_words(int max_tokens) { return (max_tokens + 31) / 32; }
-__host__ __device__ constexpr int64_t count_message_bytes(int local_experts, int max_tokens) {
-  return align16(4 * int64_t(local_experts + count_bitmap_words(max_tokens)));
-}
-
-// Padded to 16 bytes so that every slot starts 16-byte aligned (H = 128: 128 + 4 scales).
-__host__ __device__ constexpr int64_t dispatch_payload_bytes(int hidden, bool fp8) {
-  return fp8 ? align16(int64_t(hidden) + 4 * (hidden / 128)) : 2 * int64_t(hidden);
-}
-
 struct TokenRoute {
   int expert[DEEPEP_LL_MAX_TOPK];
   int pos[DEEPEP_LL_MAX_TOPK];       // row inside (expert, this source) block
@@ -539,16 +528,6 @@ int launch_dispatch(const ncclDevComm& dc, const DeepepLlDispatchParams& p, int 
 
 }  // namespace ll
 }  // namespace deepep
-
-extern "C" int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t use_fp8) {
-  return deepep::ll::dispatch_header_bytes(num_topk) + deepep::ll::dispatch_payload_bytes(hidden, use_fp8 != 0);
-}
-
-extern "C" int64_t deepep_ll_count_bytes(int32_t num_local_experts, int32_t max_tokens) {
-  return deepep::ll::count_message_bytes(num_local_experts, max_tokens);
-}
-
-extern "C" int deepep_ll_gin_compiled(void) { return DEEPEP_HAVE_GIN; }
 
 extern "C" int deepep_launch_ll_dispatch(const void* dev_comm, const DeepepLlDispatchParams* params, int remote_kind,
                                          int num_blocks, void* stream) {

@@ -211,11 +211,6 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(ncclDevComm de
 }  // namespace normal
 }  // namespace deepep
 
-extern "C" int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk) {
-  using deepep::align16;
-  return deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) + align16(int64_t(num_topk) * 4);
-}
-
 extern "C" int deepep_launch_normal_combine(const void* dev_comm, const DeepepCombineParams* params, void* stream) {
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
   const int blocks = 2 * params->common.num_channels;

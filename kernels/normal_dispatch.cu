@@ -264,12 +264,6 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatc
 }  // namespace normal
 }  // namespace deepep
 
-extern "C" int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk) {
-  using deepep::align16;
-  return deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) + align16(int64_t(num_scales) * 4) +
-         2 * align16(int64_t(num_topk) * 4);
-}
-
 extern "C" int deepep_launch_normal_dispatch(const DeepepDispatchParams* params, void* stream) {
   return deepep::launch_kernel(deepep::normal::dispatch_kernel, 2 * params->common.num_channels,
                                deepep::normal::kDataThreads, deepep::normal::kDispatchSmemBytes,

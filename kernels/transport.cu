@@ -8,10 +8,6 @@
 #include "bounded_wait.cuh"
 #include "deepep_kernels.h"
 
-extern "C" int deepep_kernels_nccl_version(void) { return NCCL_VERSION_CODE; }
-extern "C" size_t deepep_devcomm_size(void) { return sizeof(ncclDevComm); }
-extern "C" size_t deepep_devcomm_requirements_size(void) { return sizeof(ncclDevCommRequirements); }
-
 extern "C" void deepep_devcomm_requirements_init(void* out, int lsa_barrier_count, int gin_signal_count) {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
   // 2.29+ checks size/magic/version stamped by the initializer.
@@ -42,10 +38,6 @@ extern "C" void deepep_devcomm_info(const void* dev_comm, DeepepDevCommInfo* out
   out->num_ranks = dc.nRanks;
   out->lsa_rank = dc.lsaRank;
   out->lsa_size = dc.lsaSize;
-}
-
-extern "C" const char* deepep_cuda_error_string(int error) {
-  return cudaGetErrorString(static_cast<cudaError_t>(error));
 }
 
 namespace deepep {

@@ -28,3 +28,5 @@ deepep_install_wheels "$DEEPEP_VENV" \
 DEEPEP_SP=$(deepep_site_packages "$DEEPEP_VENV")
 export CUDA_HOME="$DEEPEP_SP/nvidia/cu13" NCCL_HOME="$DEEPEP_SP/nvidia/nccl"
 export LD_LIBRARY_PATH="$NCCL_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The NCCL headers of every kernel build (kernels/nccl_builds.txt), fetched once and checked.
+"$DEEPEP_VENV/bin/python" scripts/fetch_nccl_headers.py

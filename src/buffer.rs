@@ -232,8 +232,8 @@ impl Buffer {
             ))
         })?;
         let device_id = cuda::current_device()?;
-        nccl::check_runtime_version()?;
-        let resources = Self::create_resources(&args, device_id, &id, &settings)?;
+        let build = nccl::kernel_build()?;
+        let resources = Self::create_resources(&args, device_id, &id, &settings, build)?;
         let buffer = Self {
             args,
             layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks },
@@ -251,7 +251,13 @@ impl Buffer {
         Ok(buffer)
     }
 
-    fn create_resources(args: &BufferArgs, device_id: i32, id: &[u8; 128], settings: &Settings) -> Result<Resources> {
+    fn create_resources(
+        args: &BufferArgs,
+        device_id: i32,
+        id: &[u8; 128],
+        settings: &Settings,
+        build: kernels::NcclBuild,
+    ) -> Result<Resources> {
         let ctx = PrimaryContext::retain(device_id)?;
         let num_sms = ctx.sm_count()?;
         let comm = Communicator::init_rank(args.num_ranks, id, args.rank)?;
@@ -272,7 +278,7 @@ impl Buffer {
         cuda::memset_zero(window.ptr(), window.bytes())?;
         // Control and notify slots, then one per SM so per-CTA barriers never share one.
         let gin_signals = if multi_node { kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks } else { 0 };
-        let dev_comm = DevComm::new(&comm, DATA_BARRIER_BASE + num_sms, gin_signals).map_err(|e| {
+        let dev_comm = DevComm::new(&comm, build, DATA_BARRIER_BASE + num_sms, gin_signals).map_err(|e| {
             if multi_node {
                 Error::unsupported(format!(
                     "rank {} reaches only {} of {} ranks over NVLink/P2P; the others need NCCL GIN (GPU-initiated \
@@ -284,7 +290,7 @@ impl Buffer {
             }
         })?;
         let info = dev_comm.info();
-        let lsa_geometry = window.lsa_geometry(info.lsa_rank, info.lsa_size)?;
+        let lsa_geometry = window.lsa_geometry(build, info.lsa_rank, info.lsa_size)?;
         let (node_size, remote_kind) = if multi_node {
             (info.lsa_size, kernels::LL_REMOTE_GIN)
         } else if virtual_node < args.num_ranks {
@@ -296,7 +302,8 @@ impl Buffer {
             let report = CreationReport {
                 args: *args,
                 nccl_runtime: nccl::runtime_version()?,
-                nccl_compiled: kernels::compiled_nccl_version(),
+                nccl_compiled: build.nccl_version(),
+                nccl_builds: kernels::NcclBuild::all().count(),
                 lsa_base_rank: info.rank - info.lsa_rank,
                 lsa_size: info.lsa_size,
                 node_size,
@@ -412,8 +419,9 @@ impl Buffer {
             let tag = self.check_tag.fetch_add(1, Ordering::Relaxed);
             let mismatches = res.workspace_at(WS_PEER_MISMATCHES);
             // SAFETY: devComm/window are live; the mismatch counter is in our workspace.
+            let launch = kernels::entry(res.dev_comm.build().table().launch_lsa_peer_check);
             let rc = unsafe {
-                kernels::deepep_launch_lsa_peer_check(
+                launch(
                     res.dev_comm.as_ptr(),
                     res.window.handle().cast(),
                     0,
@@ -444,10 +452,9 @@ impl Buffer {
     }
 
     fn control_barrier(&self, res: &Resources) -> Result<()> {
-        // SAFETY: devComm is live; the control slot is within lsaBarrierCount.
-        let rc = unsafe {
-            kernels::deepep_launch_lsa_barrier(res.dev_comm.as_ptr(), CONTROL_BARRIER_SLOT, self.wait_context(res), res.stream.raw())
-        };
+        let launch = kernels::entry(res.dev_comm.build().table().launch_lsa_barrier);
+        // SAFETY: devComm is live (of this build); the control slot is within lsaBarrierCount.
+        let rc = unsafe { launch(res.dev_comm.as_ptr(), CONTROL_BARRIER_SLOT, self.wait_context(res), res.stream.raw()) };
         kernels::launch_result("lsa_barrier", rc)?;
         self.sync_and_check(res)
     }
@@ -515,6 +522,7 @@ pub(crate) struct CreationReport {
     pub args: BufferArgs,
     pub nccl_runtime: i32,
     pub nccl_compiled: i32,
+    pub nccl_builds: usize,
     pub lsa_base_rank: i32,
     pub lsa_size: i32,
     pub node_size: i32,
@@ -549,8 +557,8 @@ impl CreationReport {
                 a.num_ranks, a.low_latency_mode, self.num_sms, self.gpu_timeout_secs
             )),
             (Level::Info, format!(
-                "NCCL runtime {}, kernels compiled against NCCL {} (the only kernel build: nothing to choose)",
-                v(self.nccl_runtime), v(self.nccl_compiled)
+                "NCCL runtime {}: kernels of the NCCL {} build (of {} builds in this library; kernels/nccl_builds.txt)",
+                v(self.nccl_runtime), v(self.nccl_compiled), self.nccl_builds
             )),
             (Level::Info, format!(
                 "LSA team (NVLink domain): ranks {}..{} ({} ranks)",
@@ -607,8 +615,9 @@ mod tests {
                 explicitly_destroy: false,
                 enable_shrink: false,
             },
-            nccl_runtime: 22903,
-            nccl_compiled: 22903,
+            nccl_runtime: 22909,
+            nccl_compiled: 22907,
+            nccl_builds: 5,
             lsa_base_rank: 0,
             lsa_size: 4,
             node_size: 2,
@@ -629,7 +638,7 @@ mod tests {
         assert!(lines[..7].iter().all(|l| l.starts_with("[deepep-nccl rank 1] info: ")));
         assert_eq!(lines[7..].len(), 4, "one debug line per peer");
         assert!(lines[9].ends_with("debug: peer 2: remote protocol emulated over NVLink (virtual node)"));
-        assert!(text.contains("NCCL runtime 2.29.3, kernels compiled against NCCL 2.29.3 (the only kernel build"));
+        assert!(text.contains("NCCL runtime 2.29.9: kernels of the NCCL 2.29.7 build (of 5 builds"), "{text}");
         assert!(text.contains("ranks 0..1: LSA (NVLink/P2P loads and stores); ranks 2..3: remote protocol emulated"));
         assert!(text.contains("nodes of 2 ranks (from DEEPEP_VIRTUAL_NODE_SIZE)"));
         assert!(text.contains("NVL [1048576, +1073741824), RDMA [1074790400, +536870912)"));

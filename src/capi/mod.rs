@@ -126,10 +126,12 @@ pub extern "C" fn deepep_library_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-/// NCCL_VERSION_CODE of the headers the kernels were compiled against.
+/// NCCL_VERSION_CODE of the headers of the kernel build that serves the NCCL this process loaded
+/// (the library holds one build per NCCL device-API layout, kernels/nccl_builds.txt); 0 when no
+/// build serves it or NCCL cannot be queried (Buffer creation then fails naming both).
 #[no_mangle]
 pub extern "C" fn deepep_nccl_compiled_version() -> c_int {
-    crate::kernels::compiled_nccl_version()
+    crate::nccl::kernel_build().map_or(0, |b| b.nccl_version())
 }
 
 /// NCCL version of the libnccl.so.2 loaded in this process (ncclGetVersion).

@@ -917,26 +917,29 @@ pub const DEEPEP_LL_REMOTE_NONE: DeepepLlRemoteKind = 0;
 pub const DEEPEP_LL_REMOTE_EMULATED: DeepepLlRemoteKind = 1;
 pub const DEEPEP_LL_REMOTE_GIN: DeepepLlRemoteKind = 2;
 pub type DeepepLlRemoteKind = ::std::os::raw::c_uint;
-unsafe extern "C" {
-    pub fn deepep_kernels_nccl_version() -> ::std::os::raw::c_int;
-    pub fn deepep_devcomm_size() -> usize;
-    pub fn deepep_devcomm_requirements_size() -> usize;
-    pub fn deepep_devcomm_requirements_init(
+pub type DeepepDevcommRequirementsInit = ::std::option::Option<
+    unsafe extern "C" fn(
         reqs: *mut ::std::os::raw::c_void,
         lsa_barrier_count: ::std::os::raw::c_int,
         gin_signal_count: ::std::os::raw::c_int,
-    );
-    pub fn deepep_devcomm_info(
+    ),
+>;
+pub type DeepepDevcommInfoFn = ::std::option::Option<
+    unsafe extern "C" fn(
         dev_comm: *const ::std::os::raw::c_void,
         out: *mut DeepepDevCommInfo,
-    );
-    pub fn deepep_launch_lsa_barrier(
+    ),
+>;
+pub type DeepepLaunchLsaBarrier = ::std::option::Option<
+    unsafe extern "C" fn(
         dev_comm: *const ::std::os::raw::c_void,
         index: ::std::os::raw::c_int,
         wait: DeepepWaitContext,
         stream: *mut ::std::os::raw::c_void,
-    ) -> ::std::os::raw::c_int;
-    pub fn deepep_launch_lsa_peer_check(
+    ) -> ::std::os::raw::c_int,
+>;
+pub type DeepepLaunchLsaPeerCheck = ::std::option::Option<
+    unsafe extern "C" fn(
         dev_comm: *const ::std::os::raw::c_void,
         window: *mut ::std::os::raw::c_void,
         slots_offset: usize,
@@ -945,13 +948,140 @@ unsafe extern "C" {
         wait: DeepepWaitContext,
         mismatches: *mut i32,
         stream: *mut ::std::os::raw::c_void,
-    ) -> ::std::os::raw::c_int;
-    pub fn deepep_launch_window_geometry(
+    ) -> ::std::os::raw::c_int,
+>;
+pub type DeepepLaunchWindowGeometry = ::std::option::Option<
+    unsafe extern "C" fn(
         window: *mut ::std::os::raw::c_void,
         lsa_size: ::std::os::raw::c_int,
         out: *mut u64,
         stream: *mut ::std::os::raw::c_void,
-    ) -> ::std::os::raw::c_int;
+    ) -> ::std::os::raw::c_int,
+>;
+pub type DeepepLaunchNormalNotify = ::std::option::Option<
+    unsafe extern "C" fn(
+        dev_comm: *const ::std::os::raw::c_void,
+        params: *const DeepepNotifyParams,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int,
+>;
+pub type DeepepLaunchNormalDispatch = ::std::option::Option<
+    unsafe extern "C" fn(
+        params: *const DeepepDispatchParams,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int,
+>;
+pub type DeepepLaunchNormalCombine = ::std::option::Option<
+    unsafe extern "C" fn(
+        dev_comm: *const ::std::os::raw::c_void,
+        params: *const DeepepCombineParams,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int,
+>;
+pub type DeepepLaunchLlDispatch = ::std::option::Option<
+    unsafe extern "C" fn(
+        dev_comm: *const ::std::os::raw::c_void,
+        params: *const DeepepLlDispatchParams,
+        remote_kind: ::std::os::raw::c_int,
+        num_blocks: ::std::os::raw::c_int,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int,
+>;
+pub type DeepepLaunchLlCombine = ::std::option::Option<
+    unsafe extern "C" fn(
+        dev_comm: *const ::std::os::raw::c_void,
+        params: *const DeepepLlCombineParams,
+        remote_kind: ::std::os::raw::c_int,
+        num_blocks: ::std::os::raw::c_int,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int,
+>;
+pub type DeepepLaunchLlClean = ::std::option::Option<
+    unsafe extern "C" fn(
+        dev_comm: *const ::std::os::raw::c_void,
+        params: *const DeepepLlCleanParams,
+        remote_kind: ::std::os::raw::c_int,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int,
+>;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct DeepepNcclBuild {
+    pub nccl_version: i32,
+    pub serves_below: i32,
+    pub gin_compiled: i32,
+    pub reserved: i32,
+    pub devcomm_size: usize,
+    pub devcomm_requirements_size: usize,
+    pub devcomm_requirements_init: DeepepDevcommRequirementsInit,
+    pub devcomm_info: DeepepDevcommInfoFn,
+    pub launch_lsa_barrier: DeepepLaunchLsaBarrier,
+    pub launch_lsa_peer_check: DeepepLaunchLsaPeerCheck,
+    pub launch_window_geometry: DeepepLaunchWindowGeometry,
+    pub launch_normal_notify: DeepepLaunchNormalNotify,
+    pub launch_normal_dispatch: DeepepLaunchNormalDispatch,
+    pub launch_normal_combine: DeepepLaunchNormalCombine,
+    pub launch_ll_dispatch: DeepepLaunchLlDispatch,
+    pub launch_ll_combine: DeepepLaunchLlCombine,
+    pub launch_ll_clean: DeepepLaunchLlClean,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of DeepepNcclBuild"][::std::mem::size_of::<DeepepNcclBuild>() - 120usize];
+    ["Alignment of DeepepNcclBuild"][::std::mem::align_of::<DeepepNcclBuild>() - 8usize];
+    [
+        "Offset of field: DeepepNcclBuild::nccl_version",
+    ][::std::mem::offset_of!(DeepepNcclBuild, nccl_version) - 0usize];
+    [
+        "Offset of field: DeepepNcclBuild::serves_below",
+    ][::std::mem::offset_of!(DeepepNcclBuild, serves_below) - 4usize];
+    [
+        "Offset of field: DeepepNcclBuild::gin_compiled",
+    ][::std::mem::offset_of!(DeepepNcclBuild, gin_compiled) - 8usize];
+    [
+        "Offset of field: DeepepNcclBuild::reserved",
+    ][::std::mem::offset_of!(DeepepNcclBuild, reserved) - 12usize];
+    [
+        "Offset of field: DeepepNcclBuild::devcomm_size",
+    ][::std::mem::offset_of!(DeepepNcclBuild, devcomm_size) - 16usize];
+    [
+        "Offset of field: DeepepNcclBuild::devcomm_requirements_size",
+    ][::std::mem::offset_of!(DeepepNcclBuild, devcomm_requirements_size) - 24usize];
+    [
+        "Offset of field: DeepepNcclBuild::devcomm_requirements_init",
+    ][::std::mem::offset_of!(DeepepNcclBuild, devcomm_requirements_init) - 32usize];
+    [
+        "Offset of field: DeepepNcclBuild::devcomm_info",
+    ][::std::mem::offset_of!(DeepepNcclBuild, devcomm_info) - 40usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_lsa_barrier",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_lsa_barrier) - 48usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_lsa_peer_check",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_lsa_peer_check) - 56usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_window_geometry",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_window_geometry) - 64usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_normal_notify",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_normal_notify) - 72usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_normal_dispatch",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_normal_dispatch) - 80usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_normal_combine",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_normal_combine) - 88usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_ll_dispatch",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_ll_dispatch) - 96usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_ll_combine",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_ll_combine) - 104usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_ll_clean",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_ll_clean) - 112usize];
+};
+unsafe extern "C" {
     pub fn deepep_launch_dispatch_layout(
         params: *const DeepepLayoutParams,
         stream: *mut ::std::os::raw::c_void,
@@ -959,55 +1089,20 @@ unsafe extern "C" {
     pub fn deepep_dispatch_layout_workspace_elems(
         params: *const DeepepLayoutParams,
     ) -> i64;
-    pub fn deepep_launch_normal_notify(
-        dev_comm: *const ::std::os::raw::c_void,
-        params: *const DeepepNotifyParams,
-        stream: *mut ::std::os::raw::c_void,
-    ) -> ::std::os::raw::c_int;
-    pub fn deepep_launch_normal_dispatch(
-        params: *const DeepepDispatchParams,
-        stream: *mut ::std::os::raw::c_void,
-    ) -> ::std::os::raw::c_int;
-    pub fn deepep_launch_normal_combine(
-        dev_comm: *const ::std::os::raw::c_void,
-        params: *const DeepepCombineParams,
-        stream: *mut ::std::os::raw::c_void,
-    ) -> ::std::os::raw::c_int;
     pub fn deepep_dispatch_slot_bytes(
         hidden_bytes: i32,
         num_scales: i32,
         num_topk: i32,
     ) -> i64;
     pub fn deepep_combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64;
-    pub fn deepep_launch_ll_dispatch(
-        dev_comm: *const ::std::os::raw::c_void,
-        params: *const DeepepLlDispatchParams,
-        remote_kind: ::std::os::raw::c_int,
-        num_blocks: ::std::os::raw::c_int,
-        stream: *mut ::std::os::raw::c_void,
-    ) -> ::std::os::raw::c_int;
-    pub fn deepep_launch_ll_combine(
-        dev_comm: *const ::std::os::raw::c_void,
-        params: *const DeepepLlCombineParams,
-        remote_kind: ::std::os::raw::c_int,
-        num_blocks: ::std::os::raw::c_int,
-        stream: *mut ::std::os::raw::c_void,
-    ) -> ::std::os::raw::c_int;
     pub fn deepep_ll_dispatch_slot_bytes(
         hidden: i32,
         num_topk: i32,
         use_fp8: i32,
     ) -> i64;
-    pub fn deepep_ll_count_bytes(num_local_experts: i32, max_tokens: i32) -> i64;
     pub fn deepep_ll_combine_slot_bytes(hidden: i32, use_logfmt: i32) -> i64;
+    pub fn deepep_ll_count_bytes(num_local_experts: i32, max_tokens: i32) -> i64;
     pub fn deepep_ll_view_row_bytes(hidden: i32) -> i64;
-    pub fn deepep_ll_gin_compiled() -> ::std::os::raw::c_int;
-    pub fn deepep_launch_ll_clean(
-        dev_comm: *const ::std::os::raw::c_void,
-        params: *const DeepepLlCleanParams,
-        remote_kind: ::std::os::raw::c_int,
-        stream: *mut ::std::os::raw::c_void,
-    ) -> ::std::os::raw::c_int;
     pub fn deepep_cuda_error_string(
         error: ::std::os::raw::c_int,
     ) -> *const ::std::os::raw::c_char;

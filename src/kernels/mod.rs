@@ -54,22 +54,96 @@ impl Default for RecvCounts {
     }
 }
 
-/// NCCL version the kernels (and the devComm layout) were compiled against.
-pub fn compiled_nccl_version() -> i32 {
-    // SAFETY: pure function returning a compile-time constant.
-    unsafe { deepep_kernels_nccl_version() }
+mod builds {
+    use super::DeepepNcclBuild;
+    include!(concat!(env!("OUT_DIR"), "/nccl_builds.rs"));
 }
 
-/// sizeof(ncclDevComm) in the NCCL headers the kernels were compiled against.
-pub fn devcomm_size() -> usize {
-    // SAFETY: pure function returning a compile-time constant.
-    unsafe { deepep_devcomm_size() }
+/// One NCCL build of the kernels (kernels/nccl_builds.txt): the NCCL-dependent entry points
+/// compiled against one NCCL version's headers, valid for the runtimes it serves.
+#[derive(Clone, Copy)]
+pub struct NcclBuild(&'static DeepepNcclBuild);
+
+impl std::fmt::Debug for NcclBuild {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclBuild({})", crate::nccl::format_version(self.0.nccl_version))
+    }
 }
 
-/// sizeof(ncclDevCommRequirements) in those headers.
-pub fn devcomm_requirements_size() -> usize {
-    // SAFETY: pure function returning a compile-time constant.
-    unsafe { deepep_devcomm_requirements_size() }
+/// An entry of a build's table: kernels/nccl_build.cu fills every one (a unit test checks).
+pub fn entry<F>(f: Option<F>) -> F {
+    f.expect("a DeepepNcclBuild entry is NULL: kernels/nccl_build.cu fills every one")
+}
+
+impl NcclBuild {
+    /// Every build this library holds, oldest headers first.
+    pub fn all() -> impl Iterator<Item = NcclBuild> {
+        builds::NCCL_BUILD_TABLES.iter().map(|table| {
+            // SAFETY: each accessor returns the address of its build's static, immutable table.
+            NcclBuild(unsafe { &*table() })
+        })
+    }
+
+    /// The build for an NCCL runtime version: the newest headers with headers <= runtime <
+    /// serves_below; an error naming the runtime and every build's range when none serves it.
+    pub fn for_runtime(runtime: i32) -> Result<NcclBuild> {
+        Self::all()
+            .filter(|b| b.0.nccl_version <= runtime && runtime < b.0.serves_below)
+            .max_by_key(|b| b.0.nccl_version)
+            .ok_or_else(|| {
+                let served: Vec<String> = Self::all()
+                    .map(|b| {
+                        let (_, below_minor, _) = nccl_sys::split_version(b.0.serves_below);
+                        let (major, minor, _) = nccl_sys::split_version(b.0.nccl_version);
+                        if (major, minor + 1) == (major, below_minor) {
+                            format!("{} and later {major}.{minor}.x", crate::nccl::format_version(b.0.nccl_version))
+                        } else {
+                            format!(
+                                "{} up to {major}.{}.x",
+                                crate::nccl::format_version(b.0.nccl_version),
+                                below_minor - 1
+                            )
+                        }
+                    })
+                    .collect();
+                Error::new(
+                    crate::error::DeepepStatus::DEEPEP_ERROR_VERSION_MISMATCH,
+                    format!(
+                        "this process loaded NCCL {} (libnccl.so.2; with torch, it is torch's), which no kernel build of \
+                         deepep-nccl serves: it has builds for NCCL {}. Load a served NCCL (e.g. pip install \
+                         nvidia-nccl-cu13=={}).",
+                        crate::nccl::format_version(runtime),
+                        served.join(", "),
+                        crate::nccl::format_version(Self::all().last().map_or(0, |b| b.0.nccl_version)),
+                    ),
+                )
+            })
+    }
+
+    /// NCCL_VERSION_CODE of the headers this build was compiled against.
+    pub fn nccl_version(self) -> i32 {
+        self.0.nccl_version
+    }
+
+    /// Whether this build has the NCCL GIN transport.
+    pub fn gin_compiled(self) -> bool {
+        self.0.gin_compiled != 0
+    }
+
+    /// sizeof(ncclDevComm) in this build's headers.
+    pub fn devcomm_size(self) -> usize {
+        self.0.devcomm_size
+    }
+
+    /// sizeof(ncclDevCommRequirements) in this build's headers.
+    pub fn devcomm_requirements_size(self) -> usize {
+        self.0.devcomm_requirements_size
+    }
+
+    /// The build's entry points; call them through [`entry`].
+    pub fn table(self) -> &'static DeepepNcclBuild {
+        self.0
+    }
 }
 
 /// Bytes of one dispatch ring slot (header, row, scales, top-k ids, weights).
@@ -109,12 +183,6 @@ pub fn ll_view_row_bytes(hidden: i32) -> i64 {
     unsafe { deepep_ll_view_row_bytes(hidden) }
 }
 
-/// Whether the kernels were built with the NCCL GIN transport.
-pub fn ll_gin_compiled() -> bool {
-    // SAFETY: returns a compile-time constant.
-    unsafe { deepep_ll_gin_compiled() != 0 }
-}
-
 /// Turns a launcher's cudaError_t into an error naming the kernel.
 pub fn launch_result(kernel: &str, code: c_int) -> Result<()> {
     if code == 0 {
@@ -130,12 +198,70 @@ mod tests {
     use super::*;
 
     #[test]
-    fn devcomm_sizes_are_known_for_the_compiled_nccl() {
-        let version = compiled_nccl_version();
-        let size = devcomm_size();
-        // 200 B on 2.28, 248 B on 2.31+ (the toolchain notes); never zero.
-        assert!(size >= 200, "sizeof(ncclDevComm) = {size} for NCCL {version}");
-        assert!(devcomm_requirements_size() >= 56);
+    fn every_build_has_its_minors_devcomm_layout_and_a_full_table() {
+        let mut count = 0;
+        for build in NcclBuild::all() {
+            let t = build.table();
+            let (_, minor, _) = nccl_sys::split_version(t.nccl_version);
+            // The devComm sizes of NCCL 2.28, 2.29, 2.30 and 2.31+ (nccl-device-api.md).
+            let expected = match minor {
+                28 => 200,
+                29 => 224,
+                30 => 240,
+                _ => 248,
+            };
+            assert_eq!(t.devcomm_size, expected, "sizeof(ncclDevComm) in {build:?}");
+            assert!(t.devcomm_requirements_size >= 56, "{build:?}");
+            assert!(t.serves_below > t.nccl_version, "{build:?}");
+            assert!(t.gin_compiled != 0, "{build:?}: every served NCCL has GIN headers");
+            assert!(
+                t.devcomm_requirements_init.is_some()
+                    && t.devcomm_info.is_some()
+                    && t.launch_lsa_barrier.is_some()
+                    && t.launch_lsa_peer_check.is_some()
+                    && t.launch_window_geometry.is_some()
+                    && t.launch_normal_notify.is_some()
+                    && t.launch_normal_dispatch.is_some()
+                    && t.launch_normal_combine.is_some()
+                    && t.launch_ll_dispatch.is_some()
+                    && t.launch_ll_combine.is_some()
+                    && t.launch_ll_clean.is_some(),
+                "{build:?}"
+            );
+            count += 1;
+        }
+        assert!(count >= 1);
+    }
+
+    #[test]
+    fn builds_are_oldest_first_and_each_serves_its_own_version() {
+        let versions: Vec<i32> = NcclBuild::all().map(|b| b.nccl_version()).collect();
+        assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
+        for v in versions {
+            assert_eq!(NcclBuild::for_runtime(v).unwrap().nccl_version(), v);
+        }
+    }
+
+    #[test]
+    fn the_runtime_picks_the_newest_build_not_newer_than_it() {
+        let versions: Vec<i32> = NcclBuild::all().map(|b| b.nccl_version()).collect();
+        if versions != [22809, 22907, 23007, 23102, 23203] {
+            return; // a DEEPEP_NCCL_BUILDS subset: the full table is what CI builds
+        }
+        let pick = |runtime| NcclBuild::for_runtime(runtime).map(|b| b.nccl_version());
+        assert_eq!(pick(22810).unwrap(), 22809);
+        assert_eq!(pick(22999).unwrap(), 22907);
+        assert_eq!(pick(23104).unwrap(), 23102); // 2.31.4: the 2.31 headers
+        assert_eq!(pick(23100).unwrap(), 23007); // 2.31.0: older than the 2.31.2 headers
+        assert_eq!(pick(23202).unwrap(), 23102);
+        assert_eq!(pick(23209).unwrap(), 23203);
+        for outside in [22807, 22903, 23004, 23300, 22700] {
+            let err = pick(outside).unwrap_err();
+            assert_eq!(err.status, crate::error::DeepepStatus::DEEPEP_ERROR_VERSION_MISMATCH);
+            assert!(err.message.contains(&crate::nccl::format_version(outside)), "{}", err.message);
+            assert!(err.message.contains("2.28.9 and later 2.28.x"), "{}", err.message);
+            assert!(err.message.contains("2.30.7 up to 2.32.x"), "{}", err.message);
+        }
     }
 
     #[test]

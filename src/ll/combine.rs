@@ -100,10 +100,10 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
             use_logfmt: a.use_logfmt,
             reserved: [0; 2],
         };
-        // SAFETY: params point at validated tensors and this buffer's live window/workspace.
-        let rc = unsafe {
-            kernels::deepep_launch_ll_combine(res.dev_comm.as_ptr(), &params, res.remote_kind, res.ll_blocks(), stream)
-        };
+        let launch = kernels::entry(res.dev_comm.build().table().launch_ll_combine);
+        // SAFETY: params point at validated tensors and this buffer's live window/workspace; the
+        // launcher is of the devComm's build.
+        let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, res.remote_kind, res.ll_blocks(), stream) };
         kernels::launch_result("deepep::ll::combine", rc)?;
         *buffer_idx = parity;
         Ok(())

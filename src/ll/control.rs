@@ -45,9 +45,8 @@ pub fn clean(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64, st
         };
         // SAFETY: dev_comm is this buffer's live device communicator; every pointer in params is
         // this rank's window or workspace, sized by the checks above and the workspace layout.
-        let rc = unsafe {
-            kernels::deepep_launch_ll_clean(res.dev_comm.as_ptr(), &params, res.remote_kind, res.stream_or_comm(stream))
-        };
+        let launch = kernels::entry(res.dev_comm.build().table().launch_ll_clean);
+        let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, res.remote_kind, res.stream_or_comm(stream)) };
         kernels::launch_result("deepep::ll::clean", rc)
     })?;
     buffer.reset_ll_parity();

@@ -168,9 +168,8 @@ pub fn dispatch(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs, stream: *mut 
         };
         // SAFETY: params point at validated tensors and this buffer's live window/workspace;
         // the devComm outlives the launch (resources are held by the lock).
-        let rc = unsafe {
-            kernels::deepep_launch_ll_dispatch(res.dev_comm.as_ptr(), &params, res.remote_kind, res.ll_blocks(), stream)
-        };
+        let launch = kernels::entry(res.dev_comm.build().table().launch_ll_dispatch);
+        let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, res.remote_kind, res.ll_blocks(), stream) };
         kernels::launch_result("deepep::ll::dispatch", rc)?;
         *buffer_idx = parity;
         Ok(())

@@ -196,8 +196,10 @@ pub fn combine(buffer: &Buffer, a: &DeepepIntranodeCombineArgs, stream: *mut c_v
             slot_bytes: plan.slot_bytes as i32,
             reserved: 0,
         };
-        // SAFETY: params point at validated tensors, the live window, devComm and workspace.
-        let rc = unsafe { kernels::deepep_launch_normal_combine(res.dev_comm.as_ptr(), &params, stream) };
+        let launch = kernels::entry(res.dev_comm.build().table().launch_normal_combine);
+        // SAFETY: params point at validated tensors, the live window, devComm and workspace; the
+        // launcher is of the devComm's build.
+        let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, stream) };
         kernels::launch_result("combine", rc)
     })
 }

@@ -379,8 +379,10 @@ pub fn prepare(
             cached: plan.cached as i32,
             num_worst_tokens: plan.num_worst_tokens,
         };
-        // SAFETY: params point at validated tensors, the live window and workspace.
-        let rc = unsafe { kernels::deepep_launch_normal_notify(res.dev_comm.as_ptr(), &params, stream) };
+        let launch = kernels::entry(res.dev_comm.build().table().launch_normal_notify);
+        // SAFETY: params point at validated tensors, the live window and workspace; the launcher
+        // is of the devComm's build.
+        let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, stream) };
         kernels::launch_result("dispatch notify", rc)?;
         if !wait_for_counts {
             return Ok(Prepared { num_recv_tokens: -1, num_local_experts });
@@ -493,8 +495,9 @@ pub fn launch(buffer: &Buffer, args: &DeepepIntranodeDispatchArgs, outs: &Deepep
             num_experts: plan.num_experts,
             slot_bytes: plan.slot_bytes as i32,
         };
+        let launch = kernels::entry(res.dev_comm.build().table().launch_normal_dispatch);
         // SAFETY: params point at validated tensors, the live window and workspace.
-        let rc = unsafe { kernels::deepep_launch_normal_dispatch(&params, stream) };
+        let rc = unsafe { launch(&params, stream) };
         kernels::launch_result("dispatch", rc)
     })
 }

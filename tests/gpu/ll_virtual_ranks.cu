@@ -126,10 +126,16 @@ DeepepLlCommon common_for(const int64_t* a) {
   return c;
 }
 
+// The kernel build for the NCCL headers this file is compiled against (kernels/nccl_builds.txt).
+const DeepepNcclBuild& kernels() {
+  static const DeepepNcclBuild& build = *DEEPEP_NCCL_BUILD_FN(NCCL_VERSION_CODE)();
+  return build;
+}
+
 // The launchers copy an ncclDevComm by value into the kernel parameters; the LSA and emulated
-// transports never read it, so zeroed bytes of the right size stand in for it.
+// transports never read it, so zeroed bytes of the build's size stand in for it.
 const void* null_dev_comm() {
-  static std::vector<uint8_t> bytes(sizeof(ncclDevComm), 0);
+  static std::vector<uint8_t> bytes(kernels().devcomm_size, 0);
   return bytes.data();
 }
 
@@ -188,8 +194,8 @@ __attribute__((visibility("default"))) int llv_dispatch(const int64_t* a, void* 
   p.dispatch_slot_bytes =
       int32_t(deepep_ll_dispatch_slot_bytes(p.common.hidden, p.common.num_topk, p.use_fp8));
   p.count_bytes = int32_t(deepep_ll_count_bytes(p.common.num_local_experts, p.common.max_tokens));
-  return deepep_launch_ll_dispatch(null_dev_comm(), &p, int(a[kArg_remote_kind]), int(a[kArg_num_blocks]),
-                                   stream);
+  return kernels().launch_ll_dispatch(null_dev_comm(), &p, int(a[kArg_remote_kind]), int(a[kArg_num_blocks]),
+                                      stream);
 }
 
 // One rank's combine phases on `stream`.
@@ -208,7 +214,7 @@ __attribute__((visibility("default"))) int llv_combine(const int64_t* a, void* s
   p.topk_idx_is_int32 = int32_t(a[kArg_topk_idx_is_int32]);
   p.zero_copy = 0;
   p.use_logfmt = int32_t(a[kArg_use_logfmt]);
-  return deepep_launch_ll_combine(null_dev_comm(), &p, int(a[kArg_remote_kind]), int(a[kArg_num_blocks]), stream);
+  return kernels().launch_ll_combine(null_dev_comm(), &p, int(a[kArg_remote_kind]), int(a[kArg_num_blocks]), stream);
 }
 
 // One rank's clean_low_latency_buffer on `stream`: it barriers with the other ranks' cleans, so
@@ -230,7 +236,7 @@ __attribute__((visibility("default"))) int llv_clean(const int64_t* a, void* str
   p.zero_bytes[2] = 4 * (4 * R + 2);
   p.zero[3] = p.common.recv_epoch;
   p.zero_bytes[3] = 4 * 4 * DEEPEP_LL_MAX_BLOCKS;
-  return deepep_launch_ll_clean(null_dev_comm(), &p, int(a[kArg_remote_kind]), stream);
+  return kernels().launch_ll_clean(null_dev_comm(), &p, int(a[kArg_remote_kind]), stream);
 }
 
 // Timing builds: a copy of a kernel file with per-block timestamps defines deepep_stamps_copy,

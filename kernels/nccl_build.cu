@@ -1,0 +1,37 @@
+// This NCCL build's table (kernels/nccl_builds.txt): the only symbol of the build that stays
+// global once build.rs has linked its objects together and made the rest local, so the builds'
+// identical names (kernels, launchers, NCCL's inline functions) never resolve across builds.
+// build.rs defines DEEPEP_NCCL_SERVES_BELOW.
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include "deepep_kernels.h"
+#include "ll_common.cuh"
+
+#ifndef DEEPEP_NCCL_SERVES_BELOW
+#error "build.rs defines DEEPEP_NCCL_SERVES_BELOW (kernels/nccl_builds.txt)"
+#endif
+
+extern "C" __attribute__((visibility("default"))) const DeepepNcclBuild* DEEPEP_NCCL_BUILD_FN(NCCL_VERSION_CODE)(void) {
+  static const DeepepNcclBuild build = [] {
+    DeepepNcclBuild b{};
+    b.nccl_version = NCCL_VERSION_CODE;
+    b.serves_below = DEEPEP_NCCL_SERVES_BELOW;
+    b.gin_compiled = DEEPEP_HAVE_GIN;
+    b.devcomm_size = sizeof(ncclDevComm);
+    b.devcomm_requirements_size = sizeof(ncclDevCommRequirements);
+    b.devcomm_requirements_init = deepep_devcomm_requirements_init;
+    b.devcomm_info = deepep_devcomm_info;
+    b.launch_lsa_barrier = deepep_launch_lsa_barrier;
+    b.launch_lsa_peer_check = deepep_launch_lsa_peer_check;
+    b.launch_window_geometry = deepep_launch_window_geometry;
+    b.launch_normal_notify = deepep_launch_normal_notify;
+    b.launch_normal_dispatch = deepep_launch_normal_dispatch;
+    b.launch_normal_combine = deepep_launch_normal_combine;
+    b.launch_ll_dispatch = deepep_launch_ll_dispatch;
+    b.launch_ll_combine = deepep_launch_ll_combine;
+    b.launch_ll_clean = deepep_launch_ll_clean;
+    return b;
+  }();
+  return &build;
+}
