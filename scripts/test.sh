@@ -101,7 +101,7 @@ python3 -m venv "$scratch/venv"
   cd "$scratch"  # outside the repo, nothing pointing at it: only the venv's copy can be imported
   unset PYTHONPATH DEEPEP_NCCL_LIBRARY
   "$scratch/venv/bin/python" - "$DEEPEP_NCCL_VERSION" <<'PY'
-import importlib.metadata, importlib.util, sys, sysconfig
+import importlib.metadata, importlib.util, runpy, sys, sysconfig
 from pathlib import Path
 import deep_ep_cpp  # deep_ep itself needs torch at import
 from deep_ep_cpp import _fast, _lib
@@ -110,8 +110,17 @@ for path in (importlib.util.find_spec("deep_ep").origin, deep_ep_cpp.__file__, _
     assert Path(path).resolve().is_relative_to(site), f"{path} is not from the venv's {site}"
 requires = importlib.metadata.requires("deepep-nccl")
 assert requires == [f"nvidia-nccl-cu13~={sys.argv[1]}"], requires
-print(f"installed: {Path(deep_ep_cpp.__file__).parent} (library {_lib.LIBRARY_PATH.name}; requires {requires[0]})")
+# The deep_ep metadata (deploy scripts' version checks): deep_ep.__version__'s value, owning the modules.
+deep_ep_version = runpy.run_path(str(site / "deep_ep" / "_version.py"))["__version__"]
+assert importlib.metadata.version("deep_ep") == deep_ep_version, importlib.metadata.version("deep_ep")
+owned = {str(f) for f in importlib.metadata.files("deep_ep")}
+assert {"deep_ep/__init__.py", "deep_ep_cpp/libdeepep_nccl.so"} <= owned, sorted(owned)
+print(f"installed: {Path(deep_ep_cpp.__file__).parent} (library {_lib.LIBRARY_PATH.name}; requires {requires[0]}; "
+      f"deep_ep {deep_ep_version})")
 PY
+  "$scratch/venv/bin/python" -m pip show deep_ep | grep -qxF "Version: $("$scratch/venv/bin/python" -c \
+    'import importlib.metadata; print(importlib.metadata.version("deep_ep"))')" \
+    || { echo "pip show deep_ep does not give the deep_ep version" >&2; exit 1; }
   "$scratch/venv/bin/python" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python"
 )
 # A source checkout without the library: the install stops and says how to build it.
