@@ -62,22 +62,13 @@ echo "== Python drop-in (CPU parts, no torch needed)"
 DEEPEP_NCCL_LIBRARY="$PWD/target/release/libdeepep_nccl.so" PYTHONPATH="$PWD/compat/python" \
   "$DEEPEP_VENV/bin/python" -m pytest -q tests/python
 
-echo "== the compiled host path (deep_ep_cpp/_fast.cpp + _fast_*.h) compiles against torch 2.11's headers (the GPU suite builds and runs it)"
-TORCH_HEADERS=${DEEPEP_TORCH_HEADERS:-.whl/torch-2.11.0-include}
-if [ ! -f "$TORCH_HEADERS/torch/include/torch/extension.h" ]; then
-  rm -rf .whl/torch-wheel "$TORCH_HEADERS"
-  "$DEEPEP_VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps torch==2.11.0 -d .whl/torch-wheel
-  # Only the headers (62 MB of the 530 MB wheel) are kept.
-  "$DEEPEP_VENV/bin/python" - "$TORCH_HEADERS" .whl/torch-wheel/torch-*.whl <<'PY'
-import sys, zipfile
-with zipfile.ZipFile(sys.argv[2]) as wheel:
-    wheel.extractall(sys.argv[1], [n for n in wheel.namelist() if n.startswith("torch/include/")])
-PY
-  rm -rf .whl/torch-wheel
-fi
+echo "== the compiled host path (deep_ep_cpp/_fast.cpp + _fast_*.h) compiles warning-free against torch $DEEPEP_TORCH_VERSION's headers (the wheel step builds it, the GPU suite runs it)"
+# Headers and link facts of torch's wheel (530 MB download once; build_wheel.sh uses the same).
+TORCH_SDK=$(deepep_torch_sdk)
+WHEEL_PYTHON=$(deepep_wheel_python)
 g++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror -DTORCH_EXTENSION_NAME=_deepep_fast -DTORCH_API_INCLUDE_EXTENSION_H \
-  -Iinclude -isystem "$TORCH_HEADERS/torch/include" -isystem "$TORCH_HEADERS/torch/include/torch/csrc/api/include" \
-  -isystem "$("$DEEPEP_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+  -Iinclude -isystem "$TORCH_SDK/torch/include" -isystem "$TORCH_SDK/torch/include/torch/csrc/api/include" \
+  -isystem "$("$WHEEL_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
   compat/python/deep_ep_cpp/_fast.cpp
 echo "compat/python/deep_ep_cpp/_fast.cpp: ok"
 
@@ -93,6 +84,30 @@ bash scripts/build_wheel.sh
 wheel=$(ls dist/deepep_nccl-*.whl)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
+# The prebuilt compiled host path in the wheel: for the wheel's CPython, needing exactly torch's four
+# libraries (+ the C/C++ runtime) and no libstdc++ symbol version newer than torch's libraries need.
+prebuilt=$("$DEEPEP_VENV/bin/python" - "$wheel" "$scratch/prebuilt" "$DEEPEP_WHEEL_PYTHON_VERSION" <<'PY'
+import json, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    info = json.loads(wheel.read("deep_ep_cpp/_fast_prebuilt.json"))
+    assert info["for"]["python"] == sys.argv[3] and info["module"].startswith("_deepep_fast.cpython-"), info
+    print(wheel.extract(f"deep_ep_cpp/{info['module']}", sys.argv[2]))
+PY
+)
+needed=$(readelf -d "$prebuilt" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
+torch_needed=$(grep -E '^lib(c10|torch.*)\.so$' <<<"$needed" | tr '\n' ' ')
+others=$(grep -vxE 'lib(c10|torch.*)\.so|libstdc\+\+\.so\.6|libm\.so\.6|libgcc_s\.so\.1|libc\.so\.6|libdl\.so\.2|ld-linux-x86-64\.so\.2' <<<"$needed" || true)
+[ "$torch_needed" = "libc10.so libtorch.so libtorch_cpu.so libtorch_python.so " ] && [ -z "$others" ] \
+  || { echo "$prebuilt: DT_NEEDED" $needed "(torch's: $torch_needed; unexpected: $others)" >&2; exit 1; }
+highest() { grep -o "$1_[0-9.]*" | sort -uV | tail -1; }
+for family in GLIBCXX CXXABI; do
+  torch_max=$(highest "$family" < "$TORCH_SDK/sdk.json")
+  ours=$(objdump -T "$prebuilt" | highest "$family")
+  [ "$(printf '%s\n' "$ours" "$torch_max" | sort -V | tail -1)" = "$torch_max" ] \
+    || { echo "$prebuilt needs $ours, newer than torch's libraries ($torch_max)" >&2; exit 1; }
+  echo "prebuilt $(basename "$prebuilt"): highest $family $ours (torch's libraries: $torch_max)"
+done
+echo "prebuilt DT_NEEDED:" $needed
 python3 -m venv "$scratch/venv"
 # The wheel alone, plus the NCCL it declares (pinned to what it was built against) and pytest.
 "$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$wheel"
@@ -101,7 +116,7 @@ python3 -m venv "$scratch/venv"
   cd "$scratch"  # outside the repo, nothing pointing at it: only the venv's copy can be imported
   unset PYTHONPATH DEEPEP_NCCL_LIBRARY
   "$scratch/venv/bin/python" - "$DEEPEP_NCCL_VERSION" <<'PY'
-import importlib.metadata, importlib.util, sys, sysconfig
+import importlib.metadata, importlib.util, runpy, sys, sysconfig
 from pathlib import Path
 import deep_ep_cpp  # deep_ep itself needs torch at import
 from deep_ep_cpp import _fast, _lib
@@ -110,8 +125,17 @@ for path in (importlib.util.find_spec("deep_ep").origin, deep_ep_cpp.__file__, _
     assert Path(path).resolve().is_relative_to(site), f"{path} is not from the venv's {site}"
 requires = importlib.metadata.requires("deepep-nccl")
 assert requires == [f"nvidia-nccl-cu13~={sys.argv[1]}"], requires
-print(f"installed: {Path(deep_ep_cpp.__file__).parent} (library {_lib.LIBRARY_PATH.name}; requires {requires[0]})")
+# The deep_ep metadata (deploy scripts' version checks): deep_ep.__version__'s value, owning the modules.
+deep_ep_version = runpy.run_path(str(site / "deep_ep" / "_version.py"))["__version__"]
+assert importlib.metadata.version("deep_ep") == deep_ep_version, importlib.metadata.version("deep_ep")
+owned = {str(f) for f in importlib.metadata.files("deep_ep")}
+assert {"deep_ep/__init__.py", "deep_ep_cpp/libdeepep_nccl.so"} <= owned, sorted(owned)
+print(f"installed: {Path(deep_ep_cpp.__file__).parent} (library {_lib.LIBRARY_PATH.name}; requires {requires[0]}; "
+      f"deep_ep {deep_ep_version})")
 PY
+  "$scratch/venv/bin/python" -m pip show deep_ep | grep -qxF "Version: $("$scratch/venv/bin/python" -c \
+    'import importlib.metadata; print(importlib.metadata.version("deep_ep"))')" \
+    || { echo "pip show deep_ep does not give the deep_ep version" >&2; exit 1; }
   "$scratch/venv/bin/python" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python"
 )
 # A source checkout without the library: the install stops and says how to build it.

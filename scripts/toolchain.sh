@@ -5,6 +5,10 @@
 set -euo pipefail
 DEEPEP_VENV=${DEEPEP_VENV:-.venv-cuda}
 DEEPEP_NCCL_VERSION=${DEEPEP_NCCL_VERSION:-2.28.9}
+# The torch and CPython the wheel's prebuilt compiled host path is built for (build_wheel.sh);
+# test.sh checks _fast.cpp against the same torch.
+DEEPEP_TORCH_VERSION=${DEEPEP_TORCH_VERSION:-2.11.0}
+DEEPEP_WHEEL_PYTHON_VERSION=${DEEPEP_WHEEL_PYTHON_VERSION:-3.12}
 
 deepep_install_wheels() {  # venv_dir, pip requirements...
   local venv=$1; shift
@@ -14,6 +18,32 @@ deepep_install_wheels() {  # venv_dir, pip requirements...
 
 deepep_site_packages() {
   "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+}
+
+deepep_wheel_python() {  # prints a CPython $DEEPEP_WHEEL_PYTHON_VERSION: DEEPEP_WHEEL_PYTHON, on PATH or pyenv's
+  local v=$DEEPEP_WHEEL_PYTHON_VERSION c
+  for c in "${DEEPEP_WHEEL_PYTHON:-}" "python$v" "$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}/versions/$v".*/bin/"python$v" 2>/dev/null | sort -V | tail -1)"; do
+    if [ -n "$c" ] && command -v "$c" >/dev/null \
+        && "$c" -c "import sys; sys.exit('%d.%d' % sys.version_info[:2] != '$v')" 2>/dev/null; then
+      command -v "$c"; return 0
+    fi
+  done
+  echo "no CPython $v (set DEEPEP_WHEEL_PYTHON to one): the wheel's compiled host path is built for it" >&2
+  return 1
+}
+
+deepep_torch_sdk() {  # prints the directory of torch's headers and link facts (scripts/fast_prebuilt.py sdk)
+  local py dir
+  py=$(deepep_wheel_python) || return 1
+  dir=${DEEPEP_TORCH_SDK:-.whl/torch-$DEEPEP_TORCH_VERSION-cp${DEEPEP_WHEEL_PYTHON_VERSION/./}-sdk}
+  if [ ! -f "$dir/sdk.json" ]; then
+    # The wheel pip would install for that Python here (530 MB); kept: headers and symbol lists.
+    rm -rf .whl/torch-wheel
+    "$py" -m pip download -q --disable-pip-version-check --no-deps "torch==$DEEPEP_TORCH_VERSION" -d .whl/torch-wheel >&2
+    "$py" scripts/fast_prebuilt.py sdk .whl/torch-wheel/torch-*.whl "$dir" >&2
+    rm -rf .whl/torch-wheel
+  fi
+  echo "$dir"
 }
 
 # Rust >= Cargo.toml's rust-version (the locked crates' newest need).
