@@ -4,7 +4,7 @@
 # the library is built by scripts/toolchain.sh + cargo (nvcc from pip wheels, NCCL headers), which
 # those tools would have to re-drive; here setuptools packages the prebuilt .so and compat/python/setup.py
 # tags it. The tag is the manylinux floor read from the library's GLIBC_ symbol versions, confirmed by
-# auditwheel. NCCL is not bundled: the wheel depends on nvidia-nccl-cu13 of the minor built against
+# auditwheel. NCCL is not bundled: the wheel depends on nvidia-nccl-cu13 in the range its kernel builds serve
 # and the library finds it through its rpath $ORIGIN/../nvidia/nccl/lib (build.rs).
 # The compiled host path is built here too, for torch $DEEPEP_TORCH_VERSION and CPython
 # $DEEPEP_WHEEL_PYTHON_VERSION (scripts/fast_prebuilt.py; the first Buffer then compiles nothing);
@@ -34,7 +34,8 @@ platform="manylinux_${major_minor%%.*}_${major_minor#*.}_$(uname -m)"
 out=${DEEPEP_WHEEL_DIR:-dist}
 mkdir -p "$out"
 rm -f "$out"/deepep_nccl-*.whl
-DEEPEP_WHEEL_PLATFORM=$platform DEEPEP_WHEEL_NCCL=$DEEPEP_NCCL_VERSION \
+nccl_served=$("$DEEPEP_VENV/bin/python" scripts/fetch_nccl_headers.py --served)  # kernels/nccl_builds.txt
+DEEPEP_WHEEL_PLATFORM=$platform DEEPEP_WHEEL_NCCL=$nccl_served \
   "$DEEPEP_VENV/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps -w "$out" "./$stage"
 wheel=$(ls "$out"/deepep_nccl-*.whl)
 
@@ -52,4 +53,4 @@ files() { "$DEEPEP_VENV/bin/python" -c 'import sys, zipfile; print("\n".join(sor
 [ -f "$repaired/$(basename "$wheel")" ] && diff <(files "$wheel") <(files "$repaired/$(basename "$wheel")") \
   || { echo "auditwheel repair --plat $platform did not accept $wheel as it is" >&2; exit 1; }
 echo "auditwheel: $platform confirmed, nothing to vendor (libnccl.so.2 from nvidia-nccl-cu13, libcuda.so.1 from the driver, $torch_libs from torch)"
-echo "wheel: $wheel ($(du -h "$wheel" | cut -f1), tag py3-none-$platform, glibc floor $floor, requires nvidia-nccl-cu13~=$DEEPEP_NCCL_VERSION; compiled host path prebuilt for torch ${DEEPEP_TORCH_VERSION%.*}, CPython $DEEPEP_WHEEL_PYTHON_VERSION)"
+echo "wheel: $wheel ($(du -h "$wheel" | cut -f1), tag py3-none-$platform, glibc floor $floor, requires nvidia-nccl-cu13$nccl_served; compiled host path prebuilt for torch ${DEEPEP_TORCH_VERSION%.*}, CPython $DEEPEP_WHEEL_PYTHON_VERSION)"

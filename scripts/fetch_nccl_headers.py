@@ -5,8 +5,9 @@
 The headers come from the nvidia-nccl-cu13 wheel on PyPI, read with HTTP range requests: only the
 zip's directory and the include/ members (~0.5 MB of a 200-300 MB wheel) are downloaded.
 
-Usage: fetch_nccl_headers.py [--dir DIR] [--hash]   (--hash prints the trees' hashes, for the
-table, instead of checking them). Standard library only."""
+Usage: fetch_nccl_headers.py [--dir DIR] [--hash | --served]   (--hash prints the trees' hashes,
+for the table, instead of checking them; --served prints the NCCL versions the builds serve as a pip
+version specifier, e.g. >=2.28.9,<2.33.0, and fetches nothing). Standard library only."""
 import argparse
 import hashlib
 import io
@@ -133,7 +134,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=str(ROOT / ".nccl-headers"))
     ap.add_argument("--hash", action="store_true", help="print each tree's sha256 instead of checking it")
+    ap.add_argument("--served", action="store_true", help="print the served NCCL versions as a pip specifier")
     args = ap.parse_args()
+    if args.served:
+        key = lambda v: tuple(int(x) for x in v.split("."))
+        rows = builds()
+        print(f">={min((r[0] for r in rows), key=key)},<{max((r[1] for r in rows), key=key)}")
+        return
     failed = False
     for version, _, expected in builds():
         dest = Path(args.dir) / version

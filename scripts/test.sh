@@ -109,13 +109,14 @@ for family in GLIBCXX CXXABI; do
 done
 echo "prebuilt DT_NEEDED:" $needed
 python3 -m venv "$scratch/venv"
-# The wheel alone, plus the NCCL it declares (pinned to what it was built against) and pytest.
+# The wheel alone, plus an NCCL it declares (the linked one, in the served range) and pytest.
+nccl_served=$("$DEEPEP_VENV/bin/python" scripts/fetch_nccl_headers.py --served)
 "$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$wheel"
 "$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check "nvidia-nccl-cu13==$DEEPEP_NCCL_VERSION" pytest
 (
   cd "$scratch"  # outside the repo, nothing pointing at it: only the venv's copy can be imported
   unset PYTHONPATH DEEPEP_NCCL_LIBRARY
-  "$scratch/venv/bin/python" - "$DEEPEP_NCCL_VERSION" <<'PY'
+  "$scratch/venv/bin/python" - "$nccl_served" <<'PY'
 import importlib.metadata, importlib.util, runpy, sys, sysconfig
 from pathlib import Path
 import deep_ep_cpp  # deep_ep itself needs torch at import
@@ -124,7 +125,8 @@ site = Path(sysconfig.get_paths()["platlib"]).resolve()
 for path in (importlib.util.find_spec("deep_ep").origin, deep_ep_cpp.__file__, _lib.LIBRARY_PATH, _fast._header_dir()):
     assert Path(path).resolve().is_relative_to(site), f"{path} is not from the venv's {site}"
 requires = importlib.metadata.requires("deepep-nccl")
-assert requires == [f"nvidia-nccl-cu13~={sys.argv[1]}"], requires
+name, spec = "nvidia-nccl-cu13", sys.argv[1]  # the served range; setuptools may reorder its clauses
+assert len(requires) == 1 and requires[0].startswith(name) and set(requires[0][len(name):].split(",")) == set(spec.split(",")), requires
 # The deep_ep metadata (deploy scripts' version checks): deep_ep.__version__'s value, owning the modules.
 deep_ep_version = runpy.run_path(str(site / "deep_ep" / "_version.py"))["__version__"]
 assert importlib.metadata.version("deep_ep") == deep_ep_version, importlib.metadata.version("deep_ep")

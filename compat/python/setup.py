@@ -6,9 +6,9 @@
 - With it, the wheel holds a native library: a platform wheel, py3-none-<DEEPEP_WHEEL_PLATFORM>
   (scripts/build_wheel.sh passes the manylinux tag it derived and auditwheel confirms), not
   py3-none-any. No Python ABI is involved (ctypes), hence py3-none.
-- DEEPEP_WHEEL_NCCL (set by scripts/build_wheel.sh to the NCCL it built against) declares
-  nvidia-nccl-cu13 of that minor: the kernels only run on the NCCL minor they were compiled for.
-  A plain source install declares nothing, as the NCCL that torch brings is the one to match.
+- DEEPEP_WHEEL_NCCL (set by scripts/build_wheel.sh to the NCCL versions the library's kernel
+  builds serve, a specifier such as >=2.28.9,<2.33.0) declares nvidia-nccl-cu13 in that range.
+  A plain source install declares nothing, as the NCCL that torch brings is the one to use.
 - Every wheel also installs deep_ep-<deep_ep.__version__>.dist-info beside the packages, so that
   `importlib.metadata.version("deep_ep")`, `pip show deep_ep` and requirements on deep_ep see the
   DeepEP release whose API this is (README, "Using it", says why this way). pip accepts one
@@ -82,5 +82,5 @@ nccl = os.environ.get("DEEPEP_WHEEL_NCCL")
 setup(
     distclass=BinaryDistribution,
     cmdclass={"bdist_wheel": PlatformWheel},
-    install_requires=[f"nvidia-nccl-cu13~={nccl}"] if nccl else [],
+    install_requires=[f"nvidia-nccl-cu13{nccl}"] if nccl else [],
 )
