@@ -135,9 +135,10 @@ assert {"deep_ep/__init__.py", "deep_ep_cpp/libdeepep_nccl.so"} <= owned, sorted
 print(f"installed: {Path(deep_ep_cpp.__file__).parent} (library {_lib.LIBRARY_PATH.name}; requires {requires[0]}; "
       f"deep_ep {deep_ep_version})")
 PY
-  "$scratch/venv/bin/python" -m pip show deep_ep | grep -qxF "Version: $("$scratch/venv/bin/python" -c \
-    'import importlib.metadata; print(importlib.metadata.version("deep_ep"))')" \
-    || { echo "pip show deep_ep does not give the deep_ep version" >&2; exit 1; }
+  # Captured first: grep -q stopping early would break pip's pipe (and pipefail the check).
+  shown=$("$scratch/venv/bin/python" -m pip show deep_ep)
+  grep -qxF "Version: $("$scratch/venv/bin/python" -c 'import importlib.metadata; print(importlib.metadata.version("deep_ep"))')" \
+    <<<"$shown" || { echo "$shown"; echo "pip show deep_ep does not give the deep_ep version" >&2; exit 1; }
   "$scratch/venv/bin/python" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python"
 )
 # A source checkout without the library: the install stops and says how to build it.
