@@ -355,3 +355,175 @@ fn dtype_sizes_come_from_the_library() {
     assert_eq!(deepep_dtype_size(0), 0);
     assert_eq!(deepep_dtype_size(99), 0);
 }
+
+// --- Buffer handles: values checked against the library's registry, never dereferenced ---------
+
+use deepep_nccl::buffer::BufferArgs;
+
+fn host_only_buffer(rank: i32, num_ranks: i32, low_latency_mode: bool) -> *mut DeepepBuffer {
+    let args = BufferArgs {
+        rank,
+        num_ranks,
+        num_nvl_bytes: 1 << 30,
+        num_rdma_bytes: if low_latency_mode { 1 << 30 } else { 0 },
+        low_latency_mode,
+        explicitly_destroy: false,
+        enable_shrink: true,
+    };
+    testing::buffer_without_resources(args, 132)
+}
+
+/// Every C ABI entry that takes a buffer handle except deepep_buffer_free, called with `buf` and
+/// benign other arguments (valid out-params, all-absent args structs): (name, status, message).
+fn every_buffer_entry(buf: *mut DeepepBuffer) -> Vec<(&'static str, DeepepStatus, String)> {
+    use deepep_nccl::ll::combine::DeepepLowLatencyCombineArgs;
+    use deepep_nccl::ll::dispatch::DeepepLowLatencyDispatchArgs;
+    use deepep_nccl::normal::combine::DeepepIntranodeCombineArgs;
+    use deepep_nccl::normal::dispatch::{DeepepIntranodeDispatchArgs, DeepepIntranodeDispatchOutputs};
+    use deepep_nccl::outputs::DeepepOutputs;
+    // SAFETY: plain old data of ints and descriptors; all-zero is all absent.
+    let (ll_dispatch, ll_combine, dispatch, outputs, combine): (
+        DeepepLowLatencyDispatchArgs,
+        DeepepLowLatencyCombineArgs,
+        DeepepIntranodeDispatchArgs,
+        DeepepIntranodeDispatchOutputs,
+        DeepepIntranodeCombineArgs,
+    ) = unsafe { (std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed()) };
+    let t = DeepepTensor { data: ptr::null_mut(), dtype: 0, ndim: 0, shape: [0; 4], strides: [0; 4] };
+    let (mut i, mut flag, mut p, mut n, mut o, mut view, mut list) =
+        (0i32, false, ptr::null_mut(), 0i64, DeepepOutputs::default(), t, [0i32; 4]);
+    let s = ptr::null_mut();
+    let mut calls = Vec::new();
+    // Each call's status and this thread's message, read right after it.
+    macro_rules! call {
+        ($name:expr, $status:expr) => {{
+            let status = $status;
+            calls.push(($name, status, last_error()));
+        }};
+    }
+    call!("destroy", deepep_buffer_destroy(buf));
+    call!("get_rank", deepep_buffer_get_rank(buf, &mut i));
+    call!("get_num_ranks", deepep_buffer_get_num_ranks(buf, &mut i));
+    call!("get_num_rdma_ranks", deepep_buffer_get_num_rdma_ranks(buf, &mut i));
+    call!("get_rdma_rank", deepep_buffer_get_rdma_rank(buf, &mut i));
+    call!("get_local_device_id", deepep_buffer_get_local_device_id(buf, &mut i));
+    call!("get_num_device_sms", deepep_buffer_get_num_device_sms(buf, &mut i));
+    call!("get_root_rdma_rank", deepep_buffer_get_root_rdma_rank(buf, true, &mut i));
+    call!("is_available", deepep_buffer_is_available(buf, &mut flag));
+    call!("get_local_buffer", deepep_buffer_get_local_buffer(buf, false, &mut p, &mut n));
+    call!("get_comm_stream", deepep_buffer_get_comm_stream(buf, &mut p));
+    call!("barrier", deepep_buffer_barrier(buf));
+    call!("check_peers", deepep_buffer_check_peers(buf));
+    call!("set_gpu_timeout_ms", deepep_buffer_set_gpu_timeout_ms(buf, 10));
+    call!("get_dispatch_layout", deepep_get_dispatch_layout(buf, &t, 8, &t, ptr::null(), &t, &t, s));
+    call!("get_dispatch_layout_outputs", deepep_get_dispatch_layout_outputs(buf, 16, 8, &mut o));
+    call!("low_latency_dispatch_outputs", deepep_low_latency_dispatch_outputs(buf, 128, 7168, 288, false, false, &mut o));
+    call!("low_latency_combine_outputs", deepep_low_latency_combine_outputs(buf, 16, 7168, &mut o));
+    call!("low_latency_dispatch", deepep_low_latency_dispatch(buf, &ll_dispatch, s, &mut i));
+    call!("low_latency_combine", deepep_low_latency_combine(buf, &ll_combine, s, &mut i));
+    call!("clean_low_latency_buffer", deepep_clean_low_latency_buffer(buf, 128, 7168, 288, s));
+    call!("get_next_low_latency_combine_buffer", deepep_get_next_low_latency_combine_buffer(buf, 128, 7168, 288, &mut view));
+    call!("low_latency_update_mask_buffer", deepep_low_latency_update_mask_buffer(buf, 0, true, s));
+    call!("low_latency_query_mask_buffer", deepep_low_latency_query_mask_buffer(buf, &t, s));
+    call!("low_latency_clean_mask_buffer", deepep_low_latency_clean_mask_buffer(buf, s));
+    call!("intranode_dispatch_prepare", deepep_intranode_dispatch_prepare(buf, &dispatch, &mut i, list.as_mut_ptr(), 4, s));
+    call!("intranode_dispatch", deepep_intranode_dispatch(buf, &dispatch, &outputs, s));
+    call!("intranode_combine", deepep_intranode_combine(buf, &combine, s));
+    call!("intranode_dispatch_handle_outputs", deepep_intranode_dispatch_handle_outputs(buf, &dispatch, &mut o));
+    call!("intranode_dispatch_outputs", deepep_intranode_dispatch_outputs(buf, &dispatch, 5, &mut o));
+    call!("intranode_combine_outputs", deepep_intranode_combine_outputs(buf, &combine, &mut o));
+    calls
+}
+
+#[test]
+fn every_entry_taking_a_buffer_handle_is_exercised() {
+    let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/deepep_nccl.h")).unwrap();
+    let in_header = header.matches("(const DeepepBuffer *buf").count() + header.matches("(DeepepBuffer *buf").count();
+    // every_buffer_entry calls all of them but deepep_buffer_free, which the tests below call.
+    assert_eq!(every_buffer_entry(ptr::null_mut()).len() + 1, in_header, "a new entry takes a buffer handle: add it");
+}
+
+#[test]
+fn null_made_up_freed_and_twice_freed_handles_are_named_errors_everywhere() {
+    let live = host_only_buffer(1, 4, true);
+    let mut rank = -1;
+    assert_eq!(deepep_buffer_get_rank(live, &mut rank), DEEPEP_SUCCESS, "{}", last_error());
+    assert_eq!(rank, 1);
+    let freed = host_only_buffer(0, 2, false);
+    assert_eq!(deepep_buffer_free(freed), DEEPEP_SUCCESS, "{}", last_error());
+    let local = 0u64;
+    let live_bits = live as usize;
+    let made_up: [(usize, &str); 7] = [
+        (0x1, "was never created: it is not a deepep-nccl handle"),
+        (0xdead_beef, "was never created: it is not a deepep-nccl handle"),
+        (&local as *const u64 as usize, "was never created: it is not a deepep-nccl handle"),
+        (usize::MAX, "was never created: it is not a deepep-nccl handle"),
+        // A live handle's tag and kind with a generation its slot never had.
+        (live_bits + (1 << 20), "was never created: deepep_buffer_create gave out no buffer handle"),
+        // ... with a slot never used.
+        ((live_bits & !0xffff) | 0xfff0, "was never created: deepep_buffer_create gave out no buffer handle"),
+        // ... with a kind byte that is no handle kind.
+        (live_bits ^ (0x80 << 40), "was never created: it has no valid handle kind"),
+    ];
+    let mut cases: Vec<(usize, String)> = vec![(0, "buffer must not be NULL".into())];
+    cases.push((freed as usize, format!("buffer ({:#x}) was destroyed: deepep_buffer_free released this buffer handle", freed as usize)));
+    cases.extend(made_up.iter().map(|(h, m)| (*h, format!("buffer ({h:#x}) {m}"))));
+    for (handle, message) in &cases {
+        let handle = *handle as *mut DeepepBuffer;
+        for (name, status, error) in every_buffer_entry(handle) {
+            assert_eq!(status, DEEPEP_ERROR_INVALID_ARGUMENT, "{name}({handle:p}): {error}");
+            let message = if handle.is_null() { "buffer must not be NULL" } else { message };
+            assert!(error.contains(message), "{name}({handle:p}): {error:?} lacks {message:?}");
+        }
+        if handle.is_null() {
+            assert_eq!(deepep_buffer_free(handle), DEEPEP_SUCCESS, "free(NULL) is a no-op");
+        } else {
+            expect_err(deepep_buffer_free(handle), DEEPEP_ERROR_INVALID_ARGUMENT, message);
+        }
+    }
+    // None of that touched the live handle.
+    assert_eq!(deepep_buffer_get_rank(live, &mut rank), DEEPEP_SUCCESS, "{}", last_error());
+    assert_eq!(deepep_buffer_free(live), DEEPEP_SUCCESS);
+    expect_err(deepep_buffer_free(live), DEEPEP_ERROR_INVALID_ARGUMENT, "was destroyed");
+}
+
+#[test]
+fn a_live_handle_reaches_argument_checks_and_never_the_gpu() {
+    for low_latency in [false, true] {
+        let buf = host_only_buffer(0, 8, low_latency);
+        let mut n = 0;
+        assert_eq!(deepep_buffer_get_num_ranks(buf, &mut n), DEEPEP_SUCCESS);
+        assert_eq!(n, 8);
+        let mut available = true;
+        assert_eq!(deepep_buffer_is_available(buf, &mut available), DEEPEP_SUCCESS);
+        assert!(!available, "a buffer without resources is not available");
+        for (name, status, error) in every_buffer_entry(buf) {
+            // Only answers from the host: success, a refused argument, or "no resources".
+            assert!(
+                matches!(status, DEEPEP_SUCCESS | DEEPEP_ERROR_INVALID_ARGUMENT | DEEPEP_ERROR_NOT_AVAILABLE),
+                "{name}: {status:?}: {error}"
+            );
+            assert!(!error.contains("buffer ("), "{name}: a live handle was refused: {error}");
+        }
+        assert_eq!(deepep_buffer_free(buf), DEEPEP_SUCCESS);
+    }
+}
+
+#[test]
+fn handles_are_released_once_and_slots_reused_with_new_generations() {
+    let first = host_only_buffer(0, 2, false);
+    assert!(testing::live_buffers() >= 1);
+    assert_eq!(deepep_buffer_free(first), DEEPEP_SUCCESS);
+    let mut handles = Vec::new();
+    for _ in 0..64 {
+        let b = host_only_buffer(0, 2, false);
+        assert_ne!(b, first, "a reused slot never gives out a freed handle's value again");
+        handles.push(b);
+    }
+    let mut rank = 0;
+    expect_err(deepep_buffer_get_rank(first, &mut rank), DEEPEP_ERROR_INVALID_ARGUMENT, "was destroyed");
+    for b in handles {
+        assert_eq!(deepep_buffer_get_rank(b, &mut rank), DEEPEP_SUCCESS);
+        assert_eq!(deepep_buffer_free(b), DEEPEP_SUCCESS);
+    }
+}
