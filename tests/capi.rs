@@ -527,3 +527,61 @@ fn handles_are_released_once_and_slots_reused_with_new_generations() {
         assert_eq!(deepep_buffer_free(b), DEEPEP_SUCCESS);
     }
 }
+
+#[test]
+fn sizes_that_overflow_are_errors_naming_the_argument() {
+    use deepep_nccl::ll::dispatch::DeepepLowLatencyDispatchArgs;
+    use deepep_nccl::normal::dispatch::DeepepIntranodeDispatchArgs;
+    use deepep_nccl::outputs::DeepepOutputs;
+    let normal = host_only_buffer(0, 8, false);
+    let ll = host_only_buffer(0, 8, true);
+    let huge = |dtype: DeepepDtype| DeepepTensor {
+        data: 0x10000 as *mut _,
+        dtype: dtype as i32,
+        ndim: 2,
+        shape: [1 << 40, 1 << 40, 0, 0],
+        strides: [1 << 40, 1, 0, 0],
+    };
+    let absent = DeepepTensor { data: ptr::null_mut(), dtype: 0, ndim: 0, shape: [0; 4], strides: [0; 4] };
+    let elements = "has shape [1099511627776, 1099511627776]: more elements than a 64-bit count holds";
+
+    let topk = huge(DeepepDtype::DEEPEP_DTYPE_INT64);
+    let status = deepep_get_dispatch_layout(normal, &topk, 64, &absent, ptr::null(), &absent, &absent, ptr::null_mut());
+    expect_err(status, DEEPEP_ERROR_INVALID_ARGUMENT, &format!("topk_idx {elements}"));
+
+    let mut o = DeepepOutputs::default();
+    expect_err(
+        deepep_get_dispatch_layout_outputs(normal, i64::MAX, 64, &mut o),
+        DEEPEP_ERROR_INVALID_ARGUMENT,
+        "is_token_in_rank would have shape [9223372036854775807, 8]: more bytes than a 64-bit size holds",
+    );
+
+    // SAFETY: plain old data; all-zero is all absent.
+    let mut dispatch: DeepepIntranodeDispatchArgs = unsafe { std::mem::zeroed() };
+    dispatch.x = huge(DeepepDtype::DEEPEP_DTYPE_BFLOAT16);
+    expect_err(deepep_intranode_dispatch_handle_outputs(normal, &dispatch, &mut o), DEEPEP_ERROR_INVALID_ARGUMENT, &format!("x {elements}"));
+    // Elements that fit, bytes that do not (2^62 bfloat16 elements = 2^63 bytes).
+    dispatch.x.shape[..2].copy_from_slice(&[1 << 31, 1 << 31]);
+    dispatch.x.strides[..2].copy_from_slice(&[1 << 31, 1]);
+    expect_err(deepep_intranode_dispatch_handle_outputs(normal, &dispatch, &mut o), DEEPEP_ERROR_INVALID_ARGUMENT, "x has shape [2147483648, 2147483648] and strides [2147483648, 1]: it spans more bytes");
+
+    // SAFETY: as above.
+    let mut ll_args: DeepepLowLatencyDispatchArgs = unsafe { std::mem::zeroed() };
+    ll_args.x = huge(DeepepDtype::DEEPEP_DTYPE_BFLOAT16);
+    ll_args.phases = 3;
+    let mut idx = 0;
+    expect_err(deepep_low_latency_dispatch(ll, &ll_args, ptr::null_mut(), &mut idx), DEEPEP_ERROR_INVALID_ARGUMENT, &format!("x {elements}"));
+
+    expect_err(deepep_buffer_set_gpu_timeout_ms(normal, u64::MAX), DEEPEP_ERROR_INVALID_ARGUMENT, "timeout_ms (18446744073709551615) is more nanoseconds than a uint64_t holds");
+    assert_eq!(deepep_buffer_set_gpu_timeout_ms(normal, u64::MAX / 1_000_000), DEEPEP_SUCCESS);
+
+    // A unique id length no slice is built over.
+    let id = [0u8; DEEPEP_UNIQUE_ID_BYTES];
+    let mut buf = ptr::null_mut();
+    let status = deepep_buffer_create(0, 2, id.as_ptr(), usize::MAX, 1 << 20, 0, false, false, false, &mut buf);
+    expect_err(status, DEEPEP_ERROR_INVALID_ARGUMENT, "unique_id must be 128 bytes (an ncclUniqueId), got 18446744073709551615");
+    assert!(buf.is_null());
+
+    assert_eq!(deepep_buffer_free(normal), DEEPEP_SUCCESS);
+    assert_eq!(deepep_buffer_free(ll), DEEPEP_SUCCESS);
+}
