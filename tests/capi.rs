@@ -585,3 +585,102 @@ fn sizes_that_overflow_are_errors_naming_the_argument() {
     assert_eq!(deepep_buffer_free(normal), DEEPEP_SUCCESS);
     assert_eq!(deepep_buffer_free(ll), DEEPEP_SUCCESS);
 }
+
+/// A contiguous descriptor of `shape` at a fake device address (never read on the host).
+fn described(dtype: DeepepDtype, shape: &[i64], address: usize) -> DeepepTensor {
+    let mut t = DeepepTensor { data: address as *mut _, dtype: dtype as i32, ndim: shape.len() as i32, shape: [0; 4], strides: [0; 4] };
+    let mut step = 1;
+    for d in (0..shape.len()).rev() {
+        t.shape[d] = shape[d];
+        t.strides[d] = step;
+        step *= shape[d].max(1);
+    }
+    t
+}
+
+#[test]
+fn low_latency_ops_check_16_byte_alignment_of_the_rows_they_move() {
+    use deepep_nccl::ll::combine::DeepepLowLatencyCombineArgs;
+    use deepep_nccl::ll::dispatch::DeepepLowLatencyDispatchArgs;
+    use deepep_nccl::outputs::DeepepOutputs;
+    use DeepepDtype::*;
+    let buf = host_only_buffer(0, 8, true);
+    let (m, h, e, r, t, k) = (128i64, 7168i64, 288i32, 8i64, 17i64, 8i64);
+    let el = e as i64 / r;
+    let base = 1usize << 32; // fake, 16-byte aligned device addresses, far apart
+    let at = |i: usize| base + (i << 36);
+
+    let mut o = DeepepOutputs::default();
+    assert_eq!(deepep_low_latency_dispatch_outputs(buf, m, h, e, false, false, &mut o), DEEPEP_SUCCESS, "{}", last_error());
+    let mut outs = o.tensors;
+    for (i, d) in outs.iter_mut().enumerate().filter(|(_, d)| d.dtype != 0) {
+        d.data = at(10 + i) as *mut _;
+    }
+    let dispatch = DeepepLowLatencyDispatchArgs {
+        x: described(DEEPEP_DTYPE_BFLOAT16, &[t, h], at(0)),
+        topk_idx: described(DEEPEP_DTYPE_INT64, &[t, k], at(1)),
+        cumulative_local_expert_recv_stats: described(DEEPEP_DTYPE_INT32, &[el], at(2)),
+        dispatch_wait_recv_cost_stats: described(DEEPEP_DTYPE_INT64, &[r], at(3)),
+        packed_recv_x: outs[0],
+        packed_recv_x_scales: outs[1],
+        packed_recv_count: outs[2],
+        packed_recv_src_info: outs[3],
+        packed_recv_layout_range: outs[4],
+        num_max_dispatch_tokens_per_rank: m as i32,
+        num_experts: e,
+        use_fp8: 0,
+        round_scale: 0,
+        use_ue8m0: 0,
+        phases: 3,
+    };
+    let mut idx = 0;
+    // Everything valid: the call gets past every check, to the missing GPU resources.
+    expect_err(deepep_low_latency_dispatch(buf, &dispatch, ptr::null_mut(), &mut idx), DEEPEP_ERROR_NOT_AVAILABLE, "destroyed");
+    let misaligned = |mut a: DeepepLowLatencyDispatchArgs, edit: fn(&mut DeepepLowLatencyDispatchArgs)| {
+        edit(&mut a);
+        a
+    };
+    for (args, name) in [
+        (misaligned(dispatch, |a| a.x.data = (a.x.data as usize + 8) as *mut _), "x"),
+        (misaligned(dispatch, |a| a.packed_recv_x.data = (a.packed_recv_x.data as usize + 2) as *mut _), "packed_recv_x"),
+    ] {
+        expect_err(
+            deepep_low_latency_dispatch(buf, &args, ptr::null_mut(), &mut idx),
+            DEEPEP_ERROR_INVALID_ARGUMENT,
+            &format!("{name} must start at a 16-byte aligned address"),
+        );
+    }
+    // Per-element tensors need only their elements' alignment.
+    let a = misaligned(dispatch, |a| a.topk_idx.data = (a.topk_idx.data as usize + 8) as *mut _);
+    expect_err(deepep_low_latency_dispatch(buf, &a, ptr::null_mut(), &mut idx), DEEPEP_ERROR_NOT_AVAILABLE, "destroyed");
+    let a = misaligned(dispatch, |a| a.topk_idx.data = (a.topk_idx.data as usize + 4) as *mut _);
+    expect_err(deepep_low_latency_dispatch(buf, &a, ptr::null_mut(), &mut idx), DEEPEP_ERROR_INVALID_ARGUMENT, "topk_idx must start at an address aligned to its 8-byte int64 elements");
+
+    let combine = DeepepLowLatencyCombineArgs {
+        x: described(DEEPEP_DTYPE_BFLOAT16, &[el, r * m, h], at(20)),
+        topk_idx: described(DEEPEP_DTYPE_INT64, &[t, k], at(21)),
+        topk_weights: described(DEEPEP_DTYPE_FLOAT32, &[t, k], at(22)),
+        src_info: described(DEEPEP_DTYPE_INT32, &[el, r * m], at(23)),
+        layout_range: described(DEEPEP_DTYPE_INT64, &[el, r], at(24)),
+        combine_wait_recv_cost_stats: described(DEEPEP_DTYPE_INT64, &[r], at(25)),
+        out: described(DEEPEP_DTYPE_BFLOAT16, &[t, h], at(26)),
+        num_max_dispatch_tokens_per_rank: m as i32,
+        num_experts: e,
+        use_logfmt: 0,
+        zero_copy: 0,
+        phases: 3,
+        reserved: 0,
+    };
+    expect_err(deepep_low_latency_combine(buf, &combine, ptr::null_mut(), &mut idx), DEEPEP_ERROR_NOT_AVAILABLE, "destroyed");
+    for name in ["x", "out"] {
+        let mut a = combine;
+        let d = if name == "x" { &mut a.x } else { &mut a.out };
+        d.data = (d.data as usize + 2) as *mut _; // aligned for bfloat16, not for 16-byte rows
+        expect_err(
+            deepep_low_latency_combine(buf, &a, ptr::null_mut(), &mut idx),
+            DEEPEP_ERROR_INVALID_ARGUMENT,
+            &format!("{name} must start at a 16-byte aligned address"),
+        );
+    }
+    assert_eq!(deepep_buffer_free(buf), DEEPEP_SUCCESS);
+}
