@@ -1,5 +1,6 @@
 """Loads libdeepep_nccl.so and declares the C ABI of include/deepep_nccl.h."""
 import ctypes
+import operator
 import os
 import struct
 from ctypes import POINTER, c_bool, c_char_p, c_int, c_int32, c_int64, c_size_t, c_uint32, c_uint64, c_void_p
@@ -388,6 +389,43 @@ for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _fn = getattr(lib, _name)
     _fn.restype = _restype
     _fn.argtypes = _argtypes
+
+
+# The C ABI's integer types, as (low, high): ctypes silently truncates an int that does not fit
+# its declared type (2**32 + 8 arrives as 8) and struct.pack refuses it without naming it, so the
+# bindings check ints that come from the caller against these first.
+INT32 = (-(1 << 31), (1 << 31) - 1)
+INT64 = (-(1 << 63), (1 << 63) - 1)
+UINT64 = (0, (1 << 64) - 1)
+_C_TYPE_NAMES = {INT32: "int32", INT64: "int64", UINT64: "uint64"}
+
+
+def int_arg(name, value, c_type=INT32):
+    """`value` as an int of the C ABI's `c_type` (INT32, INT64 or UINT64): ValueError naming the
+    argument and the type's range when it does not fit, TypeError when it is not an integer."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"deepep-nccl: {name} must be an integer, got {type(value).__name__}") from None
+    low, high = c_type
+    if not low <= v <= high:
+        raise int_range_error(name, v, c_type)
+    return v
+
+
+def int_range_error(name, value, c_type=INT32):
+    """The ValueError for an int of the caller that does not fit the C ABI's `c_type`."""
+    low, high = c_type
+    return ValueError(f"deepep-nccl: {name} must fit the C ABI's {_C_TYPE_NAMES[c_type]}, i.e. be in "
+                      f"[{low}, {high}]; got {value}")
+
+
+def check_int32_fields(**fields):
+    """Raises int_range_error for the first of `fields` (name=value) that is not an int32, or
+    TypeError for one that is not an integer: why struct.pack refused the ints of an argument
+    struct, named (the struct's fast path checks nothing itself)."""
+    for name, value in fields.items():
+        int_arg(name, value)
 
 
 def raise_status(status):

@@ -10,8 +10,8 @@ import struct
 
 from ._event import EventHandle
 from ._lib import DTYPES_BY_CODE, DeepepOutputs, DeepepTensor, OutputPlans, allocate_planned, check, lib, output_plan
-from ._lib import (LL_PHASE_BOTH, LL_PHASE_RECV, LL_PHASE_SEND, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, raise_status,
-                   tensor_fields)
+from ._lib import (LL_PHASE_BOTH, LL_PHASE_RECV, LL_PHASE_SEND, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, int_arg,
+                   check_int32_fields, raise_status, tensor_fields)
 from ._lib import torch as _torch
 from ._streams import (ORDER_AFTER, ORDER_BEFORE, StreamProtocol, stream_handle, stream_wait_stream,
                        without_torch_function)
@@ -173,8 +173,9 @@ class LowLatencyMode(StreamProtocol):
     @without_torch_function
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         # DeepEP's: one kernel on the current stream (barrier, zero, barrier); the host does not wait.
-        check(lib.deepep_clean_low_latency_buffer(self._live_handle(), num_max_dispatch_tokens_per_rank, hidden,
-                                                  num_experts, stream_handle(self._current_stream())))
+        check(lib.deepep_clean_low_latency_buffer(
+            self._live_handle(), int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            int_arg("hidden", hidden), int_arg("num_experts", num_experts), stream_handle(self._current_stream())))
 
     @without_torch_function
     def low_latency_dispatch(self, x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
@@ -190,7 +191,10 @@ class LowLatencyMode(StreamProtocol):
         shape = shapes.get(key)
         if shape is None:
             # A new shape: the library describes its outputs, checking the limits first (an
-            # out-of-range M fails here, before anything is allocated).
+            # out-of-range M fails here, before anything is allocated). M and E are int32 fields
+            # of the args (ctypes would pass E truncated to the query): checked once per shape.
+            check_int32_fields(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                               num_experts=num_experts)
             self._check_ll_x(x)
             outputs = DeepepOutputs()
             check(lib.deepep_low_latency_dispatch_outputs(handle, num_max_dispatch_tokens_per_rank, hidden,
@@ -261,13 +265,18 @@ class LowLatencyMode(StreamProtocol):
             combined_x = allocate_planned(plan, self._device)[0]
         else:
             combined_x = out
-        _COMBINE_ARGS.pack_into(
-            args, 0,
-            *_desc("x", x), *_desc("topk_idx", topk_idx), *_desc("topk_weights", topk_weights),
-            *_desc("src_info", src_info), *_desc("layout_range", layout_range),
-            *_desc("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats), *_desc("out", combined_x),
-            num_max_dispatch_tokens_per_rank, num_experts, int(use_logfmt), int(zero_copy), 0, 0,
-        )
+        try:
+            _COMBINE_ARGS.pack_into(
+                args, 0,
+                *_desc("x", x), *_desc("topk_idx", topk_idx), *_desc("topk_weights", topk_weights),
+                *_desc("src_info", src_info), *_desc("layout_range", layout_range),
+                *_desc("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats), *_desc("out", combined_x),
+                num_max_dispatch_tokens_per_rank, num_experts, int(use_logfmt), int(zero_copy), 0, 0,
+            )
+        except struct.error:  # an int32 field out of range: name it
+            check_int32_fields(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                               num_experts=num_experts)
+            raise
         event, hook = self._ll_launch(handle, lib.deepep_low_latency_combine, args, _COMBINE_PHASES_AT, async_,
                                       return_recv_hook, (x, topk_idx, topk_weights, src_info, layout_range,
                                                          combine_wait_recv_cost_stats, combined_x))
@@ -287,13 +296,14 @@ class LowLatencyMode(StreamProtocol):
                 check(result[0])
                 return result[1]
         view = DeepepTensor()
-        check(lib.deepep_get_next_low_latency_combine_buffer(self._live_handle(), num_max_dispatch_tokens_per_rank,
-                                                             hidden, num_experts, ctypes.byref(view)))
+        check(lib.deepep_get_next_low_latency_combine_buffer(
+            self._live_handle(), int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            int_arg("hidden", hidden), int_arg("num_experts", num_experts), ctypes.byref(view)))
         return _device_tensor(view, self, self._device)
 
     def low_latency_update_mask_buffer(self, rank_to_mask, mask):
-        check(lib.deepep_low_latency_update_mask_buffer(self._live_handle(), rank_to_mask, bool(mask),
-                                                        stream_handle(self._current_stream())))
+        check(lib.deepep_low_latency_update_mask_buffer(self._live_handle(), int_arg("rank_to_mask", rank_to_mask),
+                                                        bool(mask), stream_handle(self._current_stream())))
 
     @without_torch_function
     def low_latency_query_mask_buffer(self, mask_status):

@@ -9,8 +9,8 @@ the ctypes path descriptors are packed into preallocated argument structs with s
 import ctypes
 import struct
 
-from ._lib import (MAX_LOCAL_EXPERTS, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, OutputPlans, allocate_planned, lib,
-                   point_outputs, raise_status, tensor_fields)
+from ._lib import (MAX_LOCAL_EXPERTS, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, OutputPlans, allocate_planned, int_arg,
+                   check_int32_fields, lib, point_outputs, raise_status, tensor_fields)
 from ._streams import StreamProtocol, without_torch_function
 
 _T = "tensor"
@@ -131,21 +131,27 @@ class NormalMode(StreamProtocol):
         self._check_device("x", x)
         cached = cached_rank_prefix_matrix is not None
         if cached:
+            # The receive query takes it as an int32 (ctypes would truncate a larger one).
+            int_arg("cached_num_recv_tokens", cached_num_recv_tokens)
             if cached_channel_prefix_matrix is None:
                 raise RuntimeError("deepep-nccl: a cached dispatch needs cached_channel_prefix_matrix too")
             self._check_device("cached_rank_prefix_matrix", cached_rank_prefix_matrix)
         device = self._device
         args, args_addr, stream = self._dispatch_args, self._dispatch_args_addr, self._comm_stream_ptr
         # The inputs first: the handle's geometry is read from x, the config and the mode.
-        _DISPATCH_ARGS.pack_into(
-            args, 0,
-            *_desc("x", x), *_desc("x_scales", x_scales), *_desc("topk_idx", topk_idx),
-            *_desc("topk_weights", topk_weights),
-            *_desc("num_tokens_per_rank", None if cached else num_tokens_per_rank),
-            *_desc("is_token_in_rank", is_token_in_rank),
-            *_desc("num_tokens_per_expert", None if cached else num_tokens_per_expert),
-            *(_ABSENT * 4), *_config_fields(config), int(cached), expert_alignment, num_worst_tokens, 0,
-        )
+        try:
+            _DISPATCH_ARGS.pack_into(
+                args, 0,
+                *_desc("x", x), *_desc("x_scales", x_scales), *_desc("topk_idx", topk_idx),
+                *_desc("topk_weights", topk_weights),
+                *_desc("num_tokens_per_rank", None if cached else num_tokens_per_rank),
+                *_desc("is_token_in_rank", is_token_in_rank),
+                *_desc("num_tokens_per_expert", None if cached else num_tokens_per_expert),
+                *(_ABSENT * 4), *_config_fields(config), int(cached), expert_alignment, num_worst_tokens, 0,
+            )
+        except struct.error:  # an int32 field out of range: name it
+            check_int32_fields(expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+            raise
         num_tokens = x.shape[0] if x.dim() else 0
         _, plan, _ = self._handle_plans.get(
             (num_tokens, config.num_sms, cached),
