@@ -78,6 +78,7 @@ pub mod entries {
     use std::ptr::{null, null_mut};
 
     use deepep_nccl::capi::*;
+    use deepep_nccl::config::DeepepConfig;
     use deepep_nccl::ll::combine::DeepepLowLatencyCombineArgs;
     use deepep_nccl::ll::dispatch::DeepepLowLatencyDispatchArgs;
     use deepep_nccl::normal::combine::DeepepIntranodeCombineArgs;
@@ -121,9 +122,60 @@ pub mod entries {
             if bool_(u) { self.scratch.as_mut_ptr().cast() } else { null_mut() }
         }
         fn tensor(&mut self, u: &mut Unstructured) -> DeepepTensor {
-            let mut t: DeepepTensor = pod(u);
+            let t: DeepepTensor = pod(u);
+            self.field(u, t)
+        }
+        /// An args struct's descriptor drawn as pod bytes: its data fixed to scratch or NULL, or
+        /// (not nullable, 3 in 4) replaced by a [`Self::structured`] one.
+        fn field(&mut self, u: &mut Unstructured, mut t: DeepepTensor) -> DeepepTensor {
+            if !self.nullable && u.ratio(3u8, 4).unwrap_or(false) {
+                return self.structured(u);
+            }
             t.data = self.data(u);
             t
+        }
+        /// A descriptor the ops' checks get far with: a known dtype, 1 to 4 dims (edge-biased, so
+        /// that their products overflow), row-major strides multiplied out wrapping (so that a
+        /// huge shape still looks contiguous), sometimes one stride changed; data at the scratch
+        /// area, or NULL, a few bytes off alignment, or near the end of the address space.
+        fn structured(&mut self, u: &mut Unstructured) -> DeepepTensor {
+            const SIZES: [i64; 10] = [1, 2, 8, 16, 17, 128, 288, 1024, 7168, 1 << 31];
+            // SAFETY: a descriptor is ints and a pointer: all-zero is valid (absent).
+            let mut t: DeepepTensor = unsafe { std::mem::zeroed() };
+            t.dtype = u.int_in_range(1i32..=8).unwrap_or(1);
+            t.ndim = u.int_in_range(1i32..=4).unwrap_or(1);
+            let n = t.ndim as usize;
+            for d in 0..n {
+                t.shape[d] = match u.int_in_range(0u8..=3).unwrap_or(0) {
+                    0 => u.int_in_range(0i64..=8).unwrap_or(0),
+                    1 | 2 => SIZES[u.choose_index(SIZES.len()).unwrap_or(0)],
+                    _ => i64_edge(u),
+                };
+            }
+            let mut step = 1i64;
+            for d in (0..n).rev() {
+                t.strides[d] = step;
+                step = step.wrapping_mul(t.shape[d].max(1));
+            }
+            if u.ratio(1u8, 8).unwrap_or(false) {
+                t.strides[u.choose_index(n).unwrap_or(0)] = i64_edge(u);
+            }
+            let base = self.scratch.as_mut_ptr() as usize;
+            t.data = match u.int_in_range(0u8..=9).unwrap_or(0) {
+                0 => null_mut(),
+                1 => (base + u.int_in_range(1usize..=15).unwrap_or(1)) as *mut c_void,
+                2 => (usize::MAX - u.int_in_range(0usize..=4096).unwrap_or(0) * 16 - 15) as *mut c_void,
+                _ => base as *mut c_void,
+            };
+            t
+        }
+        /// An i32 args field: kept from the pod bytes, or (not nullable, 1 in 2) one of `likely`
+        /// or an edge value.
+        fn int(&self, u: &mut Unstructured, raw: i32, likely: &[i32]) -> i32 {
+            if self.nullable || !u.ratio(1u8, 2).unwrap_or(false) {
+                return raw;
+            }
+            if u.ratio(3u8, 4).unwrap_or(false) { likely[u.choose_index(likely.len()).unwrap_or(0)] } else { i32_edge(u) }
         }
         /// A valid local or (when nullable, 1 in 8) NULL for an out-param.
         fn out<T>(&self, u: &mut Unstructured, v: &mut T) -> *mut T {
@@ -136,7 +188,24 @@ pub mod entries {
     }
 
     macro_rules! fix {
-        ($ctx:ident, $u:ident, $a:ident: $($f:ident),*) => { $( $a.$f.data = $ctx.data($u); )* };
+        ($ctx:ident, $u:ident, $a:ident: $($f:ident),*) => { $( $a.$f = $ctx.field($u, $a.$f); )* };
+    }
+
+    /// Likely values of the args structs' int fields (buffer_handles only).
+    const TOKENS: [i32; 6] = [1, 8, 17, 128, 1024, 0];
+    const EXPERTS: [i32; 6] = [8, 16, 64, 256, 288, 1024];
+    const FLAGS: [i32; 2] = [0, 1];
+    const PHASES: [i32; 3] = [1, 2, 3];
+
+    /// A normal-mode config: the pod bytes', or (not nullable, 1 in 2) a valid one (DeepEP's
+    /// checks) with an edge-biased ring size and SM count.
+    fn config(ctx: &Scratch, u: &mut Unstructured, raw: DeepepConfig) -> DeepepConfig {
+        if ctx.nullable || !u.ratio(1u8, 2).unwrap_or(false) {
+            return raw;
+        }
+        let sms = ctx.int(u, 24, &[2, 20, 24, 64, 132, 256]);
+        let ring = ctx.int(u, 256, &[8, 256, 4096, i32::MAX]);
+        DeepepConfig::new(sms, 6, ring.max(7), 6, 128).unwrap_or(raw)
     }
 
     /// Calls entry `which` (< COUNT) with handle `bm` and arguments from `u`; its name and status.
@@ -186,12 +255,23 @@ pub mod entries {
                 let mut a: DeepepLowLatencyDispatchArgs = pod(u);
                 fix!(ctx, u, a: x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, packed_recv_x,
                      packed_recv_x_scales, packed_recv_count, packed_recv_src_info, packed_recv_layout_range);
+                a.num_max_dispatch_tokens_per_rank = ctx.int(u, a.num_max_dispatch_tokens_per_rank, &TOKENS);
+                a.num_experts = ctx.int(u, a.num_experts, &EXPERTS);
+                a.use_fp8 = ctx.int(u, a.use_fp8, &FLAGS);
+                a.round_scale = ctx.int(u, a.round_scale, &FLAGS);
+                a.use_ue8m0 = ctx.int(u, a.use_ue8m0, &FLAGS);
+                a.phases = ctx.int(u, a.phases, &PHASES);
                 let ap = ctx.args(u, &a);
                 ("ll_dispatch", deepep_low_latency_dispatch(b, ap, s, ctx.out(u, &mut i)))
             }
             20 => {
                 let mut a: DeepepLowLatencyCombineArgs = pod(u);
                 fix!(ctx, u, a: x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, out);
+                a.num_max_dispatch_tokens_per_rank = ctx.int(u, a.num_max_dispatch_tokens_per_rank, &TOKENS);
+                a.num_experts = ctx.int(u, a.num_experts, &EXPERTS);
+                a.use_logfmt = ctx.int(u, a.use_logfmt, &FLAGS);
+                a.zero_copy = ctx.int(u, a.zero_copy, &FLAGS);
+                a.phases = ctx.int(u, a.phases, &PHASES);
                 let ap = ctx.args(u, &a);
                 ("ll_combine", deepep_low_latency_combine(b, ap, s, ctx.out(u, &mut i)))
             }
@@ -219,6 +299,10 @@ pub mod entries {
                 let mut a: DeepepIntranodeDispatchArgs = pod(u);
                 fix!(ctx, u, a: x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                      rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, send_head);
+                a.config = config(ctx, u, a.config);
+                a.cached = ctx.int(u, a.cached, &FLAGS);
+                a.expert_alignment = ctx.int(u, a.expert_alignment, &[1, 128]);
+                a.num_worst_tokens = ctx.int(u, a.num_worst_tokens, &TOKENS);
                 let ap = ctx.args(u, &a);
                 match which {
                     26 => {
@@ -245,6 +329,7 @@ pub mod entries {
                 let mut a: DeepepIntranodeCombineArgs = pod(u);
                 fix!(ctx, u, a: x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head,
                      combined_x, combined_topk_weights);
+                a.config = config(ctx, u, a.config);
                 let ap = ctx.args(u, &a);
                 if which == 30 {
                     ("intranode_combine", deepep_intranode_combine(b, ap, s))
