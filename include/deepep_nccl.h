@@ -59,9 +59,11 @@ typedef enum {
    */
   DEEPEP_SUCCESS = 0,
   /**
-   * An argument is null, out of range, or has the wrong dtype/shape; also a bad
-   * DEEPEP_* environment variable at Buffer creation, and bad input a kernel found
-   * (reported by the next op on the buffer, which stays usable).
+   * An argument is null, out of range (a size or count whose arithmetic would overflow
+   * included), misaligned, or has the wrong dtype/shape; a handle that was freed, never
+   * created or is of another kind; also a bad DEEPEP_* environment variable at Buffer
+   * creation, and bad input a kernel found (reported by the next op on the buffer, which
+   * stays usable).
    */
   DEEPEP_ERROR_INVALID_ARGUMENT = 1,
   /**
@@ -121,7 +123,9 @@ typedef enum {
 } DeepepConfigKind;
 
 /**
- * Opaque handle to one rank's buffer.
+ * Opaque handle to one rank's buffer. A `DeepepBuffer *` is a checked value, not an address:
+ * the library never dereferences it, and a freed, twice-freed or made-up handle is a
+ * DEEPEP_ERROR_INVALID_ARGUMENT naming it (never created, destroyed, or the wrong kind).
  */
 typedef struct DeepepBuffer DeepepBuffer;
 
@@ -506,25 +510,28 @@ DeepepStatus deepep_buffer_create(int rank,
  * Collective teardown (DeepEP's destroy()). The handle stays valid for
  * queries and must still be released with deepep_buffer_free.
  *
- * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer); DEEPEP_ERROR_NOT_AVAILABLE
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL, freed or made-up buffer); DEEPEP_ERROR_NOT_AVAILABLE
  * (already destroyed); DEEPEP_ERROR_TIMEOUT (a peer never reached the teardown barrier);
  * DEEPEP_ERROR_CUDA; DEEPEP_ERROR_NCCL; DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_destroy(DeepepBuffer *buf);
 
 /**
- * Releases the handle. Without a prior destroy: tears down collectively if
- * the buffer was created with explicitly_destroy=false, else warns and leaks.
- * NULL is a no-op.
+ * Releases the handle; any later use of it (a second free included) is an error naming it.
+ * Without a prior destroy: tears down collectively if the buffer was created with
+ * explicitly_destroy=false, else warns and leaks. NULL is a no-op. If another thread is still
+ * inside a call with this handle, the teardown runs when that call returns.
  *
- * Returns: DEEPEP_SUCCESS (a failed teardown is logged, see DEEPEP_LOG); DEEPEP_ERROR_INTERNAL.
+ * Returns: DEEPEP_SUCCESS (a failed teardown is logged, see DEEPEP_LOG); DEEPEP_ERROR_INVALID_ARGUMENT
+ * (an already freed or made-up buffer; nothing is released); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_free(DeepepBuffer *buf);
 
 /**
  * This rank's index in [0, num_ranks).
  *
- * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_get_rank(const DeepepBuffer *buf,
                                     int *out);
@@ -532,7 +539,8 @@ DeepepStatus deepep_buffer_get_rank(const DeepepBuffer *buf,
 /**
  * Number of ranks in the buffer's communicator.
  *
- * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_get_num_ranks(const DeepepBuffer *buf,
                                          int *out);
@@ -540,7 +548,8 @@ DeepepStatus deepep_buffer_get_num_ranks(const DeepepBuffer *buf,
 /**
  * max(1, num_ranks / 8), as DeepEP.
  *
- * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_get_num_rdma_ranks(const DeepepBuffer *buf,
                                               int *out);
@@ -548,7 +557,8 @@ DeepepStatus deepep_buffer_get_num_rdma_ranks(const DeepepBuffer *buf,
 /**
  * rank / 8, as DeepEP.
  *
- * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_get_rdma_rank(const DeepepBuffer *buf,
                                          int *out);
@@ -556,7 +566,8 @@ DeepepStatus deepep_buffer_get_rdma_rank(const DeepepBuffer *buf,
 /**
  * CUDA device ordinal the buffer lives on.
  *
- * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_get_local_device_id(const DeepepBuffer *buf,
                                                int *out);
@@ -564,7 +575,8 @@ DeepepStatus deepep_buffer_get_local_device_id(const DeepepBuffer *buf,
 /**
  * Streaming multiprocessors on the buffer's device.
  *
- * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_get_num_device_sms(const DeepepBuffer *buf,
                                               int *out);
@@ -572,7 +584,8 @@ DeepepStatus deepep_buffer_get_num_device_sms(const DeepepBuffer *buf,
 /**
  * DeepEP's get_root_rdma_rank(global): global ? rank % 8 : 0.
  *
- * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_get_root_rdma_rank(const DeepepBuffer *buf,
                                               bool global,
@@ -581,7 +594,8 @@ DeepepStatus deepep_buffer_get_root_rdma_rank(const DeepepBuffer *buf,
 /**
  * True after a successful create and until destroy (or a GPU wait timeout).
  *
- * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+ * DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_is_available(const DeepepBuffer *buf,
                                         bool *out);
@@ -634,10 +648,11 @@ DeepepStatus deepep_buffer_check_peers(const DeepepBuffer *buf);
 /**
  * Budget of every GPU wait of this buffer (default 100 s, or DEEPEP_GPU_TIMEOUT_SECS).
  *
- * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or timeout_ms 0);
- * DEEPEP_ERROR_INTERNAL.
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; timeout_ms 0,
+ * or more nanoseconds than a uint64_t holds); DEEPEP_ERROR_INTERNAL.
  */
-DeepepStatus deepep_buffer_set_gpu_timeout_ms(const DeepepBuffer *buf, uint64_t timeout_ms);
+DeepepStatus deepep_buffer_set_gpu_timeout_ms(const DeepepBuffer *buf,
+                                              uint64_t timeout_ms);
 
 /**
  * DeepEP's get_dispatch_layout. Outputs are caller-allocated, as

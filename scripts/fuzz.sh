@@ -18,7 +18,7 @@ source scripts/toolchain.sh
 if ! cargo fuzz --version >/dev/null 2>&1; then
   cargo install cargo-fuzz --locked
 fi
-targets=${DEEPEP_FUZZ_TARGETS:-"config_and_hints null_buffer_entries abi_constant_and_strings output_geometry"}
+targets=${DEEPEP_FUZZ_TARGETS:-"config_and_hints null_buffer_entries buffer_handles abi_constant_and_strings output_geometry"}
 # -a: debug assertions and overflow checks in the library too, so a wrap is a panic (INTERNAL).
 set +e
 # No target: builds them all at once (one link of the library).

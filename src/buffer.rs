@@ -219,18 +219,16 @@ pub struct Buffer {
 }
 
 impl Buffer {
-    /// Collective over all ranks sharing `unique_id`.
-    pub fn create(args: BufferArgs, unique_id: &[u8]) -> Result<Self> {
+    /// Collective over all ranks sharing the unique id `read_unique_id` returns (read after
+    /// the argument and environment checks, so that those errors come first).
+    pub fn create(
+        args: BufferArgs,
+        read_unique_id: impl FnOnce() -> Result<[u8; nccl_sys::NCCL_UNIQUE_ID_BYTES]>,
+    ) -> Result<Self> {
         check_buffer_args(args.rank, args.num_ranks, args.num_nvl_bytes, args.num_rdma_bytes, args.low_latency_mode)?;
         // Before anything collective: every rank rejects a bad value the same way.
         let settings = Settings::from_env(args.num_ranks)?;
-        let id: [u8; nccl_sys::NCCL_UNIQUE_ID_BYTES] = unique_id.try_into().map_err(|_| {
-            Error::invalid(format!(
-                "unique_id must be {} bytes (an ncclUniqueId), got {}",
-                nccl_sys::NCCL_UNIQUE_ID_BYTES,
-                unique_id.len()
-            ))
-        })?;
+        let id = read_unique_id()?;
         let device_id = cuda::current_device()?;
         let build = nccl::kernel_build()?;
         let resources = Self::create_resources(&args, device_id, &id, &settings, build)?;
@@ -333,6 +331,25 @@ impl Buffer {
             window,
             ctx,
         })
+    }
+
+    /// A Buffer with no GPU resources, as after destroy(): its queries answer from `args`, its
+    /// ops check their arguments as for a real one and then report DEEPEP_ERROR_NOT_AVAILABLE.
+    /// For the CPU tests, fuzz targets and benches (capi::testing), never for a user.
+    #[doc(hidden)]
+    pub fn without_resources(args: BufferArgs, num_device_sms: i32) -> Self {
+        Self {
+            args,
+            layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks },
+            device_id: -1,
+            num_device_sms,
+            lsa_size: args.num_ranks,
+            resources: Mutex::new(None),
+            failure: Mutex::new(None),
+            timeout_ns: AtomicU64::new(100_000_000_000),
+            check_tag: AtomicU32::new(0),
+            ll_parity: AtomicU32::new(0),
+        }
     }
 
     /// Half of the LL region for the next LL send; flips it (DeepEP flips per call).

@@ -13,9 +13,11 @@ use std::fmt;
 pub enum DeepepStatus {
     /// The call did what it says; deepep_last_error() is "".
     DEEPEP_SUCCESS = 0,
-    /// An argument is null, out of range, or has the wrong dtype/shape; also a bad
-    /// DEEPEP_* environment variable at Buffer creation, and bad input a kernel found
-    /// (reported by the next op on the buffer, which stays usable).
+    /// An argument is null, out of range (a size or count whose arithmetic would overflow
+    /// included), misaligned, or has the wrong dtype/shape; a handle that was freed, never
+    /// created or is of another kind; also a bad DEEPEP_* environment variable at Buffer
+    /// creation, and bad input a kernel found (reported by the next op on the buffer, which
+    /// stays usable).
     DEEPEP_ERROR_INVALID_ARGUMENT = 1,
     /// No CUDA driver or no CUDA device.
     DEEPEP_ERROR_NO_DEVICE = 2,

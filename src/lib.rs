@@ -8,6 +8,7 @@ pub mod cuda;
 mod env;
 pub mod error;
 mod faults;
+mod handles;
 pub mod kernels;
 pub mod layout;
 mod log;

@@ -63,11 +63,14 @@ pub struct DeepepTensor {
     pub strides: [i64; DEEPEP_MAX_DIMS],
 }
 
-/// A descriptor that passed [`check`]: dtype and dims are known-good.
+/// A descriptor that passed [`check`]: dtype and dims are known-good, its element count and
+/// its extent in bytes fit an i64, and a non-empty one's data is non-NULL, aligned to its
+/// elements and does not run past the end of the address space.
 #[derive(Clone, Copy, Debug)]
 pub struct TensorView<'a> {
     pub raw: &'a DeepepTensor,
     pub dtype: DeepepDtype,
+    numel: i64,
 }
 
 impl TensorView<'_> {
@@ -75,7 +78,7 @@ impl TensorView<'_> {
         &self.raw.shape[..self.raw.ndim as usize]
     }
     pub fn numel(&self) -> i64 {
-        self.dims().iter().product()
+        self.numel
     }
     pub fn ptr(&self) -> *mut std::os::raw::c_void {
         self.raw.data
@@ -93,8 +96,9 @@ pub fn check<'a>(
     let Some(t) = tensor else {
         return Err(crate::error::Error::invalid(format!("{name} must not be NULL")));
     };
-    let dtype = check_dtype_and_dims(name, t, dtypes, ndim)?;
+    let (dtype, numel) = check_dtype_and_dims(name, t, dtypes, ndim)?;
     let dims = &t.shape[..ndim];
+    // numel fits an i64 (checked above), so no partial product below overflows.
     let mut expected = 1i64;
     for d in (0..ndim).rev() {
         // Size-1 dims may carry any stride (torch does this), as may empty tensors.
@@ -105,11 +109,12 @@ pub fn check<'a>(
         );
         expected = expected.saturating_mul(t.shape[d].max(1));
     }
-    non_null(name, TensorView { raw: t, dtype })
+    in_memory(name, TensorView { raw: t, dtype, numel })
 }
 
-/// dtype (one of `dtypes`), `ndim` dimensions, none negative.
-fn check_dtype_and_dims(name: &str, t: &DeepepTensor, dtypes: &[DeepepDtype], ndim: usize) -> Result<DeepepDtype> {
+/// dtype (one of `dtypes`), `ndim` dimensions, none negative, and a number of elements that
+/// fits an i64 (returned with the dtype).
+fn check_dtype_and_dims(name: &str, t: &DeepepTensor, dtypes: &[DeepepDtype], ndim: usize) -> Result<(DeepepDtype, i64)> {
     let dtype = DeepepDtype::from_code(t.dtype)
         .ok_or_else(|| crate::error::Error::invalid(format!("{name}: unknown dtype code {}", t.dtype)))?;
     ensure_arg!(
@@ -121,11 +126,44 @@ fn check_dtype_and_dims(name: &str, t: &DeepepTensor, dtypes: &[DeepepDtype], nd
     ensure_arg!(t.ndim as usize == ndim, "{name} must be {ndim}-D, got {}-D", t.ndim);
     let dims = &t.shape[..ndim];
     ensure_arg!(dims.iter().all(|d| *d >= 0), "{name} has a negative dimension: {dims:?}");
-    Ok(dtype)
+    let numel = dims.iter().try_fold(1i64, |n, d| n.checked_mul(*d));
+    let numel = numel.ok_or_else(|| {
+        crate::error::Error::invalid(format!("{name} has shape {dims:?}: more elements than a 64-bit count holds"))
+    })?;
+    Ok((dtype, numel))
 }
 
-fn non_null<'a>(name: &str, view: TensorView<'a>) -> Result<TensorView<'a>> {
-    ensure_arg!(view.numel() == 0 || !view.raw.data.is_null(), "{name} has a NULL data pointer");
+/// Bytes from the first element of a view to the end of its last (strides in elements, none
+/// negative; 0 for an empty view), or None past i64.
+fn extent_bytes(dims: &[i64], strides: &[i64], elem_bytes: i64) -> Option<i64> {
+    if dims.contains(&0) {
+        return Some(0);
+    }
+    let last = dims.iter().zip(strides).try_fold(0i64, |at, (d, s)| (d - 1).checked_mul(*s)?.checked_add(at))?;
+    last.checked_add(1)?.checked_mul(elem_bytes)
+}
+
+/// A non-empty view's memory: its extent in bytes fits an i64, its data is non-NULL, aligned to
+/// its elements (a misaligned access faults on the GPU) and its last byte lies inside the
+/// address space.
+fn in_memory<'a>(name: &str, view: TensorView<'a>) -> Result<TensorView<'a>> {
+    let (dims, strides) = (view.dims(), &view.raw.strides[..view.raw.ndim as usize]);
+    let size = view.dtype.size();
+    let bytes = extent_bytes(dims, strides, size).ok_or_else(|| {
+        crate::error::Error::invalid(format!(
+            "{name} has shape {dims:?} and strides {strides:?}: it spans more bytes than a 64-bit size holds"
+        ))
+    })?;
+    if view.numel() == 0 {
+        return Ok(view);
+    }
+    let data = view.raw.data;
+    ensure_arg!(!data.is_null(), "{name} has a NULL data pointer");
+    check_alignment(name, &view, size, &format!("an address aligned to its {size}-byte {} elements", view.dtype.name()))?;
+    ensure_arg!(
+        (data as usize).checked_add(bytes as usize).is_some(),
+        "{name}: {bytes} bytes from {data:p} run past the end of the address space"
+    );
     Ok(view)
 }
 
@@ -148,9 +186,9 @@ pub fn check_opt<'a>(
 /// Like [`check`] but any strides are accepted (e.g. column-major FP8 scales);
 /// strides must be non-negative.
 pub fn check_strided<'a>(name: &str, t: &'a DeepepTensor, dtypes: &[DeepepDtype], ndim: usize) -> Result<TensorView<'a>> {
-    let dtype = check_dtype_and_dims(name, t, dtypes, ndim)?;
+    let (dtype, numel) = check_dtype_and_dims(name, t, dtypes, ndim)?;
     ensure_arg!(t.strides[..ndim].iter().all(|s| *s >= 0), "{name} has a negative stride: {:?}", &t.strides[..ndim]);
-    non_null(name, TensorView { raw: t, dtype })
+    in_memory(name, TensorView { raw: t, dtype, numel })
 }
 
 impl DeepepDtype {
@@ -165,11 +203,17 @@ impl DeepepDtype {
     }
 }
 
-/// Row copies use 16-byte vector and bulk (TMA) accesses.
+/// Row copies use 16-byte vector and bulk (TMA) accesses: every op checks each tensor its
+/// kernels move that way with this (normal mode's rows, LL mode's x, packed rows and outputs).
 pub fn check_aligned16(name: &str, view: &TensorView<'_>) -> Result<()> {
+    check_alignment(name, view, 16, "a 16-byte aligned address")
+}
+
+/// The one alignment check: a non-empty view's data is a multiple of `bytes`.
+fn check_alignment(name: &str, view: &TensorView<'_>, bytes: i64, what: &str) -> Result<()> {
     ensure_arg!(
-        view.numel() == 0 || (view.ptr() as usize) % 16 == 0,
-        "{name} must start at a 16-byte aligned address (got {:p}); pass a fresh or .contiguous() tensor",
+        view.numel() == 0 || (view.ptr() as usize) % bytes as usize == 0,
+        "{name} must start at {what} (got {:p}); pass a fresh or .contiguous() tensor",
         view.ptr()
     );
     Ok(())
@@ -186,8 +230,8 @@ mod tests {
     use super::*;
     use DeepepDtype::*;
 
-    fn tensor(dtype: DeepepDtype, shape: &[i64]) -> (Vec<u8>, DeepepTensor) {
-        let mut buf = vec![0u8; 64];
+    fn tensor(dtype: DeepepDtype, shape: &[i64]) -> (Vec<u64>, DeepepTensor) {
+        let mut buf = vec![0u64; 8];
         let mut t = DeepepTensor {
             data: buf.as_mut_ptr().cast(),
             dtype: dtype as i32,
@@ -223,6 +267,48 @@ mod tests {
         assert!(err.message.contains("contiguous"), "{}", err.message);
         t.dtype = 99;
         assert!(check("x", Some(&t), &[DEEPEP_DTYPE_INT64], 2).unwrap_err().message.contains("unknown dtype"));
+    }
+
+    #[test]
+    fn sizes_past_64_bits_are_errors_naming_the_tensor() {
+        let (_b, mut t) = tensor(DEEPEP_DTYPE_INT64, &[4, 8]);
+        // Elements: 2^40 * 2^40 (contiguous strides saturate; the count is what overflows).
+        t.shape[..2].copy_from_slice(&[1 << 40, 1 << 40]);
+        t.strides[..2].copy_from_slice(&[1 << 40, 1]);
+        let err = check("topk_idx", Some(&t), &[DEEPEP_DTYPE_INT64], 2).unwrap_err();
+        assert_eq!(err.message, "topk_idx has shape [1099511627776, 1099511627776]: more elements than a 64-bit count holds");
+        // Few elements, but strides that put the last one past i64.
+        t.shape[..2].copy_from_slice(&[2, 2]);
+        t.strides[..2].copy_from_slice(&[i64::MAX, 1]);
+        let err = check_strided("x_scales", &t, &[DEEPEP_DTYPE_INT64], 2).unwrap_err();
+        assert_eq!(err.message, "x_scales has shape [2, 2] and strides [9223372036854775807, 1]: it spans more bytes than a 64-bit size holds");
+        // Elements that fit, bytes that do not: 2^61 int64s.
+        t.shape[..2].copy_from_slice(&[1 << 30, 1 << 31]);
+        t.strides[..2].copy_from_slice(&[1 << 31, 1]);
+        assert!(check("x", Some(&t), &[DEEPEP_DTYPE_INT64], 2).unwrap_err().message.contains("spans more bytes than a 64-bit size"));
+        // An empty view spans nothing, whatever its other dims.
+        t.shape[..2].copy_from_slice(&[0, i64::MAX]);
+        t.strides[..2].copy_from_slice(&[i64::MAX, 1]);
+        assert_eq!(check("x", Some(&t), &[DEEPEP_DTYPE_INT64], 2).unwrap().numel(), 0);
+    }
+
+    #[test]
+    fn data_must_be_aligned_to_its_elements_and_inside_the_address_space() {
+        let (_b, mut t) = tensor(DEEPEP_DTYPE_INT64, &[2, 2]);
+        let base = t.data as usize;
+        t.data = (base + 4) as *mut _;
+        let err = check("layout_range", Some(&t), &[DEEPEP_DTYPE_INT64], 2).unwrap_err();
+        assert!(err.message.starts_with("layout_range must start at an address aligned to its 8-byte int64 elements (got 0x"), "{}", err.message);
+        t.dtype = DEEPEP_DTYPE_INT32 as i32;
+        assert!(check("src_info", Some(&t), &[DEEPEP_DTYPE_INT32], 2).is_ok(), "4 bytes in: aligned for int32");
+        let v = check("src_info", Some(&t), &[DEEPEP_DTYPE_INT32], 2).unwrap();
+        assert!(check_aligned16("src_info", &v).unwrap_err().message.contains("must start at a 16-byte aligned address"));
+        t.data = (usize::MAX - 7) as *mut _;
+        let err = check("src_info", Some(&t), &[DEEPEP_DTYPE_INT32], 2).unwrap_err();
+        assert!(err.message.contains("16 bytes from 0xfffffffffffffff8 run past the end of the address space"), "{}", err.message);
+        t.shape[..2].copy_from_slice(&[0, 2]);
+        t.data = 0x3 as *mut _;
+        assert!(check("src_info", Some(&t), &[DEEPEP_DTYPE_INT32], 2).is_ok(), "an empty view's address is not used");
     }
 
     #[test]

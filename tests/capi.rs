@@ -355,3 +355,332 @@ fn dtype_sizes_come_from_the_library() {
     assert_eq!(deepep_dtype_size(0), 0);
     assert_eq!(deepep_dtype_size(99), 0);
 }
+
+// --- Buffer handles: values checked against the library's registry, never dereferenced ---------
+
+use deepep_nccl::buffer::BufferArgs;
+
+fn host_only_buffer(rank: i32, num_ranks: i32, low_latency_mode: bool) -> *mut DeepepBuffer {
+    let args = BufferArgs {
+        rank,
+        num_ranks,
+        num_nvl_bytes: 1 << 30,
+        num_rdma_bytes: if low_latency_mode { 1 << 30 } else { 0 },
+        low_latency_mode,
+        explicitly_destroy: false,
+        enable_shrink: true,
+    };
+    testing::buffer_without_resources(args, 132)
+}
+
+/// Every C ABI entry that takes a buffer handle except deepep_buffer_free, called with `buf` and
+/// benign other arguments (valid out-params, all-absent args structs): (name, status, message).
+fn every_buffer_entry(buf: *mut DeepepBuffer) -> Vec<(&'static str, DeepepStatus, String)> {
+    use deepep_nccl::ll::combine::DeepepLowLatencyCombineArgs;
+    use deepep_nccl::ll::dispatch::DeepepLowLatencyDispatchArgs;
+    use deepep_nccl::normal::combine::DeepepIntranodeCombineArgs;
+    use deepep_nccl::normal::dispatch::{DeepepIntranodeDispatchArgs, DeepepIntranodeDispatchOutputs};
+    use deepep_nccl::outputs::DeepepOutputs;
+    // SAFETY: plain old data of ints and descriptors; all-zero is all absent.
+    let (ll_dispatch, ll_combine, dispatch, outputs, combine): (
+        DeepepLowLatencyDispatchArgs,
+        DeepepLowLatencyCombineArgs,
+        DeepepIntranodeDispatchArgs,
+        DeepepIntranodeDispatchOutputs,
+        DeepepIntranodeCombineArgs,
+    ) = unsafe { (std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed()) };
+    let t = DeepepTensor { data: ptr::null_mut(), dtype: 0, ndim: 0, shape: [0; 4], strides: [0; 4] };
+    let (mut i, mut flag, mut p, mut n, mut o, mut view, mut list) =
+        (0i32, false, ptr::null_mut(), 0i64, DeepepOutputs::default(), t, [0i32; 4]);
+    let s = ptr::null_mut();
+    let mut calls = Vec::new();
+    // Each call's status and this thread's message, read right after it.
+    macro_rules! call {
+        ($name:expr, $status:expr) => {{
+            let status = $status;
+            calls.push(($name, status, last_error()));
+        }};
+    }
+    call!("destroy", deepep_buffer_destroy(buf));
+    call!("get_rank", deepep_buffer_get_rank(buf, &mut i));
+    call!("get_num_ranks", deepep_buffer_get_num_ranks(buf, &mut i));
+    call!("get_num_rdma_ranks", deepep_buffer_get_num_rdma_ranks(buf, &mut i));
+    call!("get_rdma_rank", deepep_buffer_get_rdma_rank(buf, &mut i));
+    call!("get_local_device_id", deepep_buffer_get_local_device_id(buf, &mut i));
+    call!("get_num_device_sms", deepep_buffer_get_num_device_sms(buf, &mut i));
+    call!("get_root_rdma_rank", deepep_buffer_get_root_rdma_rank(buf, true, &mut i));
+    call!("is_available", deepep_buffer_is_available(buf, &mut flag));
+    call!("get_local_buffer", deepep_buffer_get_local_buffer(buf, false, &mut p, &mut n));
+    call!("get_comm_stream", deepep_buffer_get_comm_stream(buf, &mut p));
+    call!("barrier", deepep_buffer_barrier(buf));
+    call!("check_peers", deepep_buffer_check_peers(buf));
+    call!("set_gpu_timeout_ms", deepep_buffer_set_gpu_timeout_ms(buf, 10));
+    call!("get_dispatch_layout", deepep_get_dispatch_layout(buf, &t, 8, &t, ptr::null(), &t, &t, s));
+    call!("get_dispatch_layout_outputs", deepep_get_dispatch_layout_outputs(buf, 16, 8, &mut o));
+    call!("low_latency_dispatch_outputs", deepep_low_latency_dispatch_outputs(buf, 128, 7168, 288, false, false, &mut o));
+    call!("low_latency_combine_outputs", deepep_low_latency_combine_outputs(buf, 16, 7168, &mut o));
+    call!("low_latency_dispatch", deepep_low_latency_dispatch(buf, &ll_dispatch, s, &mut i));
+    call!("low_latency_combine", deepep_low_latency_combine(buf, &ll_combine, s, &mut i));
+    call!("clean_low_latency_buffer", deepep_clean_low_latency_buffer(buf, 128, 7168, 288, s));
+    call!("get_next_low_latency_combine_buffer", deepep_get_next_low_latency_combine_buffer(buf, 128, 7168, 288, &mut view));
+    call!("low_latency_update_mask_buffer", deepep_low_latency_update_mask_buffer(buf, 0, true, s));
+    call!("low_latency_query_mask_buffer", deepep_low_latency_query_mask_buffer(buf, &t, s));
+    call!("low_latency_clean_mask_buffer", deepep_low_latency_clean_mask_buffer(buf, s));
+    call!("intranode_dispatch_prepare", deepep_intranode_dispatch_prepare(buf, &dispatch, &mut i, list.as_mut_ptr(), 4, s));
+    call!("intranode_dispatch", deepep_intranode_dispatch(buf, &dispatch, &outputs, s));
+    call!("intranode_combine", deepep_intranode_combine(buf, &combine, s));
+    call!("intranode_dispatch_handle_outputs", deepep_intranode_dispatch_handle_outputs(buf, &dispatch, &mut o));
+    call!("intranode_dispatch_outputs", deepep_intranode_dispatch_outputs(buf, &dispatch, 5, &mut o));
+    call!("intranode_combine_outputs", deepep_intranode_combine_outputs(buf, &combine, &mut o));
+    calls
+}
+
+#[test]
+fn every_entry_taking_a_buffer_handle_is_exercised() {
+    let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/deepep_nccl.h")).unwrap();
+    let in_header = header.matches("(const DeepepBuffer *buf").count() + header.matches("(DeepepBuffer *buf").count();
+    // every_buffer_entry calls all of them but deepep_buffer_free, which the tests below call.
+    assert_eq!(every_buffer_entry(ptr::null_mut()).len() + 1, in_header, "a new entry takes a buffer handle: add it");
+}
+
+#[test]
+fn null_made_up_freed_and_twice_freed_handles_are_named_errors_everywhere() {
+    let live = host_only_buffer(1, 4, true);
+    let mut rank = -1;
+    assert_eq!(deepep_buffer_get_rank(live, &mut rank), DEEPEP_SUCCESS, "{}", last_error());
+    assert_eq!(rank, 1);
+    let freed = host_only_buffer(0, 2, false);
+    assert_eq!(deepep_buffer_free(freed), DEEPEP_SUCCESS, "{}", last_error());
+    let local = 0u64;
+    let live_bits = live as usize;
+    let made_up: [(usize, &str); 7] = [
+        (0x1, "was never created: it is not a deepep-nccl handle"),
+        (0xdead_beef, "was never created: it is not a deepep-nccl handle"),
+        (&local as *const u64 as usize, "was never created: it is not a deepep-nccl handle"),
+        (usize::MAX, "was never created: it is not a deepep-nccl handle"),
+        // A live handle's tag and kind with a generation its slot never had.
+        (live_bits + (1 << 20), "was never created: deepep_buffer_create gave out no buffer handle"),
+        // ... with a slot never used.
+        ((live_bits & !0xffff) | 0xfff0, "was never created: deepep_buffer_create gave out no buffer handle"),
+        // ... with a kind byte that is no handle kind.
+        (live_bits ^ (0x80 << 40), "was never created: it has no valid handle kind"),
+    ];
+    let mut cases: Vec<(usize, String)> = vec![(0, "buffer must not be NULL".into())];
+    cases.push((freed as usize, format!("buffer ({:#x}) was destroyed: deepep_buffer_free released this buffer handle", freed as usize)));
+    cases.extend(made_up.iter().map(|(h, m)| (*h, format!("buffer ({h:#x}) {m}"))));
+    for (handle, message) in &cases {
+        let handle = *handle as *mut DeepepBuffer;
+        for (name, status, error) in every_buffer_entry(handle) {
+            assert_eq!(status, DEEPEP_ERROR_INVALID_ARGUMENT, "{name}({handle:p}): {error}");
+            let message = if handle.is_null() { "buffer must not be NULL" } else { message };
+            assert!(error.contains(message), "{name}({handle:p}): {error:?} lacks {message:?}");
+        }
+        if handle.is_null() {
+            assert_eq!(deepep_buffer_free(handle), DEEPEP_SUCCESS, "free(NULL) is a no-op");
+        } else {
+            expect_err(deepep_buffer_free(handle), DEEPEP_ERROR_INVALID_ARGUMENT, message);
+        }
+    }
+    // None of that touched the live handle.
+    assert_eq!(deepep_buffer_get_rank(live, &mut rank), DEEPEP_SUCCESS, "{}", last_error());
+    assert_eq!(deepep_buffer_free(live), DEEPEP_SUCCESS);
+    expect_err(deepep_buffer_free(live), DEEPEP_ERROR_INVALID_ARGUMENT, "was destroyed");
+}
+
+#[test]
+fn a_live_handle_reaches_argument_checks_and_never_the_gpu() {
+    for low_latency in [false, true] {
+        let buf = host_only_buffer(0, 8, low_latency);
+        let mut n = 0;
+        assert_eq!(deepep_buffer_get_num_ranks(buf, &mut n), DEEPEP_SUCCESS);
+        assert_eq!(n, 8);
+        let mut available = true;
+        assert_eq!(deepep_buffer_is_available(buf, &mut available), DEEPEP_SUCCESS);
+        assert!(!available, "a buffer without resources is not available");
+        for (name, status, error) in every_buffer_entry(buf) {
+            // Only answers from the host: success, a refused argument, or "no resources".
+            assert!(
+                matches!(status, DEEPEP_SUCCESS | DEEPEP_ERROR_INVALID_ARGUMENT | DEEPEP_ERROR_NOT_AVAILABLE),
+                "{name}: {status:?}: {error}"
+            );
+            assert!(!error.contains("buffer ("), "{name}: a live handle was refused: {error}");
+        }
+        assert_eq!(deepep_buffer_free(buf), DEEPEP_SUCCESS);
+    }
+}
+
+#[test]
+fn handles_are_released_once_and_slots_reused_with_new_generations() {
+    let first = host_only_buffer(0, 2, false);
+    assert!(testing::live_buffers() >= 1);
+    assert_eq!(deepep_buffer_free(first), DEEPEP_SUCCESS);
+    let mut handles = Vec::new();
+    for _ in 0..64 {
+        let b = host_only_buffer(0, 2, false);
+        assert_ne!(b, first, "a reused slot never gives out a freed handle's value again");
+        handles.push(b);
+    }
+    let mut rank = 0;
+    expect_err(deepep_buffer_get_rank(first, &mut rank), DEEPEP_ERROR_INVALID_ARGUMENT, "was destroyed");
+    for b in handles {
+        assert_eq!(deepep_buffer_get_rank(b, &mut rank), DEEPEP_SUCCESS);
+        assert_eq!(deepep_buffer_free(b), DEEPEP_SUCCESS);
+    }
+}
+
+#[test]
+fn sizes_that_overflow_are_errors_naming_the_argument() {
+    use deepep_nccl::ll::dispatch::DeepepLowLatencyDispatchArgs;
+    use deepep_nccl::normal::dispatch::DeepepIntranodeDispatchArgs;
+    use deepep_nccl::outputs::DeepepOutputs;
+    let normal = host_only_buffer(0, 8, false);
+    let ll = host_only_buffer(0, 8, true);
+    let huge = |dtype: DeepepDtype| DeepepTensor {
+        data: 0x10000 as *mut _,
+        dtype: dtype as i32,
+        ndim: 2,
+        shape: [1 << 40, 1 << 40, 0, 0],
+        strides: [1 << 40, 1, 0, 0],
+    };
+    let absent = DeepepTensor { data: ptr::null_mut(), dtype: 0, ndim: 0, shape: [0; 4], strides: [0; 4] };
+    let elements = "has shape [1099511627776, 1099511627776]: more elements than a 64-bit count holds";
+
+    let topk = huge(DeepepDtype::DEEPEP_DTYPE_INT64);
+    let status = deepep_get_dispatch_layout(normal, &topk, 64, &absent, ptr::null(), &absent, &absent, ptr::null_mut());
+    expect_err(status, DEEPEP_ERROR_INVALID_ARGUMENT, &format!("topk_idx {elements}"));
+
+    let mut o = DeepepOutputs::default();
+    expect_err(
+        deepep_get_dispatch_layout_outputs(normal, i64::MAX, 64, &mut o),
+        DEEPEP_ERROR_INVALID_ARGUMENT,
+        "is_token_in_rank would have shape [9223372036854775807, 8]: more bytes than a 64-bit size holds",
+    );
+
+    // SAFETY: plain old data; all-zero is all absent.
+    let mut dispatch: DeepepIntranodeDispatchArgs = unsafe { std::mem::zeroed() };
+    dispatch.x = huge(DeepepDtype::DEEPEP_DTYPE_BFLOAT16);
+    expect_err(deepep_intranode_dispatch_handle_outputs(normal, &dispatch, &mut o), DEEPEP_ERROR_INVALID_ARGUMENT, &format!("x {elements}"));
+    // Elements that fit, bytes that do not (2^62 bfloat16 elements = 2^63 bytes).
+    dispatch.x.shape[..2].copy_from_slice(&[1 << 31, 1 << 31]);
+    dispatch.x.strides[..2].copy_from_slice(&[1 << 31, 1]);
+    expect_err(deepep_intranode_dispatch_handle_outputs(normal, &dispatch, &mut o), DEEPEP_ERROR_INVALID_ARGUMENT, "x has shape [2147483648, 2147483648] and strides [2147483648, 1]: it spans more bytes");
+
+    // SAFETY: as above.
+    let mut ll_args: DeepepLowLatencyDispatchArgs = unsafe { std::mem::zeroed() };
+    ll_args.x = huge(DeepepDtype::DEEPEP_DTYPE_BFLOAT16);
+    ll_args.phases = 3;
+    let mut idx = 0;
+    expect_err(deepep_low_latency_dispatch(ll, &ll_args, ptr::null_mut(), &mut idx), DEEPEP_ERROR_INVALID_ARGUMENT, &format!("x {elements}"));
+
+    expect_err(deepep_buffer_set_gpu_timeout_ms(normal, u64::MAX), DEEPEP_ERROR_INVALID_ARGUMENT, "timeout_ms (18446744073709551615) is more nanoseconds than a uint64_t holds");
+    assert_eq!(deepep_buffer_set_gpu_timeout_ms(normal, u64::MAX / 1_000_000), DEEPEP_SUCCESS);
+
+    // A unique id length no slice is built over.
+    let id = [0u8; DEEPEP_UNIQUE_ID_BYTES];
+    let mut buf = ptr::null_mut();
+    let status = deepep_buffer_create(0, 2, id.as_ptr(), usize::MAX, 1 << 20, 0, false, false, false, &mut buf);
+    expect_err(status, DEEPEP_ERROR_INVALID_ARGUMENT, "unique_id must be 128 bytes (an ncclUniqueId), got 18446744073709551615");
+    assert!(buf.is_null());
+
+    assert_eq!(deepep_buffer_free(normal), DEEPEP_SUCCESS);
+    assert_eq!(deepep_buffer_free(ll), DEEPEP_SUCCESS);
+}
+
+/// A contiguous descriptor of `shape` at a fake device address (never read on the host).
+fn described(dtype: DeepepDtype, shape: &[i64], address: usize) -> DeepepTensor {
+    let mut t = DeepepTensor { data: address as *mut _, dtype: dtype as i32, ndim: shape.len() as i32, shape: [0; 4], strides: [0; 4] };
+    let mut step = 1;
+    for d in (0..shape.len()).rev() {
+        t.shape[d] = shape[d];
+        t.strides[d] = step;
+        step *= shape[d].max(1);
+    }
+    t
+}
+
+#[test]
+fn low_latency_ops_check_16_byte_alignment_of_the_rows_they_move() {
+    use deepep_nccl::ll::combine::DeepepLowLatencyCombineArgs;
+    use deepep_nccl::ll::dispatch::DeepepLowLatencyDispatchArgs;
+    use deepep_nccl::outputs::DeepepOutputs;
+    use DeepepDtype::*;
+    let buf = host_only_buffer(0, 8, true);
+    let (m, h, e, r, t, k) = (128i64, 7168i64, 288i32, 8i64, 17i64, 8i64);
+    let el = e as i64 / r;
+    let base = 1usize << 32; // fake, 16-byte aligned device addresses, far apart
+    let at = |i: usize| base + (i << 36);
+
+    let mut o = DeepepOutputs::default();
+    assert_eq!(deepep_low_latency_dispatch_outputs(buf, m, h, e, false, false, &mut o), DEEPEP_SUCCESS, "{}", last_error());
+    let mut outs = o.tensors;
+    for (i, d) in outs.iter_mut().enumerate().filter(|(_, d)| d.dtype != 0) {
+        d.data = at(10 + i) as *mut _;
+    }
+    let dispatch = DeepepLowLatencyDispatchArgs {
+        x: described(DEEPEP_DTYPE_BFLOAT16, &[t, h], at(0)),
+        topk_idx: described(DEEPEP_DTYPE_INT64, &[t, k], at(1)),
+        cumulative_local_expert_recv_stats: described(DEEPEP_DTYPE_INT32, &[el], at(2)),
+        dispatch_wait_recv_cost_stats: described(DEEPEP_DTYPE_INT64, &[r], at(3)),
+        packed_recv_x: outs[0],
+        packed_recv_x_scales: outs[1],
+        packed_recv_count: outs[2],
+        packed_recv_src_info: outs[3],
+        packed_recv_layout_range: outs[4],
+        num_max_dispatch_tokens_per_rank: m as i32,
+        num_experts: e,
+        use_fp8: 0,
+        round_scale: 0,
+        use_ue8m0: 0,
+        phases: 3,
+    };
+    let mut idx = 0;
+    // Everything valid: the call gets past every check, to the missing GPU resources.
+    expect_err(deepep_low_latency_dispatch(buf, &dispatch, ptr::null_mut(), &mut idx), DEEPEP_ERROR_NOT_AVAILABLE, "destroyed");
+    let misaligned = |mut a: DeepepLowLatencyDispatchArgs, edit: fn(&mut DeepepLowLatencyDispatchArgs)| {
+        edit(&mut a);
+        a
+    };
+    for (args, name) in [
+        (misaligned(dispatch, |a| a.x.data = (a.x.data as usize + 8) as *mut _), "x"),
+        (misaligned(dispatch, |a| a.packed_recv_x.data = (a.packed_recv_x.data as usize + 2) as *mut _), "packed_recv_x"),
+    ] {
+        expect_err(
+            deepep_low_latency_dispatch(buf, &args, ptr::null_mut(), &mut idx),
+            DEEPEP_ERROR_INVALID_ARGUMENT,
+            &format!("{name} must start at a 16-byte aligned address"),
+        );
+    }
+    // Per-element tensors need only their elements' alignment.
+    let a = misaligned(dispatch, |a| a.topk_idx.data = (a.topk_idx.data as usize + 8) as *mut _);
+    expect_err(deepep_low_latency_dispatch(buf, &a, ptr::null_mut(), &mut idx), DEEPEP_ERROR_NOT_AVAILABLE, "destroyed");
+    let a = misaligned(dispatch, |a| a.topk_idx.data = (a.topk_idx.data as usize + 4) as *mut _);
+    expect_err(deepep_low_latency_dispatch(buf, &a, ptr::null_mut(), &mut idx), DEEPEP_ERROR_INVALID_ARGUMENT, "topk_idx must start at an address aligned to its 8-byte int64 elements");
+
+    let combine = DeepepLowLatencyCombineArgs {
+        x: described(DEEPEP_DTYPE_BFLOAT16, &[el, r * m, h], at(20)),
+        topk_idx: described(DEEPEP_DTYPE_INT64, &[t, k], at(21)),
+        topk_weights: described(DEEPEP_DTYPE_FLOAT32, &[t, k], at(22)),
+        src_info: described(DEEPEP_DTYPE_INT32, &[el, r * m], at(23)),
+        layout_range: described(DEEPEP_DTYPE_INT64, &[el, r], at(24)),
+        combine_wait_recv_cost_stats: described(DEEPEP_DTYPE_INT64, &[r], at(25)),
+        out: described(DEEPEP_DTYPE_BFLOAT16, &[t, h], at(26)),
+        num_max_dispatch_tokens_per_rank: m as i32,
+        num_experts: e,
+        use_logfmt: 0,
+        zero_copy: 0,
+        phases: 3,
+        reserved: 0,
+    };
+    expect_err(deepep_low_latency_combine(buf, &combine, ptr::null_mut(), &mut idx), DEEPEP_ERROR_NOT_AVAILABLE, "destroyed");
+    for name in ["x", "out"] {
+        let mut a = combine;
+        let d = if name == "x" { &mut a.x } else { &mut a.out };
+        d.data = (d.data as usize + 2) as *mut _; // aligned for bfloat16, not for 16-byte rows
+        expect_err(
+            deepep_low_latency_combine(buf, &a, ptr::null_mut(), &mut idx),
+            DEEPEP_ERROR_INVALID_ARGUMENT,
+            &format!("{name} must start at a 16-byte aligned address"),
+        );
+    }
+    assert_eq!(deepep_buffer_free(buf), DEEPEP_SUCCESS);
+}

@@ -1,21 +1,84 @@
 //! C ABI: the buffer handle, its queries, and the layout op.
+use std::mem::ManuallyDrop;
+use std::ops::Deref;
 use std::os::raw::{c_int, c_void};
+use std::sync::Arc;
 
 use super::{ffi, out_ref};
 use crate::buffer::{Buffer, BufferArgs};
 use crate::error::{DeepepStatus, Error, Result};
+use crate::handles::{HandleKind, Registry};
 use crate::layout::{self, LayoutArgs};
 use crate::outputs::DeepepOutputs;
 use crate::tensor::DeepepTensor;
 
-/// Opaque handle to one rank's buffer.
+/// Opaque handle to one rank's buffer. A `DeepepBuffer *` is a checked value, not an address:
+/// the library never dereferences it, and a freed, twice-freed or made-up handle is a
+/// DEEPEP_ERROR_INVALID_ARGUMENT naming it (never created, destroyed, or the wrong kind).
 pub struct DeepepBuffer {
-    inner: Buffer,
+    _never_constructed: [u8; 0],
 }
 
-pub(super) fn buffer_ref<'a>(buf: *const DeepepBuffer) -> Result<&'a Buffer> {
-    // SAFETY: callers pass a handle from deepep_buffer_create (not yet freed) or NULL.
-    unsafe { buf.as_ref() }.map(|b| &b.inner).ok_or_else(|| Error::invalid("buffer must not be NULL"))
+/// What a buffer handle refers to: the Buffer, released (Buffer::release) when the last
+/// reference goes, i.e. at deepep_buffer_free or, if another thread is still inside a call
+/// with the handle, when that call returns.
+pub(crate) struct BufferEntry(ManuallyDrop<Buffer>);
+
+impl BufferEntry {
+    pub(super) fn buffer(&self) -> &Buffer {
+        &self.0
+    }
+}
+
+impl Deref for BufferEntry {
+    type Target = Buffer;
+    fn deref(&self) -> &Buffer {
+        &self.0
+    }
+}
+
+impl Drop for BufferEntry {
+    fn drop(&mut self) {
+        // SAFETY: the Buffer is taken once, here, and self.0 is not used afterwards.
+        unsafe { ManuallyDrop::take(&mut self.0) }.release();
+    }
+}
+
+static BUFFERS: Registry<BufferEntry> = Registry::new(HandleKind::Buffer);
+
+/// The live buffer behind a handle (held for the call), or the error naming `buffer`.
+pub(super) fn buffer_ref(buf: *const DeepepBuffer) -> Result<Arc<BufferEntry>> {
+    BUFFERS.get("buffer", buf as usize)
+}
+
+/// Registers a buffer and returns its handle.
+fn register(buffer: Buffer) -> Result<*mut DeepepBuffer> {
+    Ok(BUFFERS.insert(BufferEntry(ManuallyDrop::new(buffer)))? as *mut DeepepBuffer)
+}
+
+/// Hooks for the CPU tests, fuzz targets and benches of the handle checks and argument
+/// validation (not part of the C ABI: nothing here is in the header).
+#[doc(hidden)]
+pub mod testing {
+    use super::*;
+
+    /// A live buffer handle whose Buffer has no GPU resources (as after deepep_buffer_destroy):
+    /// handle checks and argument validation run as for a real one, anything needing the GPU
+    /// returns DEEPEP_ERROR_NOT_AVAILABLE. Release it with deepep_buffer_free.
+    pub fn buffer_without_resources(args: BufferArgs, num_device_sms: i32) -> *mut DeepepBuffer {
+        register(Buffer::without_resources(args, num_device_sms)).expect("room for a test buffer handle")
+    }
+
+    /// One registry lookup of a handle (what every call with a buffer handle does first), for
+    /// bench/handle_lookup.rs: whether the handle is live.
+    pub fn lookup_buffer(buf: *const DeepepBuffer) -> bool {
+        buffer_ref(buf).is_ok()
+    }
+
+    /// Buffer handles alive now.
+    pub fn live_buffers() -> usize {
+        BUFFERS.live()
+    }
 }
 
 /// Collective: all `num_ranks` ranks call this with the same unique id (from
@@ -45,11 +108,23 @@ pub extern "C" fn deepep_buffer_create(
         if unique_id.is_null() {
             return Err(Error::invalid("unique_id must not be NULL"));
         }
-        // SAFETY: unique_id points to unique_id_len readable bytes (caller contract).
-        let id = unsafe { std::slice::from_raw_parts(unique_id, unique_id_len) };
+        if !BUFFERS.has_room() {
+            return Err(Error::invalid(format!(
+                "too many buffer handles alive ({}); free some with deepep_buffer_free first",
+                crate::handles::MAX_SLOTS
+            )));
+        }
         let args = BufferArgs { rank, num_ranks, num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy, enable_shrink };
-        let inner = Buffer::create(args, id)?;
-        *out = Box::into_raw(Box::new(DeepepBuffer { inner }));
+        // Read only once its length is the id's: a slice is never built over a length the caller got wrong.
+        let read_id = || {
+            let id = nccl_sys::NCCL_UNIQUE_ID_BYTES;
+            crate::ensure_arg!(unique_id_len == id, "unique_id must be {id} bytes (an ncclUniqueId), got {unique_id_len}");
+            let mut bytes = [0u8; nccl_sys::NCCL_UNIQUE_ID_BYTES];
+            // SAFETY: unique_id is non-NULL and points to unique_id_len (= id) readable bytes (caller contract).
+            unsafe { std::ptr::copy_nonoverlapping(unique_id, bytes.as_mut_ptr(), id) };
+            Ok(bytes)
+        };
+        *out = register(Buffer::create(args, read_id)?)?;
         Ok(())
     })
 }
@@ -57,7 +132,7 @@ pub extern "C" fn deepep_buffer_create(
 /// Collective teardown (DeepEP's destroy()). The handle stays valid for
 /// queries and must still be released with deepep_buffer_free.
 ///
-/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer); DEEPEP_ERROR_NOT_AVAILABLE
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL, freed or made-up buffer); DEEPEP_ERROR_NOT_AVAILABLE
 /// (already destroyed); DEEPEP_ERROR_TIMEOUT (a peer never reached the teardown barrier);
 /// DEEPEP_ERROR_CUDA; DEEPEP_ERROR_NCCL; DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
@@ -65,18 +140,18 @@ pub extern "C" fn deepep_buffer_destroy(buf: *mut DeepepBuffer) -> DeepepStatus 
     ffi(|| buffer_ref(buf)?.destroy())
 }
 
-/// Releases the handle. Without a prior destroy: tears down collectively if
-/// the buffer was created with explicitly_destroy=false, else warns and leaks.
-/// NULL is a no-op.
+/// Releases the handle; any later use of it (a second free included) is an error naming it.
+/// Without a prior destroy: tears down collectively if the buffer was created with
+/// explicitly_destroy=false, else warns and leaks. NULL is a no-op. If another thread is still
+/// inside a call with this handle, the teardown runs when that call returns.
 ///
-/// Returns: DEEPEP_SUCCESS (a failed teardown is logged, see DEEPEP_LOG); DEEPEP_ERROR_INTERNAL.
+/// Returns: DEEPEP_SUCCESS (a failed teardown is logged, see DEEPEP_LOG); DEEPEP_ERROR_INVALID_ARGUMENT
+/// (an already freed or made-up buffer; nothing is released); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_free(buf: *mut DeepepBuffer) -> DeepepStatus {
     ffi(|| {
         if !buf.is_null() {
-            // SAFETY: buf came from Box::into_raw in deepep_buffer_create and is freed once.
-            let owned = unsafe { Box::from_raw(buf) };
-            owned.inner.release();
+            drop(BUFFERS.remove("buffer", buf as usize)?);
         }
         Ok(())
     })
@@ -85,14 +160,15 @@ pub extern "C" fn deepep_buffer_free(buf: *mut DeepepBuffer) -> DeepepStatus {
 fn int_query(buf: *const DeepepBuffer, out: *mut c_int, value: impl FnOnce(&Buffer) -> c_int) -> DeepepStatus {
     ffi(|| {
         let b = buffer_ref(buf)?;
-        *out_ref("out", out)? = value(b);
+        *out_ref("out", out)? = value(b.buffer());
         Ok(())
     })
 }
 
 /// This rank's index in [0, num_ranks).
 ///
-/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_rank(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.layout.rank)
@@ -100,7 +176,8 @@ pub extern "C" fn deepep_buffer_get_rank(buf: *const DeepepBuffer, out: *mut c_i
 
 /// Number of ranks in the buffer's communicator.
 ///
-/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_num_ranks(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.layout.num_ranks)
@@ -108,7 +185,8 @@ pub extern "C" fn deepep_buffer_get_num_ranks(buf: *const DeepepBuffer, out: *mu
 
 /// max(1, num_ranks / 8), as DeepEP.
 ///
-/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_num_rdma_ranks(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.layout.num_rdma_ranks())
@@ -116,7 +194,8 @@ pub extern "C" fn deepep_buffer_get_num_rdma_ranks(buf: *const DeepepBuffer, out
 
 /// rank / 8, as DeepEP.
 ///
-/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_rdma_rank(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.layout.rdma_rank())
@@ -124,7 +203,8 @@ pub extern "C" fn deepep_buffer_get_rdma_rank(buf: *const DeepepBuffer, out: *mu
 
 /// CUDA device ordinal the buffer lives on.
 ///
-/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_local_device_id(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.device_id)
@@ -132,7 +212,8 @@ pub extern "C" fn deepep_buffer_get_local_device_id(buf: *const DeepepBuffer, ou
 
 /// Streaming multiprocessors on the buffer's device.
 ///
-/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_num_device_sms(buf: *const DeepepBuffer, out: *mut c_int) -> DeepepStatus {
     int_query(buf, out, |b| b.num_device_sms())
@@ -140,7 +221,8 @@ pub extern "C" fn deepep_buffer_get_num_device_sms(buf: *const DeepepBuffer, out
 
 /// DeepEP's get_root_rdma_rank(global): global ? rank % 8 : 0.
 ///
-/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_get_root_rdma_rank(buf: *const DeepepBuffer, global: bool, out: *mut c_int) -> DeepepStatus {
     ffi(|| {
@@ -151,7 +233,8 @@ pub extern "C" fn deepep_buffer_get_root_rdma_rank(buf: *const DeepepBuffer, glo
 
 /// True after a successful create and until destroy (or a GPU wait timeout).
 ///
-/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or out); DEEPEP_ERROR_INTERNAL.
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
+/// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_is_available(buf: *const DeepepBuffer, out: *mut bool) -> DeepepStatus {
     ffi(|| {
@@ -215,15 +298,19 @@ pub extern "C" fn deepep_buffer_check_peers(buf: *const DeepepBuffer) -> DeepepS
 
 /// Budget of every GPU wait of this buffer (default 100 s, or DEEPEP_GPU_TIMEOUT_SECS).
 ///
-/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL buffer or timeout_ms 0);
-/// DEEPEP_ERROR_INTERNAL.
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; timeout_ms 0,
+/// or more nanoseconds than a uint64_t holds); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_set_gpu_timeout_ms(buf: *const DeepepBuffer, timeout_ms: u64) -> DeepepStatus {
     ffi(|| {
+        let buffer = buffer_ref(buf)?;
         if timeout_ms == 0 {
             return Err(Error::invalid("timeout_ms must be positive"));
         }
-        buffer_ref(buf)?.set_timeout_ns(timeout_ms.saturating_mul(1_000_000));
+        let ns = timeout_ms.checked_mul(1_000_000).ok_or_else(|| {
+            Error::invalid(format!("timeout_ms ({timeout_ms}) is more nanoseconds than a uint64_t holds (at most {})", u64::MAX / 1_000_000))
+        })?;
+        buffer.set_timeout_ns(ns);
         Ok(())
     })
 }
@@ -265,7 +352,7 @@ pub extern "C" fn deepep_get_dispatch_layout(
             num_tokens_per_expert: opt(num_tokens_per_expert),
             is_token_in_rank: opt(is_token_in_rank),
         };
-        layout::get_dispatch_layout(buffer_ref(buf)?, &args, stream)
+        layout::get_dispatch_layout(buffer_ref(buf)?.buffer(), &args, stream)
     })
 }
 

@@ -102,7 +102,7 @@ pub extern "C" fn deepep_low_latency_dispatch(
     stream: *mut c_void,
     buffer_idx: *mut c_int,
 ) -> DeepepStatus {
-    ffi(|| dispatch::dispatch(buffer_ref(buf)?, args_ref(args)?, stream, out_ref("buffer_idx", buffer_idx)?))
+    ffi(|| dispatch::dispatch(buffer_ref(buf)?.buffer(), args_ref(args)?, stream, out_ref("buffer_idx", buffer_idx)?))
 }
 
 /// DeepEP's low_latency_combine; see `DeepepLowLatencyCombineArgs`.
@@ -118,7 +118,7 @@ pub extern "C" fn deepep_low_latency_combine(
     stream: *mut c_void,
     buffer_idx: *mut c_int,
 ) -> DeepepStatus {
-    ffi(|| combine::combine(buffer_ref(buf)?, args_ref(args)?, stream, out_ref("buffer_idx", buffer_idx)?))
+    ffi(|| combine::combine(buffer_ref(buf)?.buffer(), args_ref(args)?, stream, out_ref("buffer_idx", buffer_idx)?))
 }
 
 /// Collective: zeroes both halves' signals and resets the half to 0 (call it after
@@ -139,7 +139,7 @@ pub extern "C" fn deepep_clean_low_latency_buffer(
 ) -> DeepepStatus {
     ffi(|| {
         let (m, h, e) = (num_max_dispatch_tokens_per_rank as i64, hidden as i64, num_experts as i64);
-        control::clean(buffer_ref(buf)?, m, h, e, stream)
+        control::clean(buffer_ref(buf)?.buffer(), m, h, e, stream)
     })
 }
 
@@ -163,7 +163,7 @@ pub extern "C" fn deepep_get_next_low_latency_combine_buffer(
         let out = out_ref("out", out)?;
         *out = DeepepOutputs::default().tensors[0];
         *out = control::next_combine_buffer(
-            buffer_ref(buf)?,
+            buffer_ref(buf)?.buffer(),
             num_max_dispatch_tokens_per_rank as i64,
             hidden as i64,
             num_experts as i64,
@@ -185,7 +185,7 @@ pub extern "C" fn deepep_low_latency_update_mask_buffer(
     mask: bool,
     stream: *mut c_void,
 ) -> DeepepStatus {
-    ffi(|| control::update_mask(buffer_ref(buf)?, rank_to_mask, mask, stream))
+    ffi(|| control::update_mask(buffer_ref(buf)?.buffer(), rank_to_mask, mask, stream))
 }
 
 /// Shrink mode: copies the mask (1 = masked) into `mask_status`, an int32 [R] device tensor.
@@ -203,7 +203,7 @@ pub extern "C" fn deepep_low_latency_query_mask_buffer(
     ffi(|| {
         // SAFETY: a valid descriptor pointer or NULL (rejected).
         let t = unsafe { mask_status.as_ref() }.ok_or_else(|| Error::invalid("mask_status must not be NULL"))?;
-        control::query_mask(buffer_ref(buf)?, t, stream)
+        control::query_mask(buffer_ref(buf)?.buffer(), t, stream)
     })
 }
 
@@ -215,5 +215,5 @@ pub extern "C" fn deepep_low_latency_query_mask_buffer(
 /// DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_low_latency_clean_mask_buffer(buf: *const super::DeepepBuffer, stream: *mut c_void) -> DeepepStatus {
-    ffi(|| control::clean_mask(buffer_ref(buf)?, stream))
+    ffi(|| control::clean_mask(buffer_ref(buf)?.buffer(), stream))
 }

@@ -47,10 +47,12 @@ pub extern "C" fn deepep_intranode_dispatch_prepare(
         let list: &mut [i32] = if num_recv_tokens_per_expert.is_null() || per_expert_capacity <= 0 {
             &mut []
         } else {
-            // SAFETY: the caller provides per_expert_capacity writable ints.
-            unsafe { std::slice::from_raw_parts_mut(num_recv_tokens_per_expert, per_expert_capacity as usize) }
+            // At most DEEPEP_MAX_LOCAL_EXPERTS entries are ever written: the slice spans no more.
+            let len = per_expert_capacity.min(super::DEEPEP_MAX_LOCAL_EXPERTS) as usize;
+            // SAFETY: the caller provides per_expert_capacity (>= len) writable ints.
+            unsafe { std::slice::from_raw_parts_mut(num_recv_tokens_per_expert, len) }
         };
-        let prepared = dispatch::prepare(buffer_ref(buf)?, args_ref("args", args)?, stream, list)?;
+        let prepared = dispatch::prepare(buffer_ref(buf)?.buffer(), args_ref("args", args)?, stream, list)?;
         *out = prepared.num_recv_tokens;
         Ok(())
     })
@@ -69,7 +71,7 @@ pub extern "C" fn deepep_intranode_dispatch(
     outputs: *const DeepepIntranodeDispatchOutputs,
     stream: *mut c_void,
 ) -> crate::error::DeepepStatus {
-    ffi(|| dispatch::launch(buffer_ref(buf)?, args_ref("args", args)?, args_ref("outputs", outputs)?, stream))
+    ffi(|| dispatch::launch(buffer_ref(buf)?.buffer(), args_ref("args", args)?, args_ref("outputs", outputs)?, stream))
 }
 
 /// DeepEP's intranode_combine: sums each token's rows over the ranks it was
@@ -85,7 +87,7 @@ pub extern "C" fn deepep_intranode_combine(
     args: *const DeepepIntranodeCombineArgs,
     stream: *mut c_void,
 ) -> crate::error::DeepepStatus {
-    ffi(|| combine::combine(buffer_ref(buf)?, args_ref("args", args)?, stream))
+    ffi(|| combine::combine(buffer_ref(buf)?.buffer(), args_ref("args", args)?, stream))
 }
 
 /// An output query of an op's args (checked before the buffer, so that each NULL is named).
@@ -97,7 +99,7 @@ fn args_query<T>(
 ) -> crate::error::DeepepStatus {
     outputs_query(out, || {
         let args = args_ref("args", args)?;
-        describe(buffer_ref(buf)?, args)
+        describe(buffer_ref(buf)?.buffer(), args)
     })
 }
 

@@ -8,7 +8,7 @@ use crate::ensure_arg;
 use crate::error::Result;
 use crate::kernels::{self, LlCombineParams, LL_MAX_TOPK, LL_PHASE_SEND};
 use crate::outputs::{check_output, DeepepOutputs};
-use crate::tensor::{check, check_opt, check_shape, DeepepDtype::*, DeepepTensor};
+use crate::tensor::{check, check_aligned16, check_opt, check_shape, DeepepDtype::*, DeepepTensor};
 
 /// Arguments of one LL combine (`Buffer::low_latency_combine`). Absent optional
 /// tensors have dtype 0.
@@ -57,6 +57,7 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
     let phases = phases_for(a.phases)?;
     let r = buffer.layout.num_ranks as i64;
     let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16], 3)?;
+    check_aligned16("x", &x)?; // rows read with 16-byte loads
     let (el, rows, h) = (x.dims()[0], x.dims()[1], x.dims()[2]);
     let m = a.num_max_dispatch_tokens_per_rank as i64;
     let shape = LlShape::new(m, h, a.num_experts as i64, r)?;
@@ -71,8 +72,11 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
     check_shape("src_info", &src, &[el, rows])?;
     let range = check("layout_range", Some(&a.layout_range), &[DEEPEP_DTYPE_INT64], 2)?;
     check_shape("layout_range", &range, &[el, r])?;
-    // The caller's out must be exactly what deepep_low_latency_combine_outputs describes.
-    check_output("out", &a.out, outputs(t, h)?.get(0))?;
+    // The caller's out must be exactly what deepep_low_latency_combine_outputs describes; its
+    // rows are written with 16-byte stores.
+    if let Some(out) = check_output("out", &a.out, outputs(t, h)?.get(0))? {
+        check_aligned16("out", &out)?;
+    }
     if let Some(s) = check_opt("combine_wait_recv_cost_stats", &a.combine_wait_recv_cost_stats, &[DEEPEP_DTYPE_INT64], 1)? {
         check_shape("combine_wait_recv_cost_stats", &s, &[r])?;
     }

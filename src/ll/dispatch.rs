@@ -8,7 +8,7 @@ use crate::ensure_arg;
 use crate::error::Result;
 use crate::kernels::{self, LlDispatchParams, LL_MAX_TOPK, LL_PHASE_SEND};
 use crate::outputs::{check_output, DeepepOutputs};
-use crate::tensor::{check, check_opt, check_shape, DeepepDtype, DeepepDtype::*, DeepepTensor};
+use crate::tensor::{check, check_aligned16, check_opt, check_shape, DeepepDtype, DeepepDtype::*, DeepepTensor};
 
 /// Arguments of one LL dispatch (`Buffer::low_latency_dispatch`). The caller
 /// allocates the outputs as deepep_low_latency_dispatch_outputs describes them; absent
@@ -96,11 +96,15 @@ fn output_fields(a: &DeepepLowLatencyDispatchArgs) -> [(&'static str, &DeepepTen
 }
 
 /// The caller's outputs must be exactly what [`outputs`] (deepep_low_latency_dispatch_outputs)
-/// describes for the args' shape and flags.
+/// describes for the args' shape and flags; packed_recv_x, whose rows the receive writes with
+/// 16-byte stores, 16-byte aligned (the others are written per element).
 fn check_outputs(a: &DeepepLowLatencyDispatchArgs, shape: LlShape) -> Result<()> {
     let want = outputs(shape, a.use_fp8 != 0, a.use_ue8m0 != 0)?;
     for (i, (name, given)) in output_fields(a).into_iter().enumerate() {
-        check_output(name, given, want.get(i))?;
+        let view = check_output(name, given, want.get(i))?;
+        if let (0, Some(rows)) = (i, view) {
+            check_aligned16(name, &rows)?;
+        }
     }
     Ok(())
 }
@@ -108,6 +112,7 @@ fn check_outputs(a: &DeepepLowLatencyDispatchArgs, shape: LlShape) -> Result<()>
 fn check_args(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs) -> Result<Checked> {
     let r = buffer.layout.num_ranks as i64;
     let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
+    check_aligned16("x", &x)?; // the send reads its rows with 16-byte loads
     let (t, h) = (x.dims()[0], x.dims()[1]);
     let m = a.num_max_dispatch_tokens_per_rank as i64;
     let shape = LlShape::new(m, h, a.num_experts as i64, r)?;
@@ -225,5 +230,17 @@ mod tests {
         let mut a = args_with_outputs(shape, true, false);
         a.packed_recv_count.data = std::ptr::null_mut();
         assert!(check_outputs(&a, shape).unwrap_err().message.contains("packed_recv_count has a NULL data pointer"));
+        // Rows written with 16-byte stores: 16-byte aligned; the per-element outputs: their elements'.
+        let mut a = args_with_outputs(shape, false, false);
+        a.packed_recv_x.data = 0x1008 as *mut c_void;
+        let err = check_outputs(&a, shape).unwrap_err().message;
+        assert!(err.starts_with("packed_recv_x must start at a 16-byte aligned address (got 0x1008)"), "{err}");
+        let mut a = args_with_outputs(shape, false, false);
+        a.packed_recv_layout_range.data = 0x1008 as *mut c_void;
+        a.packed_recv_count.data = 0x1004 as *mut c_void;
+        check_outputs(&a, shape).unwrap();
+        a.packed_recv_layout_range.data = 0x1004 as *mut c_void;
+        let err = check_outputs(&a, shape).unwrap_err().message;
+        assert!(err.starts_with("packed_recv_layout_range must start at an address aligned to its 8-byte int64"), "{err}");
     }
 }

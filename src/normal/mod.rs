@@ -44,7 +44,18 @@ pub fn check_ranks(num_ranks: i32) -> Result<()> {
 
 /// Every (channel, peer) ring plus its consumed words must fit the NVL region.
 pub fn check_nvl_budget(num_nvl_bytes: i64, op: &str, plan: ChannelPlan, num_ranks: i32, slot_bytes: i64) -> Result<()> {
-    let needed = plan.num_channels as i64 * num_ranks as i64 * plan.ring_tokens as i64 * (slot_bytes + 8);
+    // The ring size comes from the caller's config, the slot from its hidden size and top-k.
+    let needed = (plan.num_channels as i64)
+        .checked_mul(num_ranks as i64)
+        .and_then(|n| n.checked_mul(plan.ring_tokens as i64))
+        .and_then(|n| n.checked_mul(slot_bytes.checked_add(8)?));
+    let Some(needed) = needed else {
+        return Err(crate::error::Error::invalid(format!(
+            "this {op} needs more bytes than a 64-bit size holds: {} channels x {num_ranks} ranks x {} tokens \
+             (config.num_max_nvl_chunked_recv_tokens) x {slot_bytes} B per token",
+            plan.num_channels, plan.ring_tokens
+        )));
+    };
     ensure_arg!(
         needed <= num_nvl_bytes,
         "num_nvl_bytes ({num_nvl_bytes}) is too small for this {op}: {} channels x {num_ranks} ranks x {} tokens \
@@ -67,6 +78,11 @@ fn plan_for(buffer: &Buffer, config: &DeepepConfig, op: &str, slot_bytes: i64) -
         buffer.lsa_size
     );
     let plan = channel_plan(config, buffer.num_device_sms())?;
+    ensure_arg!(
+        slot_bytes <= i32::MAX as i64,
+        "x: a {op} ring slot of {slot_bytes} bytes per token (its hidden size, scales and top-k) is more than the \
+         kernels' 32-bit slot size holds"
+    );
     check_nvl_budget(buffer.args.num_nvl_bytes, op, plan, buffer.layout.num_ranks, slot_bytes)?;
     Ok(plan)
 }
@@ -99,6 +115,15 @@ mod tests {
         check_nvl_budget(hint, "dispatch", plan, 4, slot).unwrap();
         let err = check_nvl_budget(1 << 20, "dispatch", plan, 4, slot).unwrap_err();
         assert!(err.message.starts_with("num_nvl_bytes (1048576) is too small for this dispatch"), "{}", err.message);
+    }
+
+    #[test]
+    fn a_ring_past_64_bits_is_an_error_naming_the_config() {
+        let plan = ChannelPlan { num_channels: 64, ring_tokens: i32::MAX };
+        let err = check_nvl_budget(i64::MAX, "dispatch", plan, 8, i32::MAX as i64 * 4).unwrap_err();
+        assert!(err.message.starts_with("this dispatch needs more bytes than a 64-bit size holds"), "{}", err.message);
+        assert!(err.message.contains("config.num_max_nvl_chunked_recv_tokens"), "{}", err.message);
+        assert!(check_nvl_budget(i64::MAX, "combine", plan, 8, i64::MAX).is_err(), "slot_bytes + 8 overflows");
     }
 
     #[test]

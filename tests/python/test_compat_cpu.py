@@ -710,8 +710,8 @@ def _run_compiled(tmp_path, compiler, source, *flags):
 def test_allocate_planned_follows_the_description(monkeypatch):
     """allocate_planned(output_plan(...)) (with a stand-in torch): outputs sharing an allocation are
     parts of one torch.empty (split when they lie back to back in output order, else views at
-    their offsets), the others one torch.empty each, absent ones None; point_outputs then writes
-    each address into its descriptor."""
+    their offsets), the others one torch.empty each, absent ones None; allocation_recipe with the
+    description also writes each address into its descriptor."""
     import types
 
     from deep_ep_cpp import _lib
@@ -772,7 +772,11 @@ def test_allocate_planned_follows_the_description(monkeypatch):
     tensors = _lib.allocate_planned(_lib.output_plan(o), "dev")
     assert made == [(20, "int32", "dev"), ((8, 4), "bool", "dev")]
     assert tensors == [("int32", (4,), "part", 0), None, ("int32", (16,), "part", 4), ("bool", (8, 4), "dev")]
-    _lib.point_outputs(o, tensors)
+    assert [o.tensors[i].data or 0 for i in range(4)] == [0, 0, 0, 0]  # without `outputs`: no pointers
+    # The recipe with `outputs` allocates the same and writes each address into its descriptor.
+    made.clear()
+    assert list(_lib.allocation_recipe(_lib.output_plan(o), o)("dev")) == tensors
+    assert made == [(20, "int32", "dev"), ((8, 4), "bool", "dev")]
     assert [o.tensors[i].data or 0 for i in range(4)] == [0x1000, 0, 0x1004, 0x2000]
     assert _lib.output_address(o, 3) == ctypes.addressof(o.tensors[3])
     assert (o.tensors[3].ndim, tuple(o.tensors[3].shape[:2])) == (2, (8, 4))  # only the address changed
@@ -847,17 +851,22 @@ def test_output_plans_query_once_per_key():
             return 0
         return run
 
+    def get(plans, key):
+        entry = plans.get(key)
+        return plans.add(key, query(key)) if entry is None else entry
+
     plans = _lib.OutputPlans(limit=2)
-    first = plans.get(5, query(5))
-    assert plans.get(5, query(5)) is first and calls == [5]
-    assert first[1] == ((((5,), (1,), True, _lib.DTYPE_INT32, -1, 0),), ())
-    assert first[2] == (_lib.output_address(first[0], 0),)
-    plans.get(6, query(6))
-    plans.get(7, query(7))  # the third key clears the two held
-    plans.get(5, query(5))
+    assert plans.get(5) is None
+    first = get(plans, 5)
+    assert get(plans, 5) is first and plans.get(5) is first and calls == [5]
+    allocate, addresses = first
+    assert callable(allocate) and len(addresses) == 1 and addresses[0] is not None
+    get(plans, 6)
+    get(plans, 7)  # the third key clears the two held
+    get(plans, 5)
     assert calls == [5, 6, 7, 5]
     with pytest.raises(RuntimeError, match="buffer must not be NULL"):
-        plans.get(8, lambda out: _lib.lib.deepep_get_dispatch_layout_outputs(None, 8, 8, out))
+        plans.add(8, _lib.lib.deepep_get_dispatch_layout_outputs, None, 8, 8)
 
 
 @pytest.mark.parametrize("name, args", [
@@ -875,4 +884,149 @@ def test_every_output_query_takes_what_output_plans_passes(name, args):
 
     query = getattr(_lib.lib, name)
     with pytest.raises(RuntimeError, match="buffer must not be NULL"):
-        _lib.OutputPlans().get("key", lambda out: query(*args, out))
+        _lib.OutputPlans().add("key", query, *args)
+
+
+# --- ints from the caller that do not fit the C ABI's types: named errors, never truncated -----
+
+INT32_RANGE = r"must fit the C ABI's int32, i.e. be in \[-2147483648, 2147483647\]"
+INT64_RANGE = r"must fit the C ABI's int64, i.e. be in \[-9223372036854775808, 9223372036854775807\]"
+
+
+@pytest.mark.parametrize("call, message", [
+    # 2**32 + 20 used to reach the library as 20 (ctypes truncates): a valid Config, silently.
+    (lambda: Config(num_sms=2**32 + 20), f"num_sms {INT32_RANGE}; got 4294967316"),
+    (lambda: Config(24, 6, 256, 6, -2**31 - 1), f"num_max_rdma_chunked_recv_tokens {INT32_RANGE}"),
+    (lambda: Config().get_nvl_buffer_size_hint(2**63, 8), f"hidden_bytes {INT64_RANGE}; got 9223372036854775808"),
+    (lambda: Config().get_rdma_buffer_size_hint(7168, 2**32 + 8), f"num_ranks {INT32_RANGE}"),
+    (lambda: deep_ep_cpp.get_default_config("dispatch", 2**32 + 8, 24), f"num_ranks {INT32_RANGE}"),
+    (lambda: deep_ep_cpp.get_default_config("combine", 8, -2**40), f"num_sms {INT32_RANGE}"),
+    (lambda: deep_ep_cpp.get_low_latency_rdma_size_hint(2**64, 7168, 8, 288),
+     f"num_max_dispatch_tokens_per_rank {INT64_RANGE}"),
+    (lambda: deep_ep_cpp.get_low_latency_rdma_size_hint(128, 7168, 8, 2**32 + 288), f"num_experts {INT32_RANGE}"),
+    (lambda: _buffer(rank=2**32), f"rank {INT32_RANGE}"),
+    (lambda: _buffer(num_ranks=2**32 + 2), f"num_ranks {INT32_RANGE}"),
+    (lambda: _buffer(num_nvl_bytes=2**64 + 128), f"num_nvl_bytes {INT64_RANGE}"),
+    (lambda: _buffer(num_rdma_bytes=-2**63 - 1), f"num_rdma_bytes {INT64_RANGE}"),
+])
+def test_out_of_range_ints_are_named_value_errors(call, message):
+    with pytest.raises(ValueError, match=r"^deepep-nccl: " + message):
+        call()
+
+
+def test_ints_must_be_integers_and_edges_pass():
+    with pytest.raises(TypeError, match="deepep-nccl: num_sms must be an integer, got float"):
+        Config(num_sms=20.0)
+    # The edges themselves reach the library unchanged, which checks their meaning.
+    assert Config(num_sms=2**31 - 1).num_sms == 2**31 - 1
+    with pytest.raises(RuntimeError, match=r"DEEPEP_ERROR_INVALID_ARGUMENT: .*num_sms must be >= 0, got -2147483648"):
+        Config(num_sms=-2**31)
+    assert Config(num_sms=True + 23).num_sms == 24  # anything with __index__ is an int
+
+
+def _synced(monkeypatch, low_latency_mode=False):
+    """A Buffer as if sync() had made it, with a handle the library never gave out: a call that
+    reaches the library fails naming the handle, so an int check must come first to be seen."""
+    buffer = _buffer(low_latency_mode=low_latency_mode, num_rdma_bytes=1 << 20 if low_latency_mode else 0)
+    monkeypatch.setattr(buffer, "_handle", 0xdeadbeef)
+    monkeypatch.setattr(buffer, "_current_stream", lambda: None, raising=False)
+    monkeypatch.setattr(buffer, "_device", None, raising=False)
+    return buffer
+
+
+class _Stub:
+    """A tensor stand-in for the ctypes paths without torch: shape and dim(), nothing else."""
+
+    def __init__(self, *shape):
+        self.shape = shape
+
+    def dim(self):
+        return len(self.shape)
+
+    def get_device(self):
+        return -1
+
+
+@pytest.mark.parametrize("method, args, name", [
+    ("clean_low_latency_buffer", (2**32 + 128, 7168, 288), "num_max_dispatch_tokens_per_rank"),
+    ("clean_low_latency_buffer", (128, 7168, -2**31 - 288), "num_experts"),
+    ("get_next_low_latency_combine_buffer", (128, 2**32 + 7168, 288), "hidden"),
+    ("low_latency_update_mask_buffer", (2**32 + 1, True), "rank_to_mask"),
+])
+def test_buffer_methods_name_out_of_range_ints(monkeypatch, method, args, name):
+    buffer = _synced(monkeypatch, low_latency_mode=True)
+    with pytest.raises(ValueError, match=f"^deepep-nccl: {name} {INT32_RANGE}"):
+        getattr(buffer, method)(*args)
+    buffer._handle = None
+
+
+def test_set_gpu_timeout_ms_names_a_value_past_uint64(monkeypatch):
+    buffer = _synced(monkeypatch)
+    with pytest.raises(ValueError, match=r"^deepep-nccl: ms must fit the C ABI's uint64, i.e. be in \[0, 18446744073709551615\]"):
+        buffer.set_gpu_timeout_ms(2**64)
+    with pytest.raises(RuntimeError, match=r"buffer \(0xdeadbeef\) was never created"):
+        buffer.set_gpu_timeout_ms(2**64 - 1)  # fits: the library sees it (and the made-up handle)
+    buffer._handle = None
+
+
+def test_ll_ops_name_out_of_range_ints_on_the_ctypes_path(monkeypatch):
+    from deep_ep_cpp import _lib, _low_latency
+
+    buffer = _synced(monkeypatch, low_latency_mode=True)
+    x = _Stub(17, 7168)
+    # A new dispatch shape checks M and E before the library's query (which takes E as an int32).
+    for m, e, name in ((2**32 + 128, 288, "num_max_dispatch_tokens_per_rank"), (128, 2**32 + 288, "num_experts")):
+        with pytest.raises(ValueError, match=f"^deepep-nccl: {name} {INT32_RANGE}"):
+            buffer.low_latency_dispatch(x, _Stub(17, 8), None, None, m, e, False, False, False, False, False)
+    # Combine packs them into its args struct: struct.pack's refusal is named.
+    monkeypatch.setattr(_low_latency, "_desc", lambda name, t: (0,) * _lib.TENSOR_WORDS)
+    monkeypatch.setattr(buffer, "_ll_fast", None)
+    for m, e, name in ((2**31, 288, "num_max_dispatch_tokens_per_rank"), (128, -2**31 - 1, "num_experts")):
+        with pytest.raises(ValueError, match=f"^deepep-nccl: {name} {INT32_RANGE}"):
+            buffer.low_latency_combine(_Stub(36, 1024, 7168), _Stub(17, 8), None, None, None, None, m, e, False,
+                                       False, False, False, out=_Stub(17, 7168))
+    buffer._handle = None
+
+
+def test_normal_ops_name_out_of_range_ints_on_the_ctypes_path(monkeypatch):
+    from deep_ep_cpp import _lib, _normal
+
+    buffer = _synced(monkeypatch)
+    monkeypatch.setattr(_normal, "_desc", lambda name, t: (0,) * _lib.TENSOR_WORDS)
+    x, config = _Stub(17, 7168), Config()
+    for alignment, worst, name in ((2**31, 0, "expert_alignment"), (1, 2**32, "num_worst_tokens")):
+        with pytest.raises(ValueError, match=f"^deepep-nccl: {name} {INT32_RANGE}"):
+            buffer._dispatch_ctypes(buffer._handle, x, None, None, None, None, None, None, 0, None, None, alignment,
+                                    worst, config)
+    with pytest.raises(ValueError, match=f"^deepep-nccl: cached_num_recv_tokens {INT32_RANGE}"):
+        buffer._dispatch_ctypes(buffer._handle, x, None, None, None, None, None, None, 2**32 + 5, _Stub(2, 2),
+                                _Stub(2, 12), 1, 0, config)
+    with pytest.raises(ValueError, match=f"^deepep-nccl: num_experts {INT32_RANGE}"):
+        buffer._layout_ctypes(buffer._handle, _Stub(17, 8), 2**32 + 64)
+    buffer._handle = None
+
+
+def test_compiled_path_refuses_out_of_range_ints_instead_of_truncating():
+    """The compiled path gets ints through pybind11, whose int casters refuse a value that does
+    not fit (TypeError, which _fast_call turns into the ctypes path); int64 counts it narrows to
+    the C ABI's int32 it checks (fits_int32: BAD_INPUT, the ctypes path too). The ctypes path then
+    names the argument (the tests above). Needs torch with CUDA and the built module."""
+    from deep_ep_cpp import _fast
+
+    torch = _fast.torch
+    if torch is None or not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA (the GPU suite's test_python step runs it)")
+    fast = _fast.module()
+    if fast is None:
+        pytest.skip("the compiled host path did not build here")
+    # Never called: every call below is refused before it reaches a function pointer.
+    null_fn = 0
+    for m, hidden, experts in ((2**32 + 128, 7168, 288), (128, -2**31 - 1, 288), (128, 7168, 2**63)):
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            fast.ll_next_combine_buffer(null_fn, 0x4445_0100_0001_0000, m, hidden, experts, 0, None)
+    order = fast.StreamOrder(0)
+    ops = fast.NormalOps(*(null_fn,) * 8, 2, 0)
+    topk = torch.zeros(4, 2, dtype=torch.int64, device="cuda:0")
+    assert ops.layout(0x4445_0100_0001_0000, topk, 2**32 + 8, 0, order, 0, 0) == (fast.BAD_INPUT,)
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        ops.layout(0x4445_0100_0001_0000, topk, 2**64, 0, order, 0, 0)

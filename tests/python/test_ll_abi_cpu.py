@@ -114,14 +114,24 @@ def _dispatch_described(use_fp8, use_ue8m0, el=72, rows=512, hidden=7168, ranks=
 
 
 @pytest.mark.parametrize("use_fp8, use_ue8m0", [(True, False), (True, True), (False, False)])
-def test_dispatch_shape_packs_the_described_outputs(use_fp8, use_ue8m0):
-    # Packed once per shape, then only re-pointed: the descriptors are the library's, byte for
-    # byte, and re-pointing touches nothing else.
+def test_dispatch_shape_packs_the_described_outputs(use_fp8, use_ue8m0, monkeypatch):
+    # Packed once per shape, then only re-pointed (by the allocation recipe, with a stand-in
+    # torch): the descriptors are the library's, byte for byte, and re-pointing touches nothing else.
+    import types
+
     outputs = _dispatch_described(use_fp8, use_ue8m0)
     shape = _low_latency._DispatchShape(outputs, 128, 7168, 288, use_fp8, use_fp8, use_ue8m0)
     pointers = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 0x7F0000004000, 0x7F0000005000)
-    for word, pointer, t in zip(_low_latency._DISPATCH_OUTPUT_POINTER_WORDS, pointers, outputs.tensors):
-        shape.words[word] = pointer if t.dtype else 0
+    made = iter(p for p, t in zip(pointers, outputs.tensors) if t.dtype)
+
+    def empty(*args, **kwargs):
+        ptr = next(made)
+        return types.SimpleNamespace(data_ptr=lambda: ptr)
+
+    monkeypatch.setattr(_lib, "torch", types.SimpleNamespace(empty=empty, empty_strided=empty))
+    monkeypatch.setattr(_lib, "DTYPES_BY_CODE", {code: code for code in range(16)})
+    allocate = _lib.allocation_recipe(shape.allocation, shape.args, _low_latency._DISPATCH_OUTPUTS_AT)
+    assert [t is None for t in allocate("dev")] == [t.dtype == 0 for t in outputs.tensors[:5]]
     fields = _low_latency._DISPATCH_ARGS.unpack_from(shape.args, 0)
     descriptors = [fields[i * 11:(i + 1) * 11] for i in range(9)]
     assert descriptors[:4] == [(0,) * 11] * 4  # the inputs, packed per call
@@ -347,3 +357,53 @@ def test_combine_outputs_check_tokens_and_hidden(ll_handle):
                                     (8, 200, r"hidden must be a positive multiple of 128")):
         assert lib.deepep_low_latency_combine_outputs(handle, tokens, hidden, ctypes.byref(outputs)) == INVALID_ARGUMENT
         assert re.search(message, _last_error())
+
+
+# --- buffer handles: checked values, so a bad one is a named error, never a crash ---------------
+
+
+@pytest.mark.parametrize("handle, fragment", [
+    (0xdeadbeef, "was never created: it is not a deepep-nccl handle"),
+    (2**64 - 1, "was never created: it is not a deepep-nccl handle"),
+    # The library's tag and the buffer kind, with a slot and generation it never gave out.
+    (0x4445_0100_00ff_fff0, "was never created: deepep_buffer_create gave out no buffer handle"),
+    (0x4445_7700_0000_0001, "was never created: it has no valid handle kind"),
+])
+def test_made_up_buffer_handles_are_named_errors(handle, fragment):
+    out = ctypes.c_int()
+    for status in (lib.deepep_buffer_get_rank(handle, ctypes.byref(out)), lib.deepep_buffer_barrier(handle),
+                   lib.deepep_buffer_free(handle)):
+        assert status == INVALID_ARGUMENT
+        assert _last_error().startswith(f"buffer ({handle:#x}) {fragment}"), _last_error()
+
+
+def test_a_made_up_handle_in_a_buffer_object_raises(monkeypatch):
+    from deep_ep_cpp import Buffer
+
+    buffer = Buffer(0, 2, 1 << 20, 0, False, False, False, False)
+    buffer._handle = 0xdeadbeef  # as if sync() had made it
+    with pytest.raises(RuntimeError, match=r"DEEPEP_ERROR_INVALID_ARGUMENT: buffer \(0xdeadbeef\) was never created"):
+        buffer.barrier()
+    with pytest.raises(RuntimeError, match="was never created"):
+        buffer.is_available()
+    buffer._handle = None
+
+
+def test_a_freed_handle_is_destroyed_for_every_later_call():
+    if not HAS_GPU:
+        pytest.skip("needs a GPU (a real buffer)")
+    uid = ctypes.create_string_buffer(_lib.UNIQUE_ID_BYTES)
+    assert lib.deepep_get_unique_id(uid, len(uid)) == 0, _last_error()
+    handle = ctypes.c_void_p()
+    status = lib.deepep_buffer_create(0, 1, uid.raw, len(uid), 1 << 22, 0, False, True, False, ctypes.byref(handle))
+    assert status == 0, _last_error()
+    h = handle.value
+    out = ctypes.c_int()
+    assert lib.deepep_buffer_get_rank(h, ctypes.byref(out)) == 0 and out.value == 0
+    assert lib.deepep_buffer_destroy(h) == 0, _last_error()
+    assert lib.deepep_buffer_get_rank(h, ctypes.byref(out)) == 0, "destroy() leaves the handle valid for queries"
+    assert lib.deepep_buffer_free(h) == 0, _last_error()
+    for status in (lib.deepep_buffer_get_rank(h, ctypes.byref(out)), lib.deepep_buffer_destroy(h),
+                   lib.deepep_buffer_barrier(h), lib.deepep_buffer_free(h), lib.deepep_buffer_free(h)):
+        assert status == INVALID_ARGUMENT
+        assert _last_error().startswith(f"buffer ({h:#x}) was destroyed: deepep_buffer_free released"), _last_error()

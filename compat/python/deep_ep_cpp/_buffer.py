@@ -10,15 +10,18 @@ from ._low_latency import LowLatencyMode
 from ._normal import NormalMode
 from ._streams import without_torch_function
 from ._lib import (
+    INT32,
+    INT64,
+    UINT64,
     MAX_DIMS,
     NUM_MAX_NVL_PEERS,
     UNIQUE_ID_BYTES,
     DeepepTensor,
     OutputPlans,
-    allocate_planned,
     check,
+    int_arg,
+    int_range_error,
     lib,
-    point_outputs,
     raise_status,
     require_torch,
 )
@@ -31,6 +34,7 @@ _pack_tensor = _lib.TENSOR_FORMAT.pack_into
 _ZERO_DIMS = (0,) * MAX_DIMS
 
 _torch = _lib.torch
+_INT32_LOW, _INT32_HIGH = INT32
 _DTYPE_CODES = _lib.TORCH_DTYPE_CODES
 
 
@@ -90,6 +94,9 @@ class Buffer(NormalMode, LowLatencyMode):
         enable_shrink,
         use_fabric,
     ):
+        rank, num_ranks = int_arg("rank", rank), int_arg("num_ranks", num_ranks)
+        num_nvl_bytes = int_arg("num_nvl_bytes", num_nvl_bytes, INT64)
+        num_rdma_bytes = int_arg("num_rdma_bytes", num_rdma_bytes, INT64)
         check(lib.deepep_check_buffer_args(rank, num_ranks, num_nvl_bytes, num_rdma_bytes, low_latency_mode))
         # use_fabric needs no handling: NCCL picks the memory handle type itself.
         self._rank = rank
@@ -286,6 +293,8 @@ class Buffer(NormalMode, LowLatencyMode):
     def _layout_ctypes(self, handle, topk_idx, num_experts):
         """The layout through ctypes: (per rank, per rdma rank or None, per expert,
         is_token_in_rank) as the library describes them, as the compiled path's."""
+        if not _INT32_LOW <= num_experts <= _INT32_HIGH:  # ctypes would pass it truncated
+            raise int_range_error("num_experts", num_experts)
         self._check_device("topk_idx", topk_idx)
         code = _DTYPE_CODES.get(topk_idx.dtype)
         if code is None:
@@ -294,19 +303,21 @@ class Buffer(NormalMode, LowLatencyMode):
             )
         shape = topk_idx.shape
         num_tokens = shape[0] if shape else 0
-        outputs, plan, addresses = self._layout_plans.get(
-            (num_tokens, num_experts), lambda out: self._layout_outputs_fn(handle, num_tokens, num_experts, out))
-        tensors = allocate_planned(plan, self._device)
-        point_outputs(outputs, tensors)
+        key = (num_tokens, num_experts)
+        plans = self._layout_plans
+        entry = plans.get(key)
+        if entry is None:
+            entry = plans.add(key, self._layout_outputs_fn, handle, num_tokens, num_experts)
+        allocate, (rank_addr, rdma_addr, expert_addr, in_rank_addr) = entry
+        tensors = allocate(self._device)  # also points the outputs' descriptors at them
         # topk_idx's descriptor (strides in elements). Dims past MAX_DIMS are dropped: the C ABI
         # rejects any topk_idx that is not 2-D by its ndim anyway.
         dims = (*shape, *_ZERO_DIMS)[:MAX_DIMS]
         strides = (*topk_idx.stride(), *_ZERO_DIMS)[:MAX_DIMS]
         _pack_tensor(self._topk_desc, 0, topk_idx.data_ptr(), code, len(shape), *dims, *strides)
-        rank_addr, rdma_addr, expert_addr, in_rank_addr = addresses
-        status = self._layout_fn(handle, self._topk_addr, num_experts, rank_addr,
-                                 None if tensors[1] is None else rdma_addr, expert_addr, in_rank_addr,
-                                 self._comm_stream_ptr)
+        # rdma_addr is None where the library describes no per-rdma-rank counts.
+        status = self._layout_fn(handle, self._topk_addr, num_experts, rank_addr, rdma_addr, expert_addr,
+                                 in_rank_addr, self._comm_stream_ptr)
         if status:
             raise_status(status)
         return tensors
@@ -338,7 +349,7 @@ class Buffer(NormalMode, LowLatencyMode):
     def set_gpu_timeout_ms(self, ms):
         """Budget of every GPU-side wait of this buffer (default 100 s)."""
         # A negative value becomes 0, which the library rejects, instead of wrapping to a huge u64.
-        check(lib.deepep_buffer_set_gpu_timeout_ms(self._live_handle(), max(0, ms)))
+        check(lib.deepep_buffer_set_gpu_timeout_ms(self._live_handle(), int_arg("ms", max(0, ms), UINT64)))
 
     def get_num_device_sms(self):
         return self._query_int(lib.deepep_buffer_get_num_device_sms)

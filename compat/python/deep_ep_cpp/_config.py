@@ -1,7 +1,7 @@
 """DeepEP's Config, its buffer-size hints and the tuned default tables, all from the C ABI."""
 from ctypes import byref, c_int64
 
-from ._lib import CONFIG_COMBINE, CONFIG_DISPATCH, DeepepConfig, check, lib
+from ._lib import CONFIG_COMBINE, CONFIG_DISPATCH, INT64, DeepepConfig, check, int_arg, lib
 
 _CONFIG_KINDS = {"dispatch": CONFIG_DISPATCH, "combine": CONFIG_COMBINE}
 
@@ -27,11 +27,11 @@ class Config:
         check(
             lib.deepep_config_init(
                 byref(self._c),
-                num_sms,
-                num_max_nvl_chunked_send_tokens,
-                num_max_nvl_chunked_recv_tokens,
-                num_max_rdma_chunked_send_tokens,
-                num_max_rdma_chunked_recv_tokens,
+                int_arg("num_sms", num_sms),
+                int_arg("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens),
+                int_arg("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens),
+                int_arg("num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens),
+                int_arg("num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens),
             )
         )
 
@@ -49,12 +49,14 @@ class Config:
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
         out = c_int64()
-        check(lib.deepep_config_nvl_buffer_size_hint(byref(self._c), hidden_bytes, num_ranks, byref(out)))
+        check(lib.deepep_config_nvl_buffer_size_hint(byref(self._c), int_arg("hidden_bytes", hidden_bytes, INT64),
+                                                      int_arg("num_ranks", num_ranks), byref(out)))
         return out.value
 
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
         out = c_int64()
-        check(lib.deepep_config_rdma_buffer_size_hint(byref(self._c), hidden_bytes, num_ranks, byref(out)))
+        check(lib.deepep_config_rdma_buffer_size_hint(byref(self._c), int_arg("hidden_bytes", hidden_bytes, INT64),
+                                                       int_arg("num_ranks", num_ranks), byref(out)))
         return out.value
 
     def __repr__(self):
@@ -76,7 +78,8 @@ def get_default_config(kind, num_ranks, num_sms):
     if kind not in _CONFIG_KINDS:
         raise ValueError(f"kind must be 'dispatch' or 'combine', got {kind!r}")
     c = DeepepConfig()
-    check(lib.deepep_config_default(byref(c), _CONFIG_KINDS[kind], num_ranks, num_sms))
+    check(lib.deepep_config_default(byref(c), _CONFIG_KINDS[kind], int_arg("num_ranks", num_ranks),
+                                    int_arg("num_sms", num_sms)))
     return Config._from_c(c)
 
 
@@ -84,7 +87,9 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num
     out = c_int64()
     check(
         lib.deepep_low_latency_rdma_size_hint(
-            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, byref(out)
+            int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, INT64),
+            int_arg("hidden", hidden, INT64), int_arg("num_ranks", num_ranks), int_arg("num_experts", num_experts),
+            byref(out)
         )
     )
     return out.value

@@ -130,7 +130,8 @@ T* at_address(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-inline const DeepepBuffer* as_buffer(uintptr_t address) { return at_address<const DeepepBuffer>(address); }
+// A buffer handle as Python holds it (an int): a value the library checks, never an address.
+inline const DeepepBuffer* as_buffer(uintptr_t handle) { return reinterpret_cast<const DeepepBuffer*>(handle); }
 
 inline void* as_stream(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
