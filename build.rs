@@ -96,20 +96,60 @@ fn nvcc_compile(source: &Path, object: &Path, headers: &Path, defines: &[String]
     cmd
 }
 
-/// Runs the commands, as many at a time as cargo allows (NUM_JOBS); nvcc's warnings (ptxas
+/// Newest modification time of the files under `paths` (directories recursively; missing paths
+/// count as new, so that they force a compile that then names them).
+fn newest_mtime(paths: &[PathBuf]) -> std::time::SystemTime {
+    let mut newest = std::time::UNIX_EPOCH;
+    let mut stack: Vec<PathBuf> = paths.to_vec();
+    while let Some(path) = stack.pop() {
+        let Ok(meta) = std::fs::metadata(&path) else { return std::time::SystemTime::now() };
+        if meta.is_dir() {
+            stack.extend(std::fs::read_dir(&path).expect("readable directory").map(|e| e.expect("dir entry").path()));
+        } else if let Ok(modified) = meta.modified() {
+            newest = newest.max(modified);
+        }
+    }
+    newest
+}
+
+/// One nvcc compile, skipped when its object is up to date: made by the same command (recorded
+/// beside it) and newer than every input. Cargo reruns this script whenever src/ changes (it
+/// writes the public header from it), which would otherwise recompile every NCCL build.
+struct Compile {
+    cmd: std::process::Command,
+    object: PathBuf,
+}
+
+impl Compile {
+    fn stamp(&self) -> (PathBuf, String) {
+        (self.object.with_extension("cmd"), format!("{:?}", self.cmd))
+    }
+
+    fn up_to_date(&self, newest_input: std::time::SystemTime) -> bool {
+        let (path, text) = self.stamp();
+        let built = std::fs::metadata(&self.object).and_then(|m| m.modified());
+        std::fs::read_to_string(path).is_ok_and(|t| t == text) && built.is_ok_and(|b| b > newest_input)
+    }
+}
+
+/// Runs the compiles, as many at a time as cargo allows (NUM_JOBS); nvcc's warnings (ptxas
 /// spills) become cargo warnings. Panics naming the first command that failed.
-fn run_all(commands: Vec<std::process::Command>) {
+fn run_all(compiles: Vec<Compile>) {
     let jobs = std::env::var("NUM_JOBS").ok().and_then(|j| j.parse().ok()).unwrap_or(1usize).max(1);
-    let queue = std::sync::Mutex::new(commands.into_iter());
+    let queue = std::sync::Mutex::new(compiles.into_iter());
     std::thread::scope(|scope| {
         for _ in 0..jobs {
             scope.spawn(|| loop {
-                let Some(mut cmd) = queue.lock().unwrap().next() else { return };
+                let Some(mut compile) = queue.lock().unwrap().next() else { return };
+                let (stamp, text) = compile.stamp();
+                let _ = std::fs::remove_file(&stamp);
+                let cmd = &mut compile.cmd;
                 let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
                 for line in String::from_utf8_lossy(&out.stderr).lines().chain(String::from_utf8_lossy(&out.stdout).lines()) {
                     println!("cargo:warning={line}");
                 }
                 assert!(out.status.success(), "{cmd:?} failed: {}", out.status);
+                std::fs::write(&stamp, text).expect("writing the compile's stamp");
             });
         }
     });
@@ -172,7 +212,11 @@ fn build_kernels(nccl_root: &str) {
     let builds = nccl_builds();
     assert!(!builds.is_empty(), "no NCCL build selected");
     // Every compile of every build at once, so that the jobs keep all cores busy.
-    let mut commands = Vec::new();
+    // What every compile reads besides its NCCL headers: the kernel sources and headers, the
+    // public header they include, and nvcc itself.
+    let mut inputs = vec![PathBuf::from("kernels"), PathBuf::from("include/deepep_nccl.h")];
+    inputs.extend([nvcc()].into_iter().filter(|p| p.is_file()));
+    let mut compiles = Vec::new();
     let mut build_objects = Vec::new();
     for build in &builds {
         let dir = out_dir.join(format!("nccl-{}", build.version));
@@ -180,8 +224,12 @@ fn build_kernels(nccl_root: &str) {
         let headers = headers_dir(&build.version);
         let defines = [format!("DEEPEP_NCCL_SERVES_BELOW={}", version_code(&build.serves_below))];
         let objects: Vec<PathBuf> = per_build.iter().map(|s| object_path(&dir, s)).collect();
+        let newest = newest_mtime(&[inputs.clone(), vec![headers.clone()]].concat());
         for (source, object) in per_build.iter().zip(&objects) {
-            commands.push(nvcc_compile(source, object, &headers, &defines));
+            let compile = Compile { cmd: nvcc_compile(source, object, &headers, &defines), object: object.clone() };
+            if !compile.up_to_date(newest) {
+                compiles.push(compile);
+            }
         }
         build_objects.push(objects);
     }
@@ -190,10 +238,14 @@ fn build_kernels(nccl_root: &str) {
     std::fs::create_dir_all(&common_dir).expect("build directory");
     let nccl_include = PathBuf::from(nccl_root).join("include");
     let mut archive_members: Vec<PathBuf> = common.iter().map(|s| object_path(&common_dir, s)).collect();
+    let newest = newest_mtime(&[inputs, vec![nccl_include.clone()]].concat());
     for (source, object) in common.iter().zip(&archive_members) {
-        commands.push(nvcc_compile(source, object, &nccl_include, &[]));
+        let compile = Compile { cmd: nvcc_compile(source, object, &nccl_include, &[]), object: object.clone() };
+        if !compile.up_to_date(newest) {
+            compiles.push(compile);
+        }
     }
-    run_all(commands);
+    run_all(compiles);
     for (build, objects) in builds.iter().zip(&build_objects) {
         archive_members.push(link_nccl_build(build, objects, &out_dir));
     }
