@@ -55,7 +55,6 @@ fn nccl_builds() -> Vec<NcclBuild> {
 }
 
 fn headers_dir(version: &str) -> PathBuf {
-    println!("cargo:rerun-if-env-changed=DEEPEP_NCCL_HEADERS");
     let root = std::env::var_os("DEEPEP_NCCL_HEADERS").map(PathBuf::from).unwrap_or_else(|| ".nccl-headers".into());
     let include = root.join(version).join("include");
     assert!(
@@ -316,6 +315,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=DEEPEP_CUDA_ARCHS");
+    println!("cargo:rerun-if-env-changed=DEEPEP_NCCL_HEADERS");
     // First: kernels/deepep_kernels.h includes the public header for the constants it shares.
     generate_header();
     let nccl_root = std::env::var("DEP_NCCL_ROOT").expect("nccl-sys exports DEP_NCCL_ROOT");

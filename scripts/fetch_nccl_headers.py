@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import io
 import json
+import shutil
 import sys
 import urllib.request
 import zipfile
@@ -125,7 +126,6 @@ def fetch(version, dest):
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(wheel.read(m))
     if include.exists():
-        import shutil
         shutil.rmtree(include)
     tmp.rename(include)
 

@@ -91,21 +91,7 @@ impl NcclBuild {
             .filter(|b| b.0.nccl_version <= runtime && runtime < b.0.serves_below)
             .max_by_key(|b| b.0.nccl_version)
             .ok_or_else(|| {
-                let served: Vec<String> = Self::all()
-                    .map(|b| {
-                        let (_, below_minor, _) = nccl_sys::split_version(b.0.serves_below);
-                        let (major, minor, _) = nccl_sys::split_version(b.0.nccl_version);
-                        if (major, minor + 1) == (major, below_minor) {
-                            format!("{} and later {major}.{minor}.x", crate::nccl::format_version(b.0.nccl_version))
-                        } else {
-                            format!(
-                                "{} up to {major}.{}.x",
-                                crate::nccl::format_version(b.0.nccl_version),
-                                below_minor - 1
-                            )
-                        }
-                    })
-                    .collect();
+                let served: Vec<String> = Self::all().map(Self::served).collect();
                 Error::new(
                     crate::error::DeepepStatus::DEEPEP_ERROR_VERSION_MISMATCH,
                     format!(
@@ -120,24 +106,21 @@ impl NcclBuild {
             })
     }
 
+    /// The runtimes this build serves, in words (serves_below is always a minor's first release).
+    fn served(self) -> String {
+        let headers = crate::nccl::format_version(self.0.nccl_version);
+        let (major, minor, _) = nccl_sys::split_version(self.0.nccl_version);
+        let (_, below_minor, _) = nccl_sys::split_version(self.0.serves_below);
+        if below_minor == minor + 1 {
+            format!("{headers} and later {major}.{minor}.x")
+        } else {
+            format!("{headers} up to {major}.{}.x", below_minor - 1)
+        }
+    }
+
     /// NCCL_VERSION_CODE of the headers this build was compiled against.
     pub fn nccl_version(self) -> i32 {
         self.0.nccl_version
-    }
-
-    /// Whether this build has the NCCL GIN transport.
-    pub fn gin_compiled(self) -> bool {
-        self.0.gin_compiled != 0
-    }
-
-    /// sizeof(ncclDevComm) in this build's headers.
-    pub fn devcomm_size(self) -> usize {
-        self.0.devcomm_size
-    }
-
-    /// sizeof(ncclDevCommRequirements) in this build's headers.
-    pub fn devcomm_requirements_size(self) -> usize {
-        self.0.devcomm_requirements_size
     }
 
     /// The build's entry points; call them through [`entry`].
