@@ -710,8 +710,8 @@ def _run_compiled(tmp_path, compiler, source, *flags):
 def test_allocate_planned_follows_the_description(monkeypatch):
     """allocate_planned(output_plan(...)) (with a stand-in torch): outputs sharing an allocation are
     parts of one torch.empty (split when they lie back to back in output order, else views at
-    their offsets), the others one torch.empty each, absent ones None; point_outputs then writes
-    each address into its descriptor."""
+    their offsets), the others one torch.empty each, absent ones None; allocation_recipe with the
+    description also writes each address into its descriptor."""
     import types
 
     from deep_ep_cpp import _lib
@@ -772,7 +772,11 @@ def test_allocate_planned_follows_the_description(monkeypatch):
     tensors = _lib.allocate_planned(_lib.output_plan(o), "dev")
     assert made == [(20, "int32", "dev"), ((8, 4), "bool", "dev")]
     assert tensors == [("int32", (4,), "part", 0), None, ("int32", (16,), "part", 4), ("bool", (8, 4), "dev")]
-    _lib.point_outputs(o, tensors)
+    assert [o.tensors[i].data or 0 for i in range(4)] == [0, 0, 0, 0]  # without `outputs`: no pointers
+    # The recipe with `outputs` allocates the same and writes each address into its descriptor.
+    made.clear()
+    assert list(_lib.allocation_recipe(_lib.output_plan(o), o)("dev")) == tensors
+    assert made == [(20, "int32", "dev"), ((8, 4), "bool", "dev")]
     assert [o.tensors[i].data or 0 for i in range(4)] == [0x1000, 0, 0x1004, 0x2000]
     assert _lib.output_address(o, 3) == ctypes.addressof(o.tensors[3])
     assert (o.tensors[3].ndim, tuple(o.tensors[3].shape[:2])) == (2, (8, 4))  # only the address changed
@@ -847,17 +851,22 @@ def test_output_plans_query_once_per_key():
             return 0
         return run
 
+    def get(plans, key):
+        entry = plans.get(key)
+        return plans.add(key, query(key)) if entry is None else entry
+
     plans = _lib.OutputPlans(limit=2)
-    first = plans.get(5, query(5))
-    assert plans.get(5, query(5)) is first and calls == [5]
-    assert first[1] == ((((5,), (1,), True, _lib.DTYPE_INT32, -1, 0),), ())
-    assert first[2] == (_lib.output_address(first[0], 0),)
-    plans.get(6, query(6))
-    plans.get(7, query(7))  # the third key clears the two held
-    plans.get(5, query(5))
+    assert plans.get(5) is None
+    first = get(plans, 5)
+    assert get(plans, 5) is first and plans.get(5) is first and calls == [5]
+    allocate, addresses = first
+    assert callable(allocate) and len(addresses) == 1 and addresses[0] is not None
+    get(plans, 6)
+    get(plans, 7)  # the third key clears the two held
+    get(plans, 5)
     assert calls == [5, 6, 7, 5]
     with pytest.raises(RuntimeError, match="buffer must not be NULL"):
-        plans.get(8, lambda out: _lib.lib.deepep_get_dispatch_layout_outputs(None, 8, 8, out))
+        plans.add(8, _lib.lib.deepep_get_dispatch_layout_outputs, None, 8, 8)
 
 
 @pytest.mark.parametrize("name, args", [
@@ -875,7 +884,7 @@ def test_every_output_query_takes_what_output_plans_passes(name, args):
 
     query = getattr(_lib.lib, name)
     with pytest.raises(RuntimeError, match="buffer must not be NULL"):
-        _lib.OutputPlans().get("key", lambda out: query(*args, out))
+        _lib.OutputPlans().add("key", query, *args)
 
 
 # --- ints from the caller that do not fit the C ABI's types: named errors, never truncated -----

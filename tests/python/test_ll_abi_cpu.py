@@ -114,14 +114,24 @@ def _dispatch_described(use_fp8, use_ue8m0, el=72, rows=512, hidden=7168, ranks=
 
 
 @pytest.mark.parametrize("use_fp8, use_ue8m0", [(True, False), (True, True), (False, False)])
-def test_dispatch_shape_packs_the_described_outputs(use_fp8, use_ue8m0):
-    # Packed once per shape, then only re-pointed: the descriptors are the library's, byte for
-    # byte, and re-pointing touches nothing else.
+def test_dispatch_shape_packs_the_described_outputs(use_fp8, use_ue8m0, monkeypatch):
+    # Packed once per shape, then only re-pointed (by the allocation recipe, with a stand-in
+    # torch): the descriptors are the library's, byte for byte, and re-pointing touches nothing else.
+    import types
+
     outputs = _dispatch_described(use_fp8, use_ue8m0)
     shape = _low_latency._DispatchShape(outputs, 128, 7168, 288, use_fp8, use_fp8, use_ue8m0)
     pointers = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 0x7F0000004000, 0x7F0000005000)
-    for word, pointer, t in zip(_low_latency._DISPATCH_OUTPUT_POINTER_WORDS, pointers, outputs.tensors):
-        shape.words[word] = pointer if t.dtype else 0
+    made = iter(p for p, t in zip(pointers, outputs.tensors) if t.dtype)
+
+    def empty(*args, **kwargs):
+        ptr = next(made)
+        return types.SimpleNamespace(data_ptr=lambda: ptr)
+
+    monkeypatch.setattr(_lib, "torch", types.SimpleNamespace(empty=empty, empty_strided=empty))
+    monkeypatch.setattr(_lib, "DTYPES_BY_CODE", {code: code for code in range(16)})
+    allocate = _lib.allocation_recipe(shape.allocation, shape.args, _low_latency._DISPATCH_OUTPUTS_AT)
+    assert [t is None for t in allocate("dev")] == [t.dtype == 0 for t in outputs.tensors[:5]]
     fields = _low_latency._DISPATCH_ARGS.unpack_from(shape.args, 0)
     descriptors = [fields[i * 11:(i + 1) * 11] for i in range(9)]
     assert descriptors[:4] == [(0,) * 11] * 4  # the inputs, packed per call

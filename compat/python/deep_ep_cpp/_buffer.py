@@ -18,12 +18,10 @@ from ._lib import (
     UNIQUE_ID_BYTES,
     DeepepTensor,
     OutputPlans,
-    allocate_planned,
     check,
     int_arg,
     int_range_error,
     lib,
-    point_outputs,
     raise_status,
     require_torch,
 )
@@ -305,19 +303,21 @@ class Buffer(NormalMode, LowLatencyMode):
             )
         shape = topk_idx.shape
         num_tokens = shape[0] if shape else 0
-        outputs, plan, addresses = self._layout_plans.get(
-            (num_tokens, num_experts), lambda out: self._layout_outputs_fn(handle, num_tokens, num_experts, out))
-        tensors = allocate_planned(plan, self._device)
-        point_outputs(outputs, tensors)
+        key = (num_tokens, num_experts)
+        plans = self._layout_plans
+        entry = plans.get(key)
+        if entry is None:
+            entry = plans.add(key, self._layout_outputs_fn, handle, num_tokens, num_experts)
+        allocate, (rank_addr, rdma_addr, expert_addr, in_rank_addr) = entry
+        tensors = allocate(self._device)  # also points the outputs' descriptors at them
         # topk_idx's descriptor (strides in elements). Dims past MAX_DIMS are dropped: the C ABI
         # rejects any topk_idx that is not 2-D by its ndim anyway.
         dims = (*shape, *_ZERO_DIMS)[:MAX_DIMS]
         strides = (*topk_idx.stride(), *_ZERO_DIMS)[:MAX_DIMS]
         _pack_tensor(self._topk_desc, 0, topk_idx.data_ptr(), code, len(shape), *dims, *strides)
-        rank_addr, rdma_addr, expert_addr, in_rank_addr = addresses
-        status = self._layout_fn(handle, self._topk_addr, num_experts, rank_addr,
-                                 None if tensors[1] is None else rdma_addr, expert_addr, in_rank_addr,
-                                 self._comm_stream_ptr)
+        # rdma_addr is None where the library describes no per-rdma-rank counts.
+        status = self._layout_fn(handle, self._topk_addr, num_experts, rank_addr, rdma_addr, expert_addr,
+                                 in_rank_addr, self._comm_stream_ptr)
         if status:
             raise_status(status)
         return tensors

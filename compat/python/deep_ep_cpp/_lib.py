@@ -210,78 +210,104 @@ def _row_major(shape):
     return tuple(strides)
 
 
-def allocate_planned(plan, device):
-    """The outputs of an output_plan, allocated by torch (its caching allocator stays in charge):
-    a list with None for absent outputs. An output alone in its allocation is one torch.empty
-    (contiguous) or torch.empty_strided; outputs sharing one are parts of a single torch.empty."""
+def allocation_recipe(plan, outputs=None, at=_TENSORS_OFFSET):
+    """An output_plan compiled once into one straight-line function allocate(device): it allocates
+    the plan's outputs through torch (its caching allocator stays in charge) and returns them as a
+    tuple, None for absent outputs. An output alone in its allocation is one torch.empty
+    (contiguous) or torch.empty_strided; outputs sharing one are parts of a single torch.empty
+    (split when they lie back to back in output order, else views at their offsets). With
+    `outputs` (the DeepepOutputs the plan was read from) it also writes each output's address
+    into its descriptor there, in the same pass: tensors[i] then describes output i completely,
+    ready for the op (`at`: the byte offset of tensors[0] in `outputs`, for descriptors that live
+    in another struct, such as an op's args). Every shape, stride and size in it is the plan's (the library's), bound as
+    constants of the generated code, so that a call does no per-output interpretation."""
     entries, shared = plan
-    torch = require_torch()
-    dtypes = DTYPES_BY_CODE
-    splits, bases = {}, {}
+    if torch is None:  # allocating needs torch; describing does not
+        return lambda device: require_torch()
+    env = {"empty": torch.empty, "empty_strided": torch.empty_strided}
+    lines = []
+
+    def const(value):
+        name = f"c{len(env)}"
+        env[name] = value
+        return name
+
+    bases, split = {}, set()
     for g, elems, code, sizes in shared:
-        base = torch.empty(elems, dtype=dtypes[code], device=device)
+        lines.append(f"a{g} = empty({const(elems)}, dtype={const(DTYPES_BY_CODE[code])}, device=device)")
         if sizes is None:
-            bases[g] = base
+            bases[g] = f"a{g}"
         else:
-            splits[g] = iter(base.split_with_sizes(sizes))
-    result = []
-    for entry in entries:
+            members = [i for i, e in enumerate(entries) if e is not None and e[4] == g]
+            lines.append(f"{', '.join(f'o{i}' for i in members)}, = a{g}.split_with_sizes({const(tuple(sizes))})")
+            split.add(g)
+    for i, entry in enumerate(entries):
         if entry is None:
-            result.append(None)
             continue
         shape, strides, contiguous, code, g, offset = entry
-        if g in splits:
-            part = next(splits[g])
-            result.append(part if len(shape) == 1 else part.view(shape))
+        if g in split:
+            if len(shape) != 1:
+                lines.append(f"o{i} = o{i}.view({const(shape)})")
         elif g >= 0:
-            result.append(bases[g].as_strided(shape, strides, offset))
+            lines.append(f"o{i} = {bases[g]}.as_strided({const(shape)}, {const(strides)}, {const(offset)})")
         elif contiguous:
-            result.append(torch.empty(shape, dtype=dtypes[code], device=device))
+            lines.append(f"o{i} = empty({const(shape)}, dtype={const(DTYPES_BY_CODE[code])}, device=device)")
         else:
-            result.append(torch.empty_strided(shape, strides, dtype=dtypes[code], device=device))
-    return result
+            lines.append(f"o{i} = empty_strided({const(shape)}, {const(strides)}, "
+                         f"dtype={const(DTYPES_BY_CODE[code])}, device=device)")
+    if outputs is not None:
+        assert at % 8 == 0 and _TENSOR_BYTES % 8 == 0
+        # Each descriptor's data pointer, as a 64-bit word of the struct.
+        env["words"] = memoryview(outputs).cast("B").cast("Q")
+        for i, entry in enumerate(entries):
+            if entry is not None:
+                lines.append(f"words[{(at + i * _TENSOR_BYTES) // 8}] = o{i}.data_ptr()")
+    result = "".join("None, " if e is None else f"o{i}, " for i, e in enumerate(entries))
+    lines.append(f"return ({result})")
+    source = "def allocate(device):\n" + "".join(f"    {line}\n" for line in lines)
+    exec(compile(source, "<deepep-nccl output allocation>", "exec"), env)
+    return env["allocate"]
+
+
+def allocate_planned(plan, device):
+    """The outputs of an output_plan, allocated by torch: a list with None for absent outputs (see
+    allocation_recipe, which the ops keep compiled per plan)."""
+    return list(allocation_recipe(plan)(device))
 
 
 class OutputPlans:
     """The library's description of one op's outputs (a DeepepOutputs) per key of everything its
-    query reads, queried and read once: the query through ctypes and output_plan cost more than
-    the allocations. A stale entry cannot corrupt anything: the op checks the descriptors it is
-    given against the same geometry. Bounded: cleared when `limit` keys are held."""
+    query reads, queried and read once (the query through ctypes and output_plan cost more than
+    the allocations) into (allocate, addresses): allocation_recipe's allocate(device), which also
+    points the descriptors at what it allocated, and the address of each output's descriptor
+    (outputs.tensors[i]; None for an absent output). A stale entry cannot corrupt anything: the op
+    checks the descriptors it is given against the same geometry. Bounded: cleared when `limit`
+    keys are held. A lookup is get(key) (a dict's: None when missing), then add(key, query, *args)
+    on a miss, so that a hit builds nothing."""
 
     def __init__(self, limit=64):
         self._entries, self._limit = {}, limit
+        self.get = self._entries.get
 
-    def get(self, key, query):
-        """(outputs, plan, the address of each outputs.tensors[i]) for key; query(byref of a fresh
-        DeepepOutputs) runs the library's query and returns its status."""
-        entry = self._entries.get(key)
-        if entry is None:
-            outputs = DeepepOutputs()
-            status = query(ctypes.byref(outputs))
-            if status:
-                raise_status(status)
-            if len(self._entries) >= self._limit:
-                self._entries.clear()
-            addresses = tuple(output_address(outputs, i) for i in range(outputs.count))
-            entry = self._entries[key] = (outputs, output_plan(outputs), addresses)
+    def add(self, key, query, *args):
+        """Runs query(*args, byref of a fresh DeepepOutputs) (the library's query, returning a
+        status), holds the entry for key and returns it."""
+        outputs = DeepepOutputs()
+        status = query(*args, ctypes.byref(outputs))
+        if status:
+            raise_status(status)
+        if len(self._entries) >= self._limit:
+            self._entries.clear()
+        plan = output_plan(outputs)
+        addresses = tuple(None if e is None else output_address(outputs, i) for i, e in enumerate(plan[0]))
+        # The recipe's memoryview keeps `outputs` alive as long as the entry.
+        entry = self._entries[key] = (allocation_recipe(plan, outputs), addresses)
         return entry
 
 
-def point_outputs(outputs, tensors):
-    """Writes the address of each allocated output (allocate_outputs' list) into its descriptor in
-    `outputs`: tensors[i] of the struct (at output_address(outputs, i)) then describes output i
-    completely, ready for the op; absent ones stay all-zero."""
-    for i, t in enumerate(tensors):
-        if t is not None:
-            _pack_pointer(outputs, _TENSORS_OFFSET + i * _TENSOR_BYTES, t.data_ptr())
-
-
 def output_address(outputs, i):
-    """The address of outputs.tensors[i], a DeepepTensor (for point_outputs' descriptors)."""
+    """The address of outputs.tensors[i], a DeepepTensor."""
     return ctypes.addressof(outputs) + _TENSORS_OFFSET + i * _TENSOR_BYTES
-
-
-_pack_pointer = struct.Struct("@P").pack_into
 
 
 # Packs a whole DeepepTensor in one call: much cheaper than setting ctypes fields one by one.

@@ -9,7 +9,8 @@ import ctypes
 import struct
 
 from ._event import EventHandle
-from ._lib import DTYPES_BY_CODE, DeepepOutputs, DeepepTensor, OutputPlans, allocate_planned, check, lib, output_plan
+from ._lib import (DTYPES_BY_CODE, DeepepOutputs, DeepepTensor, OutputPlans, allocation_recipe, check, lib,
+                   output_plan)
 from ._lib import (LL_PHASE_BOTH, LL_PHASE_RECV, LL_PHASE_SEND, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, int_arg,
                    check_int32_fields, raise_status, tensor_fields)
 from ._lib import torch as _torch
@@ -41,17 +42,16 @@ _DESC_BYTES = struct.calcsize("@" + TENSOR_FIELDS)
 _DISPATCH_INPUTS = struct.Struct("@" + TENSOR_FIELDS * 4)
 _DISPATCH_OUTPUTS_AT = _DISPATCH.offset("packed_recv_x")
 _DISPATCH_OUTPUTS = 5
-# Index of each output's data pointer in the args seen as 64-bit words.
-_DISPATCH_OUTPUT_POINTER_WORDS = tuple((_DISPATCH_OUTPUTS_AT + i * _DESC_BYTES) // 8 for i in range(_DISPATCH_OUTPUTS))
 _MAX_DISPATCH_SHAPES = 64
 
 
 class _DispatchShape:
     """One dispatch shape (M, H, E, flags): the library's description of its outputs (`outputs`,
     from deepep_low_latency_dispatch_outputs), read once for allocating them (`allocation`), and
-    an args buffer with their descriptors and the int fields already packed."""
+    an args buffer with their descriptors and the int fields already packed, and `allocate`
+    (allocation_recipe's) allocating them and pointing those descriptors at them."""
 
-    __slots__ = ("args", "words", "outputs", "allocation", "plan")
+    __slots__ = ("args", "outputs", "allocation", "allocate", "plan")
 
     def __init__(self, outputs, m, hidden, num_experts, use_fp8, round_scale, use_ue8m0, fast=None, device_id=0):
         if outputs.count != _DISPATCH_OUTPUTS:
@@ -65,7 +65,7 @@ class _DispatchShape:
         # The output descriptors as the library wrote them (data NULL until a call allocates).
         ctypes.memmove(ctypes.addressof(self.args) + _DISPATCH_OUTPUTS_AT, ctypes.addressof(outputs.tensors),
                        _DISPATCH_OUTPUTS * _DESC_BYTES)
-        self.words = memoryview(self.args).cast("B").cast("Q")
+        self.allocate = None  # compiled on the ctypes path's first call (it needs torch)
         # The compiled path fills the same struct and allocates from a copy of `outputs`.
         self.plan = None if fast is None else fast.LlDispatchPlan(
             ctypes.addressof(self.args), ctypes.addressof(outputs), hidden, device_id)
@@ -214,7 +214,10 @@ class LowLatencyMode(StreamProtocol):
                 return result[:5] + (EventHandle(stream) if async_ else None, result[5])
             # Input the compiled path does not take: the ctypes path below names the argument.
         self._check_ll_x(x)
-        outputs = allocate_planned(shape.allocation, self._device)
+        allocate = shape.allocate
+        if allocate is None:
+            allocate = shape.allocate = allocation_recipe(shape.allocation, shape.args, _DISPATCH_OUTPUTS_AT)
+        outputs = allocate(self._device)  # also points the args' output descriptors at them
         args = shape.args
         _DISPATCH_INPUTS.pack_into(
             args, 0,
@@ -222,9 +225,6 @@ class LowLatencyMode(StreamProtocol):
             *_desc("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats),
             *_desc("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats),
         )
-        words = shape.words
-        for at, t in zip(_DISPATCH_OUTPUT_POINTER_WORDS, outputs):
-            words[at] = 0 if t is None else t.data_ptr()
         event, hook = self._ll_launch(handle, lib.deepep_low_latency_dispatch, args, _DISPATCH_PHASES_AT, async_,
                                       return_recv_hook, (x, topk_idx, cumulative_local_expert_recv_stats,
                                                          dispatch_wait_recv_cost_stats, *outputs))
@@ -260,9 +260,12 @@ class LowLatencyMode(StreamProtocol):
             raise RuntimeError(f"deepep-nccl: x must be [E_l, R*M, H], got shape {tuple(x.shape)}")
         if out is None:
             num_tokens, hidden = topk_idx.shape[0], x.shape[2]
-            _, plan, _ = self._ll_combine_plans.get(
-                (num_tokens, hidden), lambda out: lib.deepep_low_latency_combine_outputs(handle, num_tokens, hidden, out))
-            combined_x = allocate_planned(plan, self._device)[0]
+            key = (num_tokens, hidden)
+            plans = self._ll_combine_plans
+            entry = plans.get(key)
+            if entry is None:
+                entry = plans.add(key, lib.deepep_low_latency_combine_outputs, handle, num_tokens, hidden)
+            combined_x = entry[0](self._device)[0]
         else:
             combined_x = out
         try:

@@ -9,8 +9,8 @@ the ctypes path descriptors are packed into preallocated argument structs with s
 import ctypes
 import struct
 
-from ._lib import (MAX_LOCAL_EXPERTS, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, OutputPlans, allocate_planned, int_arg,
-                   check_int32_fields, lib, point_outputs, raise_status, tensor_fields)
+from ._lib import (MAX_LOCAL_EXPERTS, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, OutputPlans, int_arg,
+                   check_int32_fields, lib, raise_status, tensor_fields)
 from ._streams import StreamProtocol, without_torch_function
 
 _T = "tensor"
@@ -25,21 +25,16 @@ _COMBINE = ArgsLayout("DeepepIntranodeCombineArgs", (
     ("config", "config")))
 _DISPATCH_ARGS = _DISPATCH.struct
 _COMBINE_ARGS = _COMBINE.struct
-# The handle's 4 descriptors (rank_prefix_matrix .. send_head) and the combine's 2 outputs, packed
-# once they are allocated.
-_HANDLE = struct.Struct("@" + TENSOR_FIELDS * 4)
+# The handle's 4 descriptors (rank_prefix_matrix .. send_head) and the combine's 2 outputs: their
+# descriptors are copied from the library's description once its recipe pointed them.
+_DESC_BYTES = struct.calcsize("@" + TENSOR_FIELDS)
 _HANDLE_AT = _DISPATCH.offset("rank_prefix_matrix")
-_COMBINED = struct.Struct("@" + TENSOR_FIELDS * 2)
 _COMBINED_AT = _COMBINE.offset("combined_x")
+_memmove = ctypes.memmove
 _ABSENT = (0,) * TENSOR_WORDS
 
 
 _desc = tensor_fields
-
-
-def _layout_key(t):
-    """What an optional input contributes to its op's output geometry."""
-    return None if t is None else (t.dtype, t.shape[1:])
 
 
 def _config_fields(config):
@@ -138,7 +133,9 @@ class NormalMode(StreamProtocol):
             self._check_device("cached_rank_prefix_matrix", cached_rank_prefix_matrix)
         device = self._device
         args, args_addr, stream = self._dispatch_args, self._dispatch_args_addr, self._comm_stream_ptr
-        # The inputs first: the handle's geometry is read from x, the config and the mode.
+        config_fields = _config_fields(config)
+        # The inputs first (with a cached dispatch's handle matrices): the handle's geometry is
+        # read from x, the config and the mode.
         try:
             _DISPATCH_ARGS.pack_into(
                 args, 0,
@@ -147,21 +144,28 @@ class NormalMode(StreamProtocol):
                 *_desc("num_tokens_per_rank", None if cached else num_tokens_per_rank),
                 *_desc("is_token_in_rank", is_token_in_rank),
                 *_desc("num_tokens_per_expert", None if cached else num_tokens_per_expert),
-                *(_ABSENT * 4), *_config_fields(config), int(cached), expert_alignment, num_worst_tokens, 0,
+                *_desc("rank_prefix_matrix", cached_rank_prefix_matrix if cached else None),
+                *_desc("channel_prefix_matrix", cached_channel_prefix_matrix if cached else None),
+                *(_ABSENT * 2), *config_fields, int(cached), expert_alignment, num_worst_tokens, 0,
             )
         except struct.error:  # an int32 field out of range: name it
             check_int32_fields(expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
             raise
-        num_tokens = x.shape[0] if x.dim() else 0
-        _, plan, _ = self._handle_plans.get(
-            (num_tokens, config.num_sms, cached),
-            lambda out: lib.deepep_intranode_dispatch_handle_outputs(handle, args_addr, out))
-        rank_prefix, channel_prefix, recv_channel_prefix, send_head = allocate_planned(plan, device)
+        shape = x.shape
+        key = (shape[0] if shape else 0, config_fields[0], cached)
+        plans = self._handle_plans
+        entry = plans.get(key)
+        if entry is None:
+            entry = plans.add(key, lib.deepep_intranode_dispatch_handle_outputs, handle, args_addr)
+        allocate, addresses = entry
+        rank_prefix, channel_prefix, recv_channel_prefix, send_head = allocate(device)
+        # The handle's described (so allocated) outputs' descriptors into the args: all 4, or the
+        # last 2 when the cached matrices, packed above, are the first 2.
         if cached:
             rank_prefix, channel_prefix = cached_rank_prefix_matrix, cached_channel_prefix_matrix
-        _HANDLE.pack_into(args, _HANDLE_AT, *_desc("rank_prefix_matrix", rank_prefix),
-                          *_desc("channel_prefix_matrix", channel_prefix),
-                          *_desc("recv_channel_prefix_matrix", recv_channel_prefix), *_desc("send_head", send_head))
+            _memmove(args_addr + _HANDLE_AT + 2 * _DESC_BYTES, addresses[2], 2 * _DESC_BYTES)
+        else:
+            _memmove(args_addr + _HANDLE_AT, addresses[0], 4 * _DESC_BYTES)
         status = lib.deepep_intranode_dispatch_prepare(
             handle, args_addr, self._num_recv_addr, self._per_expert_addr, MAX_LOCAL_EXPERTS, stream)
         if status:
@@ -171,16 +175,20 @@ class NormalMode(StreamProtocol):
 
         # Everything the receive query reads: the row count and the received rows' layout.
         num_recv = cached_num_recv_tokens if cached else counted
-        key = (num_recv, cached, num_worst_tokens, x.dtype, x.shape[1:], _layout_key(x_scales), _layout_key(topk_idx),
-               _layout_key(topk_weights))
-        recv, plan, addresses = self._recv_plans.get(
-            key, lambda out: lib.deepep_intranode_dispatch_outputs(handle, args_addr, num_recv, out))
-        received = allocate_planned(plan, device)
-        point_outputs(recv, received)
+        key = (num_recv, cached, num_worst_tokens, x.dtype, shape[1:],
+               None if x_scales is None else (x_scales.dtype, x_scales.shape[1:]),
+               None if topk_idx is None else (topk_idx.dtype, topk_idx.shape[1:]),
+               None if topk_weights is None else (topk_weights.dtype, topk_weights.shape[1:]))
+        plans = self._recv_plans
+        entry = plans.get(key)
+        if entry is None:
+            entry = plans.add(key, lib.deepep_intranode_dispatch_outputs, handle, args_addr, num_recv)
+        allocate, addresses = entry
+        recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = allocate(device)
+        # The receive outputs' descriptors, pointed by allocate, are the DeepepIntranodeDispatchOutputs.
         status = lib.deepep_intranode_dispatch(handle, args_addr, addresses[0], stream)
         if status:
             raise_status(status)
-        recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = received
         return (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, rank_prefix,
                 channel_prefix, recv_channel_prefix, recv_src_idx, send_head)
 
@@ -222,11 +230,15 @@ class NormalMode(StreamProtocol):
             *_desc("channel_prefix_matrix", channel_prefix_matrix), *_desc("send_head", send_head),
             *(_ABSENT * 2), *_config_fields(config),
         )
-        key = (send_head.shape, x.dtype, x.shape[1:], _layout_key(topk_weights))
-        _, plan, _ = self._combine_plans.get(key, lambda out: lib.deepep_intranode_combine_outputs(handle, args_addr, out))
-        combined_x, combined_topk_weights = allocate_planned(plan, self._device)
-        _COMBINED.pack_into(args, _COMBINED_AT, *_desc("combined_x", combined_x),
-                            *_desc("combined_topk_weights", combined_topk_weights))
+        key = (send_head.shape, x.dtype, x.shape[1:],
+               None if topk_weights is None else (topk_weights.dtype, topk_weights.shape[1:]))
+        plans = self._combine_plans
+        entry = plans.get(key)
+        if entry is None:
+            entry = plans.add(key, lib.deepep_intranode_combine_outputs, handle, args_addr)
+        allocate, addresses = entry
+        combined_x, combined_topk_weights = allocate(self._device)
+        _memmove(args_addr + _COMBINED_AT, addresses[0], 2 * _DESC_BYTES)
         status = lib.deepep_intranode_combine(handle, args_addr, self._comm_stream_ptr)
         if status:
             raise_status(status)
