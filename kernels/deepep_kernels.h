@@ -75,6 +75,8 @@ enum DeepepFaultCode {
   DEEPEP_FAULT_TOPK_OUT_OF_RANGE = 1,   // a = flat index, b = value, c = num_experts
   DEEPEP_FAULT_RANK_COUNT = 2,          // a = rank, b = num_tokens_per_rank[rank], c = is_token_in_rank count
   DEEPEP_FAULT_WORST_TOO_SMALL = 3,     // a = num_worst_tokens, b = tokens received
+  DEEPEP_FAULT_LL_SAME_HALF = 4,        // a = buffer half used by two LL sends in a row (a CUDA graph
+                                        // with an odd number of LL ops replayed), b = rank
 };
 
 // Host-mapped: the first fault of a launch wins; the host clears it after reporting.
@@ -185,7 +187,7 @@ typedef struct DeepepCombineParams {
 
 // ---------------------------------------------------------------- low-latency mode
 #define DEEPEP_LL_MAX_TOPK 16
-#define DEEPEP_LL_MAX_BLOCKS 1024  // grid limit of the LL kernels (recv_epoch has a slot per block)
+#define DEEPEP_LL_MAX_BLOCKS 1024  // grid limit of the LL kernels (op_seq has a slot per block)
 
 // Where the LL kernels of one call meet their peers: byte offsets of this call's
 // buffer half inside the window (identical on every rank), and local state.
@@ -197,18 +199,25 @@ typedef struct DeepepLlCommon {
   uint8_t* lsa_base;
   uint64_t lsa_stride;
   uint8_t* local_base;
-  uint64_t signal_offset;         // uint32 words: [R] dispatch signals, then [R] combine signals
+  uint64_t signal_offset;         // uint64 words: [R] dispatch signals, then [R] combine signals; source s
+                                  // stores its op_seq value of the op (a generation: stale ones never match)
   uint64_t combine_recv_offset;   // combine area: [E][M] data slots (2H), then [E][M] metadata (4H/128)
   uint64_t view_offset;           // send half: the zero-copy combine view [E_l][R*M] (also combine staging)
   uint64_t staging_offset;        // dispatch staging slots [M] (remote path only)
   uint64_t dispatch_recv_offset;  // dispatch slots [R][M] of dispatch_slot_bytes
   uint64_t count_offset;          // dispatch count messages [R] of count_bytes
-  int32_t* done;                  // workspace [2R]: per-destination completion counters (dispatch, combine)
-  int32_t* source_state;          // workspace [2R]: 0 waiting, 1 arrived, 2 masked (per kernel, reset at its end)
-  uint32_t* ticket;               // workspace [2]: last-block detection (dispatch, combine; shrink mode)
-  uint32_t* recv_epoch;           // workspace [2 kinds][2 halves][DEEPEP_LL_MAX_BLOCKS]: signal count each
-                                  // receive block has consumed (outside shrink mode)
-  int32_t* mask;                  // workspace [R]: 1 = rank masked (shrink mode)
+  // Workspace, indexed [kind][half] (dispatch, combine; buffer half) so that LL kernels on the
+  // two halves share nothing:
+  int32_t* done;                  // [2][2][R]: per-destination completion counters
+  int32_t* source_state;          // [2][2][R]: 0 waiting, 1 arrived, 2 masked (reset at a receive's end)
+  uint32_t* ticket;               // [2][2]: last-block detection (shrink mode), then [4]: 1 + the half of
+                                  // this rank's last LL send (0: none since the clean)
+  uint64_t* op_seq;               // [2][2][DEEPEP_LL_MAX_BLOCKS]: the signal value of this rank's last
+                                  // send of that kind on that half, (clean generation << 32) | sends
+                                  // since the clean; one copy per block (no block waits for another)
+  uint64_t* gin_sent;             // [2][2][R]: GIN signal value added to each peer since the clean
+  int32_t* mask;                  // [R]: 1 = rank masked (shrink mode)
+  DeepepFaultRecord* fault;       // device view of the host-mapped fault record
   DeepepWaitContext wait;
   int32_t rank;
   int32_t num_ranks;

@@ -20,11 +20,13 @@ namespace ll {
 __host__ __device__ constexpr int combine_groups(int hidden) { return (hidden + 255) / 256; }
 
 template <int kRemote>
-__device__ __forceinline__ void combine_done(const Transport<kRemote>& tr, int home, int add, int expected) {
-  const int old = atomic_add_acq_rel_gpu(tr.c.done + tr.c.num_ranks + home, add);
+__device__ __forceinline__ void combine_done(const Transport<kRemote>& tr, int home, int add, int expected,
+                                             uint64_t signal) {
+  int* done = tr.c.done + tr.kind_half(kSignalCombine) * tr.c.num_ranks + home;
+  const int old = atomic_add_acq_rel_gpu(done, add);
   if (old + add == expected) {
-    tr.c.done[tr.c.num_ranks + home] = 0;
-    tr.signal(home, kSignalCombine, 1u);
+    *done = 0;
+    tr.signal(home, kSignalCombine, signal);
   }
 }
 
@@ -37,6 +39,8 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   const int64_t cslot = combine_data_bytes(H);
   const int64_t view_row = view_row_bytes(H);
   const uint64_t meta_base = c.combine_recv_offset + uint64_t(c.num_experts) * M * cslot;
+  const uint64_t signal = tr.next_signal(kSignalCombine);
+  const uint32_t previous_half = tr.begin_send();
   // smem: prefix [El*R + 1] of block sizes in (expert, source) order; each block's first packed
   // row [El*R]; rows per home [R]; this block's written chunks per home [R].
   int* prefix = smem;
@@ -45,6 +49,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   int* home_written = home_rows + R;
   for (int j = threadIdx.x; j < 2 * R; j += kThreads) home_rows[j] = 0;
   __syncthreads();
+  tr.end_send(kSignalCombine, signal, previous_half);
   // All threads load the El*R ranges at once (one memory round trip), then one warp scans the
   // counts in shared memory.
   for (int idx = threadIdx.x; idx < El * R; idx += kThreads) {
@@ -86,7 +91,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   chunks = max(1, min(chunks, groups));
   // Homes that get no rows still need their signal.
   for (int j = blockIdx.x * kThreads + threadIdx.x; j < R; j += gridDim.x * kThreads)
-    if (home_rows[j] == 0 && peer_active(c, j)) tr.signal(j, kSignalCombine, 1u);
+    if (home_rows[j] == 0 && peer_active(c, j)) tr.signal(j, kSignalCombine, signal);
 
   const bool zero_copy = p.zero_copy != 0;
   for (int w = blockIdx.x * kWarps + warp; w < total_rows * chunks; w += total_warps) {
@@ -167,7 +172,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   // every warp's stores part of what thread j releases.
   __syncthreads();
   for (int j = threadIdx.x; j < R; j += kThreads)
-    if (home_written[j] > 0) combine_done(tr, j, home_written[j], home_rows[j] * chunks);
+    if (home_written[j] > 0) combine_done(tr, j, home_written[j], home_rows[j] * chunks, signal);
 }
 
 // An item is kSub consecutive 256-channel groups of one token (LogFMT: kSub = 1; see
@@ -207,7 +212,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       if (u < K) first_weight[u] = __ldg(p.topk_weights + int64_t(first_t) * K + u);
     }
   }
-  const uint32_t expected = tr.wait_sources(kSignalCombine, active, p.combine_wait_recv_cost_stats);
+  tr.wait_sources(kSignalCombine, active, p.combine_wait_recv_cost_stats);
   __syncthreads();
   const uint8_t* recv = tr.local(c.combine_recv_offset);
   const uint8_t* recv_meta = recv + int64_t(c.num_experts) * M * cslot;
@@ -295,7 +300,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       st_stream(static_cast<int4*>(p.out) + int64_t(t) * (H / 8) + (g0 + sub) * kWarp + lane, packed);
     }
   }
-  tr.finish_receive(kSignalCombine, expected);
+  tr.finish_receive(kSignalCombine);
 }
 
 template <int kRemote, bool kLogfmt, int kPhases, int kSub>

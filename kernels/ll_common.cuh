@@ -4,14 +4,21 @@
 // the bounded signal wait with shrink-mode masking, and small helpers.
 //
 // Protocol of one LL op (dispatch or combine) between sender s and receiver r:
-// s writes its data into r's half of the window, then adds 1 to r's signal word
-// [s] of that half and op (release, after all of s's writes to r). The word thus
-// counts the ops s has sent to that half: each block of r's receive waits until
-// it exceeds the count the block consumed last time (recv_epoch, one slot per
-// block, so no block waits for the others at the end). In shrink mode a masked
-// source misses ops, so there the word is a flag instead: r waits for non-zero
-// and r's last block resets it. A word is next written two LL calls later (the
-// other half is used in between): DeepEP's "at most two results in flight".
+// s writes its data into r's half of the window, then stores its signal value into r's 64-bit
+// signal word [s] of that half and op (release, after all of s's writes to r). The value is a
+// generation: (clean generation << 32) | the number of sends of that op kind s made on that half
+// since the clean (op_seq). Every rank takes part in every op, so r's own count for the op equals
+// s's, and each receive block waits for exactly r's own value of its latest send on the half:
+//   * a stale word (an earlier op, a late signal of a masked rank, one from before a clean)
+//     never equals it, in counter and shrink mode alike (NCCL EP #2303);
+//   * the receive keeps no count of its own, so a receive that never ran (a dropped hook) or ran
+//     twice (a doubled hook: it reads the same op again) leaves nothing behind for later ops;
+//   * a sender ahead of r (its next op on this half already signalled: r's receive came too late)
+//     never matches either: a stall record, or a mask in shrink mode, instead of torn data.
+// Nothing resets the words; the clean zeroes them and starts a new generation. A word is next
+// written two LL calls later (the other half is used in between): DeepEP's "at most two results
+// in flight". The half is host state (baked into CUDA graphs): a send on the same half as this
+// rank's previous send is a fault record (DEEPEP_FAULT_LL_SAME_HALF).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -98,6 +105,19 @@ __device__ __forceinline__ void computed_here(int value, Ts... values) {
   computed_here(values...);
 }
 
+// Bad use found on the GPU: the first fault wins (host-mapped record, claimed with a CAS on its
+// flag; the host reports and clears it). Normal mode keeps its own copy in normal_common.cuh.
+__device__ __forceinline__ void record_ll_fault(DeepepFaultRecord* f, int code, int64_t a, int64_t b) {
+  if (f == nullptr) return;
+  if (atomicCAS(&f->flag, 0u, 2u) != 0u) return;
+  f->code = code;
+  f->a = a;
+  f->b = b;
+  f->c = 0;
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(&f->flag) = 1u;
+}
+
 // ---------------------------------------------------------------- transport
 // Peer addressing and signals for one call. `kRemote` selects how peers outside
 // the sender's node are reached; peers inside it always get LSA stores.
@@ -119,9 +139,12 @@ struct Transport {
     return c.lsa_base + uint64_t(peer - c.wait.lsa_base_rank) * c.lsa_stride + offset;
   }
   __device__ __forceinline__ uint8_t* local(uint64_t offset) const { return c.local_base + offset; }
+  // Source `src`'s signal word of op `kind` in this half (uint64).
   __device__ __forceinline__ uint64_t signal_offset(int kind, int src) const {
-    return c.signal_offset + 4ull * (uint64_t(kind) * c.num_ranks + src);
+    return c.signal_offset + 8ull * (uint64_t(kind) * c.num_ranks + src);
   }
+  // [kind][half] index of the workspace arrays.
+  __device__ __forceinline__ int kind_half(int kind) const { return kind * 2 + c.parity; }
 #if DEEPEP_HAVE_GIN
   __device__ __forceinline__ int gin_signal_id(int kind, int src) const {
     return (c.parity * DEEPEP_LL_SIGNAL_KINDS + kind) * c.num_ranks + src;
@@ -161,85 +184,113 @@ struct Transport {
     }
   }
 
-  // Tells `peer`, by adding `value` to its signal word, that all of this rank's writes of op
-  // `kind` to it are done. Every writer released its writes (gpu scope) before counting itself
-  // done, and the caller acquired that count; this sys-scope release carries all of them to the
-  // peer (cumulativity), as DeepEP's LL kernels do: no full fence.sc.sys is needed before it.
-  __device__ __forceinline__ void signal(int peer, int kind, uint32_t value) const {
+  // Tells `peer` that all of this rank's writes of op `kind` to it are done: its signal word
+  // becomes `value` (this op's next_signal). Every writer released its writes (gpu scope) before
+  // counting itself done, and the caller acquired that count; this sys-scope release carries all
+  // of them to the peer (cumulativity), as DeepEP's LL kernels do: no full fence.sc.sys is needed.
+  // One thread per (op, peer) calls it.
+  __device__ __forceinline__ void signal(int peer, int kind, uint64_t value) const {
+    if (kRemote == kRemoteGin && !direct(peer)) {
+#if DEEPEP_HAVE_GIN
+      // GIN signals only add: add what brings the peer's signal (zeroed with gin_sent by the clean)
+      // to `value`.
+      uint64_t* sent = c.gin_sent + kind_half(kind) * c.num_ranks + peer;
+      const uint64_t delta = value - *sent;
+      *sent = value;
+      ncclGin gin(dev_comm, gin_context(peer));
+      gin.signal(ncclTeamWorld(dev_comm), peer, ncclGin_SignalAdd{unsigned(gin_signal_id(kind, c.rank)), delta});
+#endif
+      return;
+    }
+    st_release_sys(reinterpret_cast<uint64_t*>(lsa(signal_offset(kind, c.rank), peer)), value);
+  }
+
+  __device__ __forceinline__ uint64_t read_signal(int kind, int src) const {
+    if (kRemote == kRemoteGin && !direct(src)) {
+#if DEEPEP_HAVE_GIN
+      ncclGin gin(dev_comm, 0);
+      return uint64_t(gin.readSignal(gin_signal_id(kind, src)));
+#endif
+    }
+    return ld_acquire_sys(reinterpret_cast<const uint64_t*>(local(signal_offset(kind, src))));
+  }
+
+  // The clean barrier's arrival counts (uint32 [R] at signal_offset, bank DEEPEP_LL_CLEAN_BANK):
+  // adds, never reset.
+  __device__ __forceinline__ void arrive(int peer) const {
     if (kRemote == kRemoteGin && !direct(peer)) {
 #if DEEPEP_HAVE_GIN
       ncclGin gin(dev_comm, gin_context(peer));
-      gin.signal(ncclTeamWorld(dev_comm), peer, ncclGin_SignalAdd{unsigned(gin_signal_id(kind, c.rank)), value});
+      gin.signal(ncclTeamWorld(dev_comm), peer, ncclGin_SignalAdd{unsigned(gin_signal_id(0, c.rank)), 1});
 #endif
       return;
     }
-    red_add_release_sys(reinterpret_cast<uint32_t*>(lsa(signal_offset(kind, c.rank), peer)), value);
+    red_add_release_sys(reinterpret_cast<uint32_t*>(lsa(c.signal_offset + 4ull * c.rank, peer)), 1u);
   }
-
-  __device__ __forceinline__ uint32_t read_signal(int kind, int src) const {
+  __device__ __forceinline__ uint32_t read_arrivals(int src) const {
     if (kRemote == kRemoteGin && !direct(src)) {
 #if DEEPEP_HAVE_GIN
       ncclGin gin(dev_comm, 0);
-      return uint32_t(gin.readSignal(gin_signal_id(kind, src)));
+      return uint32_t(gin.readSignal(gin_signal_id(0, src)));
 #endif
     }
-    return ld_acquire_sys(reinterpret_cast<const uint32_t*>(local(signal_offset(kind, src))));
+    return ld_acquire_sys(reinterpret_cast<const uint32_t*>(local(c.signal_offset + 4ull * src)));
   }
 
-  __device__ __forceinline__ void reset_signal(int kind, int src) const {
-    if (kRemote == kRemoteGin && !direct(src)) {
-#if DEEPEP_HAVE_GIN
-      ncclGin gin(dev_comm, 0);
-      gin.resetSignal(gin_signal_id(kind, src));
-#endif
-      return;
-    }
-    *reinterpret_cast<volatile uint32_t*>(local(signal_offset(kind, src))) = 0;
+  // This block's op_seq slot of op `kind` in this half.
+  __device__ __forceinline__ uint64_t* seq_slot(int kind) const {
+    return c.op_seq + kind_half(kind) * DEEPEP_LL_MAX_BLOCKS + blockIdx.x;
   }
+  // The signal value of the send starting now: one send more on this half, same generation (the
+  // count wraps inside its 32 bits). Every thread of the send phase reads it before the phase's
+  // first block barrier; end_send stores it after one.
+  __device__ __forceinline__ uint64_t next_signal(int kind) const {
+    const uint64_t v = *reinterpret_cast<volatile uint64_t*>(seq_slot(kind));
+    return (v & ~0xffffffffull) | uint32_t(uint32_t(v) + 1u);
+  }
+  // Block 0's record of the half: issued at the send's start, checked at its end (off the path).
+  __device__ __forceinline__ uint32_t begin_send() const {
+    return blockIdx.x == 0 && threadIdx.x == 0 ? atomicExch(c.ticket + 4, uint32_t(1 + c.parity)) : 0u;
+  }
+  // After a block barrier that follows every thread's next_signal.
+  __device__ __forceinline__ void end_send(int kind, uint64_t value, uint32_t previous_half) const {
+    if (threadIdx.x != 0) return;
+    *seq_slot(kind) = value;
+    if (previous_half == uint32_t(1 + c.parity)) record_ll_fault(c.fault, DEEPEP_FAULT_LL_SAME_HALF, c.parity, c.rank);
+  }
+  // The value a receive block waits for: its own latest send's (stream order, or the block
+  // barrier between the phases of one kernel).
+  __device__ __forceinline__ uint64_t expected_signal(int kind) const { return *seq_slot(kind); }
 
-  // This block's consumed-signal count of op `kind` in this half (outside shrink mode).
-  __device__ __forceinline__ uint32_t* epoch_slot(int kind) const {
-    return c.recv_epoch + (kind * 2 + c.parity) * DEEPEP_LL_MAX_BLOCKS + blockIdx.x;
-  }
-  // The signal value a receive block waits for (shrink mode: any non-zero value).
-  __device__ __forceinline__ uint32_t expected_signal(int kind) const { return c.shrink ? 1u : *epoch_slot(kind) + 1u; }
-  __device__ __forceinline__ bool arrived(uint32_t value, uint32_t expected) const {
-    return c.shrink ? value != 0 : int32_t(value - expected) >= 0;
-  }
-
-  // One thread: waits for source `src`'s signal of op `kind` to reach `expected` and
-  // agrees with the other blocks on the outcome (source_state). Returns whether it
-  // arrived; false if the source is masked (before or, in shrink mode, by this wait's
-  // timeout). A timeout outside shrink mode records a stall and also returns false.
-  // `value` is the caller's first poll (read_signal), issued before `expected` was loaded.
-  __device__ bool wait_source(int kind, int src, uint32_t expected, uint32_t value, int64_t* wait_cycles) const {
-    int* state = c.source_state + kind * c.num_ranks + src;
+  // One thread: waits for source `src`'s signal of op `kind` to equal `expected` and agrees
+  // with the other blocks on the outcome (source_state). Returns whether it arrived; false if
+  // the source is masked (before the kernel or, in shrink mode, by a block's timeout). A timeout
+  // outside shrink mode records a stall and also returns false. The mask changes only between
+  // kernels (a timeout's mask is written by the receive's last block), so every block and the
+  // send phase see one mask. `value` is the caller's first poll, issued before `expected` was loaded.
+  __device__ bool wait_source(int kind, int src, uint64_t expected, uint64_t value, int64_t* wait_cycles) const {
+    int* state = c.source_state + kind_half(kind) * c.num_ranks + src;
     if (c.shrink && __ldcg(c.mask + src) != 0) {
-      atomicCAS(state, kStateWaiting, kStateMasked);
-      return false;
+      // Follow the agreement even here: the state is only ever Masked for a masked source.
+      return atomicCAS(state, kStateWaiting, kStateMasked) == kStateArrived;
     }
     const long long start_clock = clock64();
-    if (!arrived(value, expected)) {
+    if (value != expected) {
       const uint64_t start = global_time_ns();
       while (true) {
-        const int s = *reinterpret_cast<volatile int*>(state);
-        if (s == kStateMasked) break;
-        if (c.shrink && *reinterpret_cast<volatile int*>(c.mask + src) != 0) break;
+        if (*reinterpret_cast<volatile int*>(state) == kStateMasked) break;
         if (global_time_ns() - start > c.wait.timeout_ns) {
-          if (c.shrink) {
-            atomicExch(c.mask + src, 1);
-          } else {
+          if (!c.shrink)
             record_stall(c.wait, src, kind == kSignalDispatch ? DEEPEP_WAIT_OP_LL_DISPATCH : DEEPEP_WAIT_OP_LL_COMBINE,
-                         src, expected, value);
-          }
+                         src, int64_t(expected), int64_t(value));
           break;
         }
         value = read_signal(kind, src);
-        if (arrived(value, expected)) break;
+        if (value == expected) break;
       }
     }
     if (wait_cycles != nullptr) *wait_cycles = clock64() - start_clock;
-    const bool got = arrived(value, expected);
+    const bool got = value == expected;
     // Outside shrink mode an arrived signal needs no agreement between blocks (only a timeout
     // could disagree, and that is reported as a stall): skip the contended CAS.
     if (!c.shrink && got) return true;
@@ -251,10 +302,10 @@ struct Transport {
   // The receive's wait, block-wide: thread j waits for source j (then j + kThreads, ...) and
   // sets active[j]; block 0 adds each wait's cycles to `stats` (if not NULL). Returns the
   // expected signal value, for finish_receive.
-  __device__ uint32_t wait_sources(int kind, int* active, int64_t* stats) const;
+  __device__ void wait_sources(int kind, int* active, int64_t* stats) const;
 
   // End of a receive of op `kind` (the whole block calls, after its last read of the half).
-  __device__ void finish_receive(int kind, uint32_t expected) const;
+  __device__ void finish_receive(int kind) const;
 };
 
 // Stats counters: a fire-and-forget add (no round trip on the path to the data).
@@ -263,17 +314,16 @@ __device__ __forceinline__ void add_stat(int64_t* p, int64_t v) {
 }
 
 template <int kRemote>
-__device__ uint32_t Transport<kRemote>::wait_sources(int kind, int* active, int64_t* stats) const {
-  // Each thread's first poll goes out before the block's epoch load, so that the two loads are
-  // in flight together: in hook mode the signal is already there, one memory round trip.
-  const uint32_t first = threadIdx.x < c.num_ranks ? read_signal(kind, threadIdx.x) : 0u;
-  const uint32_t expected = expected_signal(kind);
+__device__ void Transport<kRemote>::wait_sources(int kind, int* active, int64_t* stats) const {
+  // Each thread's first poll goes out before the block's expected value is loaded, so that the
+  // two loads are in flight together: in hook mode the signal is already there, one round trip.
+  const uint64_t first = threadIdx.x < c.num_ranks ? read_signal(kind, threadIdx.x) : 0u;
+  const uint64_t expected = expected_signal(kind);
   for (int j = threadIdx.x; j < c.num_ranks; j += kThreads) {
     int64_t cycles = 0;
     active[j] = wait_source(kind, j, expected, j == threadIdx.x ? first : read_signal(kind, j), &cycles);
     if (blockIdx.x == 0 && stats != nullptr) add_stat(stats + j, cycles);
   }
-  return expected;
 }
 
 // Whether `peer` takes part in this call (shrink mode skips masked ranks).
@@ -281,7 +331,7 @@ __device__ __forceinline__ bool peer_active(const DeepepLlCommon& c, int peer) {
   return !c.shrink || __ldcg(c.mask + peer) == 0;
 }
 
-// Last block of a kernel (per op kind): resets the ticket and returns true once.
+// Last block of a kernel (`ticket`: its kind and half): resets the ticket and returns true once.
 __device__ __forceinline__ bool last_block(uint32_t* ticket) {
   __shared__ int is_last;
   __syncthreads();
@@ -295,18 +345,17 @@ __device__ __forceinline__ bool last_block(uint32_t* ticket) {
   return is_last != 0;
 }
 
-// Outside shrink mode the block records the count it consumed (its next receive of this half
-// waits for one more). In shrink mode the last block resets the flags and the agreement state.
+// Shrink mode: the receive's last block masks the sources the blocks agreed were missing (from
+// the next kernel on: the mask stays fixed during a kernel) and resets the agreement. Nothing
+// else: the signals carry their generation, so no receive state is kept outside shrink mode.
 template <int kRemote>
-__device__ void Transport<kRemote>::finish_receive(int kind, uint32_t expected) const {
-  if (!c.shrink) {
-    if (threadIdx.x == 0) *epoch_slot(kind) = expected;
-    return;
-  }
-  if (last_block(c.ticket + kind)) {
+__device__ void Transport<kRemote>::finish_receive(int kind) const {
+  if (!c.shrink) return;
+  if (last_block(c.ticket + kind_half(kind))) {
+    int* states = c.source_state + kind_half(kind) * c.num_ranks;
     for (int j = threadIdx.x; j < c.num_ranks; j += kThreads) {
-      reset_signal(kind, j);
-      c.source_state[kind * c.num_ranks + j] = kStateWaiting;
+      if (states[j] == kStateMasked) c.mask[j] = 1;
+      states[j] = kStateWaiting;
     }
   }
 }

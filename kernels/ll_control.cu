@@ -11,6 +11,10 @@
 // masks a rank that does not arrive in time (DeepEP's mask-aware barrier); outside shrink mode
 // a late rank is a stall record and the buffer reports it at its next call.
 //
+// The LL signals carry the clean generation (the barriers passed, see ll_common.cuh): a signal
+// from before the clean, such as a masked rank's late one landing after the zeroing, can never
+// match afterwards.
+//
 // Shrink mode, counts out of step. Peers in the node get this rank's arrivals even when masked,
 // so a live rank masked for being slow stays in step and rejoins after
 // low_latency_clean_mask_buffer. A rank that missed a whole clean never reaches its peers' count:
@@ -27,7 +31,6 @@ namespace deepep {
 namespace ll {
 
 constexpr int kCleanThreads = 512;
-constexpr int kCleanWord = 0;  // the signal kind of the arrival words (one word per source)
 
 enum CleanArrival { kNotYet, kArrived, kOutOfStep };
 
@@ -48,11 +51,11 @@ __device__ void clean_barrier(const Transport<kRemote>& t, uint32_t target) {
   __syncthreads();
   for (int peer = threadIdx.x; peer < c.num_ranks; peer += blockDim.x) {
     const bool over_lsa = kRemote != kRemoteGin || t.direct(peer);
-    if (over_lsa || peer_active(c, peer)) t.signal(peer, kCleanWord, 1u);
+    if (over_lsa || peer_active(c, peer)) t.arrive(peer);
   }
   for (int src = threadIdx.x; src < c.num_ranks; src += blockDim.x) {
     if (!peer_active(c, src)) continue;
-    uint32_t seen = t.read_signal(kCleanWord, src);
+    uint32_t seen = t.read_arrivals(src);
     CleanArrival state = clean_arrival(seen, target);
     bool masked_meanwhile = false;
     const uint64_t start = global_time_ns();
@@ -62,7 +65,7 @@ __device__ void clean_barrier(const Transport<kRemote>& t, uint32_t target) {
         break;
       }
       if (global_time_ns() - start > c.wait.timeout_ns) break;
-      seen = t.read_signal(kCleanWord, src);
+      seen = t.read_arrivals(src);
       state = clean_arrival(seen, target);
     }
     if (state == kArrived || masked_meanwhile) continue;
@@ -97,6 +100,11 @@ __global__ void __launch_bounds__(kCleanThreads) clean_kernel(ncclDevComm dev_co
     for (int id = threadIdx.x; id < p.num_gin_signals; id += blockDim.x) gin.resetSignal(id);
   }
 #endif
+  // A new generation: no signal written before this clean (a masked rank's late one included)
+  // can equal a value sent after it. Ranks in step pass the same barriers, so they agree on it.
+  __syncthreads();  // the zeroing above covers op_seq
+  const uint64_t generation = uint64_t(epoch + 2) << 32;
+  for (int i = threadIdx.x; i < 4 * DEEPEP_LL_MAX_BLOCKS; i += blockDim.x) p.common.op_seq[i] = generation;
   // No peer's next LL op may signal this rank before the zeroing above is done.
   clean_barrier(t, epoch + 2);
   if (threadIdx.x == 0) *p.barrier_epoch = epoch + 2;

@@ -128,11 +128,12 @@ __device__ void route_token(const DeepepLlDispatchParams& p, const Transport<kRe
 }
 
 template <int kRemote>
-__device__ __forceinline__ void count_done(const Transport<kRemote>& tr, int d, int add) {
-  const int old = atomic_add_acq_rel_gpu(tr.c.done + d, add);
+__device__ __forceinline__ void count_done(const Transport<kRemote>& tr, int d, int add, uint64_t signal) {
+  int* done = tr.c.done + tr.kind_half(kSignalDispatch) * tr.c.num_ranks + d;
+  const int old = atomic_add_acq_rel_gpu(done, add);
   if (old + add == kDoneTag) {
-    tr.c.done[d] = 0;
-    tr.signal(d, kSignalDispatch, 1u);
+    *done = 0;
+    tr.signal(d, kSignalDispatch, signal);
   }
 }
 
@@ -152,6 +153,8 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
   const int64_t slot_bytes = p.dispatch_slot_bytes;
   const int64_t header = dispatch_header_bytes(K);
   const int64_t count_bytes = p.count_bytes;
+  const uint64_t signal = tr.next_signal(kSignalDispatch);
+  const uint32_t previous_half = tr.begin_send();
 
   int* hist = smem;                           // [El + 1]: tokens, then per-expert counts
   int* bitmap = hist + El + 1;                // [W]
@@ -198,6 +201,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     __syncthreads();
   }
   __syncthreads();  // expert_hist cleared
+  tr.end_send(kSignalDispatch, signal, previous_half);
 
   __shared__ TokenRoute route;
   const int hidden_vec = H / 8;  // 16-byte groups of 8 bf16
@@ -300,7 +304,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     }
     // One thread per destination: release this token's stores, then count it done.
     if (threadIdx.x < nd && peer_active(c, route.dst[threadIdx.x])) {
-      count_done(tr, route.dst[threadIdx.x], 1);
+      count_done(tr, route.dst[threadIdx.x], 1, signal);
     }
     __syncthreads();
   }
@@ -308,7 +312,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
   for (int d = count_block + threadIdx.x * gridDim.x, i = threadIdx.x; d < c.num_ranks;
        d += kThreads * gridDim.x, i += kThreads) {
     if (!peer_active(c, d)) continue;
-    count_done(tr, d, kDoneTag - owned_tokens[i]);
+    count_done(tr, d, kDoneTag - owned_tokens[i], signal);
   }
 }
 
@@ -361,7 +365,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   auto slot_of = [&](const ItemPlace& it) {
     return tr.local(c.dispatch_recv_offset + (uint64_t(it.j) * M + it.i) * slot_bytes);
   };
-  const uint32_t expected = tr.wait_sources(kSignalDispatch, active, p.dispatch_wait_recv_cost_stats);
+  tr.wait_sources(kSignalDispatch, active, p.dispatch_wait_recv_cost_stats);
   __syncthreads();
 
   constexpr int kUnroll = kItemMaxGroups;  // a chunk is one batch of loads
@@ -501,7 +505,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     if (it.chunk == 0 && mine) p.packed_recv_src_info[int64_t(my_e) * rows_per_expert + my_row] = int(head_token);
   }
 
-  tr.finish_receive(kSignalDispatch, expected);
+  tr.finish_receive(kSignalDispatch);
 }
 
 template <int kRemote, bool kFp8, int kPhases>

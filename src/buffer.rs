@@ -35,12 +35,22 @@ const WS_DATA_TICKET: usize = 520;
 const WS_LL_CLEAN_EPOCH: usize = 524;
 const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// Low-latency counters at the end of the workspace (see [`LlWorkspace`]).
-const WS_LL: usize = WORKSPACE_BYTES - (64 << 10);
+const WS_LL: usize = WORKSPACE_BYTES - (128 << 10);
 /// Largest rank count the LL workspace arrays hold.
 pub(crate) const LL_MAX_RANKS: i32 = 1024;
-/// recv_epoch: a u32 per (op kind, half, block).
-const LL_EPOCH_BYTES: usize = 4 * 4 * kernels::LL_MAX_BLOCKS as usize;
-const _: () = assert!(LL_MAX_RANKS as usize * 20 + 128 + LL_EPOCH_BYTES <= WORKSPACE_BYTES - WS_LL);
+/// Bytes of an LL workspace array of `per` bytes per (op kind, half, `n`).
+const fn ll_array(n: usize, per: usize) -> usize {
+    2 * 2 * n * per
+}
+const LL_RANKS: usize = LL_MAX_RANKS as usize;
+/// The LL arrays (see [`LlWorkspace`]): done, source_state, ticket, op_seq, gin_sent, then mask.
+const LL_DONE: usize = 0;
+const LL_SOURCE_STATE: usize = LL_DONE + ll_array(LL_RANKS, 4);
+const LL_TICKET: usize = LL_SOURCE_STATE + ll_array(LL_RANKS, 4);
+const LL_OP_SEQ: usize = LL_TICKET + 128;
+const LL_GIN_SENT: usize = LL_OP_SEQ + ll_array(kernels::LL_MAX_BLOCKS as usize, 8);
+const LL_MASK: usize = LL_GIN_SENT + ll_array(LL_RANKS, 8);
+const _: () = assert!(LL_MASK + 4 * LL_RANKS <= WORKSPACE_BYTES - WS_LL);
 /// LSA barrier slot used by host-driven control kernels (create/destroy/checks).
 const CONTROL_BARRIER_SLOT: i32 = 0;
 /// Slot of the dispatch notify kernel; data kernels use one slot per block after it.
@@ -81,7 +91,8 @@ pub struct LlWorkspace {
     pub done: *mut i32,
     pub source_state: *mut i32,
     pub ticket: *mut u32,
-    pub recv_epoch: *mut u32,
+    pub op_seq: *mut u64,
+    pub gin_sent: *mut u64,
     pub mask: *mut i32,
 }
 
@@ -131,28 +142,29 @@ impl Resources {
     pub fn layout_accumulators(&self) -> (*mut i32, i64) {
         (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WS_LL - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
     }
-    /// done [2R], source_state [2R], ticket [2] (zero between LL kernels), recv_epoch
-    /// [2 kinds][2 halves][LL_MAX_BLOCKS], mask [R].
+    /// The LL state, per (op kind, half): done [R], source_state [R], ticket (then the last
+    /// send's half), op_seq [LL_MAX_BLOCKS], gin_sent [R]; then mask [R] (kernels/deepep_kernels.h).
     pub fn ll_workspace(&self) -> LlWorkspace {
-        let r = LL_MAX_RANKS as usize * 4;
         LlWorkspace {
-            done: self.workspace_at(WS_LL).cast(),
-            source_state: self.workspace_at(WS_LL + 2 * r).cast(),
-            ticket: self.workspace_at(WS_LL + 4 * r).cast(),
-            recv_epoch: self.workspace_at(WS_LL + 4 * r + 128).cast(),
-            mask: self.workspace_at(WS_LL + 4 * r + 128 + LL_EPOCH_BYTES).cast(),
+            done: self.workspace_at(WS_LL + LL_DONE).cast(),
+            source_state: self.workspace_at(WS_LL + LL_SOURCE_STATE).cast(),
+            ticket: self.workspace_at(WS_LL + LL_TICKET).cast(),
+            op_seq: self.workspace_at(WS_LL + LL_OP_SEQ).cast(),
+            gin_sent: self.workspace_at(WS_LL + LL_GIN_SENT).cast(),
+            mask: self.workspace_at(WS_LL + LL_MASK).cast(),
         }
     }
-    /// The LL counters and receive epochs, without the mask (what clean_low_latency_buffer zeroes).
+    /// The LL state without the mask (what clean_low_latency_buffer zeroes; its kernel then
+    /// writes the new generation into op_seq).
     pub fn ll_counters(&self) -> (*mut c_void, usize) {
-        (self.workspace_at(WS_LL), LL_MAX_RANKS as usize * 16 + 128 + LL_EPOCH_BYTES)
+        (self.workspace_at(WS_LL), LL_MASK)
     }
     /// Window offset of the clean barrier's arrival words [R], and this rank's count of
     /// barriers passed.
     pub fn ll_clean_barrier(&self) -> (u64, *mut u32) {
         (LL_CLEAN_BARRIER_OFFSET as u64, self.workspace_at(WS_LL_CLEAN_EPOCH).cast())
     }
-    /// Grid of the LL kernels: one block per SM, at most the blocks recv_epoch has slots for.
+    /// Grid of the LL kernels: one block per SM, at most the blocks op_seq has slots for.
     pub fn ll_blocks(&self) -> i32 {
         self.num_sms.min(kernels::LL_MAX_BLOCKS)
     }
@@ -216,6 +228,7 @@ pub struct Buffer {
     check_tag: AtomicU32,
     /// Half of the LL region the next LL send uses (DeepEP's low_latency_buffer_idx).
     ll_parity: AtomicU32,
+    ll_host: Mutex<crate::ll::LlHost>,
 }
 
 impl Buffer {
@@ -243,6 +256,7 @@ impl Buffer {
             timeout_ns: AtomicU64::new((settings.gpu_timeout_secs * 1e9) as u64),
             check_tag: AtomicU32::new(0x5eed_0000),
             ll_parity: AtomicU32::new(0),
+            ll_host: Mutex::default(),
         };
         // Every rank has its window and devComm: prove LSA loads/stores reach all peers.
         buffer.check_peers()?;
@@ -349,6 +363,7 @@ impl Buffer {
             timeout_ns: AtomicU64::new(100_000_000_000),
             check_tag: AtomicU32::new(0),
             ll_parity: AtomicU32::new(0),
+            ll_host: Mutex::default(),
         }
     }
 
@@ -364,6 +379,11 @@ impl Buffer {
 
     pub(crate) fn reset_ll_parity(&self) {
         self.ll_parity.store(0, Ordering::Relaxed);
+    }
+
+    /// The LL ops' other host state (last shape, receives pending).
+    pub(crate) fn ll_host(&self) -> MutexGuard<'_, crate::ll::LlHost> {
+        lock(&self.ll_host)
     }
 
     /// Window offset of the RDMA region (where the LL halves live).

@@ -20,9 +20,22 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
             "num_worst_tokens ({}) is smaller than the {} tokens this rank received; rows past it were dropped",
             f.a, f.b
         ),
+        kernels::DEEPEP_FAULT_LL_SAME_HALF => format!(
+            "rank {}: two low-latency sends in a row used buffer half {} (the half alternates on the host and is \
+             fixed when a CUDA graph is captured: a graph replayed back to back must hold an even number of \
+             low_latency_dispatch / low_latency_combine calls); the second op's data may be torn",
+            f.b, f.a
+        ),
         _ => format!("the GPU reported bad input (fault code {}, {} {} {})", f.code, f.a, f.b, f.c),
     };
     Error::invalid(message)
+}
+
+/// An LL signal is (clean generation << 32) | sends on that buffer half: which op was awaited
+/// and which the peer last sent there.
+fn ll_ops(record: &StallRecord) -> String {
+    let op = |v: i64| format!("op {} of generation {}", v as u64 & 0xffff_ffff, v as u64 >> 32);
+    format!(" ({} of this half awaited, {} last seen)", op(record.expected), op(record.seen))
 }
 
 /// Turns an expired GPU wait into the timeout error that makes the buffer unusable.
@@ -35,8 +48,8 @@ pub(crate) fn stall_error(record: &StallRecord, timeout_ns: u64) -> Error {
         kernels::DEEPEP_WAIT_OP_DISPATCH_CONSUMED => format!("rank {peer} never freed a dispatch ring slot (channel {n})"),
         kernels::DEEPEP_WAIT_OP_COMBINE_SLOT => format!("rank {peer} never sent its combine data (channel {n})"),
         kernels::DEEPEP_WAIT_OP_COMBINE_CONSUMED => format!("rank {peer} never freed a combine ring slot (channel {n})"),
-        kernels::DEEPEP_WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch"),
-        kernels::DEEPEP_WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine"),
+        kernels::DEEPEP_WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch{}", ll_ops(record)),
+        kernels::DEEPEP_WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine{}", ll_ops(record)),
         kernels::DEEPEP_WAIT_OP_LL_CLEAN => format!("rank {peer} never arrived at clean_low_latency_buffer's barrier"),
         _ => format!("rank {peer} stalled wait op {} counter {n}", record.op),
     };

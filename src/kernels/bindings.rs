@@ -181,6 +181,7 @@ pub const DEEPEP_FAULT_NONE: DeepepFaultCode = 0;
 pub const DEEPEP_FAULT_TOPK_OUT_OF_RANGE: DeepepFaultCode = 1;
 pub const DEEPEP_FAULT_RANK_COUNT: DeepepFaultCode = 2;
 pub const DEEPEP_FAULT_WORST_TOO_SMALL: DeepepFaultCode = 3;
+pub const DEEPEP_FAULT_LL_SAME_HALF: DeepepFaultCode = 4;
 pub type DeepepFaultCode = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Default)]
@@ -590,8 +591,10 @@ pub struct DeepepLlCommon {
     pub done: *mut i32,
     pub source_state: *mut i32,
     pub ticket: *mut u32,
-    pub recv_epoch: *mut u32,
+    pub op_seq: *mut u64,
+    pub gin_sent: *mut u64,
     pub mask: *mut i32,
+    pub fault: *mut DeepepFaultRecord,
     pub wait: DeepepWaitContext,
     pub rank: i32,
     pub num_ranks: i32,
@@ -608,7 +611,7 @@ pub struct DeepepLlCommon {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of DeepepLlCommon"][::std::mem::size_of::<DeepepLlCommon>() - 200usize];
+    ["Size of DeepepLlCommon"][::std::mem::size_of::<DeepepLlCommon>() - 216usize];
     ["Alignment of DeepepLlCommon"][::std::mem::align_of::<DeepepLlCommon>() - 8usize];
     [
         "Offset of field: DeepepLlCommon::window",
@@ -650,50 +653,56 @@ const _: () = {
         "Offset of field: DeepepLlCommon::ticket",
     ][::std::mem::offset_of!(DeepepLlCommon, ticket) - 96usize];
     [
-        "Offset of field: DeepepLlCommon::recv_epoch",
-    ][::std::mem::offset_of!(DeepepLlCommon, recv_epoch) - 104usize];
+        "Offset of field: DeepepLlCommon::op_seq",
+    ][::std::mem::offset_of!(DeepepLlCommon, op_seq) - 104usize];
+    [
+        "Offset of field: DeepepLlCommon::gin_sent",
+    ][::std::mem::offset_of!(DeepepLlCommon, gin_sent) - 112usize];
     [
         "Offset of field: DeepepLlCommon::mask",
-    ][::std::mem::offset_of!(DeepepLlCommon, mask) - 112usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, mask) - 120usize];
+    [
+        "Offset of field: DeepepLlCommon::fault",
+    ][::std::mem::offset_of!(DeepepLlCommon, fault) - 128usize];
     [
         "Offset of field: DeepepLlCommon::wait",
-    ][::std::mem::offset_of!(DeepepLlCommon, wait) - 120usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, wait) - 136usize];
     [
         "Offset of field: DeepepLlCommon::rank",
-    ][::std::mem::offset_of!(DeepepLlCommon, rank) - 152usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, rank) - 168usize];
     [
         "Offset of field: DeepepLlCommon::num_ranks",
-    ][::std::mem::offset_of!(DeepepLlCommon, num_ranks) - 156usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, num_ranks) - 172usize];
     [
         "Offset of field: DeepepLlCommon::num_experts",
-    ][::std::mem::offset_of!(DeepepLlCommon, num_experts) - 160usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, num_experts) - 176usize];
     [
         "Offset of field: DeepepLlCommon::num_local_experts",
-    ][::std::mem::offset_of!(DeepepLlCommon, num_local_experts) - 164usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, num_local_experts) - 180usize];
     [
         "Offset of field: DeepepLlCommon::max_tokens",
-    ][::std::mem::offset_of!(DeepepLlCommon, max_tokens) - 168usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, max_tokens) - 184usize];
     [
         "Offset of field: DeepepLlCommon::hidden",
-    ][::std::mem::offset_of!(DeepepLlCommon, hidden) - 172usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, hidden) - 188usize];
     [
         "Offset of field: DeepepLlCommon::num_topk",
-    ][::std::mem::offset_of!(DeepepLlCommon, num_topk) - 176usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, num_topk) - 192usize];
     [
         "Offset of field: DeepepLlCommon::node_size",
-    ][::std::mem::offset_of!(DeepepLlCommon, node_size) - 180usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, node_size) - 196usize];
     [
         "Offset of field: DeepepLlCommon::shrink",
-    ][::std::mem::offset_of!(DeepepLlCommon, shrink) - 184usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, shrink) - 200usize];
     [
         "Offset of field: DeepepLlCommon::phases",
-    ][::std::mem::offset_of!(DeepepLlCommon, phases) - 188usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, phases) - 204usize];
     [
         "Offset of field: DeepepLlCommon::parity",
-    ][::std::mem::offset_of!(DeepepLlCommon, parity) - 192usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, parity) - 208usize];
     [
         "Offset of field: DeepepLlCommon::reserved",
-    ][::std::mem::offset_of!(DeepepLlCommon, reserved) - 196usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, reserved) - 212usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -721,7 +730,7 @@ pub struct DeepepLlDispatchParams {
 const _: () = {
     [
         "Size of DeepepLlDispatchParams",
-    ][::std::mem::size_of::<DeepepLlDispatchParams>() - 304usize];
+    ][::std::mem::size_of::<DeepepLlDispatchParams>() - 320usize];
     [
         "Alignment of DeepepLlDispatchParams",
     ][::std::mem::align_of::<DeepepLlDispatchParams>() - 8usize];
@@ -730,58 +739,58 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepLlDispatchParams, common) - 0usize];
     [
         "Offset of field: DeepepLlDispatchParams::x",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, x) - 200usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, x) - 216usize];
     [
         "Offset of field: DeepepLlDispatchParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, topk_idx) - 208usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, topk_idx) - 224usize];
     [
         "Offset of field: DeepepLlDispatchParams::packed_recv_x",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_x) - 216usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_x) - 232usize];
     [
         "Offset of field: DeepepLlDispatchParams::packed_recv_x_scales",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_x_scales) - 224usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_x_scales) - 240usize];
     [
         "Offset of field: DeepepLlDispatchParams::packed_recv_count",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_count) - 232usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_count) - 248usize];
     [
         "Offset of field: DeepepLlDispatchParams::packed_recv_src_info",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_src_info) - 240usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_src_info) - 256usize];
     [
         "Offset of field: DeepepLlDispatchParams::packed_recv_layout_range",
     ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_layout_range)
-        - 248usize];
+        - 264usize];
     [
         "Offset of field: DeepepLlDispatchParams::cumulative_local_expert_recv_stats",
     ][::std::mem::offset_of!(DeepepLlDispatchParams, cumulative_local_expert_recv_stats)
-        - 256usize];
+        - 272usize];
     [
         "Offset of field: DeepepLlDispatchParams::dispatch_wait_recv_cost_stats",
     ][::std::mem::offset_of!(DeepepLlDispatchParams, dispatch_wait_recv_cost_stats)
-        - 264usize];
+        - 280usize];
     [
         "Offset of field: DeepepLlDispatchParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, num_tokens) - 272usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, num_tokens) - 288usize];
     [
         "Offset of field: DeepepLlDispatchParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, topk_idx_is_int32) - 276usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, topk_idx_is_int32) - 292usize];
     [
         "Offset of field: DeepepLlDispatchParams::use_fp8",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, use_fp8) - 280usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, use_fp8) - 296usize];
     [
         "Offset of field: DeepepLlDispatchParams::round_scale",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, round_scale) - 284usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, round_scale) - 300usize];
     [
         "Offset of field: DeepepLlDispatchParams::use_ue8m0",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, use_ue8m0) - 288usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, use_ue8m0) - 304usize];
     [
         "Offset of field: DeepepLlDispatchParams::dispatch_slot_bytes",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, dispatch_slot_bytes) - 292usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, dispatch_slot_bytes) - 308usize];
     [
         "Offset of field: DeepepLlDispatchParams::count_bytes",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, count_bytes) - 296usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, count_bytes) - 312usize];
     [
         "Offset of field: DeepepLlDispatchParams::reserved",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, reserved) - 300usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, reserved) - 316usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -804,7 +813,7 @@ pub struct DeepepLlCombineParams {
 const _: () = {
     [
         "Size of DeepepLlCombineParams",
-    ][::std::mem::size_of::<DeepepLlCombineParams>() - 280usize];
+    ][::std::mem::size_of::<DeepepLlCombineParams>() - 296usize];
     [
         "Alignment of DeepepLlCombineParams",
     ][::std::mem::align_of::<DeepepLlCombineParams>() - 8usize];
@@ -813,41 +822,41 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepLlCombineParams, common) - 0usize];
     [
         "Offset of field: DeepepLlCombineParams::x",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, x) - 200usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, x) - 216usize];
     [
         "Offset of field: DeepepLlCombineParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_idx) - 208usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_idx) - 224usize];
     [
         "Offset of field: DeepepLlCombineParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_weights) - 216usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_weights) - 232usize];
     [
         "Offset of field: DeepepLlCombineParams::src_info",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, src_info) - 224usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, src_info) - 240usize];
     [
         "Offset of field: DeepepLlCombineParams::layout_range",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, layout_range) - 232usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, layout_range) - 248usize];
     [
         "Offset of field: DeepepLlCombineParams::out",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, out) - 240usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, out) - 256usize];
     [
         "Offset of field: DeepepLlCombineParams::combine_wait_recv_cost_stats",
     ][::std::mem::offset_of!(DeepepLlCombineParams, combine_wait_recv_cost_stats)
-        - 248usize];
+        - 264usize];
     [
         "Offset of field: DeepepLlCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, num_tokens) - 256usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, num_tokens) - 272usize];
     [
         "Offset of field: DeepepLlCombineParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_idx_is_int32) - 260usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_idx_is_int32) - 276usize];
     [
         "Offset of field: DeepepLlCombineParams::zero_copy",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, zero_copy) - 264usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, zero_copy) - 280usize];
     [
         "Offset of field: DeepepLlCombineParams::use_logfmt",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, use_logfmt) - 268usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, use_logfmt) - 284usize];
     [
         "Offset of field: DeepepLlCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, reserved) - 272usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, reserved) - 288usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -863,7 +872,7 @@ pub struct DeepepLlCleanParams {
 const _: () = {
     [
         "Size of DeepepLlCleanParams",
-    ][::std::mem::size_of::<DeepepLlCleanParams>() - 280usize];
+    ][::std::mem::size_of::<DeepepLlCleanParams>() - 296usize];
     [
         "Alignment of DeepepLlCleanParams",
     ][::std::mem::align_of::<DeepepLlCleanParams>() - 8usize];
@@ -872,19 +881,19 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepLlCleanParams, common) - 0usize];
     [
         "Offset of field: DeepepLlCleanParams::barrier_epoch",
-    ][::std::mem::offset_of!(DeepepLlCleanParams, barrier_epoch) - 200usize];
+    ][::std::mem::offset_of!(DeepepLlCleanParams, barrier_epoch) - 216usize];
     [
         "Offset of field: DeepepLlCleanParams::zero",
-    ][::std::mem::offset_of!(DeepepLlCleanParams, zero) - 208usize];
+    ][::std::mem::offset_of!(DeepepLlCleanParams, zero) - 224usize];
     [
         "Offset of field: DeepepLlCleanParams::zero_bytes",
-    ][::std::mem::offset_of!(DeepepLlCleanParams, zero_bytes) - 240usize];
+    ][::std::mem::offset_of!(DeepepLlCleanParams, zero_bytes) - 256usize];
     [
         "Offset of field: DeepepLlCleanParams::num_gin_signals",
-    ][::std::mem::offset_of!(DeepepLlCleanParams, num_gin_signals) - 272usize];
+    ][::std::mem::offset_of!(DeepepLlCleanParams, num_gin_signals) - 288usize];
     [
         "Offset of field: DeepepLlCleanParams::reserved",
-    ][::std::mem::offset_of!(DeepepLlCleanParams, reserved) - 276usize];
+    ][::std::mem::offset_of!(DeepepLlCleanParams, reserved) - 292usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Default)]

@@ -43,8 +43,8 @@ pub(crate) const LL_REMOTE_EMULATED: i32 = DEEPEP_LL_REMOTE_EMULATED as i32;
 pub(crate) const LL_REMOTE_GIN: i32 = DEEPEP_LL_REMOTE_GIN as i32;
 pub(crate) const LL_CLEAN_BANK: i32 = DEEPEP_LL_CLEAN_BANK;
 pub(crate) const LL_SIGNAL_KINDS: i32 = DEEPEP_LL_SIGNAL_KINDS;
-/// Bytes of a buffer half's LSA signal words per source rank: a u32 per signal kind.
-pub(crate) const LL_SIGNAL_BYTES_PER_RANK: u64 = LL_SIGNAL_KINDS as u64 * size_of::<u32>() as u64;
+/// Bytes of a buffer half's LSA signal words per source rank: a u64 (generation, count) per signal kind.
+pub(crate) const LL_SIGNAL_BYTES_PER_RANK: u64 = LL_SIGNAL_KINDS as u64 * size_of::<u64>() as u64;
 pub(crate) const LL_GIN_SIGNALS_PER_RANK: i32 = DEEPEP_LL_GIN_SIGNALS_PER_RANK;
 
 impl Default for RecvCounts {

@@ -2,7 +2,7 @@
 //! for the send phase, the receive phase, or both.
 use std::os::raw::c_void;
 
-use super::{check_hidden, combine_layout, common, opt_ptr, phases_for, receive_half, LlShape, MAX_TOKENS_PER_RANK};
+use super::{check_hidden, combine_layout, common, opt_ptr, phases_for, receive_half, LlKind, LlShape, MAX_TOKENS_PER_RANK};
 use crate::buffer::Buffer;
 use crate::ensure_arg;
 use crate::error::Result;
@@ -83,6 +83,10 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
     let logfmt = a.use_logfmt != 0;
     ensure_arg!(!(logfmt && a.zero_copy != 0), "zero_copy cannot be combined with use_logfmt (as in DeepEP)");
     let receive_only_half = if phases & LL_PHASE_SEND == 0 { Some(receive_half(*buffer_idx)?) } else { None };
+    match receive_only_half {
+        Some(half) => super::check_receive(buffer, LlKind::Combine, half)?,
+        None => super::before_send(buffer, shape, stream)?,
+    }
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
         // The size check does not depend on the half: check before taking one.
@@ -111,6 +115,11 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
         kernels::launch_result("deepep::ll::combine", rc)?;
         *buffer_idx = parity;
         Ok(())
-    })
+    })?;
+    match receive_only_half {
+        Some(half) => super::after_receive(buffer, LlKind::Combine, half),
+        None => super::after_send(buffer, shape, LlKind::Combine, *buffer_idx, phases == LL_PHASE_SEND),
+    }
+    Ok(())
 }
 

@@ -50,6 +50,7 @@ pub fn clean(buffer: &Buffer, max_tokens: i64, hidden: i64, num_experts: i64, st
         kernels::launch_result("deepep::ll::clean", rc)
     })?;
     buffer.reset_ll_parity();
+    buffer.ll_host().cleaned(shape);
     Ok(())
 }
 

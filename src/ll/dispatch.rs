@@ -2,7 +2,7 @@
 //! `deepep::ll::dispatch` for the send phase, the receive phase, or both.
 use std::os::raw::c_void;
 
-use super::{check_region, common, opt_ptr, phases_for, receive_half, slots, LlLayout, LlShape};
+use super::{check_region, common, opt_ptr, phases_for, receive_half, slots, LlKind, LlLayout, LlShape};
 use crate::buffer::Buffer;
 use crate::ensure_arg;
 use crate::error::Result;
@@ -142,6 +142,10 @@ pub fn dispatch(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs, stream: *mut 
     let phases = phases_for(a.phases)?;
     let checked = check_args(buffer, a)?;
     let receive_only_half = if phases & LL_PHASE_SEND == 0 { Some(receive_half(*buffer_idx)?) } else { None };
+    match receive_only_half {
+        Some(half) => super::check_receive(buffer, LlKind::Dispatch, half)?,
+        None => super::before_send(buffer, checked.shape, stream)?,
+    }
     let fp8 = a.use_fp8 != 0;
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
@@ -178,7 +182,12 @@ pub fn dispatch(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs, stream: *mut 
         kernels::launch_result("deepep::ll::dispatch", rc)?;
         *buffer_idx = parity;
         Ok(())
-    })
+    })?;
+    match receive_only_half {
+        Some(half) => super::after_receive(buffer, LlKind::Dispatch, half),
+        None => super::after_send(buffer, checked.shape, LlKind::Dispatch, *buffer_idx, phases == LL_PHASE_SEND),
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -230,8 +230,10 @@ pub(crate) fn common(
         done: ws.done,
         source_state: ws.source_state,
         ticket: ws.ticket,
-        recv_epoch: ws.recv_epoch,
+        op_seq: ws.op_seq,
+        gin_sent: ws.gin_sent,
         mask: ws.mask,
+        fault: res.fault.device_ptr(),
         wait: buffer.wait_context(res),
         rank: buffer.args.rank,
         num_ranks: buffer.args.num_ranks,
@@ -246,6 +248,87 @@ pub(crate) fn common(
         parity,
         reserved: 0,
     }
+}
+
+/// The LL op kinds, as the kernels index their signals (kSignalDispatch, kSignalCombine).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LlKind {
+    Dispatch = 0,
+    Combine = 1,
+}
+
+/// What the host keeps between LL calls besides the half (`Buffer::ll_parity`).
+#[derive(Debug, Default)]
+pub(crate) struct LlHost {
+    /// Shape of the last LL send: the signal words move with (M, H, E).
+    shape: Option<LlShape>,
+    /// Bit 2 * kind + half: a send-only call whose receive has not run yet.
+    pending_receive: u32,
+}
+
+impl LlHost {
+    fn bit(kind: LlKind, half: i32) -> u32 {
+        1 << (2 * kind as u32 + half as u32)
+    }
+
+    /// After clean_low_latency_buffer of `shape`.
+    pub(crate) fn cleaned(&mut self, shape: LlShape) {
+        *self = Self { shape: Some(shape), pending_receive: 0 };
+    }
+}
+
+/// Before an LL send of `shape`: when the shape differs from the last LL send's, the signal words
+/// have moved and the old shape's data may lie under the new ones, so the buffer is cleaned first
+/// (clean_low_latency_buffer: collective, but so is the op, and every rank changes shape at the
+/// same op). DeepEP leaves this to the caller; here a forgotten clean cannot stall or pass early.
+pub(crate) fn before_send(buffer: &Buffer, shape: LlShape, stream: *mut std::ffi::c_void) -> Result<()> {
+    let last = buffer.ll_host().shape;
+    match last {
+        Some(last) if last != shape => {
+            crate::log::log_at!(
+                crate::log::Level::Info,
+                Some(buffer.args.rank),
+                "LL shape (M, H, E) changed from ({}, {}, {}) to ({}, {}, {}): clean_low_latency_buffer runs first",
+                last.max_tokens,
+                last.hidden,
+                last.num_experts,
+                shape.max_tokens,
+                shape.hidden,
+                shape.num_experts
+            );
+            control::clean(buffer, shape.max_tokens, shape.hidden, shape.num_experts, stream)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// After a launched send (phases 1 or 3) of `kind` on `half`.
+pub(crate) fn after_send(buffer: &Buffer, shape: LlShape, kind: LlKind, half: i32, receive_later: bool) {
+    let mut host = buffer.ll_host();
+    host.shape = Some(shape);
+    // A send on a half whose receive never ran (a dropped hook) needs nothing: the kernels'
+    // signals carry the op's generation, so the next receive waits for this send's.
+    if receive_later {
+        host.pending_receive |= LlHost::bit(kind, half);
+    } else {
+        host.pending_receive &= !LlHost::bit(kind, half);
+    }
+}
+
+/// A receive-only call (the hook) of `kind` on `half` needs its send-only call, once.
+pub(crate) fn check_receive(buffer: &Buffer, kind: LlKind, half: i32) -> Result<()> {
+    let op = if kind == LlKind::Dispatch { "low_latency_dispatch" } else { "low_latency_combine" };
+    ensure_arg!(
+        buffer.ll_host().pending_receive & LlHost::bit(kind, half) != 0,
+        "the receive of this {op} (buffer half {half}) already ran, or no send-only {op} on that half preceded it: \
+         a receive hook runs once"
+    );
+    Ok(())
+}
+
+/// After a launched receive-only call.
+pub(crate) fn after_receive(buffer: &Buffer, kind: LlKind, half: i32) {
+    buffer.ll_host().pending_receive &= !LlHost::bit(kind, half);
 }
 
 /// `return_recv_hook`: send now, receive later with the same half; else both phases now.

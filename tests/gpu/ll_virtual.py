@@ -36,6 +36,9 @@ def load_library(path=None):
     lib.llv_clean_barrier_offset.argtypes = [ctypes.c_void_p]
     lib.llv_clean_epoch_offset.argtypes = [ctypes.c_int64]
     lib.llv_signal_offset.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    if hasattr(lib, 'llv_workspace_layout'):  # a library built before it had none (see workspace_layout)
+        lib.llv_workspace_layout.restype = None
+        lib.llv_workspace_layout.argtypes = [ctypes.c_int64, ctypes.c_void_p]
     for fn in (lib.llv_dispatch, lib.llv_combine, lib.llv_clean):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -66,9 +69,12 @@ class VirtualWorld:
                                      device='cuda')
         self.stall = torch.zeros(8, dtype=torch.int64, device='cuda')  # DeepepStallRecord (40 bytes)
         self.stall_lock = torch.zeros(1, dtype=torch.int32, device='cuda')
+        self.fault = torch.zeros(4, dtype=torch.int64, device='cuda')  # DeepepFaultRecord (32 bytes)
         self.base.update(world_base=self.window.data_ptr(), world_stride=stride,
                          workspace_base=self.workspace.data_ptr(), stall_record=self.stall.data_ptr(),
                          stall_lock=self.stall_lock.data_ptr())
+        if 'fault_record' in self.index:
+            self.base['fault_record'] = self.fault.data_ptr()
         self.parity = 1  # flips before every send, as the product's buffer does
         self.stride = stride
         self.workspace_stride = self.lib.llv_workspace_bytes(num_ranks)
@@ -190,9 +196,9 @@ class VirtualWorld:
         return self.lib.llv_clean_barrier_offset(self._vector(self.base))
 
     def signal_words(self, rank, parity):
-        """Half `parity`'s signal words of `rank`: [2 kinds][R] uint32 (as int32)."""
+        """Half `parity`'s signal words of `rank`: [2 kinds][R] uint64 (as int64)."""
         offset = self.lib.llv_signal_offset(self._vector(self.base), parity)
-        return self.rank_window(rank)[offset:offset + 8 * self.num_ranks].view(torch.int32)
+        return self.rank_window(rank)[offset:offset + 16 * self.num_ranks].view(torch.int64)
 
     def arrival_words(self, rank):
         """The clean barrier's arrival counts at `rank`, one per source rank."""
@@ -202,16 +208,47 @@ class VirtualWorld:
     def rank_workspace(self, rank):
         return self.workspace[rank * self.workspace_stride:(rank + 1) * self.workspace_stride]
 
-    def counters(self, rank):
-        """What clean zeroes in the workspace: (done, source_state, ticket) and recv_epoch, as int32."""
+    def workspace_layout(self):
+        """Offsets in a rank's workspace: done, source_state, ticket, mask, op_seq, gin_sent,
+        clean_epoch, bytes (the library's; a library built before it had a layout of its own:
+        [2R] done, [2R] source_state, [2] ticket, [R] mask, then recv_epoch)."""
         r = self.num_ranks
-        ws = self.rank_workspace(rank)
-        epoch_at = (4 * (5 * r + 2) + 127) // 128 * 128
-        return ws[:4 * (4 * r + 2)].view(torch.int32), ws[epoch_at:self.lib.llv_clean_epoch_offset(r)].view(torch.int32)
+        if hasattr(self.lib, 'llv_workspace_layout'):
+            out = (ctypes.c_int64 * 8)()
+            self.lib.llv_workspace_layout(r, out)
+            return dict(zip(('done', 'source_state', 'ticket', 'mask', 'op_seq', 'gin_sent', 'clean_epoch',
+                             'bytes'), list(out)))
+        return dict(done=0, source_state=8 * r, ticket=16 * r, mask=16 * r + 8, op_seq=None)
+
+    def counters(self, rank):
+        """What clean resets in the workspace, as int32 views: (done, source_state, ticket), op_seq
+        (set to the new generation << 32), gin_sent."""
+        at, ws = self.workspace_layout(), self.rank_workspace(rank)
+        return (ws[:at['mask']].view(torch.int32), ws[at['op_seq']:at['gin_sent']].view(torch.int32),
+                ws[at['gin_sent']:at['clean_epoch']].view(torch.int32))
+
+    def op_seq(self, rank):
+        """[2 kinds][2 halves][blocks] int64: (clean generation << 32) | sends on that half."""
+        at = self.workspace_layout()
+        return self.rank_workspace(rank)[at['op_seq']:at['gin_sent']].view(torch.int64).view(2, 2, -1)
 
     def mask(self, rank):
-        r = self.num_ranks
-        return self.rank_workspace(rank)[4 * (4 * r + 2):4 * (5 * r + 2)].view(torch.int32)
+        at = self.workspace_layout()
+        return self.rank_workspace(rank)[at['mask']:at['mask'] + 4 * self.num_ranks].view(torch.int32)
+
+    def check_no_fault(self):
+        rec = self.fault.cpu()
+        if rec.view(torch.int32)[0].item() != 0:
+            raise RuntimeError(f'fault recorded: code {rec.view(torch.int32)[1].item()}, a {rec[1].item()}, '
+                               f'b {rec[2].item()}')
+
+    def take_fault(self):
+        """The recorded fault's (code, a, b), or None; clears it, as the product's host does."""
+        torch.cuda.synchronize()
+        rec = self.fault.cpu()
+        self.fault.zero_()
+        words = rec.view(torch.int32)
+        return None if words[0].item() == 0 else (words[1].item(), rec[1].item(), rec[2].item())
 
     def clean_epoch(self, rank):
         at = self.lib.llv_clean_epoch_offset(self.num_ranks)

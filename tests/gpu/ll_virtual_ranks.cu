@@ -22,7 +22,8 @@
 
 #define LLV_ARGS(X)                                                                                    \
   /* the virtual world (same for every call on it) */                                                 \
-  X(world_base) X(world_stride) X(workspace_base) X(stall_record) X(stall_lock) X(timeout_ns)          \
+  X(world_base) X(world_stride) X(workspace_base) X(stall_record) X(stall_lock) X(fault_record)        \
+  X(timeout_ns)                                                                                        \
   X(num_ranks) X(num_experts) X(max_tokens) X(hidden) X(node_size) X(remote_kind) X(num_blocks)         \
   X(shrink)                                                                                            \
   /* one call of one rank */                                                                           \
@@ -62,7 +63,7 @@ Half half_layout(const int64_t* a, int64_t base) {
   const int64_t cslot = 2 * H + 4 * (H / 128);
   Half h{};
   h.signal = base;
-  h.count = h.signal + align_up(8 * R, 128);
+  h.count = h.signal + align_up(16 * R, 128);  // uint64 words [2 kinds][R]
   const int64_t counts = R * deepep_ll_count_bytes(int32_t(E / R), int32_t(M));
   h.dispatch_recv = h.count + align_up(counts, 128);
   h.staging = h.dispatch_recv + align_up(R * M * slot, 128);
@@ -78,11 +79,20 @@ Half half_of(const int64_t* a, int64_t parity) { return half_layout(a, parity * 
 // After both halves: the clean barrier's arrival words [R] (never zeroed, as the product's).
 int64_t clean_barrier_offset(const int64_t* a) { return half_of(a, 1).end; }
 
-// Per-rank workspace: done [2R], source_state [2R], ticket [2], mask [R], recv_epoch, then the
-// clean barrier's count of barriers passed.
-int64_t recv_epoch_offset(int64_t R) { return align_up(4 * (5 * R + 2), 128); }
-int64_t clean_epoch_offset(int64_t R) { return recv_epoch_offset(R) + 4 * 4 * DEEPEP_LL_MAX_BLOCKS; }
-int64_t workspace_bytes(int64_t R) { return clean_epoch_offset(R) + 128; }
+// Per-rank workspace (arrays per [kind][half], as in DeepepLlCommon): done [4R], source_state
+// [4R], ticket [8], mask [R], then op_seq [4][DEEPEP_LL_MAX_BLOCKS] and gin_sent [4R] (uint64),
+// then the clean barrier's count of barriers passed. What clean zeroes: everything before the
+// mask, and op_seq + gin_sent.
+enum WsPart { kWsDone, kWsSourceState, kWsTicket, kWsMask, kWsOpSeq, kWsGinSent, kWsCleanEpoch, kWsBytes, kWsParts };
+int64_t ws_offset(int64_t R, int part) {
+  const int64_t at[kWsParts] = {0, 16 * R, 32 * R, 32 * R + 32, align_up(36 * R + 32, 128),
+                                align_up(36 * R + 32, 128) + 8 * 4 * DEEPEP_LL_MAX_BLOCKS,
+                                align_up(36 * R + 32, 128) + 8 * 4 * DEEPEP_LL_MAX_BLOCKS + 32 * R,
+                                align_up(36 * R + 32, 128) + 8 * 4 * DEEPEP_LL_MAX_BLOCKS + 32 * R + 128};
+  return at[part];
+}
+int64_t clean_epoch_offset(int64_t R) { return ws_offset(R, kWsCleanEpoch); }
+int64_t workspace_bytes(int64_t R) { return ws_offset(R, kWsBytes); }
 
 DeepepLlCommon common_for(const int64_t* a) {
   const int64_t R = a[kArg_num_ranks], rank = a[kArg_rank];
@@ -102,11 +112,13 @@ DeepepLlCommon common_for(const int64_t* a) {
   c.staging_offset = uint64_t(h.staging);
   c.dispatch_recv_offset = uint64_t(h.dispatch_recv);
   c.count_offset = uint64_t(h.count);
-  c.done = reinterpret_cast<int32_t*>(ws);
-  c.source_state = c.done + 2 * R;
-  c.ticket = reinterpret_cast<uint32_t*>(c.source_state + 2 * R);
-  c.mask = reinterpret_cast<int32_t*>(c.ticket + 2);
-  c.recv_epoch = reinterpret_cast<uint32_t*>(ws + recv_epoch_offset(R));
+  c.done = reinterpret_cast<int32_t*>(ws + ws_offset(R, kWsDone));
+  c.source_state = reinterpret_cast<int32_t*>(ws + ws_offset(R, kWsSourceState));
+  c.ticket = reinterpret_cast<uint32_t*>(ws + ws_offset(R, kWsTicket));
+  c.mask = reinterpret_cast<int32_t*>(ws + ws_offset(R, kWsMask));
+  c.op_seq = reinterpret_cast<uint64_t*>(ws + ws_offset(R, kWsOpSeq));
+  c.gin_sent = reinterpret_cast<uint64_t*>(ws + ws_offset(R, kWsGinSent));
+  c.fault = reinterpret_cast<DeepepFaultRecord*>(a[kArg_fault_record]);
   c.wait.stall = reinterpret_cast<DeepepStallRecord*>(a[kArg_stall_record]);
   c.wait.stall_lock = reinterpret_cast<uint32_t*>(a[kArg_stall_lock]);
   c.wait.timeout_ns = uint64_t(a[kArg_timeout_ns]);
@@ -167,7 +179,12 @@ __attribute__((visibility("default"))) int64_t llv_clean_barrier_offset(const in
 __attribute__((visibility("default"))) int64_t llv_clean_epoch_offset(int64_t num_ranks) {
   return clean_epoch_offset(num_ranks);
 }
-// Window offset of half `parity`'s signal words (8R bytes).
+// Per-rank workspace layout: offsets of done, source_state, ticket, mask, op_seq, gin_sent, the
+// clean's barrier count, and the bytes (8 values into `out`).
+__attribute__((visibility("default"))) void llv_workspace_layout(int64_t num_ranks, int64_t* out) {
+  for (int part = 0; part < kWsParts; ++part) out[part] = ws_offset(num_ranks, part);
+}
+// Window offset of half `parity`'s signal words (16R bytes: uint64 [2 kinds][R]).
 __attribute__((visibility("default"))) int64_t llv_signal_offset(const int64_t* a, int64_t parity) {
   return half_of(a, parity).signal;
 }
@@ -230,12 +247,12 @@ __attribute__((visibility("default"))) int llv_clean(const int64_t* a, void* str
   p.barrier_epoch = reinterpret_cast<uint32_t*>(ws + clean_epoch_offset(R));
   for (int half = 0; half < 2; ++half) {
     p.zero[half] = p.common.local_base + half_of(a, half).signal;
-    p.zero_bytes[half] = 8 * R;
+    p.zero_bytes[half] = 16 * R;
   }
   p.zero[2] = p.common.done;  // done, source_state, ticket (the mask after them stays)
-  p.zero_bytes[2] = 4 * (4 * R + 2);
-  p.zero[3] = p.common.recv_epoch;
-  p.zero_bytes[3] = 4 * 4 * DEEPEP_LL_MAX_BLOCKS;
+  p.zero_bytes[2] = ws_offset(R, kWsMask);
+  p.zero[3] = p.common.op_seq;  // op_seq and gin_sent (the kernel then writes the generation)
+  p.zero_bytes[3] = ws_offset(R, kWsCleanEpoch) - ws_offset(R, kWsOpSeq);
   return kernels().launch_ll_clean(null_dev_comm(), &p, int(a[kArg_remote_kind]), stream);
 }
 

@@ -143,7 +143,7 @@ WAIT_OP_LL_DISPATCH, WAIT_OP_LL_CLEAN = 6, 8  # DEEPEP_WAIT_OP_* (kernels/deepep
 
 def scribble_halves(world):
     """What normal-mode kernels leave in the LL halves (both modes share the RDMA region): every
-    byte 0xff, so a signal word reads 2**32 - 1 and a send makes it wrap to 0."""
+    byte 0xff, so a signal word reads 2**64 - 1, a value no send stores."""
     for r in range(world.num_ranks):
         world.rank_window(r)[:world.halves_bytes()].fill_(0xff)
 
@@ -158,13 +158,17 @@ def expect_stall(world, op, peer=None):
 
 
 def check_cleaned(world, ranks, cleans, absent=()):
-    """After `cleans` cleans: both halves' signal words and the LL counters zero, one arrival per
-    clean barrier from every rank not in `absent`, the count of barriers passed."""
+    """After `cleans` cleans: both halves' signal words and the LL counters zero, op_seq at the
+    new generation (the barriers passed, 2 per clean) with no sends, one arrival per clean barrier
+    from every rank not in `absent`, the count of barriers passed."""
     for r in ranks:
         for parity in (0, 1):
             assert not world.signal_words(r, parity).any(), f'rank {r}: half {parity} signal words not zero'
-        for name, part in zip(('done/source_state/ticket', 'recv_epoch'), world.counters(r)):
-            assert not part.any(), f'rank {r}: {name} not zero'
+        state, _, gin_sent = world.counters(r)
+        assert not state.any(), f'rank {r}: done/source_state/ticket not zero'
+        assert not gin_sent.any(), f'rank {r}: gin_sent not zero'
+        seq = world.op_seq(r)
+        assert bool((seq == (2 * cleans) << 32).all()), f'rank {r}: op_seq {seq.unique().tolist()} after {cleans} cleans'
         arrivals = world.arrival_words(r).tolist()
         want = [0 if src in absent else 2 * cleans for src in range(world.num_ranks)]
         assert arrivals == want, f'rank {r}: clean barrier arrivals {arrivals}, expected {want}'
