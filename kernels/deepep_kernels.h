@@ -75,7 +75,7 @@ enum DeepepFaultCode {
   DEEPEP_FAULT_TOPK_OUT_OF_RANGE = 1,   // a = flat index, b = value, c = num_experts
   DEEPEP_FAULT_RANK_COUNT = 2,          // a = rank, b = num_tokens_per_rank[rank], c = is_token_in_rank count
   DEEPEP_FAULT_WORST_TOO_SMALL = 3,     // a = num_worst_tokens, b = tokens received
-  DEEPEP_FAULT_LL_SAME_HALF = 4,        // a = buffer half used by two LL sends in a row (a CUDA graph
+  DEEPEP_FAULT_LL_SAME_HALF = 4,        // a = buffer half that took two LL sends in a row (a CUDA graph
                                         // with an odd number of LL ops replayed), b = rank
 };
 
@@ -210,8 +210,8 @@ typedef struct DeepepLlCommon {
   // two halves share nothing:
   int32_t* done;                  // [2][2][R]: per-destination completion counters
   int32_t* source_state;          // [2][2][R]: 0 waiting, 1 arrived, 2 masked (reset at a receive's end)
-  uint32_t* ticket;               // [2][2]: last-block detection (shrink mode), then [4]: 1 + the half of
-                                  // this rank's last LL send (0: none since the clean)
+  uint32_t* ticket;               // [2][2]: last-block detection (shrink mode), then [2]: LL sends on
+                                  // each half since the clean (the halves must alternate)
   uint64_t* op_seq;               // [2][2][DEEPEP_LL_MAX_BLOCKS]: the signal value of this rank's last
                                   // send of that kind on that half, (clean generation << 32) | sends
                                   // since the clean; one copy per block (no block waits for another)

@@ -40,7 +40,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   const int64_t view_row = view_row_bytes(H);
   const uint64_t meta_base = c.combine_recv_offset + uint64_t(c.num_experts) * M * cslot;
   const uint64_t signal = tr.next_signal(kSignalCombine);
-  const uint32_t previous_half = tr.begin_send();
+  const int32_t half_lead = tr.begin_send();
   // smem: prefix [El*R + 1] of block sizes in (expert, source) order; each block's first packed
   // row [El*R]; rows per home [R]; this block's written chunks per home [R].
   int* prefix = smem;
@@ -49,7 +49,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   int* home_written = home_rows + R;
   for (int j = threadIdx.x; j < 2 * R; j += kThreads) home_rows[j] = 0;
   __syncthreads();
-  tr.end_send(kSignalCombine, signal, previous_half);
+  tr.end_send(kSignalCombine, signal, half_lead);
   // All threads load the El*R ranges at once (one memory round trip), then one warp scans the
   // counts in shared memory.
   for (int idx = threadIdx.x; idx < El * R; idx += kThreads) {

@@ -17,8 +17,8 @@
 //     never matches either: a stall record, or a mask in shrink mode, instead of torn data.
 // Nothing resets the words; the clean zeroes them and starts a new generation. A word is next
 // written two LL calls later (the other half is used in between): DeepEP's "at most two results
-// in flight". The half is host state (baked into CUDA graphs): a send on the same half as this
-// rank's previous send is a fault record (DEEPEP_FAULT_LL_SAME_HALF).
+// in flight". The half is host state (baked into CUDA graphs): two sends in a row on one half
+// are a fault record (DEEPEP_FAULT_LL_SAME_HALF; see begin_send).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -248,15 +248,23 @@ struct Transport {
     const uint64_t v = *reinterpret_cast<volatile uint64_t*>(seq_slot(kind));
     return (v & ~0xffffffffull) | uint32_t(uint32_t(v) + 1u);
   }
-  // Block 0's record of the half: issued at the send's start, checked at its end (off the path).
-  __device__ __forceinline__ uint32_t begin_send() const {
-    return blockIdx.x == 0 && threadIdx.x == 0 ? atomicExch(c.ticket + 4, uint32_t(1 + c.parity)) : 0u;
+  // Block 0 counts the send on its half and reads the other half's count: issued at the send's
+  // start, checked at its end (off the path). Alternating halves keep the counts within one of
+  // each other, also with a send of each half in flight at once; two sends in a row on one half
+  // (a CUDA graph with an odd number of LL ops, replayed back to back) make this half's two ahead.
+  __device__ __forceinline__ int32_t begin_send() const {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return 0;
+    const uint32_t mine = atomicAdd(c.ticket + 4 + c.parity, 1u) + 1u;
+    return int32_t(mine - *reinterpret_cast<volatile uint32_t*>(c.ticket + 4 + (1 - c.parity)));
   }
   // After a block barrier that follows every thread's next_signal.
-  __device__ __forceinline__ void end_send(int kind, uint64_t value, uint32_t previous_half) const {
+  __device__ __forceinline__ void end_send(int kind, uint64_t value, int32_t lead) const {
     if (threadIdx.x != 0) return;
     *seq_slot(kind) = value;
-    if (previous_half == uint32_t(1 + c.parity)) record_ll_fault(c.fault, DEEPEP_FAULT_LL_SAME_HALF, c.parity, c.rank);
+    if (lead >= 2) {
+      record_ll_fault(c.fault, DEEPEP_FAULT_LL_SAME_HALF, c.parity, c.rank);
+      atomicSub(c.ticket + 4 + c.parity, 1u);  // back in step: the next sends are judged afresh
+    }
   }
   // The value a receive block waits for: its own latest send's (stream order, or the block
   // barrier between the phases of one kernel).
@@ -270,10 +278,10 @@ struct Transport {
   // send phase see one mask. `value` is the caller's first poll, issued before `expected` was loaded.
   __device__ bool wait_source(int kind, int src, uint64_t expected, uint64_t value, int64_t* wait_cycles) const {
     int* state = c.source_state + kind_half(kind) * c.num_ranks + src;
-    if (c.shrink && __ldcg(c.mask + src) != 0) {
-      // Follow the agreement even here: the state is only ever Masked for a masked source.
-      return atomicCAS(state, kStateWaiting, kStateMasked) == kStateArrived;
-    }
+    // A masked source is skipped, unless the blocks already agreed it arrived (then this block
+    // waits for the signal too, which is there): every block follows the agreement.
+    if (c.shrink && __ldcg(c.mask + src) != 0 && atomicCAS(state, kStateWaiting, kStateMasked) != kStateArrived)
+      return false;
     const long long start_clock = clock64();
     if (value != expected) {
       const uint64_t start = global_time_ns();
@@ -296,6 +304,8 @@ struct Transport {
     if (!c.shrink && got) return true;
     const int outcome = atomicCAS(state, kStateWaiting, got ? kStateArrived : kStateMasked);
     const int final_state = outcome == kStateWaiting ? (got ? kStateArrived : kStateMasked) : outcome;
+    // Following another block's arrival after this one's wait ended: acquire the signal it saw.
+    if (final_state == kStateArrived && !got) read_signal(kind, src);
     return final_state == kStateArrived;
   }
 

@@ -154,7 +154,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
   const int64_t header = dispatch_header_bytes(K);
   const int64_t count_bytes = p.count_bytes;
   const uint64_t signal = tr.next_signal(kSignalDispatch);
-  const uint32_t previous_half = tr.begin_send();
+  const int32_t half_lead = tr.begin_send();
 
   int* hist = smem;                           // [El + 1]: tokens, then per-expert counts
   int* bitmap = hist + El + 1;                // [W]
@@ -201,7 +201,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     __syncthreads();
   }
   __syncthreads();  // expert_hist cleared
-  tr.end_send(kSignalDispatch, signal, previous_half);
+  tr.end_send(kSignalDispatch, signal, half_lead);
 
   __shared__ TokenRoute route;
   const int hidden_vec = H / 8;  // 16-byte groups of 8 bf16

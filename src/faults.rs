@@ -23,7 +23,8 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
         kernels::DEEPEP_FAULT_LL_SAME_HALF => format!(
             "rank {}: two low-latency sends in a row used buffer half {} (the half alternates on the host and is \
              fixed when a CUDA graph is captured: a graph replayed back to back must hold an even number of \
-             low_latency_dispatch / low_latency_combine calls); the second op's data may be torn",
+             low_latency_dispatch / low_latency_combine calls); the second op's data may be torn, and \
+             clean_low_latency_buffer puts the halves back in step",
             f.b, f.a
         ),
         _ => format!("the GPU reported bad input (fault code {}, {} {} {})", f.code, f.a, f.b, f.c),
@@ -76,6 +77,8 @@ mod tests {
         assert!(fault_error(&f).message.contains("topk_idx holds 300 at flat index 5"));
         let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RANK_COUNT as i32, a: 2, b: 10, c: 9 };
         assert!(fault_error(&f).message.starts_with("num_tokens_per_rank[2] is 10"));
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_LL_SAME_HALF as i32, a: 1, b: 3, c: 0 };
+        assert!(fault_error(&f).message.starts_with("rank 3: two low-latency sends in a row used buffer half 1"));
     }
 
     #[test]
@@ -99,5 +102,15 @@ mod tests {
         );
         let unknown = stall_error(&StallRecord { op: -4, ..record }, 1_500_000_000);
         assert!(unknown.message.contains("after 1.5 s: rank 5 stalled wait op -4 counter 7"), "{}", unknown.message);
+        // An LL signal: (clean generation << 32) | sends on the half.
+        let ll = StallRecord { op: kernels::DEEPEP_WAIT_OP_LL_DISPATCH as i32, expected: (2 << 32) | 5, seen: 4, ..record };
+        assert!(
+            stall_error(&ll, 1_000_000_000).message.contains(
+                "rank 5 never sent its low-latency dispatch (op 5 of generation 2 of this half awaited, \
+                 op 4 of generation 0 last seen)"
+            ),
+            "{}",
+            stall_error(&ll, 1_000_000_000).message
+        );
     }
 }

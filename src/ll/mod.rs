@@ -389,6 +389,36 @@ mod tests {
     }
 
     #[test]
+    fn a_receive_hook_runs_once_per_send() {
+        let args = crate::buffer::BufferArgs {
+            rank: 0,
+            num_ranks: 2,
+            num_nvl_bytes: 0,
+            num_rdma_bytes: 1 << 20,
+            low_latency_mode: true,
+            explicitly_destroy: true,
+            enable_shrink: false,
+        };
+        let buffer = Buffer::without_resources(args, 132);
+        let shape = LlShape::new(128, 7168, 16, 2).unwrap();
+        let once = |kind, half| check_receive(&buffer, kind, half);
+        assert!(once(LlKind::Dispatch, 0).unwrap_err().message.contains("a receive hook runs once"));
+        after_send(&buffer, shape, LlKind::Dispatch, 0, true);
+        after_send(&buffer, shape, LlKind::Combine, 1, false); // both phases: no hook
+        once(LlKind::Dispatch, 0).unwrap();
+        assert!(once(LlKind::Dispatch, 1).is_err() && once(LlKind::Combine, 1).is_err() && once(LlKind::Combine, 0).is_err());
+        after_receive(&buffer, LlKind::Dispatch, 0);
+        let doubled = once(LlKind::Dispatch, 0).unwrap_err().message;
+        assert!(doubled.starts_with("the receive of this low_latency_dispatch (buffer half 0) already ran"), "{doubled}");
+        // A dropped hook: the next send on that half leaves one receive pending, as before.
+        after_send(&buffer, shape, LlKind::Combine, 1, true);
+        after_send(&buffer, shape, LlKind::Combine, 1, true);
+        once(LlKind::Combine, 1).unwrap();
+        buffer.ll_host().cleaned(shape);
+        assert!(once(LlKind::Combine, 1).is_err());
+    }
+
+    #[test]
     fn phases_and_receive_half_are_checked() {
         assert!(phases_for(0).unwrap_err().message.contains("phases must be 1 (send), 2 (receive) or 3 (both)"));
         assert!(phases_for(4).is_err());

@@ -128,11 +128,11 @@ class VirtualWorld:
                     packed_recv_layout_range=out['layout_range'].data_ptr(),
                     cumulative_stats=out['stats'].data_ptr(), wait_stats=out['wait_stats'].data_ptr())
 
-    def dispatch_send(self, rank, x, topk, out, **mode):
-        self._launch(self.lib.llv_dispatch, self.dispatch_fields(rank, PHASE_SEND, x, topk, out, **mode))
+    def dispatch_send(self, rank, x, topk, out, stream=None, **mode):
+        self._launch(self.lib.llv_dispatch, self.dispatch_fields(rank, PHASE_SEND, x, topk, out, **mode), stream)
 
-    def dispatch_recv(self, rank, x, topk, out, **mode):
-        self._launch(self.lib.llv_dispatch, self.dispatch_fields(rank, PHASE_RECV, x, topk, out, **mode))
+    def dispatch_recv(self, rank, x, topk, out, stream=None, **mode):
+        self._launch(self.lib.llv_dispatch, self.dispatch_fields(rank, PHASE_RECV, x, topk, out, **mode), stream)
 
     def dispatch(self, all_x, all_topk, use_fp8=False, round_scale=False, use_ue8m0=False, outs=None):
         """Every rank sends, then every rank receives (hook mode: no kernel waits for a peer that
@@ -155,11 +155,11 @@ class VirtualWorld:
                     layout_range=layout_range.data_ptr(), out=out.data_ptr(), use_logfmt=use_logfmt,
                     wait_stats=0 if wait_stats is None else wait_stats.data_ptr())
 
-    def combine_rank(self, rank, phases, y, topk, weights, dispatch_out, out, use_logfmt=False):
+    def combine_rank(self, rank, phases, y, topk, weights, dispatch_out, out, use_logfmt=False, stream=None):
         """One rank's combine phases (send 1, receive 2) of the current half."""
         self._launch(self.lib.llv_combine,
                      self.combine_fields(rank, phases, y, topk, weights, dispatch_out['src_info'],
-                                         dispatch_out['layout_range'], out, use_logfmt))
+                                         dispatch_out['layout_range'], out, use_logfmt), stream)
 
     def combine(self, all_y, all_topk, all_weights, dispatch_outs, use_logfmt=False, outs=None):
         """Every rank sends its expert outputs all_y[r] [E_l, R*M, H] back, then every rank
