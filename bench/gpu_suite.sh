@@ -12,7 +12,8 @@
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
 #                     steps: smoke_normal test_normal test_normal_ctypes example_normal
 #                     bench_normal smoke_low_latency test_fast_build test_low_latency test_ll_ctypes
-#                     example_ll bench_ll test_ll_virtual bench_ll_virtual bench_ll_host test_buffer
+#                     example_ll bench_ll test_ll_virtual test_ll_generations test_ll_generations_2gpu
+#                     bench_ll_virtual bench_ll_host test_buffer
 #                     test_layout test_layout_ctypes test_python quickstart bench_layout
 #   BENCH_NORMAL_ARGS / BENCH_LL_ARGS  extra arguments of bench_normal.py / bench_low_latency.py
 #                     (e.g. BENCH_LL_ARGS=--quick)
@@ -24,7 +25,7 @@ cd "$(dirname "$0")/.."
 
 ALL_STEPS=(smoke_normal test_normal test_normal_ctypes example_normal bench_normal
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
-           test_ll_virtual bench_ll_virtual bench_ll_host
+           test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host
            test_buffer test_layout test_layout_ctypes test_python quickstart bench_layout)
 SUITE_STEPS=${SUITE_STEPS:-}
 for s in $SUITE_STEPS; do
@@ -117,6 +118,9 @@ example example_ll "$EXAMPLE_LL"
 step bench_ll 420 "$PYTHON" bench/bench_low_latency.py ${BENCH_LL_ARGS:-} --json "$LOG_DIR/bench_ll.json"
 # The LL kernels with 2-32 virtual ranks on one GPU (multi-source receive on any machine).
 step test_ll_virtual 300 "$PYTHON" tests/gpu/test_ll_virtual_ranks.py
+# The LL protocol under lag, dropped / doubled hooks, odd graphs, shape changes and rejoins.
+step test_ll_generations 300 "$PYTHON" tests/gpu/test_ll_generations.py
+step test_ll_generations_2gpu 300 "$PYTHON" tests/gpu/test_ll_generations_2gpu.py
 step bench_ll_virtual 300 "$PYTHON" bench/bench_ll_virtual_ranks.py --large-m 512 --json "$LOG_DIR/bench_ll_virtual.json"
 step bench_ll_host 300 "$PYTHON" bench/bench_ll_host.py --json "$LOG_DIR/bench_ll_host.json"
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py

@@ -200,7 +200,8 @@ typedef struct DeepepLlCommon {
   uint64_t lsa_stride;
   uint8_t* local_base;
   uint64_t signal_offset;         // uint64 words: [R] dispatch signals, then [R] combine signals; source s
-                                  // stores its op_seq value of the op (a generation: stale ones never match)
+                                  // stores its op_seq value of the op ^ DEEPEP_LL_SIGNAL_KEY (a generation:
+                                  // stale ones never match)
   uint64_t combine_recv_offset;   // combine area: [E][M] data slots (2H), then [E][M] metadata (4H/128)
   uint64_t view_offset;           // send half: the zero-copy combine view [E_l][R*M] (also combine staging)
   uint64_t staging_offset;        // dispatch staging slots [M] (remote path only)
@@ -276,6 +277,9 @@ typedef struct DeepepLlCombineParams {
 // GIN signal ids: (bank * DEEPEP_LL_SIGNAL_KINDS + kind) * R + source rank, where bank is the
 // buffer half (0, 1) or DEEPEP_LL_CLEAN_BANK (kind 0 only).
 #define DEEPEP_LL_SIGNAL_KINDS 2   // dispatch, combine
+// An LL signal word holds (clean generation << 32 | sends on that half) XOR this key, so that
+// zeroed or overwritten words (normal-mode data, small integers) never equal a value sent.
+#define DEEPEP_LL_SIGNAL_KEY 0x9e3779b97f4a7c15ULL
 #define DEEPEP_LL_GIN_SIGNALS_PER_RANK (DEEPEP_LL_CLEAN_BANK * DEEPEP_LL_SIGNAL_KINDS + 1)
 typedef struct DeepepLlCleanParams {
   DeepepLlCommon common;          // transport fields; signal_offset: the barrier's arrival words [R],

@@ -39,8 +39,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   const int64_t cslot = combine_data_bytes(H);
   const int64_t view_row = view_row_bytes(H);
   const uint64_t meta_base = c.combine_recv_offset + uint64_t(c.num_experts) * M * cslot;
-  const uint64_t signal = tr.next_signal(kSignalCombine);
-  const int32_t half_lead = tr.begin_send();
+  const auto send = tr.begin_send(kSignalCombine);  // its loads are used only at the signals and the end
   // smem: prefix [El*R + 1] of block sizes in (expert, source) order; each block's first packed
   // row [El*R]; rows per home [R]; this block's written chunks per home [R].
   int* prefix = smem;
@@ -49,7 +48,6 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   int* home_written = home_rows + R;
   for (int j = threadIdx.x; j < 2 * R; j += kThreads) home_rows[j] = 0;
   __syncthreads();
-  tr.end_send(kSignalCombine, signal, half_lead);
   // All threads load the El*R ranges at once (one memory round trip), then one warp scans the
   // counts in shared memory.
   for (int idx = threadIdx.x; idx < El * R; idx += kThreads) {
@@ -91,7 +89,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   chunks = max(1, min(chunks, groups));
   // Homes that get no rows still need their signal.
   for (int j = blockIdx.x * kThreads + threadIdx.x; j < R; j += gridDim.x * kThreads)
-    if (home_rows[j] == 0 && peer_active(c, j)) tr.signal(j, kSignalCombine, signal);
+    if (home_rows[j] == 0 && peer_active(c, j)) tr.signal(j, kSignalCombine, tr.signal_of(send));
 
   const bool zero_copy = p.zero_copy != 0;
   for (int w = blockIdx.x * kWarps + warp; w < total_rows * chunks; w += total_warps) {
@@ -172,7 +170,8 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   // every warp's stores part of what thread j releases.
   __syncthreads();
   for (int j = threadIdx.x; j < R; j += kThreads)
-    if (home_written[j] > 0) combine_done(tr, j, home_written[j], home_rows[j] * chunks, signal);
+    if (home_written[j] > 0) combine_done(tr, j, home_written[j], home_rows[j] * chunks, tr.signal_of(send));
+  tr.end_send(kSignalCombine, send);
 }
 
 // An item is kSub consecutive 256-channel groups of one token (LogFMT: kSub = 1; see

@@ -7,7 +7,7 @@
 // s writes its data into r's half of the window, then stores its signal value into r's 64-bit
 // signal word [s] of that half and op (release, after all of s's writes to r). The value is a
 // generation: (clean generation << 32) | the number of sends of that op kind s made on that half
-// since the clean (op_seq). Every rank takes part in every op, so r's own count for the op equals
+// since the clean (op_seq), XOR DEEPEP_LL_SIGNAL_KEY (zeroed or overwritten words never match). Every rank takes part in every op, so r's own count for the op equals
 // s's, and each receive block waits for exactly r's own value of its latest send on the half:
 //   * a stale word (an earlier op, a late signal of a masked rank, one from before a clean)
 //     never equals it, in counter and shrink mode alike (NCCL EP #2303);
@@ -18,7 +18,7 @@
 // Nothing resets the words; the clean zeroes them and starts a new generation. A word is next
 // written two LL calls later (the other half is used in between): DeepEP's "at most two results
 // in flight". The half is host state (baked into CUDA graphs): two sends in a row on one half
-// are a fault record (DEEPEP_FAULT_LL_SAME_HALF; see begin_send).
+// are a fault record (DEEPEP_FAULT_LL_SAME_HALF; see end_send).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -241,34 +241,46 @@ struct Transport {
   __device__ __forceinline__ uint64_t* seq_slot(int kind) const {
     return c.op_seq + kind_half(kind) * DEEPEP_LL_MAX_BLOCKS + blockIdx.x;
   }
-  // The signal value of the send starting now: one send more on this half, same generation (the
-  // count wraps inside its 32 bits). Every thread of the send phase reads it before the phase's
-  // first block barrier; end_send stores it after one.
-  __device__ __forceinline__ uint64_t next_signal(int kind) const {
-    const uint64_t v = *reinterpret_cast<volatile uint64_t*>(seq_slot(kind));
-    return (v & ~0xffffffffull) | uint32_t(uint32_t(v) + 1u);
+  // A send's state, loaded at its start and used at its end (signal_of, end_send), so that no
+  // thread waits for these loads on the way to its first data:
+  //   seq: this block's op_seq slot (every thread; before the phase's first block barrier);
+  //   sent, other: block 0 counts the send on its half and reads the other half's count.
+  struct SendState {
+    uint64_t seq;
+    uint32_t sent, other;
+  };
+  __device__ __forceinline__ SendState begin_send(int kind) const {
+    SendState s{*reinterpret_cast<volatile uint64_t*>(seq_slot(kind)), 0u, 0u};
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      s.sent = atomicAdd(c.ticket + 4 + c.parity, 1u) + 1u;
+      s.other = *reinterpret_cast<volatile uint32_t*>(c.ticket + 4 + (1 - c.parity));
+    }
+    return s;
   }
-  // Block 0 counts the send on its half and reads the other half's count: issued at the send's
-  // start, checked at its end (off the path). Alternating halves keep the counts within one of
-  // each other, also with a send of each half in flight at once; two sends in a row on one half
-  // (a CUDA graph with an odd number of LL ops, replayed back to back) make this half's two ahead.
-  __device__ __forceinline__ int32_t begin_send() const {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return 0;
-    const uint32_t mine = atomicAdd(c.ticket + 4 + c.parity, 1u) + 1u;
-    return int32_t(mine - *reinterpret_cast<volatile uint32_t*>(c.ticket + 4 + (1 - c.parity)));
+  // This send's op_seq: one send more on this half, same generation (the count wraps inside its
+  // 32 bits); and the signal value that carries it.
+  __device__ __forceinline__ static uint64_t seq_of(const SendState& s) {
+    return (s.seq & ~0xffffffffull) | uint32_t(uint32_t(s.seq) + 1u);
   }
-  // After a block barrier that follows every thread's next_signal.
-  __device__ __forceinline__ void end_send(int kind, uint64_t value, int32_t lead) const {
+  __device__ __forceinline__ static uint64_t signal_of(const SendState& s) { return seq_of(s) ^ DEEPEP_LL_SIGNAL_KEY; }
+  // The whole block calls, at the end of the send phase (after its signals). Alternating halves
+  // keep the two counts within one of each other, also with a send of each half in flight at
+  // once; two sends in a row on one half (a CUDA graph with an odd number of LL ops, replayed
+  // back to back) put this half's two ahead: a fault record, and the count is set back so that
+  // the next sends are judged afresh.
+  __device__ __forceinline__ void end_send(int kind, const SendState& s) const {
     if (threadIdx.x != 0) return;
-    *seq_slot(kind) = value;
-    if (lead >= 2) {
+    *seq_slot(kind) = seq_of(s);
+    if (blockIdx.x == 0 && int32_t(s.sent - s.other) >= 2) {
       record_ll_fault(c.fault, DEEPEP_FAULT_LL_SAME_HALF, c.parity, c.rank);
-      atomicSub(c.ticket + 4 + c.parity, 1u);  // back in step: the next sends are judged afresh
+      atomicSub(c.ticket + 4 + c.parity, 1u);
     }
   }
   // The value a receive block waits for: its own latest send's (stream order, or the block
   // barrier between the phases of one kernel).
-  __device__ __forceinline__ uint64_t expected_signal(int kind) const { return *seq_slot(kind); }
+  __device__ __forceinline__ uint64_t expected_signal(int kind) const {
+    return *seq_slot(kind) ^ DEEPEP_LL_SIGNAL_KEY;
+  }
 
   // One thread: waits for source `src`'s signal of op `kind` to equal `expected` and agrees
   // with the other blocks on the outcome (source_state). Returns whether it arrived; false if

@@ -153,8 +153,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
   const int64_t slot_bytes = p.dispatch_slot_bytes;
   const int64_t header = dispatch_header_bytes(K);
   const int64_t count_bytes = p.count_bytes;
-  const uint64_t signal = tr.next_signal(kSignalDispatch);
-  const int32_t half_lead = tr.begin_send();
+  const auto send = tr.begin_send(kSignalDispatch);  // its loads are used only at the signals and the end
 
   int* hist = smem;                           // [El + 1]: tokens, then per-expert counts
   int* bitmap = hist + El + 1;                // [W]
@@ -201,7 +200,6 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     __syncthreads();
   }
   __syncthreads();  // expert_hist cleared
-  tr.end_send(kSignalDispatch, signal, half_lead);
 
   __shared__ TokenRoute route;
   const int hidden_vec = H / 8;  // 16-byte groups of 8 bf16
@@ -304,7 +302,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     }
     // One thread per destination: release this token's stores, then count it done.
     if (threadIdx.x < nd && peer_active(c, route.dst[threadIdx.x])) {
-      count_done(tr, route.dst[threadIdx.x], 1, signal);
+      count_done(tr, route.dst[threadIdx.x], 1, tr.signal_of(send));
     }
     __syncthreads();
   }
@@ -312,8 +310,9 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
   for (int d = count_block + threadIdx.x * gridDim.x, i = threadIdx.x; d < c.num_ranks;
        d += kThreads * gridDim.x, i += kThreads) {
     if (!peer_active(c, d)) continue;
-    count_done(tr, d, kDoneTag - owned_tokens[i], signal);
+    count_done(tr, d, kDoneTag - owned_tokens[i], tr.signal_of(send));
   }
+  tr.end_send(kSignalDispatch, send);
 }
 
 static_assert(kItemGroupWords == kWarp, "an item group is one 16-byte word per lane");

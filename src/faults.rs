@@ -32,10 +32,13 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
     Error::invalid(message)
 }
 
-/// An LL signal is (clean generation << 32) | sends on that buffer half: which op was awaited
-/// and which the peer last sent there.
+/// An LL signal is ((clean generation << 32) | sends on that buffer half) ^ DEEPEP_LL_SIGNAL_KEY:
+/// which op was awaited and which the peer last sent there.
 fn ll_ops(record: &StallRecord) -> String {
-    let op = |v: i64| format!("op {} of generation {}", v as u64 & 0xffff_ffff, v as u64 >> 32);
+    let op = |v: i64| {
+        let seq = v as u64 ^ kernels::DEEPEP_LL_SIGNAL_KEY as u64;
+        format!("op {} of generation {}", seq & 0xffff_ffff, seq >> 32)
+    };
     format!(" ({} of this half awaited, {} last seen)", op(record.expected), op(record.seen))
 }
 
@@ -103,7 +106,13 @@ mod tests {
         let unknown = stall_error(&StallRecord { op: -4, ..record }, 1_500_000_000);
         assert!(unknown.message.contains("after 1.5 s: rank 5 stalled wait op -4 counter 7"), "{}", unknown.message);
         // An LL signal: (clean generation << 32) | sends on the half.
-        let ll = StallRecord { op: kernels::DEEPEP_WAIT_OP_LL_DISPATCH as i32, expected: (2 << 32) | 5, seen: 4, ..record };
+        let signal = |seq: u64| (seq ^ kernels::DEEPEP_LL_SIGNAL_KEY as u64) as i64;
+        let ll = StallRecord {
+            op: kernels::DEEPEP_WAIT_OP_LL_DISPATCH as i32,
+            expected: signal((2 << 32) | 5),
+            seen: signal(4),
+            ..record
+        };
         assert!(
             stall_error(&ll, 1_000_000_000).message.contains(
                 "rank 5 never sent its low-latency dispatch (op 5 of generation 2 of this half awaited, \

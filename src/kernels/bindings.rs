@@ -11,6 +11,7 @@ pub const DEEPEP_LL_MAX_BLOCKS: i32 = 1024;
 pub const DEEPEP_LL_CLEAN_BANK: i32 = 2;
 pub const DEEPEP_LL_CLEAN_REGIONS: i32 = 4;
 pub const DEEPEP_LL_SIGNAL_KINDS: i32 = 2;
+pub const DEEPEP_LL_SIGNAL_KEY: i64 = -7046029254386353131;
 pub const DEEPEP_LL_GIN_SIGNALS_PER_RANK: i32 = 5;
 pub const DEEPEP_WAIT_OP_NONE: DeepepWaitOp = 0;
 pub const DEEPEP_WAIT_OP_LSA_BARRIER: DeepepWaitOp = 1;
