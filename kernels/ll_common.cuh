@@ -7,8 +7,9 @@
 // s writes its data into r's half of the window, then stores its signal value into r's 64-bit
 // signal word [s] of that half and op (release, after all of s's writes to r). The value is a
 // generation: (clean generation << 32) | the number of sends of that op kind s made on that half
-// since the clean (op_seq), XOR DEEPEP_LL_SIGNAL_KEY (zeroed or overwritten words never match). Every rank takes part in every op, so r's own count for the op equals
-// s's, and each receive block waits for exactly r's own value of its latest send on the half:
+// since the clean (op_seq), XOR DEEPEP_LL_SIGNAL_KEY (so zeroed or overwritten words never match).
+// Every rank takes part in every op, so r's own count for the op equals s's, and each receive
+// block waits for exactly r's own value of its latest send on the half:
 //   * a stale word (an earlier op, a late signal of a masked rank, one from before a clean)
 //     never equals it, in counter and shrink mode alike (NCCL EP #2303);
 //   * the receive keeps no count of its own, so a receive that never ran (a dropped hook) or ran
@@ -185,7 +186,7 @@ struct Transport {
   }
 
   // Tells `peer` that all of this rank's writes of op `kind` to it are done: its signal word
-  // becomes `value` (this op's next_signal). Every writer released its writes (gpu scope) before
+  // becomes `value` (this op's signal_of). Every writer released its writes (gpu scope) before
   // counting itself done, and the caller acquired that count; this sys-scope release carries all
   // of them to the peer (cumulativity), as DeepEP's LL kernels do: no full fence.sc.sys is needed.
   // One thread per (op, peer) calls it.

@@ -98,8 +98,8 @@ class Run:
         saved, self.w.parity = self.w.parity, op.parity
         try:
             if op.kind == 'dispatch':
-                self.w._launch(self.w.lib.llv_dispatch, self.w.dispatch_fields(rank, phases, op.x[rank], op.topk[rank], out),
-                               stream)
+                fields = self.w.dispatch_fields(rank, phases, op.x[rank], op.topk[rank], out)
+                self.w._launch(self.w.lib.llv_dispatch, fields, stream)
             else:
                 self.w.combine_rank(rank, phases, op.y[rank], op.topk[rank], op.weights[rank],
                                     op.handle.outs[rank], out, stream=stream)
