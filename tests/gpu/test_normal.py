@@ -8,7 +8,8 @@ skewed, empty rank, -1 heavy, duplicates), token counts 0/1/17/4096 (also differ
 hidden 2048/4096/6000/7168, top-k 1/8/16, BF16 and FP8 (float32 and int32 scales, row- and
 column-major), with and without top-k, expert alignment, the handle, cached and repeated calls,
 num_worst_tokens, combine bias, events and streams, CUDA-graph replay, a Config sweep, bad input,
-and a peer that stalls in dispatch, cached dispatch or combine (last, each on its own buffer, then a new one).
+and a peer that stalls in dispatch, cached dispatch or combine (last, each on its own buffer,
+then a new one).
 
 Every exact output is compared with torch.equal. Checks are collected (common.Checks) rather
 than raised at once so that all ranks keep making the same collective calls."""
