@@ -13,9 +13,20 @@
 #                     steps: smoke_normal test_normal test_normal_ctypes example_normal
 #                     bench_normal smoke_low_latency test_fast_build test_low_latency test_ll_ctypes
 #                     example_ll bench_ll test_ll_virtual bench_ll_virtual bench_ll_host test_buffer
-#                     test_layout test_layout_ctypes test_python quickstart bench_layout
+#                     test_soak test_layout test_layout_ctypes test_python quickstart bench_layout
 #                     deepep_test_intranode deepep_test_low_latency (DeepEP V1's own tests; they
 #                     need DEEPEP_V1_SRC, a DeepEP source tree at 567632d, and are skipped without)
+#                     memcheck_smoke racecheck_smoke soak_long
+#                     soak_long (tests/gpu/test_soak.py with its defaults: 1000 create/destroy
+#                     cycles + a 10-minute mixed normal/LL soak, about 22 minutes) runs only when
+#                     SUITE_STEPS names it or SOAK_LONG=1; an empty SUITE_STEPS runs every other step
+#   SOAK_LONG=1       add soak_long to an empty SUITE_STEPS
+#   TEST_SOAK_ARGS    arguments of the short test_soak step (default --cycles 200 --minutes 1, ~5 min);
+#                     SOAK_LONG_ARGS those of soak_long (default none: 1000 cycles, 10 minutes)
+#   SANITIZE_SMOKES   the smoke tests memcheck_smoke / racecheck_smoke run under compute-sanitizer
+#                     (default "normal low_latency"; one per call if racecheck needs it);
+#                     SANITIZER_STEP_SECS their step limit (default 560; racecheck is 10-100x slower);
+#                     tests/gpu/sanitize_smoke.sh says what they check and which timeouts they raise
 #   BENCH_NORMAL_ARGS / BENCH_LL_ARGS  extra arguments of bench_normal.py / bench_low_latency.py
 #                     (e.g. BENCH_LL_ARGS=--quick)
 #   EXAMPLE_NORMAL / EXAMPLE_LL        the C++ example binaries
@@ -27,8 +38,8 @@ cd "$(dirname "$0")/.."
 ALL_STEPS=(smoke_normal test_normal test_normal_ctypes example_normal bench_normal
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
            test_ll_virtual bench_ll_virtual bench_ll_host
-           test_buffer test_layout test_layout_ctypes test_python quickstart bench_layout
-           deepep_test_intranode deepep_test_low_latency)
+           test_buffer test_soak test_layout test_layout_ctypes test_python quickstart bench_layout
+           deepep_test_intranode deepep_test_low_latency memcheck_smoke racecheck_smoke soak_long)
 SUITE_STEPS=${SUITE_STEPS:-}
 for s in $SUITE_STEPS; do
     case " ${ALL_STEPS[*]} " in
@@ -36,9 +47,12 @@ for s in $SUITE_STEPS; do
         *) echo "error: SUITE_STEPS names an unknown step '$s' (steps: ${ALL_STEPS[*]})" >&2; exit 2 ;;
     esac
 done
-# wanted NAME: true when SUITE_STEPS is empty or names NAME.
+# wanted NAME: true when SUITE_STEPS names NAME, or is empty (soak_long then only with SOAK_LONG=1).
 wanted() {
-    [ -z "$SUITE_STEPS" ] && return 0
+    if [ -z "$SUITE_STEPS" ]; then
+        [ "$1" != soak_long ] || [ "${SOAK_LONG:-0}" = 1 ]
+        return
+    fi
     case " $SUITE_STEPS " in *" $1 "*) return 0 ;; esac
     return 1
 }
@@ -63,7 +77,7 @@ PYTHON=${PYTHON:-$(command -v python || command -v python3)}
     "$PYTHON" -c 'import torch; print("torch", torch.__version__, "| CUDA", torch.version.cuda,
 "| NCCL", ".".join(map(str, torch.cuda.nccl.version())), "| GPUs", torch.cuda.device_count())'
     echo "DEEPEP_NCCL_LIBRARY=$DEEPEP_NCCL_LIBRARY NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
-    echo "SUITE_STEPS=${SUITE_STEPS:-(all)}"
+    echo "SUITE_STEPS=${SUITE_STEPS:-(all)}${SOAK_LONG:+ SOAK_LONG=$SOAK_LONG}"
 } 2>&1 | tee "$STEP_DIR/env.log"
 
 names=() statuses=() times=()
@@ -123,6 +137,10 @@ step test_ll_virtual 300 "$PYTHON" tests/gpu/test_ll_virtual_ranks.py
 step bench_ll_virtual 300 "$PYTHON" bench/bench_ll_virtual_ranks.py --large-m 512 --json "$LOG_DIR/bench_ll_virtual.json"
 step bench_ll_host 300 "$PYTHON" bench/bench_ll_host.py --json "$LOG_DIR/bench_ll_host.json"
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py
+# Create/destroy cycles with flat device memory, then a soak mixing normal and LL ops on one
+# auto-mode buffer (every result checked, every op repeated bit-identically); soak_long below
+# is the full length.
+step test_soak 540 "$PYTHON" tests/gpu/test_soak.py ${TEST_SOAK_ARGS:---cycles 200 --minutes 1}
 step test_layout 270 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_layout.py
 step test_layout_ctypes 270 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_layout.py
 step test_python 120 "$PYTHON" -m pytest -q tests/python
@@ -148,6 +166,10 @@ deepep_test() {
 }
 deepep_test deepep_test_intranode test_intranode.py --num-processes 2
 deepep_test deepep_test_low_latency test_low_latency.py --num-processes 2
+# compute-sanitizer over the 2-GPU smoke tests (every rank): 0 memcheck errors, 0 racecheck hazards.
+step memcheck_smoke "${SANITIZER_STEP_SECS:-560}" env PYTHON="$PYTHON" bash tests/gpu/sanitize_smoke.sh memcheck
+step racecheck_smoke "${SANITIZER_STEP_SECS:-560}" env PYTHON="$PYTHON" bash tests/gpu/sanitize_smoke.sh racecheck
+step soak_long 1800 "$PYTHON" tests/gpu/test_soak.py ${SOAK_LONG_ARGS:-}
 
 {
     printf '\n%-18s %-8s %s\n' step seconds status
