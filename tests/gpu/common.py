@@ -98,6 +98,11 @@ def timeout_scale():
     return scale
 
 
+def timing_wanted():
+    """DEEPEP_SMOKE_TIMING=0 skips the smoke tests' short timings (runs under compute-sanitizer)."""
+    return os.environ.get('DEEPEP_SMOKE_TIMING', '1') != '0'
+
+
 def spawn(fn, world_size, *args, timeout=240):
     """Runs fn(rank, world, group, reporter, *args) on world_size GPUs, prints one
     PASS/FAIL line per case (a case passes only if it passed on every rank) and

@@ -9,8 +9,10 @@
 # The sanitizer is 10-100x slower (racecheck most), so the tests' own bounds are raised:
 # DEEPEP_GPU_TIMEOUT_SECS (every GPU wait in the library; default here 1800) and
 # DEEPEP_TEST_TIMEOUT_SCALE (common.spawn's driver timeout and watchdogs; default here 20 for
-# racecheck, 8 for memcheck). The caller's timeout (gpu_suite.sh's step limit) bounds the whole run.
-# Knobs: COMPUTE_SANITIZER (the binary), PYTHON, SANITIZER_ARGS (extra arguments).
+# racecheck, 8 for memcheck); DEEPEP_SMOKE_TIMING=0 skips their short timings. The caller's
+# timeout (gpu_suite.sh's step limit) bounds the whole run.
+# Knobs: COMPUTE_SANITIZER (the binary), PYTHON, SANITIZER_ARGS (extra arguments, e.g. a kernel
+# filter if a kernel outside this library, such as NCCL's own, is reported).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -41,10 +43,11 @@ fi
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 export DEEPEP_GPU_TIMEOUT_SECS=${DEEPEP_GPU_TIMEOUT_SECS:-1800}
 export DEEPEP_TEST_TIMEOUT_SCALE=${DEEPEP_TEST_TIMEOUT_SCALE:-$default_scale}
+export DEEPEP_SMOKE_TIMING=${DEEPEP_SMOKE_TIMING:-0}  # the smoke tests' timings mean nothing here
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export PYTHONUNBUFFERED=1 PYTHONPATH=compat/python${PYTHONPATH:+:$PYTHONPATH}
 "$SANITIZER" --version | tail -n 1
-echo "DEEPEP_GPU_TIMEOUT_SECS=$DEEPEP_GPU_TIMEOUT_SECS DEEPEP_TEST_TIMEOUT_SCALE=$DEEPEP_TEST_TIMEOUT_SCALE"
+echo "DEEPEP_GPU_TIMEOUT_SECS=$DEEPEP_GPU_TIMEOUT_SECS DEEPEP_TEST_TIMEOUT_SCALE=$DEEPEP_TEST_TIMEOUT_SCALE DEEPEP_SMOKE_TIMING=$DEEPEP_SMOKE_TIMING"
 
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
