@@ -106,7 +106,7 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
       const uint8_t* src = static_cast<const uint8_t*>(p.x) + t * p.hidden_bytes;
       if (dst == me) {
         const int64_t row = self_base + s;
-        if (row < p.num_recv_rows) {
+        if (uint64_t(row) < uint64_t(p.num_recv_rows)) {  // the handle's self_base may be anything
           warp_copy<4, CopyLoad::kStream>(
               reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes),
               reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
@@ -188,6 +188,11 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
   const int64_t start = p.recv_channel_prefix_matrix[src * C + ch];
   const int64_t stop = ch + 1 < C ? p.recv_channel_prefix_matrix[src * C + ch + 1] : p.rank_prefix_matrix[src * R + me];
   const int64_t count = stop - start;
+  // Rows come from the handle (cached) or from what peers sent in notify: out of range, they
+  // are a fault, and the per-row check below keeps every write inside the outputs.
+  if (member == 0 && lane == 0 && (start < 0 || stop < start || stop > p.num_recv_rows))
+    record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, src * C + ch,
+                 start < 0 || stop < start ? start : stop);
   uint8_t* my_nvl = nvl_base(c, me);
   uint8_t* src_nvl = nvl_base(c, src);
   uint32_t phases[2] = {0, 0};
@@ -199,7 +204,7 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
                    DEEPEP_WAIT_OP_DISPATCH_SLOT, ch))
       return;
     const int64_t row = start + s;
-    if (row < p.num_recv_rows) {  // rows past the outputs only happen with too small a num_worst_tokens
+    if (uint64_t(row) < uint64_t(p.num_recv_rows)) {  // else too small a num_worst_tokens, or a bad range
       fence_generic_to_async();
       warp_bulk_copy<kChunk>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes, slot_ptr + layout.x_off(),
                      p.hidden_bytes, stages, bars, phases, lane);
@@ -252,11 +257,20 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatc
   // num_worst_tokens: rows past the received ones carry no expert.
   if (p.recv_topk_idx != nullptr) {
     const int R = p.common.num_ranks;
-    const int64_t num_recv = p.rank_prefix_matrix[(R - 1) * R + p.common.rank];
+    const int64_t num_recv =
+        min(max(int64_t(p.rank_prefix_matrix[(R - 1) * R + p.common.rank]), int64_t(0)), p.num_recv_rows);
     const int64_t first = num_recv * p.num_topk, last = p.num_recv_rows * p.num_topk;
     for (int64_t i = first + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < last;
          i += int64_t(gridDim.x) * blockDim.x)
       store_topk(p.recv_topk_idx, p.topk_idx_is_int32, i, -1);
+  }
+  if (buffer_failed(p.common.wait)) {
+    const int64_t n = p.num_recv_rows, k = p.num_topk;
+    poison_output(p.recv_x, n * p.hidden_bytes);
+    poison_output(p.recv_x_scales, n * p.num_scales * 4);
+    poison_output(p.recv_topk_idx, n * k * (p.topk_idx_is_int32 ? 4 : 8));
+    poison_output(p.recv_topk_weights, n * k * 4);
+    poison_output(p.recv_src_idx, n * 4);
   }
   finish_op(p.common);
 }
