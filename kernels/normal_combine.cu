@@ -39,7 +39,7 @@ __device__ __forceinline__ void combine_send(const DeepepCombineParams& p, int c
   const int stride = parts * group_size, member = part * group_size + warp % group_size;
   FlagBatch<kBatch> flags;
   const int dst = peer_idx < me ? peer_idx : peer_idx + 1;
-  const uint32_t epoch = *c.op_epoch;
+  const uint32_t generation = flag_generation(*c.op_epoch);
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
   const CombineSlot layout{p.hidden_bytes};
   const int hidden_int4 = p.hidden_bytes / 16;
@@ -59,15 +59,15 @@ __device__ __forceinline__ void combine_send(const DeepepCombineParams& p, int c
   uint8_t* my_nvl = nvl_base(c, me);
   const auto flag_of = [&](int32_t s, uint64_t*& ptr, uint64_t& value) {
     ptr = reinterpret_cast<uint64_t*>(dst_nvl + ring.slot_offset(ch, me, s % ring.ring));
-    value = make_flag(epoch, s);
+    value = make_flag(generation, s);
   };
   for (int64_t s = member; s < stop - start; s += stride) {
     const int64_t slot = s % ring.ring;
     if (s >= ring.ring) {
       const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + ring.consumed_offset(C, ch, dst, slot));
-      if (ld_relaxed_sys(consumed) != make_flag(epoch, s - ring.ring)) {
+      if (ld_relaxed_sys(consumed) != make_flag(generation, s - ring.ring)) {
         flags.flush(lane, flag_of);
-        if (!warp_wait_relaxed(consumed, make_flag(epoch, s - ring.ring), c.wait, dst, DEEPEP_WAIT_OP_COMBINE_CONSUMED,
+        if (!warp_wait_relaxed(consumed, make_flag(generation, s - ring.ring), c.wait, dst, DEEPEP_WAIT_OP_COMBINE_CONSUMED,
                                ch))
           return;
       }
@@ -101,7 +101,7 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
                                                int num_warps, int lane) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
-  const uint32_t epoch = *c.op_epoch;
+  const uint32_t generation = flag_generation(*c.op_epoch);
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
   const CombineSlot layout{p.hidden_bytes};
   const int hidden_int4 = p.hidden_bytes / 16;
@@ -132,7 +132,7 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
           if (!bad_self) source[r] = static_cast<const uint8_t*>(p.x) + self_row * p.hidden_bytes - layout.x_off();
         } else {
           source[r] = my_nvl + ring.slot_offset(ch, r, seq % ring.ring);
-          ok = ok && warp_wait(reinterpret_cast<const uint64_t*>(source[r]), make_flag(epoch, seq), c.wait, r,
+          ok = ok && warp_wait(reinterpret_cast<const uint64_t*>(source[r]), make_flag(generation, seq), c.wait, r,
                                DEEPEP_WAIT_OP_COMBINE_SLOT, ch);
         }
       }
@@ -193,7 +193,7 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
     if (lane < R && lane != me && head >= 0) {
       uint64_t* consumed =
           reinterpret_cast<uint64_t*>(nvl_base(c, lane) + ring.consumed_offset(C, ch, me, head % ring.ring));
-      st_relaxed_sys(consumed, make_flag(epoch, head));  // no release: see warp_release_slot
+      st_relaxed_sys(consumed, make_flag(generation, head));  // no release: see warp_release_slot
     }
   }
 }

@@ -54,8 +54,9 @@ __device__ __forceinline__ uint32_t flag_generation(uint32_t epoch) {
   return (1u << 30) | x;
 }
 
-__device__ __forceinline__ uint64_t make_flag(uint32_t epoch, int64_t seq) {
-  return (uint64_t(flag_generation(epoch)) << 32) | uint64_t(uint32_t(seq + 1));
+// `generation` = flag_generation(op epoch), computed once per kernel.
+__device__ __forceinline__ uint64_t make_flag(uint32_t generation, int64_t seq) {
+  return (uint64_t(generation) << 32) | uint64_t(uint32_t(seq + 1));
 }
 
 // Loads from a ring slot a peer wrote (observed through this thread's flag acquire) and may
@@ -234,8 +235,9 @@ __device__ __forceinline__ bool warp_wait_relaxed(const uint64_t* flag, uint64_t
   return warp_wait_flag<false>(flag, expected, w, peer, op, counter);
 }
 
-// First fault of a launch wins (host-mapped record, claimed with a CAS on its flag).
-__device__ __forceinline__ void record_fault(DeepepFaultRecord* f, int code, int64_t a, int64_t b, int64_t c) {
+// First fault of a launch wins (host-mapped record, claimed with a CAS on its flag). Not
+// inlined: it only runs on bad input, and its callers sit in the data kernels' loops.
+static __device__ __noinline__ void record_fault(DeepepFaultRecord* f, int code, int64_t a, int64_t b, int64_t c) {
   if (f == nullptr) return;
   if (atomicCAS(&f->flag, 0u, 2u) != 0u) return;
   f->code = code;
@@ -249,8 +251,9 @@ __device__ __forceinline__ void record_fault(DeepepFaultRecord* f, int code, int
 // Fills `bytes` at p with 0xff across the grid: NaN in every float dtype (and UE8M0), -1 in
 // int32/int64. A data kernel that skipped or abandoned its work after a stall leaves its
 // outputs so, because CUDA-graph replays never reach the host check that reports the stall:
-// their outputs must not look like results (review F9).
-__device__ __forceinline__ void poison_output(void* p, int64_t bytes) {
+// their outputs must not look like results (review F9). Not inlined: it runs only after a
+// stall, and one copy keeps the data kernels' code as it was.
+static __device__ __noinline__ void poison_output(void* p, int64_t bytes) {
   if (p == nullptr || bytes <= 0) return;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
   uint8_t* b = static_cast<uint8_t*>(p);

@@ -69,7 +69,7 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
   if (dst >= R) return;  // leftover warps when R does not divide the warp count
   const int stride = group_size, member = warp % group_size;
   FlagBatch<> flags;
-  const uint32_t epoch = *c.op_epoch;
+  const uint32_t generation = flag_generation(*c.op_epoch);
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
   const DispatchSlot layout{p.hidden_bytes, p.num_scales, p.num_topk};
   const int K = p.num_topk, S = p.num_scales;
@@ -84,7 +84,7 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
 
   const auto flag_of = [&](int32_t s, uint64_t*& ptr, uint64_t& value) {
     ptr = reinterpret_cast<uint64_t*>(dst_nvl + ring.slot_offset(ch, me, s % ring.ring));
-    value = make_flag(epoch, s);
+    value = make_flag(generation, s);
   };
   int64_t seq_base = 0;
   for (int64_t tile = begin, tile_idx = 0; tile < end; tile += kWarp, ++tile_idx) {
@@ -126,9 +126,9 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
           topk = int32_t(load_topk(p.topk_idx, p.topk_idx_is_int32, t * K + lane));
           if (p.topk_weights != nullptr) weight = p.topk_weights[t * K + lane];
         }
-        if (s >= ring.ring && freed != make_flag(epoch, s - ring.ring)) {
+        if (s >= ring.ring && freed != make_flag(generation, s - ring.ring)) {
           flags.flush(lane, flag_of);
-          if (!warp_wait_relaxed(consumed, make_flag(epoch, s - ring.ring), c.wait, dst,
+          if (!warp_wait_relaxed(consumed, make_flag(generation, s - ring.ring), c.wait, dst,
                                  DEEPEP_WAIT_OP_DISPATCH_CONSUMED, ch))
             return;
         }
@@ -179,7 +179,7 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
   if (peer_idx >= R - 1) return;
   const int stride = group_size, member = warp % group_size;
   const int src = peer_idx < me ? peer_idx : peer_idx + 1;
-  const uint32_t epoch = *c.op_epoch;
+  const uint32_t generation = flag_generation(*c.op_epoch);
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
   const DispatchSlot layout{p.hidden_bytes, p.num_scales, p.num_topk};
   const int K = p.num_topk;
@@ -200,7 +200,7 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
   for (int64_t s = member; s < count; s += stride) {
     const int64_t slot = s % ring.ring;
     uint8_t* slot_ptr = my_nvl + ring.slot_offset(ch, src, slot);
-    if (!warp_wait(reinterpret_cast<const uint64_t*>(slot_ptr), make_flag(epoch, s), c.wait, src,
+    if (!warp_wait(reinterpret_cast<const uint64_t*>(slot_ptr), make_flag(generation, s), c.wait, src,
                    DEEPEP_WAIT_OP_DISPATCH_SLOT, ch))
       return;
     const int64_t row = start + s;
@@ -226,7 +226,7 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
     }
     // Hand the slot back: the sender's consumed word for (channel, us, slot).
     uint64_t* consumed = reinterpret_cast<uint64_t*>(src_nvl + ring.consumed_offset(C, ch, me, slot));
-    warp_release_slot(consumed, make_flag(epoch, s), lane);
+    warp_release_slot(consumed, make_flag(generation, s), lane);
   }
 }
 
