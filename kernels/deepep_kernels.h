@@ -309,6 +309,8 @@ int64_t deepep_dispatch_layout_workspace_elems(const DeepepLayoutParams* params)
 // Bytes of one normal-mode ring slot for a dispatch/combine row layout (both sides must agree).
 int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk);
 int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk);
+// High word of every normal-mode ring flag of op `epoch` (normal_common.cuh flag_generation).
+uint32_t deepep_normal_flag_generation(uint32_t epoch);
 // LL: bytes of one dispatch slot (header + payload) and of one combine slot (-1: LogFMT asked
 // for and not built).
 int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t use_fp8);

@@ -45,7 +45,7 @@ __device__ __forceinline__ void channel_range(int64_t num_tokens, int num_channe
 // 30 bits are a bijection of the epoch's (offset, odd multiplies, xorshifts), so flags of ops less
 // than 2^30 apart never equal each other, and float payload matches with chance ~2^-30 per
 // word. A bare epoch (0, 1, 2, ...) let stale ids pass a wait on a fresh buffer (review F2).
-__device__ __forceinline__ uint32_t flag_generation(uint32_t epoch) {
+__host__ __device__ __forceinline__ uint32_t flag_generation(uint32_t epoch) {
   constexpr uint32_t kLow30 = (1u << 30) - 1;
   uint32_t x = ((epoch + 0x9e3779b9u) * 0x2c1b3c6du) & kLow30;  // the offset keeps epoch 0 off round values
   x ^= x >> 15;

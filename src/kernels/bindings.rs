@@ -1103,6 +1103,7 @@ unsafe extern "C" {
         num_topk: i32,
     ) -> i64;
     pub fn deepep_combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64;
+    pub fn deepep_normal_flag_generation(epoch: u32) -> u32;
     pub fn deepep_ll_dispatch_slot_bytes(
         hidden: i32,
         num_topk: i32,
