@@ -11,6 +11,9 @@
 // rows (start of the (source, channel) block + sequence), converts top-k ids to
 // local ids, and hands the slot back. Per-slot flags, no group barriers: any
 // number of warps, any ring size >= 1 is deadlock-free.
+// Rings of consecutive ops share the NVL region and this kernel has no barrier: the notify
+// kernel that prepare launches before every dispatch (cached ones too) is that barrier, so a
+// dispatch launched without its prepare could overwrite rings a peer still reads.
 #include "launch.cuh"
 #include "normal_common.cuh"
 
