@@ -13,8 +13,8 @@ against the independent torch references of normal_reference.py.
   corrupted entry. A peer may also stall (bounded) waiting for rows that were skipped.
 * graph_replay_after_stall_poisons_outputs (F9): dispatch + combine captured in a CUDA graph;
   rank 1 stops replaying. Rank 0's replays after its wait expired must leave NaN (BF16 rows)
-  and -1 (top-k ids) in the outputs, not the last good results, and its next call must raise
-  the timeout naming rank 1.
+  and -1 (top-k ids) in the outputs, not the last good results; is_available() (one host
+  read, no other call) must say False, and its next call must raise the timeout naming rank 1.
 
 Checks are collected (common.Checks) so that all ranks keep making the same collective calls."""
 import os
@@ -263,6 +263,7 @@ def graph_replay_after_stall(ctx):
                 chk.expect(bool((out[2].isnan()).all()), f'{replay}: recv_topk_weights is not all NaN')
                 chk.expect(bool((out[1] == -1).all()), f'{replay}: recv_topk_idx is not all -1')
                 chk.expect(bool(combined[0].isnan().all()), f'{replay}: combined_x is not all NaN')
+                chk.expect(not buf.runtime.is_available(), f'{replay}: is_available() is still True')
             chk(expect_raises_match, 'the next call after the stall', RuntimeError,
                 lambda: buf.get_dispatch_layout(inp.topk, E), r'\brank\s*1\b')
     finally:
