@@ -191,11 +191,12 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
   const int64_t start = p.recv_channel_prefix_matrix[src * C + ch];
   const int64_t stop = ch + 1 < C ? p.recv_channel_prefix_matrix[src * C + ch + 1] : p.rank_prefix_matrix[src * R + me];
   const int64_t count = stop - start;
-  // Rows come from the handle (cached) or from what peers sent in notify: out of range, they
-  // are a fault, and the per-row check below keeps every write inside the outputs.
-  if (member == 0 && lane == 0 && (start < 0 || stop < start || stop > p.num_recv_rows))
+  // Rows come from the handle (cached) or from what peers sent in notify: a range that is not
+  // one is a fault, and the per-row check below keeps every write inside the outputs (rows past
+  // them are no fault here: too small a num_worst_tokens, which notify reported).
+  if (member == 0 && lane == 0 && (start < 0 || stop < start))
     record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, src * C + ch,
-                 start < 0 || stop < start ? start : stop);
+                 start < 0 ? start : stop);
   uint8_t* my_nvl = nvl_base(c, me);
   uint8_t* src_nvl = nvl_base(c, src);
   uint32_t phases[2] = {0, 0};
