@@ -52,12 +52,14 @@ def align16(n):
 
 # ---------------------------------------------------------------- guarded allocation
 class _Span:
-    """nbytes of device memory at ptr as a tensor with its own storage (so that as_strided
-    offsets the library's allocation recipes use are relative to ptr)."""
+    """nbytes of `owner`'s device memory at ptr, for torch.as_tensor: a tensor with its own
+    storage (the as_strided offsets of the library's allocation recipes count from ptr) that
+    keeps owner alive."""
 
-    def __init__(self, ptr, nbytes):
+    def __init__(self, ptr, nbytes, owner):
         self.__cuda_array_interface__ = {'shape': (nbytes,), 'typestr': '|u1', 'data': (ptr, False),
                                          'version': 3, 'strides': None}
+        self.owner = owner
 
 
 class GuardedTorch:
@@ -76,7 +78,7 @@ class GuardedTorch:
         block = torch.full((2 * GUARD_BYTES + nbytes,), GUARD_BYTE, dtype=torch.uint8, device=device)
         torch.cuda.current_stream().synchronize()  # the fill (of the whole block) lands before the op writes
         self.blocks.append((block, nbytes))
-        inner = torch.as_tensor(_Span(block.data_ptr() + GUARD_BYTES, nbytes), device=block.device)
+        inner = torch.as_tensor(_Span(block.data_ptr() + GUARD_BYTES, nbytes, block), device=block.device)
         return inner.view(dtype)
 
     # The allocation recipes call empty(shape, dtype=, device=) and empty_strided(shape, strides,
