@@ -592,7 +592,8 @@ DeepepStatus deepep_buffer_get_root_rdma_rank(const DeepepBuffer *buf,
                                               int *out);
 
 /**
- * True after a successful create and until destroy (or a GPU wait timeout).
+ * True after a successful create and until destroy or a GPU wait timeout (seen as soon as the
+ * GPU recorded it: after CUDA-graph replays, synchronize, then ask).
  *
  * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
  * DEEPEP_ERROR_INTERNAL.

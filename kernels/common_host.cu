@@ -18,6 +18,8 @@ extern "C" int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_t
   return deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) + align16(int64_t(num_topk) * 4);
 }
 
+extern "C" uint32_t deepep_normal_flag_generation(uint32_t epoch) { return deepep::normal::flag_generation(epoch); }
+
 extern "C" int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t use_fp8) {
   return deepep::ll::dispatch_header_bytes(num_topk) + deepep::ll::dispatch_payload_bytes(hidden, use_fp8 != 0);
 }

@@ -75,8 +75,19 @@ enum DeepepFaultCode {
   DEEPEP_FAULT_TOPK_OUT_OF_RANGE = 1,   // a = flat index, b = value, c = num_experts
   DEEPEP_FAULT_RANK_COUNT = 2,          // a = rank, b = num_tokens_per_rank[rank], c = is_token_in_rank count
   DEEPEP_FAULT_WORST_TOO_SMALL = 3,     // a = num_worst_tokens, b = tokens received
-  DEEPEP_FAULT_LL_SAME_HALF = 4,        // a = buffer half that took two LL sends in a row (a CUDA graph
+  DEEPEP_FAULT_DISPATCH_HANDLE = 4,     // a = enum DeepepHandleEntry, b = flat index, c = value
+  DEEPEP_FAULT_COMBINE_HANDLE = 5,      // a = enum DeepepHandleEntry, b = flat index, c = value
+  DEEPEP_FAULT_LL_SAME_HALF = 6,        // a = buffer half that took two LL sends in a row (a CUDA graph
                                         // with an odd number of LL ops replayed), b = rank
+};
+
+// Which index-bearing entry a normal kernel found out of range (a handle's, or one a peer sent).
+enum DeepepHandleEntry {
+  DEEPEP_HANDLE_RANK_PREFIX = 0,          // rank_prefix_matrix [R, R]
+  DEEPEP_HANDLE_CHANNEL_PREFIX = 1,       // channel_prefix_matrix [R, C]
+  DEEPEP_HANDLE_RECV_CHANNEL_PREFIX = 2,  // recv_channel_prefix_matrix [R, C]
+  DEEPEP_HANDLE_SEND_HEAD = 3,            // send_head [T, R]
+  DEEPEP_HANDLE_PEER_COUNTS = 4,          // counts a peer sent in notify: [R] totals, then [C] channel prefixes
 };
 
 // Host-mapped: the first fault of a launch wins; the host clears it after reporting.
@@ -311,6 +322,8 @@ int64_t deepep_dispatch_layout_workspace_elems(const DeepepLayoutParams* params)
 // Bytes of one normal-mode ring slot for a dispatch/combine row layout (both sides must agree).
 int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk);
 int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk);
+// High word of every normal-mode ring flag of op `epoch` (normal_common.cuh flag_generation).
+uint32_t deepep_normal_flag_generation(uint32_t epoch);
 // LL: bytes of one dispatch slot (header + payload) and of one combine slot (-1: LogFMT asked
 // for and not built).
 int64_t deepep_ll_dispatch_slot_bytes(int32_t hidden, int32_t num_topk, int32_t use_fp8);

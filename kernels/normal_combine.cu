@@ -39,7 +39,7 @@ __device__ __forceinline__ void combine_send(const DeepepCombineParams& p, int c
   const int stride = parts * group_size, member = part * group_size + warp % group_size;
   FlagBatch<kBatch> flags;
   const int dst = peer_idx < me ? peer_idx : peer_idx + 1;
-  const uint32_t epoch = *c.op_epoch;
+  const uint32_t generation = flag_generation(*c.op_epoch);
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
   const CombineSlot layout{p.hidden_bytes};
   const int hidden_int4 = p.hidden_bytes / 16;
@@ -47,19 +47,27 @@ __device__ __forceinline__ void combine_send(const DeepepCombineParams& p, int c
 
   const int64_t start = p.recv_channel_prefix_matrix[dst * C + ch];
   const int64_t stop = ch + 1 < C ? p.recv_channel_prefix_matrix[dst * C + ch + 1] : p.rank_prefix_matrix[dst * R + me];
+  // The handle's rows of x: out of range, nothing is read or sent (the peer's reducer then
+  // stalls, bounded, naming this rank) and the fault names the entry.
+  if (start < 0 || stop < start || stop > p.num_recv_rows) {
+    if (lane == 0 && member == part * group_size)
+      record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, dst * C + ch,
+                   start < 0 || stop < start ? start : stop);
+    return;
+  }
   uint8_t* dst_nvl = nvl_base(c, dst);
   uint8_t* my_nvl = nvl_base(c, me);
   const auto flag_of = [&](int32_t s, uint64_t*& ptr, uint64_t& value) {
     ptr = reinterpret_cast<uint64_t*>(dst_nvl + ring.slot_offset(ch, me, s % ring.ring));
-    value = make_flag(epoch, s);
+    value = make_flag(generation, s);
   };
   for (int64_t s = member; s < stop - start; s += stride) {
     const int64_t slot = s % ring.ring;
     if (s >= ring.ring) {
       const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + ring.consumed_offset(C, ch, dst, slot));
-      if (ld_relaxed_sys(consumed) != make_flag(epoch, s - ring.ring)) {
+      if (ld_relaxed_sys(consumed) != make_flag(generation, s - ring.ring)) {
         flags.flush(lane, flag_of);
-        if (!warp_wait_relaxed(consumed, make_flag(epoch, s - ring.ring), c.wait, dst, DEEPEP_WAIT_OP_COMBINE_CONSUMED,
+        if (!warp_wait_relaxed(consumed, make_flag(generation, s - ring.ring), c.wait, dst, DEEPEP_WAIT_OP_COMBINE_CONSUMED,
                                ch))
           return;
       }
@@ -93,7 +101,7 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
                                                int num_warps, int lane) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
-  const uint32_t epoch = *c.op_epoch;
+  const uint32_t generation = flag_generation(*c.op_epoch);
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
   const CombineSlot layout{p.hidden_bytes};
   const int hidden_int4 = p.hidden_bytes / 16;
@@ -112,7 +120,7 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
     const uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
     const uint8_t* source[kMaxRanks];
     int64_t self_row = 0;
-    bool ok = true;
+    bool ok = true, bad_self = false;
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r) {
       source[r] = nullptr;
@@ -120,15 +128,18 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
         const int64_t seq = __shfl_sync(0xffffffffu, head, r);
         if (r == me) {
           self_row = self_base + seq;
-          source[r] = static_cast<const uint8_t*>(p.x) + self_row * p.hidden_bytes - layout.x_off();
+          bad_self = uint64_t(self_row) >= uint64_t(p.num_recv_rows);  // a send_head or prefix entry out of range
+          if (!bad_self) source[r] = static_cast<const uint8_t*>(p.x) + self_row * p.hidden_bytes - layout.x_off();
         } else {
           source[r] = my_nvl + ring.slot_offset(ch, r, seq % ring.ring);
-          ok = ok && warp_wait(reinterpret_cast<const uint64_t*>(source[r]), make_flag(epoch, seq), c.wait, r,
+          ok = ok && warp_wait(reinterpret_cast<const uint64_t*>(source[r]), make_flag(generation, seq), c.wait, r,
                                DEEPEP_WAIT_OP_COMBINE_SLOT, ch);
         }
       }
     }
     if (!ok) return;
+    if (bad_self && lane == 0)  // our row is left out of the sum
+      record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_HEAD, t * R + me, self_row);
 
     int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.hidden_bytes);
     for (int i0 = lane; i0 < hidden_int4; i0 += kWarp * kUnroll) {
@@ -139,7 +150,7 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
 #pragma unroll
         for (int r = 0; r < kMaxRanks; ++r)
           if (source[r] != nullptr && i < hidden_int4)
-            loaded[u][r] = ld_stream(reinterpret_cast<const int4*>(source[r] + layout.x_off()) + i);
+            loaded[u][r] = ld_ring(reinterpret_cast<const int4*>(source[r] + layout.x_off()) + i);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -182,7 +193,7 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
     if (lane < R && lane != me && head >= 0) {
       uint64_t* consumed =
           reinterpret_cast<uint64_t*>(nvl_base(c, lane) + ring.consumed_offset(C, ch, me, head % ring.ring));
-      st_relaxed_sys(consumed, make_flag(epoch, head));  // the reads above are complete
+      st_relaxed_sys(consumed, make_flag(generation, head));  // no release: see warp_release_slot
     }
   }
 }
@@ -204,6 +215,10 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(ncclDevComm de
       if (warp < kSendWarps) combine_send<kBatch>(p, ch, part, 2, warp, kSendWarps, lane);
       else combine_reduce<kMaxRanks, kUnroll>(p, ch, part, 2, warp - kSendWarps, kDataWarps - kSendWarps, lane);
     }
+  }
+  if (buffer_failed(p.common.wait)) {
+    poison_output(p.combined_x, p.num_tokens * p.hidden_bytes);
+    poison_output(p.combined_topk_weights, p.num_tokens * p.num_topk * 4);
   }
   finish_op(p.common);
 }

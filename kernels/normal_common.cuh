@@ -5,9 +5,12 @@
 // Rings. Every (channel, sender, receiver) pair has a ring of `ring_tokens`
 // slots in the receiver's NVL region; every slot has a flag word in its header
 // and a "consumed" word in the sender's NVL region. A flag holds
-// (op epoch << 32) | (sequence + 1): the epoch is a device counter bumped by
-// every data kernel, so flags left by earlier calls (or earlier CUDA-graph
-// replays, or other ring layouts) never match, and nothing is ever reset.
+// (generation << 32) | (sequence + 1), the generation derived from a device op
+// epoch bumped by every data kernel, so flags left by earlier calls (or earlier
+// CUDA-graph replays, or other ring layouts) never match, and nothing is ever
+// reset. Flag addresses move with the slot geometry, so they may sit on payload
+// another op left (top-k ids, token indices): the generation lies in
+// [2^30, 2^31), which no int32 payload reaches (see flag_generation).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,8 +39,35 @@ __device__ __forceinline__ void channel_range(int64_t num_tokens, int num_channe
   end = min(num_tokens, begin + per);
 }
 
-__device__ __forceinline__ uint64_t make_flag(uint32_t epoch, int64_t seq) {
-  return (uint64_t(epoch) << 32) | uint64_t(uint32_t(seq + 1));
+// The high word of every flag of op `epoch`. Slots carry int32 expert ids in [-1, E), token
+// indices and counts, all below 2^30, and a flag's address may hold such payload of another
+// geometry: with bit 30 set (and bit 31 clear, so not -1) no such pair equals a flag. The low
+// 30 bits are a bijection of the epoch's (offset, odd multiplies, xorshifts), so flags of ops less
+// than 2^30 apart never equal each other, and float payload matches with chance ~2^-30 per
+// word. A bare epoch (0, 1, 2, ...) let stale ids pass a wait on a fresh buffer (review F2).
+__host__ __device__ __forceinline__ uint32_t flag_generation(uint32_t epoch) {
+  constexpr uint32_t kLow30 = (1u << 30) - 1;
+  uint32_t x = ((epoch + 0x9e3779b9u) * 0x2c1b3c6du) & kLow30;  // the offset keeps epoch 0 off round values
+  x ^= x >> 15;
+  x = (x * 0x297a2d39u) & kLow30;
+  x ^= x >> 12;
+  return (1u << 30) | x;
+}
+
+// `generation` = flag_generation(op epoch), computed once per kernel.
+__device__ __forceinline__ uint64_t make_flag(uint32_t generation, int64_t seq) {
+  return (uint64_t(generation) << 32) | uint64_t(uint32_t(seq + 1));
+}
+
+// Loads from a ring slot a peer wrote (observed through this thread's flag acquire) and may
+// rewrite in this kernel after the hand-back: a weak, coherent load that skips L1 allocation.
+// Not ld.global.nc, whose data must stay read-only for the kernel's lifetime (review F7).
+__device__ __forceinline__ int4 ld_ring(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
 }
 
 // ---------------------------------------------------------------- bulk copies (TMA)
@@ -147,8 +177,13 @@ struct FlagBatch {
   }
 };
 
-// Hands a ring slot back after the warp has read it. The reads are complete
-// (their values were stored before the warp sync), so no fence is needed.
+// Hands a ring slot back after the warp has read it, with a relaxed store and no
+// release (review F8, as DeepEP). The PTX model alone would allow load buffering
+// here (a read of the slot seeing the sender's next-lap write, made after it saw
+// this store); what rules it out is that every read has completed first: lane 0
+// waited on the mbarrier for the bulk loads, and the other loads' values were
+// stored to the outputs before the warp sync. A st.release.sys would add a
+// system-scope fence per slot, the cost FlagBatch exists to amortise.
 __device__ __forceinline__ void warp_release_slot(uint64_t* consumed, uint64_t value, int lane) {
   __syncwarp();
   if (lane == 0) st_relaxed_sys(consumed, value);
@@ -200,8 +235,9 @@ __device__ __forceinline__ bool warp_wait_relaxed(const uint64_t* flag, uint64_t
   return warp_wait_flag<false>(flag, expected, w, peer, op, counter);
 }
 
-// First fault of a launch wins (host-mapped record, claimed with a CAS on its flag).
-__device__ __forceinline__ void record_fault(DeepepFaultRecord* f, int code, int64_t a, int64_t b, int64_t c) {
+// First fault of a launch wins (host-mapped record, claimed with a CAS on its flag). Not
+// inlined: it only runs on bad input, and its callers sit in the data kernels' loops.
+static __device__ __noinline__ void record_fault(DeepepFaultRecord* f, int code, int64_t a, int64_t b, int64_t c) {
   if (f == nullptr) return;
   if (atomicCAS(&f->flag, 0u, 2u) != 0u) return;
   f->code = code;
@@ -210,6 +246,23 @@ __device__ __forceinline__ void record_fault(DeepepFaultRecord* f, int code, int
   f->c = c;
   __threadfence_system();
   *reinterpret_cast<volatile uint32_t*>(&f->flag) = 1u;
+}
+
+// Fills `bytes` at p with 0xff across the grid: NaN in every float dtype (and UE8M0), -1 in
+// int32/int64. A data kernel that skipped or abandoned its work after a stall leaves its
+// outputs so, because CUDA-graph replays never reach the host check that reports the stall:
+// their outputs must not look like results (review F9). Not inlined: it runs only after a
+// stall, and one copy keeps the data kernels' code as it was.
+static __device__ __noinline__ void poison_output(void* p, int64_t bytes) {
+  if (p == nullptr || bytes <= 0) return;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  uint8_t* b = static_cast<uint8_t*>(p);
+  const int64_t head = min(bytes, int64_t((16 - (reinterpret_cast<uintptr_t>(b) & 15)) & 15));
+  const int64_t words = (bytes - head) / 16;
+  for (int64_t i = first; i < head; i += step) b[i] = 0xff;
+  int4* w = reinterpret_cast<int4*>(b + head);
+  for (int64_t i = first; i < words; i += step) w[i] = make_int4(-1, -1, -1, -1);
+  for (int64_t i = head + words * 16 + first; i < bytes; i += step) b[i] = 0xff;
 }
 
 // Base of a peer's (or our own) NVL region through LSA.

@@ -11,6 +11,9 @@
 // rows (start of the (source, channel) block + sequence), converts top-k ids to
 // local ids, and hands the slot back. Per-slot flags, no group barriers: any
 // number of warps, any ring size >= 1 is deadlock-free.
+// Rings of consecutive ops share the NVL region and this kernel has no barrier: the notify
+// kernel that prepare launches before every dispatch (cached ones too) is that barrier, so a
+// dispatch launched without its prepare could overwrite rings a peer still reads.
 #include "launch.cuh"
 #include "normal_common.cuh"
 
@@ -69,7 +72,7 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
   if (dst >= R) return;  // leftover warps when R does not divide the warp count
   const int stride = group_size, member = warp % group_size;
   FlagBatch<> flags;
-  const uint32_t epoch = *c.op_epoch;
+  const uint32_t generation = flag_generation(*c.op_epoch);
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
   const DispatchSlot layout{p.hidden_bytes, p.num_scales, p.num_topk};
   const int K = p.num_topk, S = p.num_scales;
@@ -84,7 +87,7 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
 
   const auto flag_of = [&](int32_t s, uint64_t*& ptr, uint64_t& value) {
     ptr = reinterpret_cast<uint64_t*>(dst_nvl + ring.slot_offset(ch, me, s % ring.ring));
-    value = make_flag(epoch, s);
+    value = make_flag(generation, s);
   };
   int64_t seq_base = 0;
   for (int64_t tile = begin, tile_idx = 0; tile < end; tile += kWarp, ++tile_idx) {
@@ -106,7 +109,7 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
       const uint8_t* src = static_cast<const uint8_t*>(p.x) + t * p.hidden_bytes;
       if (dst == me) {
         const int64_t row = self_base + s;
-        if (row < p.num_recv_rows) {
+        if (uint64_t(row) < uint64_t(p.num_recv_rows)) {  // the handle's self_base may be anything
           warp_copy<4, CopyLoad::kStream>(
               reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes),
               reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
@@ -126,9 +129,9 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
           topk = int32_t(load_topk(p.topk_idx, p.topk_idx_is_int32, t * K + lane));
           if (p.topk_weights != nullptr) weight = p.topk_weights[t * K + lane];
         }
-        if (s >= ring.ring && freed != make_flag(epoch, s - ring.ring)) {
+        if (s >= ring.ring && freed != make_flag(generation, s - ring.ring)) {
           flags.flush(lane, flag_of);
-          if (!warp_wait_relaxed(consumed, make_flag(epoch, s - ring.ring), c.wait, dst,
+          if (!warp_wait_relaxed(consumed, make_flag(generation, s - ring.ring), c.wait, dst,
                                  DEEPEP_WAIT_OP_DISPATCH_CONSUMED, ch))
             return;
         }
@@ -179,7 +182,7 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
   if (peer_idx >= R - 1) return;
   const int stride = group_size, member = warp % group_size;
   const int src = peer_idx < me ? peer_idx : peer_idx + 1;
-  const uint32_t epoch = *c.op_epoch;
+  const uint32_t generation = flag_generation(*c.op_epoch);
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
   const DispatchSlot layout{p.hidden_bytes, p.num_scales, p.num_topk};
   const int K = p.num_topk;
@@ -188,6 +191,12 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
   const int64_t start = p.recv_channel_prefix_matrix[src * C + ch];
   const int64_t stop = ch + 1 < C ? p.recv_channel_prefix_matrix[src * C + ch + 1] : p.rank_prefix_matrix[src * R + me];
   const int64_t count = stop - start;
+  // Rows come from the handle (cached) or from what peers sent in notify: a range that is not
+  // one is a fault, and the per-row check below keeps every write inside the outputs (rows past
+  // them are no fault here: too small a num_worst_tokens, which notify reported).
+  if (member == 0 && lane == 0 && (start < 0 || stop < start))
+    record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, src * C + ch,
+                 start < 0 ? start : stop);
   uint8_t* my_nvl = nvl_base(c, me);
   uint8_t* src_nvl = nvl_base(c, src);
   uint32_t phases[2] = {0, 0};
@@ -195,11 +204,11 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
   for (int64_t s = member; s < count; s += stride) {
     const int64_t slot = s % ring.ring;
     uint8_t* slot_ptr = my_nvl + ring.slot_offset(ch, src, slot);
-    if (!warp_wait(reinterpret_cast<const uint64_t*>(slot_ptr), make_flag(epoch, s), c.wait, src,
+    if (!warp_wait(reinterpret_cast<const uint64_t*>(slot_ptr), make_flag(generation, s), c.wait, src,
                    DEEPEP_WAIT_OP_DISPATCH_SLOT, ch))
       return;
     const int64_t row = start + s;
-    if (row < p.num_recv_rows) {  // rows past the outputs only happen with too small a num_worst_tokens
+    if (uint64_t(row) < uint64_t(p.num_recv_rows)) {  // else too small a num_worst_tokens, or a bad range
       fence_generic_to_async();
       warp_bulk_copy<kChunk>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes, slot_ptr + layout.x_off(),
                      p.hidden_bytes, stages, bars, phases, lane);
@@ -221,7 +230,7 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
     }
     // Hand the slot back: the sender's consumed word for (channel, us, slot).
     uint64_t* consumed = reinterpret_cast<uint64_t*>(src_nvl + ring.consumed_offset(C, ch, me, slot));
-    warp_release_slot(consumed, make_flag(epoch, s), lane);
+    warp_release_slot(consumed, make_flag(generation, s), lane);
   }
 }
 
@@ -252,11 +261,20 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatc
   // num_worst_tokens: rows past the received ones carry no expert.
   if (p.recv_topk_idx != nullptr) {
     const int R = p.common.num_ranks;
-    const int64_t num_recv = p.rank_prefix_matrix[(R - 1) * R + p.common.rank];
+    const int64_t num_recv =
+        min(max(int64_t(p.rank_prefix_matrix[(R - 1) * R + p.common.rank]), int64_t(0)), p.num_recv_rows);
     const int64_t first = num_recv * p.num_topk, last = p.num_recv_rows * p.num_topk;
     for (int64_t i = first + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < last;
          i += int64_t(gridDim.x) * blockDim.x)
       store_topk(p.recv_topk_idx, p.topk_idx_is_int32, i, -1);
+  }
+  if (buffer_failed(p.common.wait)) {
+    const int64_t n = p.num_recv_rows, k = p.num_topk;
+    poison_output(p.recv_x, n * p.hidden_bytes);
+    poison_output(p.recv_x_scales, n * p.num_scales * 4);
+    poison_output(p.recv_topk_idx, n * k * (p.topk_idx_is_int32 ? 4 : 8));
+    poison_output(p.recv_topk_weights, n * k * 4);
+    poison_output(p.recv_src_idx, n * 4);
   }
   finish_op(p.common);
 }

@@ -72,6 +72,14 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
     }
   }
   __syncthreads();
+  // A cached handle's channel prefixes become peers' row ranges: each row non-decreasing in [0, T].
+  if (p.cached && threadIdx.x < R) {
+    const int r = threadIdx.x;
+    for (int ch = 0, prev = 0; ch < C; prev = chan_count[r][ch++])
+      if (chan_count[r][ch] < prev || chan_count[r][ch] > p.num_tokens)
+        record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_CHANNEL_PREFIX, r * C + ch,
+                     chan_count[r][ch]);
+  }
 
   // 2. Publish into every peer's slot for us: [totals R][our channel prefix for the peer C][its experts].
   for (int peer = 0; peer < R; ++peer) {
@@ -102,10 +110,15 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
     const int j = threadIdx.x;
     int acc = 0;
     for (int i = 0; i < R; ++i) {
+      // Each column is non-decreasing from 0: the handle's (cached) or built from peers' totals.
+      const int prev = acc;
       if (p.cached) {
         acc = p.rank_prefix_matrix[i * R + j];
+        if (acc < prev) record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_RANK_PREFIX, i * R + j, acc);
       } else {
-        acc += slots[i * stride + j];
+        const int total = slots[i * stride + j];
+        if (total < 0) record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, i * stride + j, total);
+        acc += max(total, 0);
         p.rank_prefix_matrix[i * R + j] = acc;
       }
       rank_prefix[i][j] = acc;
@@ -117,6 +130,9 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
     const int src = i / C, ch = i % C;
     const int base = src > 0 ? rank_prefix[src - 1][me] : 0;
     const int before = ch > 0 ? slots[src * stride + R + ch - 1] : 0;
+    if (slots[src * stride + R + ch] < before)  // a peer's prefixes are non-decreasing (the data kernel bounds rows)
+      record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, src * stride + R + ch,
+                   slots[src * stride + R + ch]);
     p.recv_channel_prefix_matrix[i] = base + before;
   }
   const int num_recv = rank_prefix[R - 1][me];

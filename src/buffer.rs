@@ -395,8 +395,12 @@ impl Buffer {
         self.num_device_sms
     }
 
+    /// False once destroyed or once a GPU wait expired. The stall is read from its host-mapped
+    /// record, not only from an error already reported: a loop of CUDA-graph replays makes no
+    /// other call, and this costs one host read (no synchronisation).
     pub fn is_available(&self) -> bool {
-        lock(&self.resources).is_some() && lock(&self.failure).is_none()
+        let resources = lock(&self.resources);
+        resources.as_ref().is_some_and(|res| res.stall.read().flag == 0) && lock(&self.failure).is_none()
     }
 
     pub fn set_timeout_ns(&self, ns: u64) {

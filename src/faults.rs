@@ -20,6 +20,8 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
             "num_worst_tokens ({}) is smaller than the {} tokens this rank received; rows past it were dropped",
             f.a, f.b
         ),
+        kernels::DEEPEP_FAULT_DISPATCH_HANDLE => bad_entry("dispatch", f),
+        kernels::DEEPEP_FAULT_COMBINE_HANDLE => bad_entry("combine", f),
         kernels::DEEPEP_FAULT_LL_SAME_HALF => format!(
             "rank {}: two low-latency sends in a row used buffer half {} (the half alternates on the host and is \
              fixed when a CUDA graph is captured: a graph replayed back to back must hold an even number of \
@@ -30,6 +32,25 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
         _ => format!("the GPU reported bad input (fault code {}, {} {} {})", f.code, f.a, f.b, f.c),
     };
     Error::invalid(message)
+}
+
+/// An index a normal kernel read from the handle (or a peer) out of range; the kernel skipped
+/// what it would have addressed, so nothing outside the outputs was written.
+fn bad_entry(op: &str, f: &FaultRecord) -> String {
+    // A negative entry wraps to no known entry.
+    let entry = match f.a as kernels::DeepepHandleEntry {
+        kernels::DEEPEP_HANDLE_RANK_PREFIX => "the handle's rank_prefix_matrix",
+        kernels::DEEPEP_HANDLE_CHANNEL_PREFIX => "the handle's channel_prefix_matrix",
+        kernels::DEEPEP_HANDLE_RECV_CHANNEL_PREFIX => "the handle's recv_channel_prefix_matrix (with rank_prefix_matrix)",
+        kernels::DEEPEP_HANDLE_SEND_HEAD => "the handle's send_head",
+        kernels::DEEPEP_HANDLE_PEER_COUNTS => "the counts a peer sent (its handle's channel_prefix_matrix when cached)",
+        _ => "an index entry",
+    };
+    format!(
+        "{op}: {entry} holds {} at flat index {}, out of range (prefixes must be non-decreasing from 0 and within \
+         the rows); the handle is corrupted or from another buffer or config. Rows it addressed were skipped",
+        f.c, f.b
+    )
 }
 
 /// An LL signal is ((clean generation << 32) | sends on that buffer half) ^ DEEPEP_LL_SIGNAL_KEY:
@@ -80,6 +101,19 @@ mod tests {
         assert!(fault_error(&f).message.contains("topk_idx holds 300 at flat index 5"));
         let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RANK_COUNT as i32, a: 2, b: 10, c: 9 };
         assert!(fault_error(&f).message.starts_with("num_tokens_per_rank[2] is 10"));
+        let f = FaultRecord {
+            flag: 1,
+            code: kernels::DEEPEP_FAULT_DISPATCH_HANDLE as i32,
+            a: kernels::DEEPEP_HANDLE_RECV_CHANNEL_PREFIX as i64,
+            b: 13,
+            c: -1,
+        };
+        let m = fault_error(&f).message;
+        assert!(m.starts_with("dispatch: the handle's recv_channel_prefix_matrix"), "{m}");
+        assert!(m.contains("holds -1 at flat index 13"), "{m}");
+        let f = FaultRecord { code: kernels::DEEPEP_FAULT_COMBINE_HANDLE as i32, a: kernels::DEEPEP_HANDLE_SEND_HEAD as i64, ..f };
+        assert!(fault_error(&f).message.starts_with("combine: the handle's send_head holds -1"));
+        assert!(fault_error(&FaultRecord { a: -3, ..f }).message.starts_with("combine: an index entry holds"));
         let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_LL_SAME_HALF as i32, a: 1, b: 3, c: 0 };
         assert!(fault_error(&f).message.starts_with("rank 3: two low-latency sends in a row used buffer half 1"));
     }

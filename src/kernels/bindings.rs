@@ -182,8 +182,16 @@ pub const DEEPEP_FAULT_NONE: DeepepFaultCode = 0;
 pub const DEEPEP_FAULT_TOPK_OUT_OF_RANGE: DeepepFaultCode = 1;
 pub const DEEPEP_FAULT_RANK_COUNT: DeepepFaultCode = 2;
 pub const DEEPEP_FAULT_WORST_TOO_SMALL: DeepepFaultCode = 3;
-pub const DEEPEP_FAULT_LL_SAME_HALF: DeepepFaultCode = 4;
+pub const DEEPEP_FAULT_DISPATCH_HANDLE: DeepepFaultCode = 4;
+pub const DEEPEP_FAULT_COMBINE_HANDLE: DeepepFaultCode = 5;
+pub const DEEPEP_FAULT_LL_SAME_HALF: DeepepFaultCode = 6;
 pub type DeepepFaultCode = ::std::os::raw::c_uint;
+pub const DEEPEP_HANDLE_RANK_PREFIX: DeepepHandleEntry = 0;
+pub const DEEPEP_HANDLE_CHANNEL_PREFIX: DeepepHandleEntry = 1;
+pub const DEEPEP_HANDLE_RECV_CHANNEL_PREFIX: DeepepHandleEntry = 2;
+pub const DEEPEP_HANDLE_SEND_HEAD: DeepepHandleEntry = 3;
+pub const DEEPEP_HANDLE_PEER_COUNTS: DeepepHandleEntry = 4;
+pub type DeepepHandleEntry = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Default)]
 pub struct DeepepFaultRecord {
@@ -1105,6 +1113,7 @@ unsafe extern "C" {
         num_topk: i32,
     ) -> i64;
     pub fn deepep_combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64;
+    pub fn deepep_normal_flag_generation(epoch: u32) -> u32;
     pub fn deepep_ll_dispatch_slot_bytes(
         hidden: i32,
         num_topk: i32,

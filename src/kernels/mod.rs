@@ -141,6 +141,12 @@ pub fn combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64 {
     unsafe { deepep_combine_slot_bytes(hidden_bytes, num_topk) }
 }
 
+/// High word of the normal-mode ring flags of op `epoch`.
+pub fn normal_flag_generation(epoch: u32) -> u32 {
+    // SAFETY: pure arithmetic.
+    unsafe { deepep_normal_flag_generation(epoch) }
+}
+
 /// Bytes of one LL dispatch slot (header with the top-k list, then the payload).
 pub fn ll_dispatch_slot_bytes(hidden: i32, num_topk: i32, use_fp8: bool) -> i64 {
     // SAFETY: pure arithmetic.

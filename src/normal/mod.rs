@@ -127,6 +127,21 @@ mod tests {
     }
 
     #[test]
+    fn flag_generations_are_above_every_int32_payload_and_distinct() {
+        // Slots carry int32 ids, indices and counts below 2^30 (and -1): a flag's high word must
+        // be none of them (review F2), and ops less than 2^30 apart must not share one.
+        let epochs = (0..1u32 << 22).chain(u32::MAX - (1 << 12)..=u32::MAX);
+        let mut generations: Vec<u32> = epochs.map(kernels::normal_flag_generation).collect();
+        for &g in &generations {
+            assert!((1 << 30..1 << 31).contains(&g), "generation {g:#x} is in int32 payload's range or negative");
+        }
+        let n = generations.len();
+        generations.sort_unstable();
+        generations.dedup();
+        assert_eq!(generations.len(), n, "two epochs share a generation");
+    }
+
+    #[test]
     fn more_than_eight_ranks_is_rejected() {
         assert!(check_ranks(8).is_ok());
         assert!(check_ranks(16).unwrap_err().message.contains("up to 8 ranks"));

@@ -85,10 +85,29 @@ def _worker(rank, fn, world, port, out_dir, args):
     dist.destroy_process_group()
 
 
+def timeout_scale():
+    """DEEPEP_TEST_TIMEOUT_SCALE (default 1): multiplies the tests' spawn timeouts and watchdogs, for
+    runs under a slow tool (compute-sanitizer's racecheck is 10-100x slower)."""
+    value = os.environ.get('DEEPEP_TEST_TIMEOUT_SCALE', '1')
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = 0.0
+    if not scale > 0:
+        raise ValueError(f'DEEPEP_TEST_TIMEOUT_SCALE must be a positive number, got {value!r}')
+    return scale
+
+
+def timing_wanted():
+    """DEEPEP_SMOKE_TIMING=0 skips the smoke tests' short timings (runs under compute-sanitizer)."""
+    return os.environ.get('DEEPEP_SMOKE_TIMING', '1') != '0'
+
+
 def spawn(fn, world_size, *args, timeout=240):
     """Runs fn(rank, world, group, reporter, *args) on world_size GPUs, prints one
     PASS/FAIL line per case (a case passes only if it passed on every rank) and
-    records the results for finish()."""
+    records the results for finish(). timeout (seconds) is scaled by DEEPEP_TEST_TIMEOUT_SCALE."""
+    timeout *= timeout_scale()
     out_dir = tempfile.mkdtemp(prefix=f'deepep_w{world_size}_')
     ctx = mp.spawn(_worker, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=False)
     deadline, crash = time.monotonic() + timeout, None
@@ -306,8 +325,10 @@ class Checks:
 def watchdog(rep, name, seconds):
     """Fails case `name` and ends this worker if the block is still running after `seconds`,
     so a hang is reported as such within seconds instead of at the spawn timeout."""
+    seconds *= timeout_scale()
+
     def expire():
-        rep._log(name, 'fail', f'still running after {seconds} s (hang); worker ended')
+        rep._log(name, 'fail', f'still running after {seconds:g} s (hang); worker ended')
         os._exit(3)
 
     timer = threading.Timer(seconds, expire)

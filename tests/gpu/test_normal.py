@@ -8,7 +8,8 @@ skewed, empty rank, -1 heavy, duplicates), token counts 0/1/17/4096 (also differ
 hidden 2048/4096/6000/7168, top-k 1/8/16, BF16 and FP8 (float32 and int32 scales, row- and
 column-major), with and without top-k, expert alignment, the handle, cached and repeated calls,
 num_worst_tokens, combine bias, events and streams, CUDA-graph replay, a Config sweep, bad input,
-and a stalled peer (last, on its own buffer).
+and a peer that stalls in dispatch, cached dispatch or combine (last, each on its own buffer,
+then a new one).
 
 Every exact output is compared with torch.equal. Checks are collected (common.Checks) rather
 than raised at once so that all ranks keep making the same collective calls."""
@@ -29,7 +30,6 @@ MAX_HIDDEN = 7168
 SPIN_CYCLES = 20_000_000  # ~10 ms of GPU time: the host enqueues the call behind a delayed copy
 X_NAMED = r'\bx\b'  # the message names the argument x (not x_scales)
 STALLED_RANK = 1
-STALL_CASE = 'stalled_peer_dispatch_timeout'
 STALL_TIMEOUT_MS = 3000
 HANDLE_NAMES = ('rank_prefix_matrix', 'channel_prefix_matrix', 'recv_channel_prefix_matrix', 'recv_src_idx',
                 'is_token_in_rank', 'send_head')
@@ -722,37 +722,59 @@ def buffer_too_small(ctx):
 
 
 # ---------------------------------------------------------------- stalled peer
-def stalled_peer(ctx):
-    """Rank 1 skips a dispatch that the others enter. The others must fail within 10 s with an
-    error naming rank 1 instead of hanging, and destroy() must then return or raise on every
-    rank, under a watchdog. Last, on its own buffer: the timeout leaves the buffer unusable."""
+STALL_PHASES = ('dispatch', 'cached_dispatch', 'combine')
+
+
+def stall_case(phase):
+    return f'stalled_peer_{phase}_timeout'
+
+
+def stalled_peer(ctx, phase):
+    """Rank 1 skips an op (`phase`) that the others enter. The others must fail within 10 s with an
+    error naming rank 1 instead of hanging; destroy() must then return or raise on every rank,
+    under a watchdog; and a new Buffer in the same processes must work (its results checked).
+    Last, on their own buffers: the timeout leaves a buffer unusable."""
     chk = Checks()
     buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=hint_bytes(ctx.world, 2048), explicitly_destroy=True)
     inp = make_inputs(ctx, tokens=256, hidden=2048)
     try:
         ref = expect_dispatch(ctx, inp)
-        chk(check_dispatch, buf.dispatch(inp.x, **layout_args(inp)), ref, inp.in_rank)  # healthy first
+        out = buf.dispatch(inp.x, **layout_args(inp))  # healthy first
+        chk(check_dispatch, out, ref, inp.in_rank)
+        handle = out[4]
+        y = torch.randn(ref.num_recv, 2048, dtype=torch.bfloat16)
+        calls = {'dispatch': lambda: buf.dispatch(inp.x, **layout_args(inp)),
+                 'cached_dispatch': lambda: buf.dispatch(inp.x, handle=handle),
+                 'combine': lambda: buf.combine(y, handle)}
+        torch.cuda.synchronize()
         buf.runtime.set_gpu_timeout_ms(STALL_TIMEOUT_MS)
         dist.barrier(group=ctx.group)
         if ctx.rank == STALLED_RANK:
             time.sleep(3 * STALL_TIMEOUT_MS / 1000)  # well past the others' timeout
         else:
             start = time.monotonic()
-            chk(expect_raises_match, f'dispatch while rank {STALLED_RANK} stalls', RuntimeError,
-                lambda: buf.dispatch(inp.x, **layout_args(inp)), rf'\b(?:rank|peer)\s*{STALLED_RANK}\b')
+            chk(expect_raises_match, f'{phase} while rank {STALLED_RANK} stalls', RuntimeError, calls[phase],
+                rf'\b(?:rank|peer)\s*{STALLED_RANK}\b')
             seconds = time.monotonic() - start
-            chk.expect(seconds < 10, f'the stalled dispatch failed only after {seconds:.1f} s '
+            chk.expect(seconds < 10, f'the stalled {phase} failed only after {seconds:.1f} s '
                                      f'(GPU timeout {STALL_TIMEOUT_MS} ms)')
     finally:
         dist.barrier(group=ctx.group)
         start = time.monotonic()
-        with watchdog(ctx.rep, STALL_CASE, 60):
+        with watchdog(ctx.rep, stall_case(phase), 60):
             try:
                 buf.destroy()
             except RuntimeError as e:  # a poisoned buffer may report the stall again: tolerated
                 ctx.rep.info(f'destroy() after the stall raised: {e}')
         seconds = time.monotonic() - start
         chk.expect(seconds < 20, f'destroy() after the stall took {seconds:.1f} s')
+    # The survivors (and the stalled rank) go on in the same processes with a new buffer.
+    ctx.buffers['after_stall'] = deep_ep.Buffer(ctx.group, num_nvl_bytes=hint_bytes(ctx.world, 2048),
+                                                explicitly_destroy=True)
+    try:
+        chk(roundtrip, ctx, buf='after_stall', tokens=256, hidden=2048)
+    finally:
+        ctx.buffers.pop('after_stall').destroy()
     chk.done()
 
 
@@ -810,7 +832,8 @@ def run_with_buffers(ctx, names_and_fns, prefix=''):
 def worker(rank, world, group, rep):
     ctx = make_ctx(dist.new_group(list(range(world))), rep)
     run_with_buffers(ctx, cases(ctx))
-    rep.run(STALL_CASE, stalled_peer, ctx)
+    for phase in STALL_PHASES:
+        rep.run(stall_case(phase), stalled_peer, ctx, phase)
 
 
 SUBGROUP_CASES = ('random_T4096_H7168', 'fp8_col_scales_T4096_H7168', 'no_topk_T4096_H4096',

@@ -931,6 +931,7 @@ def _synced(monkeypatch, low_latency_mode=False):
     monkeypatch.setattr(buffer, "_handle", 0xdeadbeef)
     monkeypatch.setattr(buffer, "_current_stream", lambda: None, raising=False)
     monkeypatch.setattr(buffer, "_device", None, raising=False)
+    monkeypatch.setattr(buffer, "_device_id", -1, raising=False)  # the stubs' get_device(), GPU or not
     return buffer
 
 

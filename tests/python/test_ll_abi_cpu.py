@@ -397,13 +397,14 @@ def test_a_freed_handle_is_destroyed_for_every_later_call():
     handle = ctypes.c_void_p()
     status = lib.deepep_buffer_create(0, 1, uid.raw, len(uid), 1 << 22, 0, False, True, False, ctypes.byref(handle))
     assert status == 0, _last_error()
-    h = handle.value
+    # A registry handle is a 64-bit value: passed as a bare int, ctypes would truncate it to a C int.
+    h, hp = handle.value, ctypes.c_void_p(handle.value)
     out = ctypes.c_int()
-    assert lib.deepep_buffer_get_rank(h, ctypes.byref(out)) == 0 and out.value == 0
-    assert lib.deepep_buffer_destroy(h) == 0, _last_error()
-    assert lib.deepep_buffer_get_rank(h, ctypes.byref(out)) == 0, "destroy() leaves the handle valid for queries"
-    assert lib.deepep_buffer_free(h) == 0, _last_error()
-    for status in (lib.deepep_buffer_get_rank(h, ctypes.byref(out)), lib.deepep_buffer_destroy(h),
-                   lib.deepep_buffer_barrier(h), lib.deepep_buffer_free(h), lib.deepep_buffer_free(h)):
+    assert lib.deepep_buffer_get_rank(hp, ctypes.byref(out)) == 0 and out.value == 0
+    assert lib.deepep_buffer_destroy(hp) == 0, _last_error()
+    assert lib.deepep_buffer_get_rank(hp, ctypes.byref(out)) == 0, "destroy() leaves the handle valid for queries"
+    assert lib.deepep_buffer_free(hp) == 0, _last_error()
+    for status in (lib.deepep_buffer_get_rank(hp, ctypes.byref(out)), lib.deepep_buffer_destroy(hp),
+                   lib.deepep_buffer_barrier(hp), lib.deepep_buffer_free(hp), lib.deepep_buffer_free(hp)):
         assert status == INVALID_ARGUMENT
         assert _last_error().startswith(f"buffer ({h:#x}) was destroyed: deepep_buffer_free released"), _last_error()

@@ -1,0 +1,301 @@
+"""Normal-mode protocol regressions on 2 GPUs (issue 24: review findings F2 and F9, item 3), each
+case on fresh Buffers, run the way DeepEP's tests run (default dtype BF16, default device CUDA)
+against the independent torch references of normal_reference.py.
+
+* prefilled_flags_{dispatch,combine} (F2): before a fresh buffer's first dispatch (op epoch 0)
+  or combine (epoch 1), every rank fills its NVL region with 0x7f bytes (huge BF16 rows) and
+  puts, at every ring slot's flag address, the int32 pair (seq + 1, epoch): small integers, as
+  stale top-k ids of another ring geometry can leave there. The outputs must still be exact.
+* handle_* (item 3): a cached dispatch or a combine with one handle entry corrupted on rank 1.
+  Every output the library allocates lies between two guard regions (the ctypes host path,
+  DEEPEP_NCCL_FAST=0, allocates through Python, which this test points at guarded memory);
+  the guards must stay untouched on every rank, and some rank must report an error naming the
+  corrupted entry. A peer may also stall (bounded) waiting for rows that were skipped.
+* graph_replay_after_stall_poisons_outputs (F9): dispatch + combine captured in a CUDA graph;
+  rank 1 stops replaying. Rank 0's replays after its wait expired must leave NaN (BF16 rows)
+  and -1 (top-k ids) in the outputs, not the last good results; is_available() (one host
+  read, no other call) must say False, and its next call must raise the timeout naming rank 1.
+
+Checks are collected (common.Checks) so that all ranks keep making the same collective calls."""
+import os
+
+os.environ['DEEPEP_NCCL_FAST'] = '0'  # before deep_ep loads: the guarded allocation is the ctypes path's
+
+import re
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import deep_ep
+from common import Checks, expect_raises_match, finish, skip, spawn, watchdog
+from deep_ep_cpp import _lib
+from test_normal import E, check_combine, check_dispatch, expect_dispatch, layout_args, make_ctx, make_inputs
+from normal_reference import ref_combine
+
+HIDDEN = 4096
+CONFIG = deep_ep.Config(24, 6, 256, 6, 128)  # 12 channels, rings of 256 slots
+NVL_BYTES = 256 << 20  # the rings of CONFIG at HIDDEN with top-8 take 51 MB
+NUM_CHANNELS, RING = CONFIG.num_sms // 2, CONFIG.num_max_nvl_chunked_recv_tokens
+SLOT_HEADER = 16  # kernels/normal_common.cuh kSlotHeaderBytes: the flag is its first 8 bytes
+CORRUPT_RANK = 1
+STALL_MS = 1500
+GUARD_BYTES = 4 << 20
+GUARD_BYTE = 0x5a
+ENTRY_NAMED = r'rank_prefix_matrix|channel_prefix_matrix|send_head|counts a peer sent'
+
+
+def align16(n):
+    return (n + 15) // 16 * 16
+
+
+# ---------------------------------------------------------------- guarded allocation
+class _Span:
+    """nbytes of `owner`'s device memory at ptr, for torch.as_tensor: a tensor with its own
+    storage (the as_strided offsets of the library's allocation recipes count from ptr) that
+    keeps owner alive."""
+
+    def __init__(self, ptr, nbytes, owner):
+        self.__cuda_array_interface__ = {'shape': (nbytes,), 'typestr': '|u1', 'data': (ptr, False),
+                                         'version': 3, 'strides': None}
+        self.owner = owner
+
+
+class GuardedTorch:
+    """Stands in for torch inside deep_ep_cpp._lib: torch.empty / empty_strided place every
+    allocation between two GUARD_BYTES regions of GUARD_BYTE; violations() lists the ones
+    whose guards changed."""
+
+    def __init__(self):
+        self.blocks = []
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def _alloc(self, numel, dtype, device):
+        nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 16)
+        block = torch.full((2 * GUARD_BYTES + nbytes,), GUARD_BYTE, dtype=torch.uint8, device=device)
+        torch.cuda.current_stream().synchronize()  # the fill (of the whole block) lands before the op writes
+        self.blocks.append((block, nbytes))
+        inner = torch.as_tensor(_Span(block.data_ptr() + GUARD_BYTES, nbytes, block), device=block.device)
+        return inner.view(dtype)
+
+    # The allocation recipes call empty(shape, dtype=, device=) and empty_strided(shape, strides,
+    # dtype=, device=); any other call (no device, more options) is torch's own.
+    def empty(self, *size, dtype=None, device=None, **options):
+        if device is None or options:
+            return torch.empty(*size, dtype=dtype, device=device, **options)
+        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
+        numel = 1
+        for d in shape:
+            numel *= d
+        return self._alloc(numel, dtype, device)[:numel].view(shape)
+
+    def empty_strided(self, size, stride, dtype=None, device=None, **options):
+        if device is None or options:
+            return torch.empty_strided(size, stride, dtype=dtype, device=device, **options)
+        span = 0 if 0 in size else 1 + sum((d - 1) * s for d, s in zip(size, stride))
+        return self._alloc(span, dtype, device)[:max(span, 1)].as_strided(tuple(size), tuple(stride))
+
+    def violations(self):
+        torch.cuda.synchronize()
+        bad = []
+        for block, nbytes in self.blocks:
+            for where, guard in (('before', block[:GUARD_BYTES]), ('after', block[GUARD_BYTES + nbytes:])):
+                changed = int((guard != GUARD_BYTE).sum())
+                if changed:
+                    bad.append(f'{changed} guard bytes {where} an allocation of {nbytes} B')
+        return bad
+
+
+GUARDS = GuardedTorch()
+
+
+# ---------------------------------------------------------------- F2
+def prefill_flags(buf, ctx, slot_bytes, epoch):
+    """This rank's NVL region as described in the module docstring, for rings of slot_bytes."""
+    region = buf.get_local_buffer_tensor(torch.uint8)
+    region.fill_(0x7f)
+    words = region[:region.numel() // 8 * 8].view(torch.int64)
+    ch = torch.arange(NUM_CHANNELS, dtype=torch.int64).view(-1, 1, 1)
+    peer = torch.arange(ctx.world, dtype=torch.int64).view(1, -1, 1)
+    seq = torch.arange(RING, dtype=torch.int64).view(1, 1, -1)
+    offsets = ((ch * ctx.world + peer) * RING + seq) * slot_bytes  # kernels/normal_common.cuh RingLayout
+    values = (epoch << 32) | (seq + 1)
+    words[(offsets // 8).flatten()] = values.expand(NUM_CHANNELS, ctx.world, RING).flatten()
+    torch.cuda.synchronize()
+    dist.barrier(group=ctx.group)
+
+
+def prefilled_flags(ctx, which):
+    """F2: the first dispatch (epoch 0) or the first combine (epoch 1) of a fresh buffer whose
+    ring headers hold small-integer pairs equal to what those flags used to be."""
+    chk = Checks()
+    buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
+    try:
+        inp = make_inputs(ctx, tokens=4096, hidden=HIDDEN)
+        ref = expect_dispatch(ctx, inp, num_sms=CONFIG.num_sms)
+        if which == 'dispatch':
+            topk = inp.topk.size(1)
+            prefill_flags(buf, ctx, SLOT_HEADER + align16(HIDDEN * 2) + 2 * align16(topk * 4), epoch=0)
+        out = buf.dispatch(inp.x, **layout_args(inp), config=CONFIG)
+        torch.cuda.synchronize()
+        chk(check_dispatch, out, ref, inp.in_rank)
+        chk.agree(ctx.group)
+        recv_x, recv_weights, handle = out[0], out[2], out[4]
+        if which == 'combine':
+            prefill_flags(buf, ctx, SLOT_HEADER + align16(HIDDEN * 2) + align16(recv_weights.size(1) * 4), epoch=1)
+        combined = buf.combine(recv_x, handle, topk_weights=recv_weights, config=CONFIG)
+        torch.cuda.synchronize()
+        chk(check_combine, combined, ref_combine(ctx.group, ref, recv_x, recv_weights))
+    finally:
+        buf.destroy()
+    chk.done()
+
+
+# ---------------------------------------------------------------- item 3
+def self_row_past_end(handle, out, ctx):
+    """send_head[t][us] for a token we keep: the value that puts our own row at N + 2."""
+    send_head, recv_channel_prefix = handle[5], handle[2]
+    mine = (send_head[:, ctx.rank] >= 0).nonzero()
+    t = int(mine[0, 0])
+    per = -(-send_head.size(0) // NUM_CHANNELS)
+    base = int(recv_channel_prefix[ctx.rank, t // per])
+    send_head[t, ctx.rank] = handle[3].numel() + 2 - base
+
+
+# name: (op, rank 0's routing, corrupt(handle, out, ctx) on CORRUPT_RANK). What each one did
+# before the bounds: the rank-prefix case wrote our own rows at negative rows (guards before
+# the outputs); the channel-prefix one wrote rank 0's first received rows at rows -3..-1; the
+# combine ones read x outside its rows and reported nothing.
+HANDLE_CASES = {
+    'handle_rank_prefix_cached_dispatch': ('dispatch', 'random', lambda h, o, ctx: h[0].__setitem__((0, 1), -5)),
+    'handle_channel_prefix_cached_dispatch': ('dispatch', 'skewed', lambda h, o, ctx: h[1].__setitem__((0, 0), -3)),
+    'handle_recv_channel_prefix_combine': ('combine', 'random', lambda h, o, ctx: h[2].__setitem__((0, 1), -2)),
+    'handle_rank_prefix_combine': ('combine', 'random', lambda h, o, ctx: h[0].__setitem__((0, 1), -5)),
+    'handle_send_head_combine': ('combine', 'random', self_row_past_end),
+}
+
+
+def corrupted_handle(ctx, name, op, routing, corrupt):
+    chk = Checks()
+    buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
+    errors = []
+    try:
+        # 'skewed' on rank 0 only: it keeps none of its tokens, so rank 1's rows start its recv_x.
+        inp = make_inputs(ctx, routing=routing if ctx.rank == 0 else 'random', tokens=256, hidden=HIDDEN)
+        out = buf.dispatch(inp.x, **layout_args(inp), config=CONFIG)
+        torch.cuda.synchronize()
+        bad = GUARDS.violations()
+        chk.expect(not bad, f'the healthy dispatch wrote outside its outputs: {bad}')
+        chk.agree(ctx.group)
+        buf.runtime.set_gpu_timeout_ms(STALL_MS)  # a peer waiting for skipped rows gives up soon
+        handle = out[4]
+        if ctx.rank == CORRUPT_RANK:
+            corrupt(handle, out, ctx)
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        try:
+            if op == 'dispatch':
+                buf.dispatch(inp.x, handle=handle, config=CONFIG)
+            else:
+                buf.combine(out[0], handle, config=CONFIG)
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            errors.append(str(e))
+        try:  # a fault a kernel recorded is reported by the next call
+            buf.get_dispatch_layout(inp.topk, E)
+        except RuntimeError as e:
+            errors.append(str(e))
+        bad = GUARDS.violations()
+        chk.expect(not bad, f'{name}: rank {ctx.rank} has writes outside the outputs: {bad[:3]}')
+        named = torch.tensor([int(any(re.search(ENTRY_NAMED, e) for e in errors))], device='cuda')
+        dist.all_reduce(named, group=ctx.group)
+        chk.expect(named.item() > 0, f'{name}: no rank named the corrupted entry (errors here: {errors})')
+    finally:
+        dist.barrier(group=ctx.group)
+        with watchdog(ctx.rep, name, 60):
+            try:
+                buf.destroy()
+            except RuntimeError as e:  # a buffer that stalled may report it again
+                ctx.rep.info(f'destroy() after {name} raised: {e}')
+        GUARDS.blocks.clear()
+    chk.done()
+
+
+# ---------------------------------------------------------------- F9
+def graph_replay_after_stall(ctx):
+    chk = Checks()
+    name = 'graph_replay_after_stall_poisons_outputs'
+    buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        buf.runtime.set_gpu_timeout_ms(STALL_MS)  # before capture: the graph keeps each launch's budget
+        inp = make_inputs(ctx, tokens=256, hidden=HIDDEN)
+        worst = inp.tokens * ctx.world
+
+        def step():
+            out = buf.dispatch(inp.x, **layout_args(inp), num_worst_tokens=worst, config=CONFIG)
+            return out, buf.combine(out[0], out[4], topk_weights=out[2], config=CONFIG)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up outside capture, as torch recommends
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph, capture_error_mode='thread_local'):
+            out, combined = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = expect_dispatch(ctx, inp, num_sms=CONFIG.num_sms)
+        chk(check_dispatch, out, ref, inp.in_rank, worst=worst)
+        chk(check_combine, combined, ref_combine(ctx.group, ref, out[0], out[2]))
+        chk.agree(ctx.group)
+
+        dist.barrier(group=ctx.group)
+        if ctx.rank == 1:
+            time.sleep(4 * STALL_MS / 1000)  # rank 1 stops replaying
+        else:
+            inp.x.mul_(2)  # new input: the last good outputs are now wrong
+            for replay in ('the replay whose wait expired', 'a replay after the stall'):
+                graph.replay()
+                torch.cuda.synchronize()
+                chk.expect(bool(out[0].isnan().all()), f'{replay}: recv_x is not all NaN')
+                chk.expect(bool((out[2].isnan()).all()), f'{replay}: recv_topk_weights is not all NaN')
+                chk.expect(bool((out[1] == -1).all()), f'{replay}: recv_topk_idx is not all -1')
+                chk.expect(bool(combined[0].isnan().all()), f'{replay}: combined_x is not all NaN')
+                chk.expect(not buf.runtime.is_available(), f'{replay}: is_available() is still True')
+            chk(expect_raises_match, 'the next call after the stall', RuntimeError,
+                lambda: buf.get_dispatch_layout(inp.topk, E), r'\brank\s*1\b')
+    finally:
+        dist.barrier(group=ctx.group)
+        del graph
+        with watchdog(ctx.rep, name, 60):
+            try:
+                buf.destroy()
+            except RuntimeError as e:
+                ctx.rep.info(f'destroy() after the stall raised: {e}')
+    chk.done()
+
+
+# ---------------------------------------------------------------- worker
+def worker(rank, world, group, rep):
+    ctx = make_ctx(dist.new_group(list(range(world))), rep)
+    rep.run('prefilled_flags_dispatch', prefilled_flags, ctx, 'dispatch')
+    rep.run('prefilled_flags_combine', prefilled_flags, ctx, 'combine')
+    _lib.torch = GUARDS  # every output the ctypes path allocates is guarded (not under capture: it syncs)
+    try:
+        for name, (op, routing, corrupt) in HANDLE_CASES.items():
+            rep.run(name, corrupted_handle, ctx, name, op, routing, corrupt)
+    finally:
+        _lib.torch = torch
+    rep.run('graph_replay_after_stall_poisons_outputs', graph_replay_after_stall, ctx)  # last: leaves a stall
+
+
+if __name__ == '__main__':
+    if torch.cuda.device_count() < 2:
+        skip('w2', f'test_normal_protocol needs 2 GPUs, found {torch.cuda.device_count()}')
+        sys.exit(1)
+    spawn(worker, 2, timeout=300)
+    finish()
