@@ -302,23 +302,20 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
   tr.finish_receive(kSignalCombine);
 }
 
-template <int kRemote, bool kLogfmt, int kPhases, int kSub>
+template <int kRemote, bool kLogfmt, int kSub>
 __global__ void __launch_bounds__(kThreads, 1) combine(ncclDevComm dev_comm, DeepepLlCombineParams p) {
   extern __shared__ int smem[];
   Transport<kRemote> tr(p.common, dev_comm);
-  if constexpr ((kPhases & DEEPEP_LL_PHASE_SEND) != 0) combine_send<kRemote, kLogfmt>(p, tr, smem);
-  if constexpr (kPhases == (DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV)) __syncthreads();
-  if constexpr ((kPhases & DEEPEP_LL_PHASE_RECV) != 0) combine_recv<kRemote, kLogfmt, kSub>(p, tr, smem);
+  if (runs_phase(p.common, DEEPEP_LL_PHASE_SEND)) combine_send<kRemote, kLogfmt>(p, tr, smem);
+  if (runs_both_phases(p.common)) __syncthreads();
+  if (runs_phase(p.common, DEEPEP_LL_PHASE_RECV)) combine_recv<kRemote, kLogfmt, kSub>(p, tr, smem);
 }
 
 template <int kRemote, bool kLogfmt, int kSub>
 int launch_combine_sub(const ncclDevComm& dc, const DeepepLlCombineParams& p, int num_blocks, cudaStream_t stream) {
   const auto& c = p.common;
   const size_t smem = sizeof(int) * (2 * size_t(c.num_local_experts) * c.num_ranks + 3 * size_t(c.num_ranks) + 2);
-  return launch_for_phases(c.phases, combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_SEND, 1>,
-                           combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_RECV, kSub>,
-                           combine<kRemote, kLogfmt, DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV, kSub>, dc, p, smem,
-                           num_blocks, stream);
+  return launch_kernel(combine<kRemote, kLogfmt, kSub>, num_blocks, kThreads, smem, stream, dc, p);
 }
 
 // The receive's BF16 items: one 256-channel group each while they fit in one round of the grid's

@@ -383,15 +383,12 @@ __device__ void Transport<kRemote>::finish_receive(int kind) const {
   }
 }
 
-// Launches the instantiation of an LL kernel for the call's phases. Send-only, receive-only and
-// both are separate kernels so that each holds only the code it runs (a hook-mode receive kernel
-// is a third of the size of the kernel with both phases).
-template <typename Params>
-int launch_for_phases(int phases, void (*send)(ncclDevComm, Params), void (*recv)(ncclDevComm, Params),
-                      void (*both)(ncclDevComm, Params), const ncclDevComm& dc, const Params& p, size_t smem,
-                      int num_blocks, cudaStream_t stream) {
-  auto kernel = phases == DEEPEP_LL_PHASE_SEND ? send : phases == DEEPEP_LL_PHASE_RECV ? recv : both;
-  return launch_kernel(kernel, num_blocks, kThreads, smem, stream, dc, p);
+// Which phases an LL kernel runs: a runtime argument, so that one kernel per op serves both phases,
+// as in DeepEP. Profilers then see one kernel named `dispatch` (`combine`) per op, launched once
+// per phase in hook mode: DeepEP's test_low_latency.py (bench_kineto) requires exactly that.
+__device__ __forceinline__ bool runs_phase(const DeepepLlCommon& c, int phase) { return (c.phases & phase) != 0; }
+__device__ __forceinline__ bool runs_both_phases(const DeepepLlCommon& c) {
+  return c.phases == (DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV);
 }
 
 }  // namespace ll

@@ -507,13 +507,13 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   tr.finish_receive(kSignalDispatch);
 }
 
-template <int kRemote, bool kFp8, int kPhases>
+template <int kRemote, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) dispatch(ncclDevComm dev_comm, DeepepLlDispatchParams p) {
   extern __shared__ int smem[];
   Transport<kRemote> tr(p.common, dev_comm);
-  if constexpr ((kPhases & DEEPEP_LL_PHASE_SEND) != 0) dispatch_send<kRemote, kFp8>(p, tr, smem);
-  if constexpr (kPhases == (DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV)) __syncthreads();
-  if constexpr ((kPhases & DEEPEP_LL_PHASE_RECV) != 0) dispatch_recv<kRemote, kFp8>(p, tr, smem);
+  if (runs_phase(p.common, DEEPEP_LL_PHASE_SEND)) dispatch_send<kRemote, kFp8>(p, tr, smem);
+  if (runs_both_phases(p.common)) __syncthreads();
+  if (runs_phase(p.common, DEEPEP_LL_PHASE_RECV)) dispatch_recv<kRemote, kFp8>(p, tr, smem);
 }
 
 template <int kRemote, bool kFp8>
@@ -523,10 +523,7 @@ int launch_dispatch(const ncclDevComm& dc, const DeepepLlDispatchParams& p, int 
                           size_t(c.num_ranks) + 1;
   const size_t send_ints = dispatch_send_smem_ints(c.num_ranks, c.num_experts, c.max_tokens, num_blocks);
   const size_t smem = sizeof(int) * (recv_ints > send_ints ? recv_ints : send_ints);
-  return launch_for_phases(c.phases, dispatch<kRemote, kFp8, DEEPEP_LL_PHASE_SEND>,
-                           dispatch<kRemote, kFp8, DEEPEP_LL_PHASE_RECV>,
-                           dispatch<kRemote, kFp8, DEEPEP_LL_PHASE_SEND | DEEPEP_LL_PHASE_RECV>, dc, p, smem,
-                           num_blocks, stream);
+  return launch_kernel(dispatch<kRemote, kFp8>, num_blocks, kThreads, smem, stream, dc, p);
 }
 
 }  // namespace ll
