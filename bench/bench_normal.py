@@ -347,7 +347,7 @@ def measure_host(buffer, inputs, rank, supported, say):
         for path, ops in paths.items():
             runtime._normal_fast = ops
             for fn in warm.values():
-                host_loop(fn, 0, num_warmups=int(HOST_WARMUP_S / len(paths) / len(warm) / 40e-6))
+                host_loop(fn, 1, num_warmups=int(HOST_WARMUP_S / len(paths) / len(warm) / 40e-6))
         for num_tokens, inp in inputs.items():
             for name, fn in host_ops(buffer, inp, supported).items():
                 per_path = {path: {'op': name, 'path': path, 'num_tokens': num_tokens, 'num_sms': HOST_SMS,

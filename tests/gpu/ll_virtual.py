@@ -36,6 +36,8 @@ def load_library(path=None):
     lib.llv_clean_barrier_offset.argtypes = [ctypes.c_void_p]
     lib.llv_clean_epoch_offset.argtypes = [ctypes.c_int64]
     lib.llv_signal_offset.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    if hasattr(lib, 'llv_fault_ll_same_half'):  # absent in a library built before the fault existed
+        lib.llv_fault_ll_same_half.restype = ctypes.c_int
     if hasattr(lib, 'llv_workspace_layout'):  # a library built before it had none (see workspace_layout)
         lib.llv_workspace_layout.restype = None
         lib.llv_workspace_layout.argtypes = [ctypes.c_int64, ctypes.c_void_p]

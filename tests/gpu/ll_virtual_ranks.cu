@@ -176,6 +176,8 @@ __attribute__((visibility("default"))) int64_t llv_workspace_bytes(int64_t num_r
 __attribute__((visibility("default"))) int64_t llv_clean_barrier_offset(const int64_t* a) {
   return clean_barrier_offset(a);
 }
+// The fault code of two LL sends in a row on one half (the tests read it here, not as a literal).
+__attribute__((visibility("default"))) int llv_fault_ll_same_half() { return DEEPEP_FAULT_LL_SAME_HALF; }
 __attribute__((visibility("default"))) int64_t llv_clean_epoch_offset(int64_t num_ranks) {
   return clean_epoch_offset(num_ranks);
 }
