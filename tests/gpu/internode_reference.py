@@ -50,12 +50,19 @@ What DeepEP V1 (567632d, csrc/kernels/internode.cu) computes, and what is modell
   so DeepEP's result is bit-deterministic and this reference reproduces it bit for bit
   (on a BF16 result that is only within 1-2 ulp of a single-stage sum).
 
+Inputs: num_tokens_per_rank and num_tokens_per_rdma_rank are not taken: DeepEP's notify trusts
+them to agree with is_token_in_rank (get_dispatch_layout's do), and here they are derived from
+it. A cached dispatch (handle given) returns the same recv_x / recv_x_scales and nothing else.
+
 Timing-dependent or undefined in DeepEP, so a test must not compare it:
 * With num_worst_tokens > 0 the outputs have num_worst_tokens rows (and send_nvl_head too), of
   which only the first num_recv (num_rdma_recv for send_nvl_head) are defined; DeepEP fills
   recv_topk_idx's tail with -1 and leaves every other tail uninitialised. Here those tails are
   0 (recv_topk_idx: -1); compare [:num_recv] / [:num_rdma_recv], and the recv_topk_idx tail.
   num_recv_tokens_per_expert_list is then [].
+* combine reads only the first num_recv rows of x here. DeepEP's NVL combine sender ends the
+  last (source rank, channel) stream at x.size(0), so a padded x (num_worst_tokens) would push
+  the padding rows to a forwarder that never consumes them: a test combines x[:num_recv].
 * The order in which a forwarder's NVLink ring interleaves source nodes (not observable in any
   output: positions are computed, and send_nvl_head counts per (source node, channel)).
 """
