@@ -37,7 +37,8 @@ What DeepEP V1 (567632d, csrc/kernels/internode.cu) computes, and what is modell
   9 send_nvl_head [Nrdma_recv, G]: for each row of my RDMA receive space (a token of source
     (n, l_me)), -1 where it does not go to local GPU g, else its index among the rows of the
     same (source node, channel) that go to g.
-* Combine's notify rewrites handle[8] and handle[9] in place (combined_heads): inside each
+* Combine's notify rewrites handle[8] and handle[9] in place (combined_rdma_head, combined_nvl_head,
+  InternodeDispatchRef.combined_handle): inside each
   segment (a source channel for send_rdma_head; a (source node, channel) block of the RDMA
   receive space for send_nvl_head) every negative entry becomes -(next non-negative entry of
   the same column in the segment) - 1, or -(1 << 25) - 1 when none follows. Idempotent.
@@ -47,8 +48,12 @@ What DeepEP V1 (567632d, csrc/kernels/internode.cu) computes, and what is modell
   missing bias reads as 0.0), adds the nodes' BF16 partials in ascending n, and rounds to BF16.
   combined_topk_weights: per node 0.0 + w_g in ascending g (fp32, not rounded), then 0.0 + the
   node sums in ascending n. Both orders are fixed by the kernel's lane loops, not by arrival,
-  so DeepEP's result is bit-deterministic and this reference reproduces it bit for bit
-  (on a BF16 result that is only within 1-2 ulp of a single-stage sum).
+  so DeepEP's result is bit-deterministic and this reference reproduces it bit for bit. It
+  is order-dependent all the same: another fixed order, bias last, or one fp32 sum rounded once
+  can give other bits (a single-stage sum can differ by an ulp or more where partials cancel).
+
+Statistic (docs/internode.md): scale-out rows of a rank = per token, its distinct destination
+nodes other than its own (scale_out_rows); bytes = rows x the implementation's row size.
 
 Inputs: num_tokens_per_rank and num_tokens_per_rdma_rank are not taken: DeepEP's notify trusts
 them to agree with is_token_in_rank (get_dispatch_layout's do), and here they are derived from
