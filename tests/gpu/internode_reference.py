@@ -37,11 +37,11 @@ What DeepEP V1 (567632d, csrc/kernels/internode.cu) computes, and what is modell
   9 send_nvl_head [Nrdma_recv, G]: for each row of my RDMA receive space (a token of source
     (n, l_me)), -1 where it does not go to local GPU g, else its index among the rows of the
     same (source node, channel) that go to g.
-* Combine's notify rewrites handle[8] and handle[9] in place (combined_rdma_head, combined_nvl_head,
-  InternodeDispatchRef.combined_handle): inside each
-  segment (a source channel for send_rdma_head; a (source node, channel) block of the RDMA
-  receive space for send_nvl_head) every negative entry becomes -(next non-negative entry of
-  the same column in the segment) - 1, or -(1 << 25) - 1 when none follows. Idempotent.
+* Combine's notify rewrites handle[8] and handle[9] in place (combined_rdma_head,
+  combined_nvl_head, InternodeDispatchRef.combined_handle): inside each segment (a source
+  channel for send_rdma_head; a (source node, channel) block of the RDMA receive space for
+  send_nvl_head) every negative entry becomes -(next non-negative entry of the same column in
+  the segment) - 1, or -(1 << 25) - 1 when none follows. Idempotent.
 * Combine: the forwarder (n, l) sums, per token of source (s = (n0, l)) routed to node n, the
   rows of the GPUs g of n in the token's mask in ascending g, in fp32 starting from 0.0, and
   rounds to BF16 once; the source then computes fp32 bias_0 + bias_1 (each BF16 -> fp32; a
