@@ -59,16 +59,6 @@ __device__ __forceinline__ uint64_t make_flag(uint32_t generation, int64_t seq) 
   return (uint64_t(generation) << 32) | uint64_t(uint32_t(seq + 1));
 }
 
-// Loads from a ring slot a peer wrote (observed through this thread's flag acquire) and may
-// rewrite in this kernel after the hand-back: a weak, coherent load that skips L1 allocation.
-// Not ld.global.nc, whose data must stay read-only for the kernel's lifetime (review F7).
-__device__ __forceinline__ int4 ld_ring(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // ---------------------------------------------------------------- bulk copies (TMA)
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }

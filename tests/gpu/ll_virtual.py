@@ -9,8 +9,12 @@ Outputs are torch tensors, one set per rank, to compare with tests/gpu/ll_refere
 
 The library is built by scripts/test.sh (target/ll_virtual/libll_virtual_ranks.so) or named by
 DEEPEP_LL_VIRTUAL_LIBRARY."""
+import argparse
 import ctypes
 import os
+import re
+import time
+import traceback
 
 import torch
 
@@ -259,3 +263,35 @@ class VirtualWorld:
     def reset_stall(self):
         self.stall.zero_()
         self.stall_lock.zero_()
+
+
+def run_cases(title, description, checks):
+    """The command line of a virtual-rank test: every case of `checks` ({name: (VirtualWorld
+    kwargs, check(world, **kwargs), kwargs)}) whose name matches -k, each on a fresh world, every
+    failure reported; returns the exit status."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument('-k', dest='pattern', default='', help='run only the cases whose name matches this regex')
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(f'{title} needs a GPU, found none')
+        return 1
+    torch.cuda.set_device(0)
+    passed, failed = 0, []
+    for name, (world_kw, check, check_kw) in checks.items():
+        if not re.search(args.pattern, name):
+            continue
+        start = time.monotonic()
+        try:
+            world = VirtualWorld(**world_kw)
+            check(world, **check_kw)
+            torch.cuda.synchronize()
+            del world
+            passed += 1
+            print(f'PASS {name} ({time.monotonic() - start:.1f} s)', flush=True)
+        except Exception as e:  # report every case
+            failed.append(name)
+            print(f'FAIL {name}: {e}', flush=True)
+            traceback.print_exc()
+            torch.cuda.synchronize()
+    print(f'{title}: {passed} passed, {len(failed)} failed' + (f' ({", ".join(failed)})' if failed else ''))
+    return 1 if failed or passed == 0 else 0

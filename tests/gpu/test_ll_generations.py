@@ -29,17 +29,13 @@ stores (clean generation << 32) | its sends on that half; a receive waits for ex
 
 Usage: python tests/gpu/test_ll_generations.py [-k REGEX]; DEEPEP_LL_VIRTUAL_LIBRARY names the
 virtual-rank library (default: target/ll_virtual/libll_virtual_ranks.so, built by scripts/test.sh)."""
-import argparse
-import re
 import sys
-import time
-import traceback
 from types import SimpleNamespace
 
 import torch
 
 from ll_reference import bf16_ulp_distance, ref_ll_combine, ref_ll_dispatch
-from ll_virtual import PHASE_RECV, PHASE_SEND, VirtualWorld
+from ll_virtual import PHASE_RECV, PHASE_SEND, run_cases
 from test_ll_virtual_ranks import as_reference, check_equal, make_inputs
 
 SLEEP = 20_000_000  # GPU cycles (~10 ms): a delayed rank's kernel starts well after its peers' receives
@@ -390,33 +386,7 @@ def cases():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('-k', dest='pattern', default='', help='run only the cases whose name matches this regex')
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print('test_ll_generations needs a GPU, found none')
-        return 1
-    torch.cuda.set_device(0)
-    passed, failed = 0, []
-    for name, (world_kw, check, check_kw) in cases().items():
-        if not re.search(args.pattern, name):
-            continue
-        start = time.monotonic()
-        try:
-            world = VirtualWorld(**world_kw)
-            check(world, **check_kw)
-            torch.cuda.synchronize()
-            del world
-            passed += 1
-            print(f'PASS {name} ({time.monotonic() - start:.1f} s)', flush=True)
-        except Exception as e:  # report every case
-            failed.append(name)
-            print(f'FAIL {name}: {e}', flush=True)
-            traceback.print_exc()
-            torch.cuda.synchronize()
-    print(f'test_ll_generations: {passed} passed, {len(failed)} failed' +
-          (f' ({", ".join(failed)})' if failed else ''))
-    return 1 if failed or passed == 0 else 0
+    return run_cases('test_ll_generations', __doc__.split('\n')[0], cases())
 
 
 if __name__ == '__main__':

@@ -10,16 +10,13 @@ The clean_* cases run clean_low_latency_buffer's kernel: its barrier between the
 switch it exists for (halves overwritten, then exact LL rounds), and a rank that never arrives.
 
 Usage: python tests/gpu/test_ll_virtual_ranks.py [-k REGEX]"""
-import argparse
-import re
 import sys
 import time
-import traceback
 
 import torch
 
 from ll_reference import bf16_ulp_distance, expert_scales, ref_ll_combine, ref_ll_dispatch
-from ll_virtual import VirtualWorld
+from ll_virtual import run_cases
 
 MODES = {'bf16': (False, False, False), 'fp8': (True, False, False), 'fp8_round': (True, True, False),
          'fp8_ue8m0': (True, True, True)}
@@ -339,33 +336,9 @@ def cases():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('-k', dest='pattern', default='', help='run only the cases whose name matches this regex')
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print('test_ll_virtual_ranks needs a GPU, found none')
-        return 1
-    torch.cuda.set_device(0)
-    passed, failed = 0, []
     checks = {name: (world_kw, round_trip, trip_kw) for name, (world_kw, trip_kw) in cases().items()}
     checks.update(clean_cases())
-    for name, (world_kw, check, check_kw) in checks.items():
-        if not re.search(args.pattern, name):
-            continue
-        start = time.monotonic()
-        try:
-            world = VirtualWorld(**world_kw)
-            check(world, **check_kw)
-            del world
-            passed += 1
-            print(f'PASS {name} ({time.monotonic() - start:.1f} s)', flush=True)
-        except Exception as e:  # report every case
-            failed.append(name)
-            print(f'FAIL {name}: {e}', flush=True)
-            traceback.print_exc()
-    print(f'test_ll_virtual_ranks: {passed} passed, {len(failed)} failed' +
-          (f' ({", ".join(failed)})' if failed else ''))
-    return 1 if failed or passed == 0 else 0
+    return run_cases('test_ll_virtual_ranks', __doc__.split('\n')[0], checks)
 
 
 if __name__ == '__main__':
