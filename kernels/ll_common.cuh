@@ -250,11 +250,15 @@ struct Transport {
     uint64_t seq;
     uint32_t sent, other;
   };
+  // The count of LL sends on `half` (after the [kind][half] last-block tickets).
+  __device__ __forceinline__ uint32_t* half_sends(int half) const {
+    return c.ticket + 2 * DEEPEP_LL_SIGNAL_KINDS + half;
+  }
   __device__ __forceinline__ SendState begin_send(int kind) const {
     SendState s{*reinterpret_cast<volatile uint64_t*>(seq_slot(kind)), 0u, 0u};
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-      s.sent = atomicAdd(c.ticket + 4 + c.parity, 1u) + 1u;
-      s.other = *reinterpret_cast<volatile uint32_t*>(c.ticket + 4 + (1 - c.parity));
+      s.sent = atomicAdd(half_sends(c.parity), 1u) + 1u;
+      s.other = *reinterpret_cast<volatile uint32_t*>(half_sends(1 - c.parity));
     }
     return s;
   }
@@ -274,7 +278,7 @@ struct Transport {
     *seq_slot(kind) = seq_of(s);
     if (blockIdx.x == 0 && int32_t(s.sent - s.other) >= 2) {
       record_ll_fault(c.fault, DEEPEP_FAULT_LL_SAME_HALF, c.parity, c.rank);
-      atomicSub(c.ticket + 4 + c.parity, 1u);
+      atomicSub(half_sends(c.parity), 1u);
     }
   }
   // The value a receive block waits for: its own latest send's (stream order, or the block

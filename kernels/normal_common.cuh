@@ -59,7 +59,6 @@ __device__ __forceinline__ uint64_t make_flag(uint32_t generation, int64_t seq) 
   return (uint64_t(generation) << 32) | uint64_t(uint32_t(seq + 1));
 }
 
-
 // ---------------------------------------------------------------- bulk copies (TMA)
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 

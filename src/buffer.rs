@@ -142,8 +142,8 @@ impl Resources {
     pub fn layout_accumulators(&self) -> (*mut i32, i64) {
         (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WS_LL - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
     }
-    /// The LL state, per (op kind, half): done [R], source_state [R], ticket (then the last
-    /// send's half), op_seq [LL_MAX_BLOCKS], gin_sent [R]; then mask [R] (kernels/deepep_kernels.h).
+    /// The LL state, per (op kind, half): done [R], source_state [R], ticket (then the sends per
+    /// half), op_seq [LL_MAX_BLOCKS], gin_sent [R]; then mask [R] (kernels/deepep_kernels.h).
     pub fn ll_workspace(&self) -> LlWorkspace {
         LlWorkspace {
             done: self.workspace_at(WS_LL + LL_DONE).cast(),

@@ -250,7 +250,7 @@ pub(crate) fn common(
     }
 }
 
-/// The LL op kinds, as the kernels index their signals (kSignalDispatch, kSignalCombine).
+/// The LL op kinds, for the host's per-(kind, half) receive bookkeeping.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum LlKind {
     Dispatch = 0,
