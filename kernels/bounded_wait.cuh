@@ -13,6 +13,19 @@ __device__ __forceinline__ uint64_t global_time_ns() {
   return t;
 }
 
+// Bad input a kernel found: the first fault of a launch wins. Out of line: it runs only on bad
+// input, and inlined it would grow the hot loops that check.
+static __device__ __noinline__ void record_fault(DeepepFaultRecord* f, int code, int64_t a, int64_t b, int64_t c) {
+  if (f == nullptr) return;
+  if (atomicCAS(&f->flag, 0u, 2u) != 0u) return;
+  f->code = code;
+  f->a = a;
+  f->b = b;
+  f->c = c;
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(&f->flag) = 1u;
+}
+
 // First expiring waiter wins; the others keep the first report.
 __device__ __forceinline__ void record_stall(const DeepepWaitContext& w, int peer, int op, int counter,
                                              int64_t expected, int64_t seen) {

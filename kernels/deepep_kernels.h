@@ -79,15 +79,18 @@ enum DeepepFaultCode {
   DEEPEP_FAULT_COMBINE_HANDLE = 5,      // a = enum DeepepHandleEntry, b = flat index, c = value
   DEEPEP_FAULT_LL_SAME_HALF = 6,        // a = buffer half that took two LL sends in a row (a CUDA graph
                                         // with an odd number of LL ops replayed), b = rank
+  DEEPEP_FAULT_LL_COMBINE_HANDLE = 7,   // a = enum DeepepHandleEntry, b = flat index, c = value
 };
 
-// Which index-bearing entry a normal kernel found out of range (a handle's, or one a peer sent).
+// Which index-bearing entry a kernel found out of range (a handle's, or one a peer sent).
 enum DeepepHandleEntry {
   DEEPEP_HANDLE_RANK_PREFIX = 0,          // rank_prefix_matrix [R, R]
   DEEPEP_HANDLE_CHANNEL_PREFIX = 1,       // channel_prefix_matrix [R, C]
   DEEPEP_HANDLE_RECV_CHANNEL_PREFIX = 2,  // recv_channel_prefix_matrix [R, C]
   DEEPEP_HANDLE_SEND_HEAD = 3,            // send_head [T, R]
   DEEPEP_HANDLE_PEER_COUNTS = 4,          // counts a peer sent in notify: [R] totals, then [C] channel prefixes
+  DEEPEP_HANDLE_LL_LAYOUT_RANGE = 5,      // LL handle's layout_range [E_l, R]: (first row << 32) | rows
+  DEEPEP_HANDLE_LL_SRC_INFO = 6,          // LL handle's src_info [E_l, R*M]: source token index
 };
 
 // Host-mapped: the first fault of a launch wins; the host clears it after reporting.

@@ -53,9 +53,16 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   for (int idx = threadIdx.x; idx < El * R; idx += kThreads) {
     const int j = idx % R;
     const int64_t range = __ldg(p.layout_range + idx);
-    const int n = peer_active(c, j) ? int(uint32_t(range)) : 0;
+    int n = peer_active(c, j) ? int(uint32_t(range)) : 0;
+    const int64_t first = range >> 32;
+    // A handle entry addresses at most M rows of source j inside expert e's R*M rows; anything
+    // else (a corrupted or foreign handle) is a fault, and its rows are not sent.
+    if (n != 0 && (n < 0 || n > M || first < 0 || first + n > rows_per_expert)) {
+      if (blockIdx.x == 0) record_fault(c.fault, DEEPEP_FAULT_LL_COMBINE_HANDLE, DEEPEP_HANDLE_LL_LAYOUT_RANGE, idx, range);
+      n = 0;
+    }
     prefix[idx] = n;
-    block_begin[idx] = int(range >> 32);
+    block_begin[idx] = int(first);
     if (n) atomicAdd(&home_rows[j], n);
   }
   __syncthreads();
@@ -102,6 +109,12 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     const int e = lo / R, j = lo % R;
     const int row = block_begin[lo] + (row_idx - prefix[lo]);
     const int t = __ldg(p.src_info + int64_t(e) * rows_per_expert + row);
+    if (uint32_t(t) >= uint32_t(M)) {  // a token index the receiver's M slots cannot hold: not sent
+      if (chunk == 0 && lane == 0)
+        record_fault(c.fault, DEEPEP_FAULT_LL_COMBINE_HANDLE, DEEPEP_HANDLE_LL_SRC_INFO, int64_t(e) * rows_per_expert + row, t);
+      if (lane == 0) atomicAdd(&home_written[j], 1);  // counted all the same: home j still gets its signal
+      continue;  // warp-uniform (one t per warp)
+    }
     const int global_expert = c.rank * El + e;
     const uint64_t view_offset = c.view_offset + (uint64_t(e) * rows_per_expert + row) * view_row;
     const int4* src = zero_copy ? reinterpret_cast<const int4*>(tr.local(view_offset))

@@ -106,19 +106,6 @@ __device__ __forceinline__ void computed_here(int value, Ts... values) {
   computed_here(values...);
 }
 
-// Bad use found on the GPU: the first fault wins (host-mapped record, claimed with a CAS on its
-// flag; the host reports and clears it). Normal mode keeps its own copy in normal_common.cuh.
-__device__ __forceinline__ void record_ll_fault(DeepepFaultRecord* f, int code, int64_t a, int64_t b) {
-  if (f == nullptr) return;
-  if (atomicCAS(&f->flag, 0u, 2u) != 0u) return;
-  f->code = code;
-  f->a = a;
-  f->b = b;
-  f->c = 0;
-  __threadfence_system();
-  *reinterpret_cast<volatile uint32_t*>(&f->flag) = 1u;
-}
-
 // ---------------------------------------------------------------- transport
 // Peer addressing and signals for one call. `kRemote` selects how peers outside
 // the sender's node are reached; peers inside it always get LSA stores.
@@ -277,7 +264,7 @@ struct Transport {
     if (threadIdx.x != 0) return;
     *seq_slot(kind) = seq_of(s);
     if (blockIdx.x == 0 && int32_t(s.sent - s.other) >= 2) {
-      record_ll_fault(c.fault, DEEPEP_FAULT_LL_SAME_HALF, c.parity, c.rank);
+      record_fault(c.fault, DEEPEP_FAULT_LL_SAME_HALF, c.parity, c.rank, 0);
       atomicSub(half_sends(c.parity), 1u);
     }
   }

@@ -224,19 +224,6 @@ __device__ __forceinline__ bool warp_wait_relaxed(const uint64_t* flag, uint64_t
   return warp_wait_flag<false>(flag, expected, w, peer, op, counter);
 }
 
-// First fault of a launch wins (host-mapped record, claimed with a CAS on its flag). Not
-// inlined: it only runs on bad input, and its callers sit in the data kernels' loops.
-static __device__ __noinline__ void record_fault(DeepepFaultRecord* f, int code, int64_t a, int64_t b, int64_t c) {
-  if (f == nullptr) return;
-  if (atomicCAS(&f->flag, 0u, 2u) != 0u) return;
-  f->code = code;
-  f->a = a;
-  f->b = b;
-  f->c = c;
-  __threadfence_system();
-  *reinterpret_cast<volatile uint32_t*>(&f->flag) = 1u;
-}
-
 // Fills `bytes` at p with 0xff across the grid: NaN in every float dtype (and UE8M0), -1 in
 // int32/int64. A data kernel that skipped or abandoned its work after a stall leaves its
 // outputs so, because CUDA-graph replays never reach the host check that reports the stall:

@@ -22,6 +22,7 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
         ),
         kernels::DEEPEP_FAULT_DISPATCH_HANDLE => bad_entry("dispatch", f),
         kernels::DEEPEP_FAULT_COMBINE_HANDLE => bad_entry("combine", f),
+        kernels::DEEPEP_FAULT_LL_COMBINE_HANDLE => bad_entry("low_latency_combine", f),
         kernels::DEEPEP_FAULT_LL_SAME_HALF => format!(
             "rank {}: two low-latency sends in a row used buffer half {} (the half alternates on the host and is \
              fixed when a CUDA graph is captured: a graph replayed back to back must hold an even number of \
@@ -34,21 +35,33 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
     Error::invalid(message)
 }
 
-/// An index a normal kernel read from the handle (or a peer) out of range; the kernel skipped
-/// what it would have addressed, so nothing outside the outputs was written.
+/// An index a kernel read from the handle (or a peer) out of range; the kernel skipped what it
+/// would have addressed, so nothing outside the outputs was written.
 fn bad_entry(op: &str, f: &FaultRecord) -> String {
+    const PREFIX: &str = "prefixes must be non-decreasing from 0 and within the rows";
     // A negative entry wraps to no known entry.
-    let entry = match f.a as kernels::DeepepHandleEntry {
-        kernels::DEEPEP_HANDLE_RANK_PREFIX => "the handle's rank_prefix_matrix",
-        kernels::DEEPEP_HANDLE_CHANNEL_PREFIX => "the handle's channel_prefix_matrix",
-        kernels::DEEPEP_HANDLE_RECV_CHANNEL_PREFIX => "the handle's recv_channel_prefix_matrix (with rank_prefix_matrix)",
-        kernels::DEEPEP_HANDLE_SEND_HEAD => "the handle's send_head",
-        kernels::DEEPEP_HANDLE_PEER_COUNTS => "the counts a peer sent (its handle's channel_prefix_matrix when cached)",
-        _ => "an index entry",
+    let (entry, rule) = match f.a as kernels::DeepepHandleEntry {
+        kernels::DEEPEP_HANDLE_RANK_PREFIX => ("the handle's rank_prefix_matrix", PREFIX),
+        kernels::DEEPEP_HANDLE_CHANNEL_PREFIX => ("the handle's channel_prefix_matrix", PREFIX),
+        kernels::DEEPEP_HANDLE_RECV_CHANNEL_PREFIX => {
+            ("the handle's recv_channel_prefix_matrix (with rank_prefix_matrix)", PREFIX)
+        }
+        kernels::DEEPEP_HANDLE_SEND_HEAD => ("the handle's send_head", PREFIX),
+        kernels::DEEPEP_HANDLE_PEER_COUNTS => {
+            ("the counts a peer sent (its handle's channel_prefix_matrix when cached)", PREFIX)
+        }
+        kernels::DEEPEP_HANDLE_LL_LAYOUT_RANGE => (
+            "the handle's layout_range (handle[1])",
+            "an entry is (first row << 32) | rows, at most num_max_dispatch_tokens_per_rank rows inside the expert's",
+        ),
+        kernels::DEEPEP_HANDLE_LL_SRC_INFO => {
+            ("the handle's src_info (handle[0])", "token indices are below num_max_dispatch_tokens_per_rank")
+        }
+        _ => ("an index entry", PREFIX),
     };
     format!(
-        "{op}: {entry} holds {} at flat index {}, out of range (prefixes must be non-decreasing from 0 and within \
-         the rows); the handle is corrupted or from another buffer or config. Rows it addressed were skipped",
+        "{op}: {entry} holds {} at flat index {}, out of range ({rule}); the handle is corrupted or from another \
+         buffer or config. Rows it addressed were skipped",
         f.c, f.b
     )
 }
@@ -116,6 +129,16 @@ mod tests {
         assert!(fault_error(&FaultRecord { a: -3, ..f }).message.starts_with("combine: an index entry holds"));
         let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_LL_SAME_HALF as i32, a: 1, b: 3, c: 0 };
         assert!(fault_error(&f).message.starts_with("rank 3: two low-latency sends in a row used buffer half 1"));
+        let f = FaultRecord {
+            flag: 1,
+            code: kernels::DEEPEP_FAULT_LL_COMBINE_HANDLE as i32,
+            a: kernels::DEEPEP_HANDLE_LL_SRC_INFO as i64,
+            b: 70,
+            c: 4096,
+        };
+        let m = fault_error(&f).message;
+        assert!(m.starts_with("low_latency_combine: the handle's src_info (handle[0]) holds 4096 at flat index 70"), "{m}");
+        assert!(m.contains("below num_max_dispatch_tokens_per_rank"), "{m}");
     }
 
     #[test]

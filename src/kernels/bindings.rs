@@ -185,12 +185,15 @@ pub const DEEPEP_FAULT_WORST_TOO_SMALL: DeepepFaultCode = 3;
 pub const DEEPEP_FAULT_DISPATCH_HANDLE: DeepepFaultCode = 4;
 pub const DEEPEP_FAULT_COMBINE_HANDLE: DeepepFaultCode = 5;
 pub const DEEPEP_FAULT_LL_SAME_HALF: DeepepFaultCode = 6;
+pub const DEEPEP_FAULT_LL_COMBINE_HANDLE: DeepepFaultCode = 7;
 pub type DeepepFaultCode = ::std::os::raw::c_uint;
 pub const DEEPEP_HANDLE_RANK_PREFIX: DeepepHandleEntry = 0;
 pub const DEEPEP_HANDLE_CHANNEL_PREFIX: DeepepHandleEntry = 1;
 pub const DEEPEP_HANDLE_RECV_CHANNEL_PREFIX: DeepepHandleEntry = 2;
 pub const DEEPEP_HANDLE_SEND_HEAD: DeepepHandleEntry = 3;
 pub const DEEPEP_HANDLE_PEER_COUNTS: DeepepHandleEntry = 4;
+pub const DEEPEP_HANDLE_LL_LAYOUT_RANGE: DeepepHandleEntry = 5;
+pub const DEEPEP_HANDLE_LL_SRC_INFO: DeepepHandleEntry = 6;
 pub type DeepepHandleEntry = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Default)]

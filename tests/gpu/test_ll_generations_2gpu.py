@@ -21,6 +21,12 @@ finds nothing yet. Each case has its own Buffer (GPU timeout 3 s; a stalled buff
                               the mask without a clean; the next op on that half, rank 1 late: exact,
                               nobody masked (before: rank 0 took the stale flag and the old data)
 
+  corrupted_handle_combine    issue 24 item 3: low_latency_combine with a handle whose src_info holds
+                              a token index >= M, then one whose layout_range addresses rows past the
+                              expert's: the next call raises naming the entry, the RDMA region past the
+                              LL area (a guard filled with a pattern) is untouched, and after a clean
+                              the buffer goes on exact (before: the rows were written at the bad index)
+
 Usage: PYTHONPATH=compat/python python tests/gpu/test_ll_generations_2gpu.py [-k REGEX]"""
 import argparse
 import re
@@ -43,11 +49,12 @@ TIMEOUT_MS = 3000
 class Case:
     """One Buffer and the inputs of numbered ops, the same on every rank (seeded per op and rank)."""
 
-    def __init__(self, group, num_experts=E, shapes=(), **kwargs):
+    def __init__(self, group, num_experts=E, shapes=(), guard_bytes=0, **kwargs):
         self.group, self.rank, self.world = group, group.rank(), group.size()
         self.E = num_experts
         size = max(deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, self.world, e) for e in (num_experts, *shapes))
-        self.buf = deep_ep.Buffer(group, num_rdma_bytes=size, low_latency_mode=True,
+        self.ll_bytes = size  # what the LL ops may touch; a guard of guard_bytes follows it
+        self.buf = deep_ep.Buffer(group, num_rdma_bytes=size + guard_bytes, low_latency_mode=True,
                                   num_qps_per_rank=max(1, num_experts // self.world), explicitly_destroy=True, **kwargs)
         self.buf.runtime.set_gpu_timeout_ms(TIMEOUT_MS)
 
@@ -254,6 +261,40 @@ def shrink_masked_rank_rejoins(case, chk):
     chk.expect(mask.tolist() == [0, 0], f'mask after the rejoin: {mask.tolist()}')
 
 
+def corrupted_handle_combine(case, chk):
+    guard = case.buf.get_local_buffer_tensor(torch.uint8, offset=case.ll_bytes, use_rdma_buffer=True)
+    for entry, op in (('src_info', 2), ('layout_range', 3)):
+        case.round(chk, op - 1)
+        guard.fill_(0x5a)
+        torch.cuda.synchronize()
+        dist.barrier(group=case.group)
+        d = case.dispatch(op)
+        torch.cuda.synchronize()
+        src_info, layout_range = d[2][0].clone(), d[2][1].clone()
+        if entry == 'src_info':  # the first row of the first (local expert, source) block that has rows
+            e, j = next((e, j) for e in range(layout_range.size(0)) for j in range(case.world)
+                        if int(layout_range[e, j]) & 0xffffffff)
+            src_info[e, int(layout_range[e, j]) >> 32] = M + 5
+        else:  # rows of (expert 0, source 1) said to start past the expert's R*M rows
+            layout_range[0, 1] = ((case.world * M) << 32) | max(1, int(layout_range[0, 1]) & 0xffffffff)
+        bad = (src_info, layout_range, *d[2][2:])
+        case.combine(op, (d[0], d[1], bad))
+        torch.cuda.synchronize()
+        dist.barrier(group=case.group)
+        try:
+            case.buf.clean_low_latency_buffer(M, H, case.E)
+            torch.cuda.synchronize()
+            chk.expect(False, f'no error after a combine over a handle with a bad {entry}')
+        except RuntimeError as e:
+            chk.expect(re.search(rf'low_latency_combine: the handle.s {entry}', str(e)) is not None,
+                       f'after a bad {entry}: {e}')
+        torch.cuda.synchronize()
+        chk.expect(bool((guard == 0x5a).all()), f'a combine over a bad {entry} wrote past the LL area')
+        case.buf.clean_low_latency_buffer(M, H, case.E)
+        dist.barrier(group=case.group)
+    case.round(chk, 9)
+
+
 CASES = {
     'lagging_rank': (lagging_rank, {}),
     'dropped_dispatch_hook': (lambda case, chk: dropped_hook(case, chk, 'dispatch'), {}),
@@ -262,6 +303,7 @@ CASES = {
     'graph_one_dispatch': (graph_one_dispatch, {}),
     'shape_change_without_clean': (shape_change_without_clean, dict(shapes=(64,))),
     'shrink_masked_rank_rejoins': (shrink_masked_rank_rejoins, dict(enable_shrink=True)),
+    'corrupted_handle_combine': (corrupted_handle_combine, dict(guard_bytes=8 << 20)),
 }
 
 
