@@ -158,11 +158,13 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
           if (!bad_self) source[r] = static_cast<const uint8_t*>(p.x) + self_row * p.hidden_bytes - layout.x_off();
         } else {
           source[r] = my_nvl + ring.slot_offset(ch, r, seq % ring.ring);
-          if (ok && !warp_wait<kShrink>(reinterpret_cast<const uint64_t*>(source[r]), make_flag(generation, seq), c, r,
-                               DEEPEP_WAIT_OP_COMBINE_SLOT, ch)) {
-            ok = kShrink;  // shrink mode: this contribution is dropped (its slot handed back anyway)
-            source[r] = nullptr;
-            if (ok && lane == 0) count_dropped(c, DEEPEP_DROPPED_COMBINE_RECV, 1);
+          if (!kShrink) {
+            ok = ok && warp_wait<kShrink>(reinterpret_cast<const uint64_t*>(source[r]), make_flag(generation, seq), c,
+                                          r, DEEPEP_WAIT_OP_COMBINE_SLOT, ch);
+          } else if (!warp_wait<kShrink>(reinterpret_cast<const uint64_t*>(source[r]), make_flag(generation, seq), c, r,
+                                         DEEPEP_WAIT_OP_COMBINE_SLOT, ch)) {
+            source[r] = nullptr;  // this contribution is dropped (its slot is handed back anyway)
+            if (lane == 0) count_dropped(c, DEEPEP_DROPPED_COMBINE_RECV, 1);
           }
         }
       }
@@ -242,7 +244,7 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(ncclDevComm de
     BoundedLsaBarrier<ncclCoopCta> barrier(cta, dev_comm, p.common.barrier_base + blockIdx.x);
     barrier.arrive(cta, cuda::memory_order_acq_rel);
     bool passed;
-    if (kShrink) {
+    if constexpr (kShrink) {
       // A silent peer is given up for the whole kernel (peer_gone): blocks past the barrier
       // before it was skip it in their waits at once.
       const uint32_t silent = barrier.wait_survivors(cta, p.common.wait, masked_ranks<true>(p.common));

@@ -222,27 +222,30 @@ __device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t ex
                                                int peer, int op, int counter) {
   const DeepepWaitContext& w = c.wait;
   uint64_t seen = ld_relaxed_sys(flag);
-  bool got = true;
   if (seen != expected) {
     const uint64_t start = global_time_ns();
+    bool got = true;
     for (int spin = 1;; ++spin) {
       if (spin > 4) __nanosleep(128);
       seen = ld_relaxed_sys(flag);
       if (seen == expected) break;
       if ((spin & 15) == 15) {
-        if (buffer_failed(w) || peer_gone<kShrink>(c, peer) || global_time_ns() - start > w.timeout_ns) {
-          if (kShrink) {
-            if ((threadIdx.x & 31) == 0) atomicExch(c.peer_gone + peer, 1);
-          } else if (!buffer_failed(w) && (threadIdx.x & 31) == 0) {
-            record_stall(w, peer, op, counter, int64_t(expected & 0xffffffffu), int64_t(seen & 0xffffffffu));
+        if (kShrink) {
+          if (buffer_failed(w) || peer_gone<kShrink>(c, peer) || global_time_ns() - start > w.timeout_ns) {
+            got = false;
+            break;
           }
-          got = false;
-          break;
+        } else if (buffer_failed(w) || global_time_ns() - start > w.timeout_ns) {
+          if (!buffer_failed(w) && (threadIdx.x & 31) == 0)
+            record_stall(w, peer, op, counter, int64_t(expected & 0xffffffffu), int64_t(seen & 0xffffffffu));
+          return false;
         }
       }
     }
-    if (kShrink) got = __all_sync(0xffffffffu, got);
-    if (!got) return false;
+    if (kShrink && !__all_sync(0xffffffffu, got)) {
+      if ((threadIdx.x & 31) == 0) atomicExch(c.peer_gone + peer, 1);
+      return false;
+    }
   }
   if (kAcquire) (void)ld_acquire_sys(flag);
   return true;

@@ -104,14 +104,15 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
       else v = p.num_tokens_per_expert[peer * local_experts + (i - R - C)];
       slot[i] = v;
     }
-    if (kShrink && threadIdx.x == 0) slot[kNotifyTag] = tag;
+    if constexpr (kShrink)
+      if (threadIdx.x == 0) slot[kNotifyTag] = tag;
   }
 
   // 3. One barrier: afterwards every peer's slot for this parity is complete.
   ncclCoopCta cta;
   BoundedLsaBarrier<ncclCoopCta> barrier(cta, dev_comm, c.barrier_base);
   barrier.arrive(cta, cuda::memory_order_acq_rel);
-  if (kShrink) {
+  if constexpr (kShrink) {
     const uint32_t silent = barrier.wait_survivors(cta, c.wait, masked);
     if (threadIdx.x == 0) absent = masked | silent;
     __syncthreads();
@@ -123,14 +124,18 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
       ncclGetLocalPointer(static_cast<ncclWindow_t>(c.window),
                           c.notify_offset + uint64_t(parity) * DEEPEP_MAX_NVL_RANKS * kNotifySlotBytes)));
   const int stride = kNotifySlotInts;
-  if (kShrink) {
+  if constexpr (kShrink) {
     const int src = threadIdx.x;
     if (src < R && src != me && !((absent >> src) & 1u) && slots[src * stride + kNotifyTag] != tag)
       atomicOr(&absent, 1u << src);
     __syncthreads();
   }
   // An absent source's slot holds nothing of this op: it reads as zeros.
-  const auto slot_of = [&](int src, int i) { return kShrink && ((absent >> src) & 1u) ? 0 : slots[src * stride + i]; };
+  const auto slot_of = [&](int src, int i) {
+    if constexpr (kShrink)
+      if ((absent >> src) & 1u) return 0;
+    return slots[src * stride + i];
+  };
   // 4. Rank prefix matrix: inclusive over source ranks (given in cached mode).
   if (threadIdx.x < R) {
     const int j = threadIdx.x;
