@@ -384,6 +384,11 @@ class Buffer {
   void low_latency_clean_mask_buffer(void* stream = nullptr) const {
     check(deepep_low_latency_clean_mask_buffer(buf_, stream));
   }
+  // Shrink mode, normal ops: copy the dropped-row counters into an int64 [4] device tensor
+  // (docs/normal_shrink.md), in stream order.
+  void normal_query_dropped(const DeepepTensor& dropped, void* stream = nullptr) const {
+    check(deepep_normal_query_dropped(buf_, &dropped, stream));
+  }
   DeepepBuffer* raw() const noexcept { return buf_; }
 
  private:

@@ -79,6 +79,34 @@ struct BoundedLsaBarrier : ncclLsaBarrierSession<Coop> {
     if (ok) this->epoch += 1;
     return ok;
   }
+
+  // Shrink mode: waits for every peer except those in `skip` (bits of LSA ranks) and returns
+  // the ones that did not arrive within the timeout, with no stall record. The epoch advances
+  // either way: the survivors went through, and a silent peer's later arrivals count toward
+  // targets it no longer reaches (it is masked; rejoining takes a new buffer).
+  __device__ uint32_t wait_survivors(Coop coop, const DeepepWaitContext& w, uint32_t skip) {
+    __shared__ uint32_t missing;
+    if (coop.thread_rank() == 0) missing = 0;
+    coop.sync();
+    const uint32_t target = this->epoch + 1;
+    for (int i = coop.thread_rank(); i < this->team.nRanks - 1; i += coop.size()) {
+      const int peer = i + (this->team.rank <= i ? 1 : 0);
+      if ((skip >> peer) & 1u) continue;
+      cuda::atomic_ref<uint32_t> inbox(*this->ucInbox(this->team.rank, peer));
+      const uint64_t start = global_time_ns();
+      while (true) {
+        const uint32_t got = inbox.load(cuda::memory_order_acquire);
+        if (got - target <= (uint32_t(-1) >> 1)) break;
+        if (global_time_ns() - start > w.timeout_ns) {
+          atomicOr(&missing, 1u << peer);
+          break;
+        }
+      }
+    }
+    coop.sync();
+    this->epoch += 1;
+    return missing;
+  }
 };
 
 }  // namespace deepep

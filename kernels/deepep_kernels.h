@@ -102,8 +102,9 @@ typedef struct DeepepFaultRecord {
 
 #define DEEPEP_MAX_NVL_RANKS DEEPEP_NUM_MAX_NVL_PEERS  // normal mode runs within one NVLink domain
 #define DEEPEP_MAX_CHANNELS 128
-// One notify exchange slot: R totals + C channel prefixes + local expert counts.
-#define DEEPEP_NOTIFY_SLOT_INTS (DEEPEP_MAX_NVL_RANKS + DEEPEP_MAX_CHANNELS + DEEPEP_MAX_LOCAL_EXPERTS)
+// One notify exchange slot: R totals + C channel prefixes + local expert counts, then (shrink
+// mode) the sender's notify tag in the last int.
+#define DEEPEP_NOTIFY_SLOT_INTS (DEEPEP_MAX_NVL_RANKS + DEEPEP_MAX_CHANNELS + DEEPEP_MAX_LOCAL_EXPERTS + 1)
 
 // Host-mapped receive counts of one non-cached dispatch: the notify kernel writes
 // the per-expert list, then num_recv_tokens (the host spins on it, -1 before).
@@ -123,14 +124,29 @@ typedef struct DeepepNormalCommon {
   uint32_t* notify_epoch;    // workspace: bumped by every notify kernel
   uint32_t* ticket;          // workspace: last-block detection, zero between launches
   DeepepFaultRecord* fault;  // device view of the host-mapped fault record
+  // Shrink mode (docs/normal_shrink.md). The mask is the buffer's one mask (the LL kernels' too):
+  // kernels read it at their start and write it only at their end, so one op sees one mask.
+  int32_t* mask;             // workspace [R]: 1 = rank masked
+  int32_t* peer_gone;        // workspace [R]: a wait of this kernel on the rank expired (reset at its end)
+  uint64_t* dropped;         // workspace [DEEPEP_DROPPED_KINDS]: rows dropped for masked ranks, cumulative
   DeepepWaitContext wait;
   int32_t rank;              // this rank (== LSA rank: the LSA team is the whole buffer)
   int32_t num_ranks;
   int32_t num_channels;      // config.num_sms / 2
   int32_t ring_tokens;       // slots per (channel, peer) ring = config.num_max_nvl_chunked_recv_tokens
   int32_t barrier_base;      // LSA barrier slot of the notify block, or of block 0 of a data kernel
-  int32_t reserved;
+  int32_t shrink;            // a silent peer is masked (its traffic dropped) instead of a stall
 } DeepepNormalCommon;
+
+// Shrink mode: what the normal kernels count in DeepepNormalCommon.dropped (rows, one per token
+// and peer; read with deepep_normal_query_dropped).
+enum DeepepDroppedKind {
+  DEEPEP_DROPPED_DISPATCH_RECV = 0,  // received rows left empty: the source was masked after notify
+  DEEPEP_DROPPED_DISPATCH_SEND = 1,  // tokens not sent to a masked destination
+  DEEPEP_DROPPED_COMBINE_RECV = 2,   // contributions of a masked rank left out of a combined token
+  DEEPEP_DROPPED_COMBINE_SEND = 3,   // rows not sent back to a masked source
+  DEEPEP_DROPPED_KINDS = 4,
+};
 
 // Dispatch notify: exchanges counts and channel prefixes, one barrier.
 typedef struct DeepepNotifyParams {

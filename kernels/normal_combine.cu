@@ -10,6 +10,10 @@
 // the channel. send_head[t][r] is t's sequence number in ring (c, r) (or -1);
 // our own contribution is read straight from x. Sum in fp32 in DeepEP's order:
 // bias_0 + bias_1 first, then ranks ascending; one rounding to bf16.
+//
+// Shrink mode (docs/normal_shrink.md): a masked rank's contributions are left out of the sum (and
+// of combined_topk_weights), nothing is sent to it, and the barrier does not wait for it; a rank
+// that goes silent during the kernel is treated so from then on and masked at the end.
 #include <cuda_bf16.h>
 
 #include "launch.cuh"
@@ -26,16 +30,17 @@ struct CombineSlot {
 };
 
 // Sender warps of one block; with the other block of the channel they form one
-// group per remote destination.
-template <int kBatch>
-__device__ __forceinline__ void combine_send(const DeepepCombineParams& p, int ch, int part, int parts, int warp,
+// group per remote destination. Returns -1, or the first row (sequence number) of the warp it
+// did not send (a wait expired, or shrink mode masks the destination), for drop_sends.
+template <int kBatch, bool kShrink>
+__device__ __forceinline__ int64_t combine_send(const DeepepCombineParams& p, int ch, int part, int parts, int warp,
                                              int num_warps, int lane) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
-  if (R < 2) return;
+  if (R < 2) return -1;
   const int group_size = num_warps / (R - 1);
   const int peer_idx = warp / group_size;
-  if (peer_idx >= R - 1) return;
+  if (peer_idx >= R - 1) return -1;
   const int stride = parts * group_size, member = part * group_size + warp % group_size;
   FlagBatch<kBatch> flags;
   const int dst = peer_idx < me ? peer_idx : peer_idx + 1;
@@ -47,13 +52,14 @@ __device__ __forceinline__ void combine_send(const DeepepCombineParams& p, int c
 
   const int64_t start = p.recv_channel_prefix_matrix[dst * C + ch];
   const int64_t stop = ch + 1 < C ? p.recv_channel_prefix_matrix[dst * C + ch + 1] : p.rank_prefix_matrix[dst * R + me];
+  if ((masked_ranks<kShrink>(c) >> dst) & 1u) return member;
   // The handle's rows of x: out of range, nothing is read or sent (the peer's reducer then
   // stalls, bounded, naming this rank) and the fault names the entry.
   if (start < 0 || stop < start || stop > p.num_recv_rows) {
     if (lane == 0 && member == part * group_size)
       record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, dst * C + ch,
                    start < 0 || stop < start ? start : stop);
-    return;
+    return -1;
   }
   uint8_t* dst_nvl = nvl_base(c, dst);
   uint8_t* my_nvl = nvl_base(c, me);
@@ -67,9 +73,9 @@ __device__ __forceinline__ void combine_send(const DeepepCombineParams& p, int c
       const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + ring.consumed_offset(C, ch, dst, slot));
       if (ld_relaxed_sys(consumed) != make_flag(generation, s - ring.ring)) {
         flags.flush(lane, flag_of);
-        if (!warp_wait_relaxed(consumed, make_flag(generation, s - ring.ring), c.wait, dst, DEEPEP_WAIT_OP_COMBINE_CONSUMED,
+        if (!warp_wait_relaxed<kShrink>(consumed, make_flag(generation, s - ring.ring), c, dst, DEEPEP_WAIT_OP_COMBINE_CONSUMED,
                                ch))
-          return;
+          return s;
       }
     }
     const int64_t row = start + s;
@@ -84,6 +90,20 @@ __device__ __forceinline__ void combine_send(const DeepepCombineParams& p, int c
     flags.add(int32_t(s), lane, flag_of);
   }
   flags.flush(lane, flag_of);
+  return -1;
+}
+
+// Shrink mode: a sender warp (combine_send's geometry) that stopped at row `from`: the rest of
+// its rows count as not sent.
+__device__ __forceinline__ void drop_sends(const DeepepCombineParams& p, int ch, int part, int parts, int warp,
+                                           int num_warps, int lane, int64_t from) {
+  const DeepepNormalCommon& c = p.common;
+  const int R = c.num_ranks, me = c.rank, C = c.num_channels;
+  const int group_size = num_warps / (R - 1), peer_idx = warp / group_size;
+  const int stride = parts * group_size, dst = peer_idx < me ? peer_idx : peer_idx + 1;
+  const int64_t start = p.recv_channel_prefix_matrix[dst * C + ch];
+  const int64_t rows = (ch + 1 < C ? p.recv_channel_prefix_matrix[dst * C + ch + 1] : p.rank_prefix_matrix[dst * R + me]) - start;
+  if (lane == 0 && from < rows) count_dropped(c, DEEPEP_DROPPED_COMBINE_SEND, (rows - from + stride - 1) / stride);
 }
 
 // Adds one 16-byte group of bf16 values into fp32 accumulators.
@@ -96,7 +116,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[8], const int4& v) {
 // kMaxRanks bounds the sources per token at compile time so that source
 // pointers and loads stay in registers; kUnroll hidden groups per lane are in
 // flight together (kMaxRanks * kUnroll 16-byte loads per lane).
-template <int kMaxRanks, int kUnroll>
+template <int kMaxRanks, int kUnroll, bool kShrink>
 __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int ch, int part, int parts, int warp,
                                                int num_warps, int lane) {
   const DeepepNormalCommon& c = p.common;
@@ -110,13 +130,19 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
   const int64_t self_base = p.recv_channel_prefix_matrix[me * C + ch];
   const int4* bias_0 = static_cast<const int4*>(p.bias_0);
   const int4* bias_1 = static_cast<const int4*>(p.bias_1);
+  const uint32_t masked = masked_ranks<kShrink>(c);  // 0 outside shrink mode
 
   int64_t begin, end;
   channel_range(p.num_tokens, C, ch, begin, end);
   const int stride = parts * num_warps;
   for (int64_t t = begin + part * num_warps + warp; t < end; t += stride) {
     // Lane r holds send_head[t][r] (t's sequence number in ring (c, r), or -1).
-    const int head = lane < R ? p.send_head[t * R + lane] : -1;
+    int head = lane < R ? p.send_head[t * R + lane] : -1;
+    if (masked != 0) {  // shrink mode: a masked rank's row is not waited for, and counted
+      const uint32_t lost = __ballot_sync(0xffffffffu, head >= 0) & masked;
+      if (lane == 0) count_dropped(c, DEEPEP_DROPPED_COMBINE_RECV, __popc(lost));
+      if ((lost >> lane) & 1u) head = -1;
+    }
     const uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
     const uint8_t* source[kMaxRanks];
     int64_t self_row = 0;
@@ -132,8 +158,14 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
           if (!bad_self) source[r] = static_cast<const uint8_t*>(p.x) + self_row * p.hidden_bytes - layout.x_off();
         } else {
           source[r] = my_nvl + ring.slot_offset(ch, r, seq % ring.ring);
-          ok = ok && warp_wait(reinterpret_cast<const uint64_t*>(source[r]), make_flag(generation, seq), c.wait, r,
-                               DEEPEP_WAIT_OP_COMBINE_SLOT, ch);
+          if (!kShrink) {
+            ok = ok && warp_wait<kShrink>(reinterpret_cast<const uint64_t*>(source[r]), make_flag(generation, seq), c,
+                                          r, DEEPEP_WAIT_OP_COMBINE_SLOT, ch);
+          } else if (!warp_wait<kShrink>(reinterpret_cast<const uint64_t*>(source[r]), make_flag(generation, seq), c, r,
+                                         DEEPEP_WAIT_OP_COMBINE_SLOT, ch)) {
+            source[r] = nullptr;  // this contribution is dropped (its slot is handed back anyway)
+            if (lane == 0) count_dropped(c, DEEPEP_DROPPED_COMBINE_RECV, 1);
+          }
         }
       }
     }
@@ -201,7 +233,7 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
 // Both blocks of a channel barrier, then send with half their warps and reduce
 // with the rest, each taking every other row/token. (Measured on 4x H200: this
 // beat one sending and one reducing block per channel.)
-template <int kMaxRanks, int kUnroll, int kBatch>
+template <int kMaxRanks, int kUnroll, int kBatch, bool kShrink>
 __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(ncclDevComm dev_comm, DeepepCombineParams p) {
   constexpr int kSendWarps = kDataWarps / 2;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -211,16 +243,29 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(ncclDevComm de
     ncclCoopCta cta;
     BoundedLsaBarrier<ncclCoopCta> barrier(cta, dev_comm, p.common.barrier_base + blockIdx.x);
     barrier.arrive(cta, cuda::memory_order_acq_rel);
-    if (barrier.wait_bounded(cta, p.common.wait)) {
-      if (warp < kSendWarps) combine_send<kBatch>(p, ch, part, 2, warp, kSendWarps, lane);
-      else combine_reduce<kMaxRanks, kUnroll>(p, ch, part, 2, warp - kSendWarps, kDataWarps - kSendWarps, lane);
+    bool passed;
+    if constexpr (kShrink) {
+      // A silent peer is given up for the whole kernel (peer_gone): blocks past the barrier
+      // before it was skip it in their waits at once.
+      const uint32_t silent = barrier.wait_survivors(cta, p.common.wait, masked_ranks<true>(p.common));
+      if (threadIdx.x < p.common.num_ranks && ((silent >> threadIdx.x) & 1u)) atomicExch(p.common.peer_gone + threadIdx.x, 1);
+      __syncthreads();
+      passed = true;
+    } else {
+      passed = barrier.wait_bounded(cta, p.common.wait);
+    }
+    if (passed) {
+      if (warp < kSendWarps) {
+        const int64_t unsent = combine_send<kBatch, kShrink>(p, ch, part, 2, warp, kSendWarps, lane);
+        if (kShrink && unsent >= 0) drop_sends(p, ch, part, 2, warp, kSendWarps, lane, unsent);
+      } else combine_reduce<kMaxRanks, kUnroll, kShrink>(p, ch, part, 2, warp - kSendWarps, kDataWarps - kSendWarps, lane);
     }
   }
   if (buffer_failed(p.common.wait)) {
     poison_output(p.combined_x, p.num_tokens * p.hidden_bytes);
     poison_output(p.combined_topk_weights, p.num_tokens * p.num_topk * 4);
   }
-  finish_op(p.common);
+  finish_op<kShrink>(p.common);
 }
 
 }  // namespace normal
@@ -238,7 +283,10 @@ extern "C" int deepep_launch_normal_combine(const void* dev_comm, const DeepepCo
   };
   // Batched flag releases paid off with few channels (12 SMs: +16%) and cost
   // with many (24 SMs: -8%), measured on 4x H200.
-  if (params->common.num_channels <= 6)
-    return go(combine_kernel<2, 4, 4>, combine_kernel<4, 2, 4>, combine_kernel<8, 1, 4>);
-  return go(combine_kernel<2, 4, 1>, combine_kernel<4, 2, 1>, combine_kernel<8, 1, 1>);
+  const bool batch = params->common.num_channels <= 6;
+  if (params->common.shrink)
+    return batch ? go(combine_kernel<2, 4, 4, true>, combine_kernel<4, 2, 4, true>, combine_kernel<8, 1, 4, true>)
+                 : go(combine_kernel<2, 4, 1, true>, combine_kernel<4, 2, 1, true>, combine_kernel<8, 1, 1, true>);
+  return batch ? go(combine_kernel<2, 4, 4, false>, combine_kernel<4, 2, 4, false>, combine_kernel<8, 1, 4, false>)
+               : go(combine_kernel<2, 4, 1, false>, combine_kernel<4, 2, 1, false>, combine_kernel<8, 1, 1, false>);
 }

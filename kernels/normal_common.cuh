@@ -184,27 +184,66 @@ __device__ __forceinline__ bool buffer_failed(const DeepepWaitContext& w) {
   return *reinterpret_cast<volatile uint32_t*>(w.stall_lock) != 0;
 }
 
+// Shrink mode (docs/normal_shrink.md) is a template argument of the data kernels (kShrink, from
+// common.shrink), so that their code without it stays as it was.
+//
+// The ranks masked when this kernel started, as bits, never this rank; 0 outside shrink mode.
+// The mask changes only at a kernel's end (finish_op, notify) or between kernels (the host's
+// update/clean, stream-ordered), so every block of a kernel reads the same snapshot (review F4).
+template <bool kShrink>
+__device__ __forceinline__ uint32_t masked_ranks(const DeepepNormalCommon& c) {
+  if (!kShrink) return 0u;
+  uint32_t bits = 0;
+  for (int r = 0; r < c.num_ranks; ++r) bits |= (__ldcg(c.mask + r) != 0 ? 1u : 0u) << r;
+  return bits & ~(1u << c.rank);
+}
+
+// Shrink mode: whether a wait of this kernel on `peer` already expired.
+template <bool kShrink>
+__device__ __forceinline__ bool peer_gone(const DeepepNormalCommon& c, int peer) {
+  return kShrink && *reinterpret_cast<volatile int32_t*>(c.peer_gone + peer) != 0;
+}
+
+// Shrink mode: adds `n` dropped rows of `kind` (enum DeepepDroppedKind); one thread calls.
+__device__ __forceinline__ void count_dropped(const DeepepNormalCommon& c, int kind, int64_t n) {
+  if (n > 0) atomicAdd(reinterpret_cast<unsigned long long*>(c.dropped + kind), static_cast<unsigned long long>(n));
+}
+
 // wait: polls `flag` until it equals `expected`, then re-reads it with acquire
 // semantics (one L1 invalidation per wait, not per poll; polls back off so that
 // spinning warps leave issue slots and L2 bandwidth to the copies). Returns
-// false after recording a stall when the budget runs out or another wait failed.
-template <bool kAcquire>
-__device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
+// false when the budget runs out or another wait failed: after recording a stall, or in shrink
+// mode after marking `peer` gone (no stall: the kernel drops the peer's traffic). Whole warps
+// call it; in shrink mode the answer is the warp's (a lane that saw the peer given up while
+// another saw its flag must not split the warp).
+template <bool kAcquire, bool kShrink>
+__device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t expected, const DeepepNormalCommon& c,
                                                int peer, int op, int counter) {
+  const DeepepWaitContext& w = c.wait;
   uint64_t seen = ld_relaxed_sys(flag);
   if (seen != expected) {
     const uint64_t start = global_time_ns();
+    bool got = true;
     for (int spin = 1;; ++spin) {
       if (spin > 4) __nanosleep(128);
       seen = ld_relaxed_sys(flag);
       if (seen == expected) break;
       if ((spin & 15) == 15) {
-        if (buffer_failed(w) || global_time_ns() - start > w.timeout_ns) {
+        if (kShrink) {
+          if (buffer_failed(w) || peer_gone<kShrink>(c, peer) || global_time_ns() - start > w.timeout_ns) {
+            got = false;
+            break;
+          }
+        } else if (buffer_failed(w) || global_time_ns() - start > w.timeout_ns) {
           if (!buffer_failed(w) && (threadIdx.x & 31) == 0)
             record_stall(w, peer, op, counter, int64_t(expected & 0xffffffffu), int64_t(seen & 0xffffffffu));
           return false;
         }
       }
+    }
+    if (kShrink && !__all_sync(0xffffffffu, got)) {
+      if ((threadIdx.x & 31) == 0) atomicExch(c.peer_gone + peer, 1);
+      return false;
     }
   }
   if (kAcquire) (void)ld_acquire_sys(flag);
@@ -212,16 +251,18 @@ __device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t ex
 }
 
 // For data a peer published with a release store: acquire before reading it.
-__device__ __forceinline__ bool warp_wait(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
+template <bool kShrink>
+__device__ __forceinline__ bool warp_wait(const uint64_t* flag, uint64_t expected, const DeepepNormalCommon& c,
                                           int peer, int op, int counter) {
-  return warp_wait_flag<true>(flag, expected, w, peer, op, counter);
+  return warp_wait_flag<true, kShrink>(flag, expected, c, peer, op, counter);
 }
 
 // For a word that only gates our own later stores (a freed ring slot): stores
 // are never issued speculatively, so relaxed polling suffices.
-__device__ __forceinline__ bool warp_wait_relaxed(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
+template <bool kShrink>
+__device__ __forceinline__ bool warp_wait_relaxed(const uint64_t* flag, uint64_t expected, const DeepepNormalCommon& c,
                                                   int peer, int op, int counter) {
-  return warp_wait_flag<false>(flag, expected, w, peer, op, counter);
+  return warp_wait_flag<false, kShrink>(flag, expected, c, peer, op, counter);
 }
 
 // Fills `bytes` at p with 0xff across the grid: NaN in every float dtype (and UE8M0), -1 in
@@ -264,6 +305,9 @@ struct RingLayout {
 // Reads the op epoch at kernel start; the last block to finish bumps it, so
 // the next data kernel on this stream (and every peer's matching kernel) sees
 // epoch + 1.
+// Shrink mode: it also masks the peers a wait gave up on (from the next kernel on, every block
+// having read its snapshot at its start) and resets them.
+template <bool kShrink>
 __device__ __forceinline__ void finish_op(const DeepepNormalCommon& c) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -271,6 +315,9 @@ __device__ __forceinline__ void finish_op(const DeepepNormalCommon& c) {
     if (atomicAdd(c.ticket, 1u) == gridDim.x - 1) {
       *c.ticket = 0;
       atomicAdd(c.op_epoch, 1u);
+      if (kShrink)
+        for (int r = 0; r < c.num_ranks; ++r)
+          if (atomicExch(c.peer_gone + r, 0) != 0) c.mask[r] = 1;
     }
   }
 }

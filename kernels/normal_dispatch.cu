@@ -14,6 +14,10 @@
 // Rings of consecutive ops share the NVL region and this kernel has no barrier: the notify
 // kernel that prepare launches before every dispatch (cached ones too) is that barrier, so a
 // dispatch launched without its prepare could overwrite rings a peer still reads.
+//
+// Shrink mode (docs/normal_shrink.md): nothing is sent to a masked rank (its send_head entries are
+// -1) and nothing is expected from one; the rows notify counted for a source that is masked, or
+// goes silent, during this kernel are left empty (empty_row). Every such row is counted.
 #include "launch.cuh"
 #include "normal_common.cuh"
 
@@ -63,13 +67,17 @@ __device__ __forceinline__ void write_side_outputs(const DeepepDispatchParams& p
 }
 
 // Sender warps: one group per destination rank; member m takes every
-// group_size-th token of the (channel, destination) stream.
-__device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int ch, int warp, int lane) {
+// group_size-th token of the (channel, destination) stream. Returns -1, or the sequence number
+// of the warp's first token it did not send (a wait expired, or shrink mode masks the
+// destination: then 0), for drop_sends, which is kept out of this loop.
+template <bool kShrink>
+__device__ __forceinline__ int64_t send_channel(const DeepepDispatchParams& p, int ch, int warp, int lane) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
   const int group_size = kDataWarps / R;
   const int dst = warp / group_size;
-  if (dst >= R) return;  // leftover warps when R does not divide the warp count
+  if (dst >= R) return -1;  // leftover warps when R does not divide the warp count
+  if ((masked_ranks<kShrink>(c) >> dst) & 1u) return 0;
   const int stride = group_size, member = warp % group_size;
   FlagBatch<> flags;
   const uint32_t generation = flag_generation(*c.op_epoch);
@@ -131,9 +139,9 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
         }
         if (s >= ring.ring && freed != make_flag(generation, s - ring.ring)) {
           flags.flush(lane, flag_of);
-          if (!warp_wait_relaxed(consumed, make_flag(generation, s - ring.ring), c.wait, dst,
+          if (!warp_wait_relaxed<kShrink>(consumed, make_flag(generation, s - ring.ring), c, dst,
                                  DEEPEP_WAIT_OP_DISPATCH_CONSUMED, ch))
-            return;
+            return s;
         }
         uint8_t* slot_ptr = dst_nvl + ring.slot_offset(ch, me, slot);
         int32_t* scales = reinterpret_cast<int32_t*>(slot_ptr + layout.scales_off());
@@ -167,19 +175,22 @@ __device__ __forceinline__ void send_channel(const DeepepDispatchParams& p, int 
     seq_base += __popc(mask);
   }
   flags.flush(lane, flag_of);
+  return -1;
 }
 
 // Receiver warps: one group per remote source. Rows are moved by the copy
-// engine through two smem stages per warp.
-template <int kChunk>
-__device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, int ch, int warp, int lane,
+// engine through two smem stages per warp. Returns -1, or the sequence number of the warp's
+// first row it did not receive (a wait expired, or shrink mode masks the source), for
+// drop_receives, which is kept out of this loop.
+template <int kChunk, bool kShrink>
+__device__ __forceinline__ int64_t receive_channel(const DeepepDispatchParams& p, int ch, int warp, int lane,
                                                 uint8_t* stages, uint64_t* bars) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
-  if (R < 2) return;
+  if (R < 2) return -1;
   const int group_size = kDataWarps / (R - 1);
   const int peer_idx = warp / group_size;
-  if (peer_idx >= R - 1) return;
+  if (peer_idx >= R - 1) return -1;
   const int stride = group_size, member = warp % group_size;
   const int src = peer_idx < me ? peer_idx : peer_idx + 1;
   const uint32_t generation = flag_generation(*c.op_epoch);
@@ -200,13 +211,14 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
   uint8_t* my_nvl = nvl_base(c, me);
   uint8_t* src_nvl = nvl_base(c, src);
   uint32_t phases[2] = {0, 0};
+  if ((masked_ranks<kShrink>(c) >> src) & 1u) return member;
 
   for (int64_t s = member; s < count; s += stride) {
     const int64_t slot = s % ring.ring;
     uint8_t* slot_ptr = my_nvl + ring.slot_offset(ch, src, slot);
-    if (!warp_wait(reinterpret_cast<const uint64_t*>(slot_ptr), make_flag(generation, s), c.wait, src,
+    if (!warp_wait<kShrink>(reinterpret_cast<const uint64_t*>(slot_ptr), make_flag(generation, s), c, src,
                    DEEPEP_WAIT_OP_DISPATCH_SLOT, ch))
-      return;
+      return s;
     const int64_t row = start + s;
     if (uint64_t(row) < uint64_t(p.num_recv_rows)) {  // else too small a num_worst_tokens, or a bad range
       fence_generic_to_async();
@@ -232,19 +244,75 @@ __device__ __forceinline__ void receive_channel(const DeepepDispatchParams& p, i
     uint64_t* consumed = reinterpret_cast<uint64_t*>(src_nvl + ring.consumed_offset(C, ch, me, slot));
     warp_release_slot(consumed, make_flag(generation, s), lane);
   }
+  return -1;
+}
+
+// ---------------------------------------------------------------- shrink mode
+// Shrink mode: a received row whose source is masked. recv_topk_idx -1 (no local expert, as
+// num_worst_tokens' padding rows), zero weights, x and scales zero, recv_src_idx -1.
+__device__ __forceinline__ void empty_row(const DeepepDispatchParams& p, int64_t row, int lane) {
+  if (uint64_t(row) >= uint64_t(p.num_recv_rows)) return;
+  int4* x = reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes);
+  for (int i = lane; i < p.hidden_bytes / 16; i += kWarp) x[i] = make_int4(0, 0, 0, 0);
+  if (p.recv_x_scales != nullptr)
+    for (int i = lane; i < p.num_scales; i += kWarp) static_cast<int32_t*>(p.recv_x_scales)[row * p.num_scales + i] = 0;
+  if (p.recv_topk_idx != nullptr)
+    for (int k = lane; k < p.num_topk; k += kWarp) {
+      store_topk(p.recv_topk_idx, p.topk_idx_is_int32, row * p.num_topk + k, -1);
+      if (p.recv_topk_weights != nullptr) p.recv_topk_weights[row * p.num_topk + k] = 0.0f;
+    }
+  if (lane == 0) p.recv_src_idx[row] = -1;
+}
+
+// A sender warp (send_channel's geometry) that stopped at sequence number `from`. For a
+// destination masked at the kernel's start the warp's tiles get send_head -1 and all their
+// tokens count; for one that went silent during it the warp's tokens from `from` on count
+// (send_head stays unspecified there: combine ignores a masked rank's entries).
+__device__ __forceinline__ void drop_sends(const DeepepDispatchParams& p, int ch, int warp, int lane, int64_t from) {
+  const DeepepNormalCommon& c = p.common;
+  const int R = c.num_ranks, C = c.num_channels;
+  const int stride = kDataWarps / R, dst = warp / stride, member = warp % stride;
+  int64_t begin, end, dropped = 0;
+  channel_range(p.num_tokens, C, ch, begin, end);
+  if ((masked_ranks<true>(c) >> dst) & 1u) {
+    for (int64_t tile = begin + int64_t(member) * kWarp; tile < end; tile += int64_t(stride) * kWarp) {
+      const int64_t t = tile + lane;
+      if (p.send_head != nullptr && t < end) p.send_head[t * R + dst] = -1;
+      dropped += __popc(__ballot_sync(0xffffffffu, t < end && p.is_token_in_rank[t * R + dst] != 0));
+    }
+  } else {
+    const int64_t total = p.channel_prefix_matrix[dst * C + ch] - (ch > 0 ? p.channel_prefix_matrix[dst * C + ch - 1] : 0);
+    dropped = from < total ? (total - from + stride - 1) / stride : 0;
+  }
+  if (lane == 0) count_dropped(c, DEEPEP_DROPPED_DISPATCH_SEND, dropped);
+}
+
+// A receiver warp (receive_channel's geometry) that stopped at sequence number `from`: its rows
+// from there on are left empty and counted.
+__device__ __forceinline__ void drop_receives(const DeepepDispatchParams& p, int ch, int warp, int lane, int64_t from) {
+  const DeepepNormalCommon& c = p.common;
+  const int R = c.num_ranks, me = c.rank, C = c.num_channels;
+  const int stride = kDataWarps / (R - 1), peer_idx = warp / stride;
+  const int src = peer_idx < me ? peer_idx : peer_idx + 1;
+  const int64_t start = p.recv_channel_prefix_matrix[src * C + ch];
+  const int64_t count = (ch + 1 < C ? p.recv_channel_prefix_matrix[src * C + ch + 1] : p.rank_prefix_matrix[src * R + me]) - start;
+  for (int64_t s = from; s < count; s += stride) empty_row(p, start + s, lane);
+  if (lane == 0 && from < count) count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, (count - from + stride - 1) / stride);
 }
 
 // Dynamic shared memory: two bulk-copy stages per receiver warp, then their barriers.
 constexpr int kRecvChunk = 4096;
 constexpr size_t kDispatchSmemBytes = size_t(kDataWarps) * (2 * kRecvChunk + 2 * sizeof(uint64_t));
 
+template <bool kShrink>
 __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatchParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int C = p.common.num_channels;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   if (!buffer_failed(p.common.wait)) {
     if (int(blockIdx.x) < C) {
-      send_channel(p, blockIdx.x, warp, lane);
+      const int64_t unsent = send_channel<kShrink>(p, blockIdx.x, warp, lane);
+      if (kShrink && unsent >= 0) drop_sends(p, blockIdx.x, warp, lane, unsent);
     } else {
       uint8_t* stages = smem + size_t(warp) * 2 * kRecvChunk;
       uint64_t* bars = reinterpret_cast<uint64_t*>(smem + size_t(kDataWarps) * 2 * kRecvChunk) + 2 * warp;
@@ -253,9 +321,10 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatc
         mbarrier_init(&bars[1]);
       }
       __syncwarp();
-      receive_channel<kRecvChunk>(p, blockIdx.x - C, warp, lane, stages, bars);
+      const int64_t missed = receive_channel<kRecvChunk, kShrink>(p, blockIdx.x - C, warp, lane, stages, bars);
       if (lane == 0) bulk_wait_all();  // every row has landed when the kernel ends
       __syncwarp();
+      if (kShrink && missed >= 0) drop_receives(p, blockIdx.x - C, warp, lane, missed);
     }
   }
   // num_worst_tokens: rows past the received ones carry no expert.
@@ -276,14 +345,16 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatc
     poison_output(p.recv_topk_weights, n * k * 4);
     poison_output(p.recv_src_idx, n * 4);
   }
-  finish_op(p.common);
+  finish_op<kShrink>(p.common);
 }
 
 }  // namespace normal
 }  // namespace deepep
 
 extern "C" int deepep_launch_normal_dispatch(const DeepepDispatchParams* params, void* stream) {
-  return deepep::launch_kernel(deepep::normal::dispatch_kernel, 2 * params->common.num_channels,
+  return deepep::launch_kernel(params->common.shrink ? deepep::normal::dispatch_kernel<true>
+                                                      : deepep::normal::dispatch_kernel<false>,
+                               2 * params->common.num_channels,
                                deepep::normal::kDataThreads, deepep::normal::kDispatchSmemBytes,
                                static_cast<cudaStream_t>(stream), *params);
 }

@@ -7,6 +7,11 @@
 //
 // Exchange slots are double-buffered by the notify epoch's parity: a fast rank
 // may write notify k+1 before a slow one has read notify k (no barrier between).
+//
+// Shrink mode: masked ranks get nothing and are not waited for; a peer that misses the barrier,
+// or whose slot does not carry this notify's tag (it skipped a notify, or masks us and wrote
+// nothing), is masked at the kernel's end. Either way its slot reads as zeros here, so its rows
+// are absent from the receive count, the prefixes and the per-expert list (docs/normal_shrink.md).
 #include "launch.cuh"
 #include "normal_common.cuh"
 
@@ -17,7 +22,9 @@ constexpr int kNotifyThreads = 1024;
 // One exchange slot: R totals + C channel prefixes + local expert counts.
 constexpr int kNotifySlotInts = DEEPEP_NOTIFY_SLOT_INTS;
 constexpr int kNotifySlotBytes = kNotifySlotInts * 4;
+constexpr int kNotifyTag = kNotifySlotInts - 1;  // shrink mode: flag_generation(sender's notify epoch)
 
+template <bool kShrink>
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_comm, DeepepNotifyParams p) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, C = c.num_channels, me = c.rank;
@@ -27,8 +34,11 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
   __shared__ int32_t totals[DEEPEP_MAX_NVL_RANKS];
   __shared__ int32_t rank_prefix[DEEPEP_MAX_NVL_RANKS][DEEPEP_MAX_NVL_RANKS];
   if (buffer_failed(c.wait)) return;  // the host reports the stall that caused this
+  const uint32_t masked = masked_ranks<kShrink>(c);
+  __shared__ uint32_t absent;               // masked, or silent at the barrier (shrink mode)
 
-  const uint32_t parity = *c.notify_epoch & 1u;
+  const uint32_t notify_epoch = *c.notify_epoch, parity = notify_epoch & 1u;
+  const int32_t tag = int32_t(flag_generation(notify_epoch));
   // 1. Channel prefixes (ours, as a sender).
   if (p.cached) {
     for (int i = threadIdx.x; i < R * C; i += blockDim.x) chan_count[i / C][i % C] = p.channel_prefix_matrix[i];
@@ -83,6 +93,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
 
   // 2. Publish into every peer's slot for us: [totals R][our channel prefix for the peer C][its experts].
   for (int peer = 0; peer < R; ++peer) {
+    if ((masked >> peer) & 1u) continue;
     int32_t* slot = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(ncclGetLsaPointer(
         static_cast<ncclWindow_t>(c.window),
         c.notify_offset + (uint64_t(parity) * DEEPEP_MAX_NVL_RANKS + me) * kNotifySlotBytes, peer)));
@@ -93,18 +104,38 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
       else v = p.num_tokens_per_expert[peer * local_experts + (i - R - C)];
       slot[i] = v;
     }
+    if constexpr (kShrink)
+      if (threadIdx.x == 0) slot[kNotifyTag] = tag;
   }
 
   // 3. One barrier: afterwards every peer's slot for this parity is complete.
   ncclCoopCta cta;
   BoundedLsaBarrier<ncclCoopCta> barrier(cta, dev_comm, c.barrier_base);
   barrier.arrive(cta, cuda::memory_order_acq_rel);
-  if (!barrier.wait_bounded(cta, c.wait)) return;
+  if constexpr (kShrink) {
+    const uint32_t silent = barrier.wait_survivors(cta, c.wait, masked);
+    if (threadIdx.x == 0) absent = masked | silent;
+    __syncthreads();
+  } else if (!barrier.wait_bounded(cta, c.wait)) {
+    return;
+  }
 
   const int32_t* slots = reinterpret_cast<const int32_t*>(static_cast<uint8_t*>(
       ncclGetLocalPointer(static_cast<ncclWindow_t>(c.window),
                           c.notify_offset + uint64_t(parity) * DEEPEP_MAX_NVL_RANKS * kNotifySlotBytes)));
   const int stride = kNotifySlotInts;
+  if constexpr (kShrink) {
+    const int src = threadIdx.x;
+    if (src < R && src != me && !((absent >> src) & 1u) && slots[src * stride + kNotifyTag] != tag)
+      atomicOr(&absent, 1u << src);
+    __syncthreads();
+  }
+  // An absent source's slot holds nothing of this op: it reads as zeros.
+  const auto slot_of = [&](int src, int i) {
+    if constexpr (kShrink)
+      if ((absent >> src) & 1u) return 0;
+    return slots[src * stride + i];
+  };
   // 4. Rank prefix matrix: inclusive over source ranks (given in cached mode).
   if (threadIdx.x < R) {
     const int j = threadIdx.x;
@@ -116,7 +147,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
         acc = p.rank_prefix_matrix[i * R + j];
         if (acc < prev) record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_RANK_PREFIX, i * R + j, acc);
       } else {
-        const int total = slots[i * stride + j];
+        const int total = slot_of(i, j);
         if (total < 0) record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, i * stride + j, total);
         acc += max(total, 0);
         p.rank_prefix_matrix[i * R + j] = acc;
@@ -129,10 +160,10 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
     const int src = i / C, ch = i % C;
     const int base = src > 0 ? rank_prefix[src - 1][me] : 0;
-    const int before = ch > 0 ? slots[src * stride + R + ch - 1] : 0;
-    if (slots[src * stride + R + ch] < before)  // a peer's prefixes are non-decreasing (the data kernel bounds rows)
+    const int before = ch > 0 ? slot_of(src, R + ch - 1) : 0;
+    if (slot_of(src, R + ch) < before)  // a peer's prefixes are non-decreasing (the data kernel bounds rows)
       record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, src * stride + R + ch,
-                   slots[src * stride + R + ch]);
+                   slot_of(src, R + ch));
     p.recv_channel_prefix_matrix[i] = base + before;
   }
   const int num_recv = rank_prefix[R - 1][me];
@@ -142,7 +173,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
   if (p.counts != nullptr) {
     for (int e = threadIdx.x; e < local_experts; e += blockDim.x) {
       int sum = 0;
-      for (int src = 0; src < R; ++src) sum += slots[src * stride + R + C + e];
+      for (int src = 0; src < R; ++src) sum += slot_of(src, R + C + e);
       const int a = p.expert_alignment;
       p.counts->num_recv_tokens_per_expert[e] = (sum + a - 1) / a * a;
     }
@@ -154,6 +185,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
     }
   }
   if (threadIdx.x == 0) *c.notify_epoch += 1;
+  // Shrink mode: silent peers are masked from the next kernel on (after every read of the mask).
+  if (kShrink && threadIdx.x < R && ((absent & ~masked) >> threadIdx.x) & 1u) c.mask[threadIdx.x] = 1;
 }
 
 }  // namespace normal
@@ -161,6 +194,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
 
 extern "C" int deepep_launch_normal_notify(const void* dev_comm, const DeepepNotifyParams* params, void* stream) {
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
-  return deepep::launch_kernel(deepep::normal::notify_kernel, 1, deepep::normal::kNotifyThreads, 0,
-                               static_cast<cudaStream_t>(stream), dc, *params);
+  const auto kernel = params->common.shrink ? deepep::normal::notify_kernel<true> : deepep::normal::notify_kernel<false>;
+  return deepep::launch_kernel(kernel, 1, deepep::normal::kNotifyThreads, 0, static_cast<cudaStream_t>(stream), dc,
+                               *params);
 }

@@ -33,6 +33,11 @@ const WS_NOTIFY_EPOCH: usize = 516;
 const WS_DATA_TICKET: usize = 520;
 /// Barriers clean_low_latency_buffer has passed (never reset: the arrival words only grow).
 const WS_LL_CLEAN_EPOCH: usize = 524;
+/// Shrink mode, normal kernels: peer_gone [MAX_NVL_RANKS] i32, then dropped [DROPPED_KINDS] u64.
+const WS_NORMAL_PEER_GONE: usize = 1024;
+const WS_NORMAL_DROPPED: usize = 1088;
+const _: () = assert!(WS_NORMAL_PEER_GONE + 4 * kernels::MAX_NVL_RANKS as usize <= WS_NORMAL_DROPPED);
+const _: () = assert!(WS_NORMAL_DROPPED + 8 * kernels::DROPPED_KINDS <= WS_LAYOUT_ACCUMULATORS);
 const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// Low-latency counters at the end of the workspace (see [`LlWorkspace`]).
 const WS_LL: usize = WORKSPACE_BYTES - (128 << 10);
@@ -186,14 +191,22 @@ impl Resources {
             notify_epoch: self.workspace_at(WS_NOTIFY_EPOCH).cast(),
             ticket: self.workspace_at(WS_DATA_TICKET).cast(),
             fault: self.fault.device_ptr(),
+            mask: self.ll_workspace().mask,
+            peer_gone: self.workspace_at(WS_NORMAL_PEER_GONE).cast(),
+            dropped: self.normal_dropped(),
             wait,
             rank: args.rank,
             num_ranks: args.num_ranks,
             num_channels,
             ring_tokens,
             barrier_base: kernel.barrier_slot(),
-            reserved: 0,
+            shrink: args.enable_shrink as i32,
         }
+    }
+    /// Shrink mode: the normal kernels' cumulative dropped-row counters, u64 [DROPPED_KINDS]
+    /// (enum DeepepDroppedKind).
+    pub fn normal_dropped(&self) -> *mut u64 {
+        self.workspace_at(WS_NORMAL_DROPPED).cast()
     }
     /// The stream an op launches on: the caller's, or the comm stream for NULL.
     pub fn stream_or_comm(&self, stream: *mut c_void) -> *mut c_void {

@@ -426,6 +426,7 @@ fn every_buffer_entry(buf: *mut DeepepBuffer) -> Vec<(&'static str, DeepepStatus
     call!("low_latency_update_mask_buffer", deepep_low_latency_update_mask_buffer(buf, 0, true, s));
     call!("low_latency_query_mask_buffer", deepep_low_latency_query_mask_buffer(buf, &t, s));
     call!("low_latency_clean_mask_buffer", deepep_low_latency_clean_mask_buffer(buf, s));
+    call!("normal_query_dropped", deepep_normal_query_dropped(buf, &t, s));
     call!("intranode_dispatch_prepare", deepep_intranode_dispatch_prepare(buf, &dispatch, &mut i, list.as_mut_ptr(), 4, s));
     call!("intranode_dispatch", deepep_intranode_dispatch(buf, &dispatch, &outputs, s));
     call!("intranode_combine", deepep_intranode_combine(buf, &combine, s));

@@ -157,3 +157,23 @@ pub extern "C" fn deepep_intranode_combine_outputs(
 ) -> crate::error::DeepepStatus {
     args_query(buf, args, out, combine::combine_outputs_for)
 }
+
+/// Shrink mode (enable_shrink): copies the normal kernels' cumulative dropped-row counters into
+/// `dropped`, an int64 [4] device tensor, in stream order: [0] received rows left empty (source
+/// masked after notify), [1] tokens not sent to a masked rank, [2] combine contributions of a
+/// masked rank left out, [3] combine rows not sent to a masked rank (docs/normal_shrink.md).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor, or no
+/// enable_shrink); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a timeout);
+/// DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn deepep_normal_query_dropped(
+    buf: *const super::DeepepBuffer,
+    dropped: *const crate::tensor::DeepepTensor,
+    stream: *mut c_void,
+) -> crate::error::DeepepStatus {
+    ffi(|| {
+        let t = args_ref("dropped", dropped)?;
+        crate::normal::query_dropped(buffer_ref(buf)?.buffer(), t, stream)
+    })
+}

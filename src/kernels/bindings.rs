@@ -5,7 +5,7 @@
 
 pub const DEEPEP_MAX_NVL_RANKS: i32 = 8;
 pub const DEEPEP_MAX_CHANNELS: i32 = 128;
-pub const DEEPEP_NOTIFY_SLOT_INTS: i32 = 1160;
+pub const DEEPEP_NOTIFY_SLOT_INTS: i32 = 1161;
 pub const DEEPEP_LL_MAX_TOPK: i32 = 16;
 pub const DEEPEP_LL_MAX_BLOCKS: i32 = 1024;
 pub const DEEPEP_LL_CLEAN_BANK: i32 = 2;
@@ -259,19 +259,22 @@ pub struct DeepepNormalCommon {
     pub notify_epoch: *mut u32,
     pub ticket: *mut u32,
     pub fault: *mut DeepepFaultRecord,
+    pub mask: *mut i32,
+    pub peer_gone: *mut i32,
+    pub dropped: *mut u64,
     pub wait: DeepepWaitContext,
     pub rank: i32,
     pub num_ranks: i32,
     pub num_channels: i32,
     pub ring_tokens: i32,
     pub barrier_base: i32,
-    pub reserved: i32,
+    pub shrink: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     [
         "Size of DeepepNormalCommon",
-    ][::std::mem::size_of::<DeepepNormalCommon>() - 112usize];
+    ][::std::mem::size_of::<DeepepNormalCommon>() - 136usize];
     [
         "Alignment of DeepepNormalCommon",
     ][::std::mem::align_of::<DeepepNormalCommon>() - 8usize];
@@ -297,27 +300,42 @@ const _: () = {
         "Offset of field: DeepepNormalCommon::fault",
     ][::std::mem::offset_of!(DeepepNormalCommon, fault) - 48usize];
     [
+        "Offset of field: DeepepNormalCommon::mask",
+    ][::std::mem::offset_of!(DeepepNormalCommon, mask) - 56usize];
+    [
+        "Offset of field: DeepepNormalCommon::peer_gone",
+    ][::std::mem::offset_of!(DeepepNormalCommon, peer_gone) - 64usize];
+    [
+        "Offset of field: DeepepNormalCommon::dropped",
+    ][::std::mem::offset_of!(DeepepNormalCommon, dropped) - 72usize];
+    [
         "Offset of field: DeepepNormalCommon::wait",
-    ][::std::mem::offset_of!(DeepepNormalCommon, wait) - 56usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, wait) - 80usize];
     [
         "Offset of field: DeepepNormalCommon::rank",
-    ][::std::mem::offset_of!(DeepepNormalCommon, rank) - 88usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, rank) - 112usize];
     [
         "Offset of field: DeepepNormalCommon::num_ranks",
-    ][::std::mem::offset_of!(DeepepNormalCommon, num_ranks) - 92usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, num_ranks) - 116usize];
     [
         "Offset of field: DeepepNormalCommon::num_channels",
-    ][::std::mem::offset_of!(DeepepNormalCommon, num_channels) - 96usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, num_channels) - 120usize];
     [
         "Offset of field: DeepepNormalCommon::ring_tokens",
-    ][::std::mem::offset_of!(DeepepNormalCommon, ring_tokens) - 100usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, ring_tokens) - 124usize];
     [
         "Offset of field: DeepepNormalCommon::barrier_base",
-    ][::std::mem::offset_of!(DeepepNormalCommon, barrier_base) - 104usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, barrier_base) - 128usize];
     [
-        "Offset of field: DeepepNormalCommon::reserved",
-    ][::std::mem::offset_of!(DeepepNormalCommon, reserved) - 108usize];
+        "Offset of field: DeepepNormalCommon::shrink",
+    ][::std::mem::offset_of!(DeepepNormalCommon, shrink) - 132usize];
 };
+pub const DEEPEP_DROPPED_DISPATCH_RECV: DeepepDroppedKind = 0;
+pub const DEEPEP_DROPPED_DISPATCH_SEND: DeepepDroppedKind = 1;
+pub const DEEPEP_DROPPED_COMBINE_RECV: DeepepDroppedKind = 2;
+pub const DEEPEP_DROPPED_COMBINE_SEND: DeepepDroppedKind = 3;
+pub const DEEPEP_DROPPED_KINDS: DeepepDroppedKind = 4;
+pub type DeepepDroppedKind = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct DeepepNotifyParams {
@@ -342,7 +360,7 @@ pub struct DeepepNotifyParams {
 const _: () = {
     [
         "Size of DeepepNotifyParams",
-    ][::std::mem::size_of::<DeepepNotifyParams>() - 208usize];
+    ][::std::mem::size_of::<DeepepNotifyParams>() - 232usize];
     [
         "Alignment of DeepepNotifyParams",
     ][::std::mem::align_of::<DeepepNotifyParams>() - 8usize];
@@ -351,49 +369,49 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepNotifyParams, common) - 0usize];
     [
         "Offset of field: DeepepNotifyParams::is_token_in_rank",
-    ][::std::mem::offset_of!(DeepepNotifyParams, is_token_in_rank) - 112usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, is_token_in_rank) - 136usize];
     [
         "Offset of field: DeepepNotifyParams::num_tokens_per_rank",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens_per_rank) - 120usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens_per_rank) - 144usize];
     [
         "Offset of field: DeepepNotifyParams::num_tokens_per_expert",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens_per_expert) - 128usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens_per_expert) - 152usize];
     [
         "Offset of field: DeepepNotifyParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepNotifyParams, topk_idx) - 136usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, topk_idx) - 160usize];
     [
         "Offset of field: DeepepNotifyParams::rank_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepNotifyParams, rank_prefix_matrix) - 144usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, rank_prefix_matrix) - 168usize];
     [
         "Offset of field: DeepepNotifyParams::channel_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepNotifyParams, channel_prefix_matrix) - 152usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, channel_prefix_matrix) - 176usize];
     [
         "Offset of field: DeepepNotifyParams::recv_channel_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepNotifyParams, recv_channel_prefix_matrix) - 160usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, recv_channel_prefix_matrix) - 184usize];
     [
         "Offset of field: DeepepNotifyParams::counts",
-    ][::std::mem::offset_of!(DeepepNotifyParams, counts) - 168usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, counts) - 192usize];
     [
         "Offset of field: DeepepNotifyParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens) - 176usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens) - 200usize];
     [
         "Offset of field: DeepepNotifyParams::num_topk",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_topk) - 184usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_topk) - 208usize];
     [
         "Offset of field: DeepepNotifyParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepNotifyParams, topk_idx_is_int32) - 188usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, topk_idx_is_int32) - 212usize];
     [
         "Offset of field: DeepepNotifyParams::num_experts",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_experts) - 192usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_experts) - 216usize];
     [
         "Offset of field: DeepepNotifyParams::expert_alignment",
-    ][::std::mem::offset_of!(DeepepNotifyParams, expert_alignment) - 196usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, expert_alignment) - 220usize];
     [
         "Offset of field: DeepepNotifyParams::cached",
-    ][::std::mem::offset_of!(DeepepNotifyParams, cached) - 200usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, cached) - 224usize];
     [
         "Offset of field: DeepepNotifyParams::num_worst_tokens",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_worst_tokens) - 204usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_worst_tokens) - 228usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -428,7 +446,7 @@ pub struct DeepepDispatchParams {
 const _: () = {
     [
         "Size of DeepepDispatchParams",
-    ][::std::mem::size_of::<DeepepDispatchParams>() - 280usize];
+    ][::std::mem::size_of::<DeepepDispatchParams>() - 304usize];
     [
         "Alignment of DeepepDispatchParams",
     ][::std::mem::align_of::<DeepepDispatchParams>() - 8usize];
@@ -437,77 +455,77 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepDispatchParams, common) - 0usize];
     [
         "Offset of field: DeepepDispatchParams::x",
-    ][::std::mem::offset_of!(DeepepDispatchParams, x) - 112usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, x) - 136usize];
     [
         "Offset of field: DeepepDispatchParams::x_scales",
-    ][::std::mem::offset_of!(DeepepDispatchParams, x_scales) - 120usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, x_scales) - 144usize];
     [
         "Offset of field: DeepepDispatchParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepDispatchParams, topk_idx) - 128usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, topk_idx) - 152usize];
     [
         "Offset of field: DeepepDispatchParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepDispatchParams, topk_weights) - 136usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, topk_weights) - 160usize];
     [
         "Offset of field: DeepepDispatchParams::is_token_in_rank",
-    ][::std::mem::offset_of!(DeepepDispatchParams, is_token_in_rank) - 144usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, is_token_in_rank) - 168usize];
     [
         "Offset of field: DeepepDispatchParams::rank_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepDispatchParams, rank_prefix_matrix) - 152usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, rank_prefix_matrix) - 176usize];
     [
         "Offset of field: DeepepDispatchParams::channel_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepDispatchParams, channel_prefix_matrix) - 160usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, channel_prefix_matrix) - 184usize];
     [
         "Offset of field: DeepepDispatchParams::recv_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepDispatchParams, recv_channel_prefix_matrix)
-        - 168usize];
+        - 192usize];
     [
         "Offset of field: DeepepDispatchParams::recv_x",
-    ][::std::mem::offset_of!(DeepepDispatchParams, recv_x) - 176usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, recv_x) - 200usize];
     [
         "Offset of field: DeepepDispatchParams::recv_x_scales",
-    ][::std::mem::offset_of!(DeepepDispatchParams, recv_x_scales) - 184usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, recv_x_scales) - 208usize];
     [
         "Offset of field: DeepepDispatchParams::recv_topk_idx",
-    ][::std::mem::offset_of!(DeepepDispatchParams, recv_topk_idx) - 192usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, recv_topk_idx) - 216usize];
     [
         "Offset of field: DeepepDispatchParams::recv_topk_weights",
-    ][::std::mem::offset_of!(DeepepDispatchParams, recv_topk_weights) - 200usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, recv_topk_weights) - 224usize];
     [
         "Offset of field: DeepepDispatchParams::recv_src_idx",
-    ][::std::mem::offset_of!(DeepepDispatchParams, recv_src_idx) - 208usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, recv_src_idx) - 232usize];
     [
         "Offset of field: DeepepDispatchParams::send_head",
-    ][::std::mem::offset_of!(DeepepDispatchParams, send_head) - 216usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, send_head) - 240usize];
     [
         "Offset of field: DeepepDispatchParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepDispatchParams, num_tokens) - 224usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, num_tokens) - 248usize];
     [
         "Offset of field: DeepepDispatchParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepDispatchParams, num_recv_rows) - 232usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, num_recv_rows) - 256usize];
     [
         "Offset of field: DeepepDispatchParams::scale_stride_token",
-    ][::std::mem::offset_of!(DeepepDispatchParams, scale_stride_token) - 240usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, scale_stride_token) - 264usize];
     [
         "Offset of field: DeepepDispatchParams::scale_stride_scale",
-    ][::std::mem::offset_of!(DeepepDispatchParams, scale_stride_scale) - 248usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, scale_stride_scale) - 272usize];
     [
         "Offset of field: DeepepDispatchParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepDispatchParams, hidden_bytes) - 256usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, hidden_bytes) - 280usize];
     [
         "Offset of field: DeepepDispatchParams::num_scales",
-    ][::std::mem::offset_of!(DeepepDispatchParams, num_scales) - 260usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, num_scales) - 284usize];
     [
         "Offset of field: DeepepDispatchParams::num_topk",
-    ][::std::mem::offset_of!(DeepepDispatchParams, num_topk) - 264usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, num_topk) - 288usize];
     [
         "Offset of field: DeepepDispatchParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepDispatchParams, topk_idx_is_int32) - 268usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, topk_idx_is_int32) - 292usize];
     [
         "Offset of field: DeepepDispatchParams::num_experts",
-    ][::std::mem::offset_of!(DeepepDispatchParams, num_experts) - 272usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, num_experts) - 296usize];
     [
         "Offset of field: DeepepDispatchParams::slot_bytes",
-    ][::std::mem::offset_of!(DeepepDispatchParams, slot_bytes) - 276usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, slot_bytes) - 300usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -533,7 +551,7 @@ pub struct DeepepCombineParams {
 const _: () = {
     [
         "Size of DeepepCombineParams",
-    ][::std::mem::size_of::<DeepepCombineParams>() - 216usize];
+    ][::std::mem::size_of::<DeepepCombineParams>() - 240usize];
     [
         "Alignment of DeepepCombineParams",
     ][::std::mem::align_of::<DeepepCombineParams>() - 8usize];
@@ -542,50 +560,50 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepCombineParams, common) - 0usize];
     [
         "Offset of field: DeepepCombineParams::x",
-    ][::std::mem::offset_of!(DeepepCombineParams, x) - 112usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, x) - 136usize];
     [
         "Offset of field: DeepepCombineParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepCombineParams, topk_weights) - 120usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, topk_weights) - 144usize];
     [
         "Offset of field: DeepepCombineParams::bias_0",
-    ][::std::mem::offset_of!(DeepepCombineParams, bias_0) - 128usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, bias_0) - 152usize];
     [
         "Offset of field: DeepepCombineParams::bias_1",
-    ][::std::mem::offset_of!(DeepepCombineParams, bias_1) - 136usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, bias_1) - 160usize];
     [
         "Offset of field: DeepepCombineParams::rank_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepCombineParams, rank_prefix_matrix) - 144usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, rank_prefix_matrix) - 168usize];
     [
         "Offset of field: DeepepCombineParams::recv_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepCombineParams, recv_channel_prefix_matrix)
-        - 152usize];
+        - 176usize];
     [
         "Offset of field: DeepepCombineParams::send_head",
-    ][::std::mem::offset_of!(DeepepCombineParams, send_head) - 160usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, send_head) - 184usize];
     [
         "Offset of field: DeepepCombineParams::combined_x",
-    ][::std::mem::offset_of!(DeepepCombineParams, combined_x) - 168usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, combined_x) - 192usize];
     [
         "Offset of field: DeepepCombineParams::combined_topk_weights",
-    ][::std::mem::offset_of!(DeepepCombineParams, combined_topk_weights) - 176usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, combined_topk_weights) - 200usize];
     [
         "Offset of field: DeepepCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepCombineParams, num_tokens) - 184usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, num_tokens) - 208usize];
     [
         "Offset of field: DeepepCombineParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepCombineParams, num_recv_rows) - 192usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, num_recv_rows) - 216usize];
     [
         "Offset of field: DeepepCombineParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepCombineParams, hidden_bytes) - 200usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, hidden_bytes) - 224usize];
     [
         "Offset of field: DeepepCombineParams::num_topk",
-    ][::std::mem::offset_of!(DeepepCombineParams, num_topk) - 204usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, num_topk) - 228usize];
     [
         "Offset of field: DeepepCombineParams::slot_bytes",
-    ][::std::mem::offset_of!(DeepepCombineParams, slot_bytes) - 208usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, slot_bytes) - 232usize];
     [
         "Offset of field: DeepepCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepCombineParams, reserved) - 212usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, reserved) - 236usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]

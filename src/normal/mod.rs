@@ -4,11 +4,15 @@
 pub mod combine;
 pub mod dispatch;
 
+use std::os::raw::c_void;
+
 use crate::buffer::Buffer;
 use crate::config::DeepepConfig;
+use crate::cuda;
 use crate::ensure_arg;
 use crate::error::Result;
 use crate::kernels;
+use crate::tensor::{check, check_shape, DeepepDtype::*, DeepepTensor};
 
 /// Channels and ring size one op runs with, from its `Config`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +70,19 @@ pub fn check_nvl_budget(num_nvl_bytes: i64, op: &str, plan: ChannelPlan, num_ran
         slot_bytes + 8
     );
     Ok(())
+}
+
+/// Shrink mode: copies the normal kernels' cumulative dropped-row counters into an int64
+/// [DROPPED_KINDS] device tensor, in `stream` order (docs/normal_shrink.md: dispatch rows left
+/// empty, dispatch tokens not sent, combine contributions left out, combine rows not sent).
+pub fn query_dropped(buffer: &Buffer, dropped: &DeepepTensor, stream: *mut c_void) -> Result<()> {
+    ensure_arg!(buffer.args.enable_shrink, "dropped-row counters exist only with enable_shrink=True");
+    let out = check("dropped", Some(dropped), &[DEEPEP_DTYPE_INT64], 1)?;
+    check_shape("dropped", &out, &[kernels::DROPPED_KINDS as i64])?;
+    buffer.with_resources(|res| {
+        let stream = res.stream_or_comm(stream);
+        cuda::copy_device_async(out.ptr(), res.normal_dropped().cast(), 8 * kernels::DROPPED_KINDS, stream)
+    })
 }
 
 /// Shared by both ops: validated config, ranks and budget for `slot_bytes`.
@@ -139,6 +156,44 @@ mod tests {
         generations.sort_unstable();
         generations.dedup();
         assert_eq!(generations.len(), n, "two epochs share a generation");
+    }
+
+    #[test]
+    fn dropped_counters_need_shrink_and_an_int64_vector_of_four() {
+        use crate::buffer::BufferArgs;
+        use crate::error::DeepepStatus;
+        let buffer = |enable_shrink| {
+            let args = BufferArgs {
+                rank: 0,
+                num_ranks: 2,
+                num_nvl_bytes: 1 << 30,
+                num_rdma_bytes: 0,
+                low_latency_mode: false,
+                explicitly_destroy: false,
+                enable_shrink,
+            };
+            Buffer::without_resources(args, 132)
+        };
+        let mut storage = [0i64; 4];
+        let data = storage.as_mut_ptr().cast();
+        let vector = |dtype: crate::tensor::DeepepDtype, n: i64| DeepepTensor {
+            data,
+            dtype: dtype as i32,
+            ndim: 1,
+            shape: [n, 0, 0, 0],
+            strides: [1, 0, 0, 0],
+        };
+        let null = std::ptr::null_mut();
+        let plain = query_dropped(&buffer(false), &vector(DEEPEP_DTYPE_INT64, 4), null).unwrap_err();
+        assert!(plain.message.contains("enable_shrink=True"), "{}", plain.message);
+        let shrink = buffer(true);
+        let dtype = query_dropped(&shrink, &vector(DEEPEP_DTYPE_INT32, 4), null).unwrap_err();
+        assert!(dtype.message.contains("dropped"), "{}", dtype.message);
+        let shape = query_dropped(&shrink, &vector(DEEPEP_DTYPE_INT64, 3), null).unwrap_err();
+        assert!(shape.message.contains("dropped"), "{}", shape.message);
+        // Valid arguments reach the resources, which this buffer has none of.
+        let valid = query_dropped(&shrink, &vector(DEEPEP_DTYPE_INT64, 4), null).unwrap_err();
+        assert_eq!(valid.status, DeepepStatus::DEEPEP_ERROR_NOT_AVAILABLE, "{}", valid.message);
     }
 
     #[test]

@@ -45,9 +45,9 @@ def _last_error():
 # Struct layouts: tests/python/test_abi_layouts_cpu.py checks every struct deep_ep_cpp lays out.
 
 
-def test_low_latency_prototypes_match_the_header():
+def test_low_latency_and_shrink_prototypes_match_the_header():
     header = (HEADER_DIR / "deepep_nccl.h").read_text()
-    names = [n for n in _lib._PROTOTYPES if "low_latency" in n]
+    names = [n for n in _lib._PROTOTYPES if "low_latency" in n or n == "deepep_normal_query_dropped"]
     assert {"deepep_low_latency_dispatch_outputs", "deepep_low_latency_combine_outputs"} <= set(names)
     for name in names:
         found = re.search(rf"\b{name}\(([^)]*)\);", header)

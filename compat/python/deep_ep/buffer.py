@@ -432,7 +432,7 @@ class Buffer:
         return self.runtime.get_next_low_latency_combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Shrink mode: masks (or unmasks) a rank for later low-latency calls."""
+        """Shrink mode: masks (or unmasks) a rank for later calls (low-latency and normal: one mask)."""
         self.runtime.low_latency_update_mask_buffer(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
@@ -442,3 +442,10 @@ class Buffer:
     def low_latency_clean_mask_buffer(self) -> None:
         """Shrink mode: unmasks every rank."""
         self.runtime.low_latency_clean_mask_buffer()
+
+    def normal_query_dropped_buffer(self, dropped: torch.Tensor) -> None:
+        """Shrink mode (not in DeepEP): writes the normal-mode dropped-row counters, cumulative
+        since the buffer was created, into dropped (int64 [4], CUDA), in stream order: received
+        rows left empty, tokens not sent, combine contributions left out, combine rows not sent
+        (docs/normal_shrink.md). The mask (low_latency_*_mask_buffer) is the same in both modes."""
+        self.runtime.normal_query_dropped_buffer(dropped)

@@ -11,7 +11,7 @@ import struct
 
 from ._lib import (MAX_LOCAL_EXPERTS, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, OutputPlans, int_arg,
                    check_int32_fields, lib, raise_status, tensor_fields)
-from ._streams import StreamProtocol, without_torch_function
+from ._streams import StreamProtocol, stream_handle, without_torch_function
 
 _T = "tensor"
 _DISPATCH = ArgsLayout("DeepepIntranodeDispatchArgs", (
@@ -243,3 +243,12 @@ class NormalMode(StreamProtocol):
         if status:
             raise_status(status)
         return combined_x, combined_topk_weights
+
+    @without_torch_function
+    def normal_query_dropped_buffer(self, dropped):
+        desc = ctypes.create_string_buffer(_DESC_BYTES)
+        struct.pack_into("@" + TENSOR_FIELDS, desc, 0, *_desc("dropped", dropped))
+        status = lib.deepep_normal_query_dropped(self._live_handle(), ctypes.addressof(desc),
+                                                 stream_handle(self._current_stream()))
+        if status:
+            raise_status(status)

@@ -1,0 +1,264 @@
+"""Shrink (enable_shrink=True) in normal mode on 2 GPUs (docs/normal_shrink.md): rank 1 goes
+silent, rank 0 finishes the op without it.
+
+Phases, each on a fresh shrink buffer (default dtype BF16, device CUDA, as DeepEP's tests):
+  notify    rank 1 skips a dispatch and its combine (rank 0's notify barrier times out);
+  dispatch  rank 1's dispatch data kernel starts after a GPU sleep longer than rank 0's timeout
+            (after its notify: the counts were exchanged);
+  combine   rank 1's combine starts after such a sleep.
+Rank 0 must finish within the timeout plus slack, equal the torch reference restricted to the
+survivors bit for bit (rows of a source silent at notify absent; rows of one silent after notify
+present but empty: x 0, top-k -1, weight 0, source index -1; combine the survivors' sum), report
+exactly {1} as masked, and count the dropped rows. A later round must skip the peer on both ranks
+(no timeout, each rank's own rows only, the tokens not sent counted). Then: after a rank missed
+ops (notify phase) a new buffer is exact; a rank that was only late (dispatch, combine phases)
+rejoins after low_latency_clean_mask_buffer on both ranks, and the same buffer is exact again."""
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import deep_ep
+from common import Checks, finish, skip, spawn, watchdog
+from normal_reference import DispatchRef
+from test_normal import (E, check_combine, check_dispatch, expect_dispatch, hint_bytes, layout_args, make_ctx,
+                         make_inputs, roundtrip)
+
+SILENT = 1
+TIMEOUT_MS = 2000
+SLEEP_MS = 3 * TIMEOUT_MS  # the silent rank's GPU sleep: well past the survivor's timeout
+SLACK_S = 5
+TOKENS, HIDDEN = 256, 2048  # a channel's tokens fit its ring: no sender waits for ring space
+PHASES = ('notify', 'dispatch', 'combine')
+# Buffer.normal_query_dropped_buffer's entries.
+RECV_EMPTY, NOT_SENT, COMBINE_LEFT_OUT, COMBINE_NOT_SENT = range(4)
+
+
+# ---------------------------------------------------------------- references
+def own_rows(ref, me):
+    """The rows source `me` has in a full dispatch reference: [lo, hi)."""
+    prefix = ref.handle[0]
+    lo = int(prefix[me - 1, me]) if me > 0 else 0
+    return lo, int(prefix[me, me])
+
+
+def alone_ref(ref, inp, me, other):
+    """What `me` receives when `other` is absent at notify (masked before it, or silent at its
+    barrier): its own rows only, the counts and prefixes without `other`, send_head -1 for it."""
+    lo, hi = own_rows(ref, me)
+    el = E // 2
+    sent = inp.in_rank.sum(0, dtype=torch.int64)  # tokens me sends to each rank
+    rank_prefix = torch.zeros(2, 2, dtype=torch.int64)
+    rank_prefix[me:] += sent  # row i: live sources <= i, only me
+    recv_channel = ref.handle[2].clone()
+    recv_channel[me] -= lo  # me's rows now start at 0 (no rows of other before them)
+    recv_channel[other] = int(rank_prefix[other - 1, me]) if other > 0 else 0  # other's range is empty
+    send_head = ref.handle[5].clone()
+    send_head[:, other] = -1
+    handle = (rank_prefix.int(), ref.handle[1], recv_channel.int(), ref.handle[3][lo:hi], ref.handle[4], send_head)
+    counts = inp.per_expert[me * el:(me + 1) * el].tolist()
+    return DispatchRef(ref.recv_x[lo:hi], None, ref.recv_topk_idx[lo:hi], ref.recv_topk_weights[lo:hi], counts, handle,
+                       hi - lo)
+
+
+def emptied_ref(ref, me, other):
+    """What `me` receives when `other` goes silent after notify: every row, those of `other`
+    empty (x 0, top-k -1, weight 0, source index -1); counts and handle as exchanged."""
+    lo, hi = own_rows(ref, other)
+    recv_x, topk, weights, src = (ref.recv_x.clone(), ref.recv_topk_idx.clone(), ref.recv_topk_weights.clone(),
+                                  ref.handle[3].clone())
+    recv_x[lo:hi], topk[lo:hi], weights[lo:hi], src[lo:hi] = 0, -1, 0, -1
+    handle = ref.handle[:3] + (src,) + ref.handle[4:]
+    return DispatchRef(recv_x, None, topk, weights, ref.num_recv_tokens_per_expert_list, handle, ref.num_recv)
+
+
+def alone_combine(ref, inp, me, y, weights):
+    """Combine with every peer's contribution left out: me's own rows, back at their tokens. y
+    has the rows of the dispatch that was combined: all of ref's, or me's alone (alone_ref)."""
+    lo, hi = own_rows(ref, me)
+    if y.size(0) != ref.num_recv:  # alone_ref's rows: me's come first
+        lo, hi = 0, hi - lo
+    tokens = inp.in_rank[:, me].nonzero().squeeze(1)
+    x = torch.zeros(inp.tokens, y.size(1), dtype=torch.bfloat16)
+    w = torch.zeros(inp.tokens, weights.size(1), dtype=torch.float32)
+    x[tokens], w[tokens] = y[lo:hi], weights[lo:hi]
+    return x, w
+
+
+# ---------------------------------------------------------------- helpers
+def query(buf):
+    """(mask [2], dropped [4]) as lists, read in stream order."""
+    mask = torch.zeros(2, dtype=torch.int32)
+    dropped = torch.zeros(4, dtype=torch.int64)
+    buf.low_latency_query_mask_buffer(mask)
+    buf.normal_query_dropped_buffer(dropped)
+    torch.cuda.synchronize()
+    return mask.tolist(), dropped.tolist()
+
+
+def sleep_cycles(ms):
+    """torch.cuda._sleep cycles that take about `ms` on this GPU."""
+    probe = 10 ** 8
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(ms * probe / max(start.elapsed_time(end), 1e-3))
+
+
+def late_dispatch(buf, inp, cycles):
+    """A dispatch whose data kernel starts `cycles` after its notify: the ctypes path, with a GPU
+    sleep put between its prepare (notify + host wait) and its data kernel launch."""
+    from deep_ep_cpp import _normal
+
+    runtime, launch = buf.runtime, _normal.lib.deepep_intranode_dispatch
+
+    def delayed(handle, args, outs, stream):
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            torch.cuda._sleep(cycles)
+        return launch(handle, args, outs, stream)
+
+    runtime._fast_with_config = lambda *args, **kwargs: None  # no compiled path: the launch below is taken
+    _normal.lib.deepep_intranode_dispatch = delayed
+    try:
+        return buf.dispatch(inp.x, **layout_args(inp))
+    finally:
+        _normal.lib.deepep_intranode_dispatch = launch
+        del runtime._fast_with_config
+
+
+def new_buffer(ctx):
+    buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=hint_bytes(2, HIDDEN), explicitly_destroy=True, enable_shrink=True)
+    ctx.buffers['shrink'] = buf
+    return buf
+
+
+# ---------------------------------------------------------------- phases
+def silent_round(ctx, chk, buf, phase, inp, ref, cycles):
+    """The round in which rank 1 goes silent. Rank 0 checks its results and counters."""
+    me = ctx.rank
+    if me == SILENT:
+        if phase == 'dispatch':
+            out = late_dispatch(buf, inp, cycles)
+            buf.combine(torch.randn(ref.num_recv, HIDDEN, dtype=torch.bfloat16), out[4], topk_weights=out[2])
+        elif phase == 'combine':
+            out = buf.dispatch(inp.x, **layout_args(inp))
+            torch.cuda._sleep(cycles)  # combine's stream waits for this one
+            buf.combine(torch.randn(ref.num_recv, HIDDEN, dtype=torch.bfloat16), out[4], topk_weights=out[2])
+        return  # notify: rank 1 makes no call
+    n01 = int(inp.in_rank[:, SILENT].sum())  # tokens rank 0 sends rank 1
+    n10 = ref.num_recv - own_rows(ref, me)[1]  # rows rank 0 receives from rank 1
+    start = time.monotonic()
+    out = buf.dispatch(inp.x, **layout_args(inp))
+    torch.cuda.synchronize()
+    seconds = time.monotonic() - start
+    if phase == 'notify':
+        got_ref, want_dropped = alone_ref(ref, inp, me, SILENT), [0, n01, 0, 0]
+    elif phase == 'dispatch':
+        got_ref, want_dropped = emptied_ref(ref, me, SILENT), [n10, 0, 0, 0]
+    else:
+        got_ref, want_dropped = ref, [0, 0, 0, 0]
+    chk(check_dispatch, out, got_ref, inp.in_rank)
+    chk.expect(seconds < TIMEOUT_MS / 1000 + SLACK_S, f'the {phase} phase\'s dispatch took {seconds:.1f} s')
+    state, want = query(buf), ([0, 0] if phase == 'combine' else [0, 1], want_dropped)
+    chk.expect(state == want, f'after the {phase} phase\'s dispatch: (mask, dropped) {state}, expected {want}')
+
+    y = torch.randn(got_ref.num_recv, HIDDEN, dtype=torch.bfloat16)
+    start = time.monotonic()
+    got = buf.combine(y, out[4], topk_weights=out[2])
+    torch.cuda.synchronize()
+    seconds = time.monotonic() - start
+    chk.expect(seconds < TIMEOUT_MS / 1000 + SLACK_S, f'the {phase} phase\'s combine took {seconds:.1f} s')
+    chk(check_combine, got, alone_combine(ref, inp, me, y, out[2]))
+    if phase == 'dispatch':
+        want_dropped = [n10, 0, n01, n10]  # rank 1's contributions left out, its (empty) rows not sent back
+    elif phase == 'combine':
+        want_dropped = [0, 0, n01, 0]  # the rows rank 0 sent back fit rank 1's rings: sent
+    got_state = query(buf)
+    chk.expect(got_state == ([0, 1], want_dropped),
+               f'after the {phase} phase\'s combine: (mask, dropped) {got_state}, expected ([0, 1], {want_dropped})')
+
+
+def later_round(ctx, chk, buf, phase):
+    """Both ranks, the peer masked (rank 1 masks rank 0 at this notify at the latest: rank 0 no
+    longer writes its slot): each gets its own rows only, at once, and counts the tokens it did
+    not send."""
+    me, other = ctx.rank, 1 - ctx.rank
+    inp = make_inputs(ctx, tokens=TOKENS, hidden=HIDDEN)
+    ref = expect_dispatch(ctx, inp)  # collective, before any buffer call
+    _, before = query(buf)
+    start = time.monotonic()
+    out = buf.dispatch(inp.x, **layout_args(inp))
+    y = torch.randn(out[0].size(0), HIDDEN, dtype=torch.bfloat16)
+    got = buf.combine(y, out[4], topk_weights=out[2])
+    torch.cuda.synchronize()
+    seconds = time.monotonic() - start
+    chk.expect(seconds < TIMEOUT_MS / 2000, f'{phase} phase, later round on rank {me} took {seconds:.2f} s: a wait on '
+                                            f'the masked rank?')
+    chk(check_dispatch, out, alone_ref(ref, inp, me, other), inp.in_rank)
+    chk(check_combine, got, alone_combine(ref, inp, me, y, out[2]))
+    mask, after = query(buf)
+    want_mask = [0, 1] if me == 0 else [1, 0]
+    chk.expect(mask == want_mask, f'{phase} phase, later round: mask {mask} on rank {me}, expected {want_mask}')
+    grew = [a - b for a, b in zip(after, before)]
+    want = [0, int(inp.in_rank[:, other].sum()), 0, 0]
+    chk.expect(grew == want, f'{phase} phase, later round: dropped grew by {grew} on rank {me}, expected {want}')
+
+
+def shrink_phase(ctx, phase):
+    assert ctx.world == 2, 'the references here are written for 2 ranks'
+    chk = Checks()
+    buf = new_buffer(ctx)
+    try:
+        chk(roundtrip, ctx, buf='shrink', tokens=TOKENS, hidden=HIDDEN)  # healthy first, every check exact
+        state = query(buf)
+        chk.expect(state == ([0, 0], [0, 0, 0, 0]), f'healthy round: (mask, dropped) {state}')
+        inp = make_inputs(ctx, tokens=TOKENS, hidden=HIDDEN)
+        ref = expect_dispatch(ctx, inp)  # collective, before rank 1 goes silent
+        cycles = sleep_cycles(SLEEP_MS)
+        buf.runtime.set_gpu_timeout_ms(TIMEOUT_MS)
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        with watchdog(ctx.rep, f'shrink_{phase}', 60):
+            silent_round(ctx, chk, buf, phase, inp, ref, cycles)
+            torch.cuda.synchronize()  # rank 1: its late kernels are done
+        dist.barrier(group=ctx.group)
+        with watchdog(ctx.rep, f'shrink_{phase}', 30):
+            later_round(ctx, chk, buf, phase)
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        if phase == 'notify':  # rank 1 missed ops: out of step for good, a new buffer is needed
+            ctx.buffers.pop('shrink').destroy()
+            buf = new_buffer(ctx)
+        else:  # rank 1 made every call, late: it rejoins once both ranks cleared their masks
+            buf.low_latency_clean_mask_buffer()
+            torch.cuda.synchronize()
+            dist.barrier(group=ctx.group)
+        _, before = query(buf)
+        chk(roundtrip, ctx, buf='shrink', tokens=TOKENS, hidden=HIDDEN)
+        mask, after = query(buf)
+        chk.expect(mask == [0, 0] and after == before, f'{phase} phase, after recovery: mask {mask}, dropped '
+                                                       f'{before} -> {after}')
+    finally:
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        if 'shrink' in ctx.buffers:
+            ctx.buffers.pop('shrink').destroy()
+    chk.done()
+
+
+def worker(rank, world, group, rep):
+    ctx = make_ctx(dist.new_group(list(range(world))), rep)
+    for phase in PHASES:
+        rep.run(f'shrink_silent_in_{phase}', shrink_phase, ctx, phase)
+
+
+if __name__ == '__main__':
+    num_gpus = torch.cuda.device_count()
+    if num_gpus < 2:
+        skip('w2/shrink', f'test_normal_shrink needs 2 GPUs, found {num_gpus}')
+        sys.exit(1)
+    spawn(worker, 2, timeout=300)
+    finish()
