@@ -546,7 +546,8 @@ DeepepStatus deepep_buffer_get_num_ranks(const DeepepBuffer *buf,
                                          int *out);
 
 /**
- * max(1, num_ranks / 8), as DeepEP.
+ * The buffer's nodes: num_ranks / node size across (virtual) nodes (the LSA team, or
+ * DEEPEP_VIRTUAL_NODE_SIZE); within one node max(1, num_ranks / 8), as DeepEP.
  *
  * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
  * DEEPEP_ERROR_INTERNAL.
@@ -555,7 +556,7 @@ DeepepStatus deepep_buffer_get_num_rdma_ranks(const DeepepBuffer *buf,
                                               int *out);
 
 /**
- * rank / 8, as DeepEP.
+ * This rank's node: rank / node size across nodes; within one node rank / 8, as DeepEP.
  *
  * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
  * DEEPEP_ERROR_INTERNAL.
@@ -582,7 +583,7 @@ DeepepStatus deepep_buffer_get_num_device_sms(const DeepepBuffer *buf,
                                               int *out);
 
 /**
- * DeepEP's get_root_rdma_rank(global): global ? rank % 8 : 0.
+ * DeepEP's get_root_rdma_rank(global): global ? rank % node size (8 within one node) : 0.
  *
  * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
  * DEEPEP_ERROR_INTERNAL.
@@ -658,8 +659,8 @@ DeepepStatus deepep_buffer_set_gpu_timeout_ms(const DeepepBuffer *buf,
 /**
  * DeepEP's get_dispatch_layout. Outputs are caller-allocated, as
  * deepep_get_dispatch_layout_outputs describes them: num_tokens_per_rank
- * int32 [num_ranks], num_tokens_per_rdma_rank int32 [num_ranks/8] (only when
- * num_ranks > 8, else NULL), num_tokens_per_expert int32 [num_experts],
+ * int32 [num_ranks], num_tokens_per_rdma_rank int32 [nodes] (a buffer across nodes: its
+ * nodes; within one node num_ranks/8 when num_ranks > 8, else NULL), num_tokens_per_expert int32 [num_experts],
  * is_token_in_rank bool [num_tokens, num_ranks]. topk_idx is int64 (or int32)
  * [num_tokens, num_topk]; negative entries mean "no expert". Launches on
  * `stream` (NULL: the buffer's comm stream) without host synchronisation.
@@ -681,8 +682,8 @@ DeepepStatus deepep_get_dispatch_layout(const DeepepBuffer *buf,
 /**
  * Writes to `*out` what a deepep_get_dispatch_layout caller allocates for `num_tokens` rows of
  * topk_idx and `num_experts` experts (R = the buffer's ranks). out->tensors, in order:
- * num_tokens_per_rank int32 [R]; num_tokens_per_rdma_rank int32 [R / 8], absent (dtype 0)
- * up to 8 ranks, when the op takes NULL for it; num_tokens_per_expert int32 [E]; these three
+ * num_tokens_per_rank int32 [R]; num_tokens_per_rdma_rank int32 [nodes] (deepep_buffer_get_num_rdma_ranks
+ * across nodes; R / 8 within one node), absent (dtype 0) within one node up to 8 ranks, when the op takes NULL for it; num_tokens_per_expert int32 [E]; these three
  * are views of one int32 allocation; is_token_in_rank bool [num_tokens, R], an allocation of
  * its own. Allocate as DeepepOutputs says, set each present tensors[i].data and pass
  * &out->tensors[i] to the op. Errors name num_tokens (< 0) or num_experts (<= 0); on any error

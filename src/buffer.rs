@@ -247,7 +247,7 @@ impl Buffer {
         let resources = Self::create_resources(&args, device_id, &id, &settings, build)?;
         let buffer = Self {
             args,
-            layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks },
+            layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks, node_size: resources.node_size },
             device_id,
             num_device_sms: resources.num_sms,
             lsa_size: resources.lsa_size,
@@ -275,13 +275,6 @@ impl Buffer {
         let comm = Communicator::init_rank(args.num_ranks, id, args.rank)?;
         let team = comm.lsa_team();
         let multi_node = team.nRanks != args.num_ranks;
-        if multi_node && !args.low_latency_mode {
-            return Err(Error::unsupported(format!(
-                "rank {} reaches only {} of {} ranks over NVLink/P2P (LSA team): across nodes only low-latency mode \
-                 (low_latency_mode=True) is supported",
-                args.rank, team.nRanks, args.num_ranks
-            )));
-        }
         let virtual_node = settings.virtual_node_size;
         let nvl_offset = CONTROL_BYTES;
         let rdma_offset = nvl_offset + align_up(args.num_nvl_bytes as usize, WINDOW_ALIGN);
@@ -352,9 +345,15 @@ impl Buffer {
     /// For the CPU tests, fuzz targets and benches (capi::testing), never for a user.
     #[doc(hidden)]
     pub fn without_resources(args: BufferArgs, num_device_sms: i32) -> Self {
+        Self::without_resources_in_nodes(args, num_device_sms, args.num_ranks)
+    }
+
+    /// [`Buffer::without_resources`] spanning nodes of `node_size` ranks (internode checks).
+    #[doc(hidden)]
+    pub fn without_resources_in_nodes(args: BufferArgs, num_device_sms: i32, node_size: i32) -> Self {
         Self {
             args,
-            layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks },
+            layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks, node_size },
             device_id: -1,
             num_device_sms,
             lsa_size: args.num_ranks,

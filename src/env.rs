@@ -49,6 +49,12 @@ pub(crate) fn parse_virtual_node_size(value: Option<&str>, num_ranks: i32) -> Re
     }
 }
 
+/// Whether DEEPEP_VIRTUAL_NODE_SIZE splits `num_ranks` into several nodes (a bad value: no; Buffer
+/// creation reports it).
+pub(crate) fn virtual_nodes(num_ranks: i32) -> bool {
+    parse_virtual_node_size(read(VIRTUAL_NODE_ENV).as_deref(), num_ranks).is_ok_and(|n| n < num_ranks)
+}
+
 /// `error`, `warn`, `info` or `debug` (any case); `warn` when unset.
 pub(crate) fn parse_log_level(value: Option<&str>) -> Result<Level> {
     let Some(text) = value else { return Ok(Level::Warn) };

@@ -157,13 +157,23 @@ class Buffer(NormalMode, LowLatencyMode):
         check(lib.deepep_buffer_is_available(self._handle, byref(out)))
         return out.value
 
+    # Node topology: after sync() the library's (nodes of the LSA team or DEEPEP_VIRTUAL_NODE_SIZE);
+    # before it, DeepEP's nodes of 8 (the node size is known only once the buffer exists).
     def get_num_rdma_ranks(self):
+        if self._handle is not None:
+            return self._query_int(lib.deepep_buffer_get_num_rdma_ranks)
         return max(1, self._num_ranks // NUM_MAX_NVL_PEERS)
 
     def get_rdma_rank(self):
+        if self._handle is not None:
+            return self._query_int(lib.deepep_buffer_get_rdma_rank)
         return self._rank // NUM_MAX_NVL_PEERS
 
     def get_root_rdma_rank(self, global_):
+        if self._handle is not None:
+            out = c_int()
+            check(lib.deepep_buffer_get_root_rdma_rank(self._handle, bool(global_), byref(out)))
+            return out.value
         return self._rank % NUM_MAX_NVL_PEERS if global_ else 0
 
     def get_local_device_id(self):
