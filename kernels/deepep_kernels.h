@@ -315,12 +315,9 @@ typedef struct DeepepInternodeCombineParams {
   const float* topk_weights;                  // [Nr, K] or NULL
   const void* bias_0;                         // [T, H] bf16 or NULL
   const void* bias_1;
-  const uint8_t* src_meta;                    // [Nr, 8]
-  const uint8_t* is_combined_token_in_rank;   // [T, R]
   const int32_t* rdma_channel_prefix_matrix;  // [N, C]: dispatch's recv_rdma_channel_prefix_matrix
   const int32_t* rdma_rank_prefix_sum;        // [N]: dispatch's recv_rdma_rank_prefix_sum
   const int32_t* gbl_channel_prefix_matrix;   // [R, C]: dispatch's recv_gbl_channel_prefix_matrix
-  const int32_t* gbl_rank_prefix_sum;         // [R]: dispatch's recv_gbl_rank_prefix_sum
   int32_t* combined_rdma_head;                // [T, N]: dispatch's send_rdma_head (read)
   int32_t* combined_nvl_head;                 // [Nrdma, G]: dispatch's send_nvl_head (read)
   void* combined_x;                           // [T, H] bf16

@@ -39,8 +39,12 @@ __device__ void combine_nvl_send(const DeepepInternodeCombineParams& p, const Tr
   for (int s = 0; s < N; ++s) {
     const int src = s * G + fwd;
     const int64_t start = p.gbl_channel_prefix_matrix[src * C + ch];
-    const int64_t stop = ch + 1 < C ? p.gbl_channel_prefix_matrix[src * C + ch + 1] : p.gbl_rank_prefix_sum[src];
-    if (start < 0 || stop > p.num_recv_rows) {
+    // The last channel of a source ends where the next source starts, the last source at x's
+    // rows (DeepEP's: combine takes no recv_gbl_rank_prefix_sum).
+    const int64_t stop = ch + 1 < C         ? p.gbl_channel_prefix_matrix[src * C + ch + 1]
+                         : src + 1 < c.num_ranks ? p.gbl_channel_prefix_matrix[(src + 1) * C]
+                                                 : p.num_recv_rows;
+    if (start < 0 || stop < start || stop > p.num_recv_rows) {
       if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, src * C + ch, start < 0 ? start : stop);
       return;
     }

@@ -22,6 +22,10 @@ const LL_CLEAN_BARRIER_OFFSET: usize = 32 << 10;
 const NOTIFY_OFFSET: usize = 64 << 10;
 const _: () = assert!(LL_CLEAN_BARRIER_OFFSET + 4 * LL_MAX_RANKS as usize <= NOTIFY_OFFSET);
 const _: () = assert!(NOTIFY_OFFSET + 2 * kernels::MAX_NVL_RANKS as usize * kernels::NOTIFY_SLOT_BYTES <= CONTROL_BYTES);
+/// The internode counters' window words (kernels/deepep_kernels.h DEEPEP_INTERNODE_COUNTERS).
+const INTERNODE_CONTROL_OFFSET: usize = 256 << 10;
+const _: () = assert!(NOTIFY_OFFSET + 2 * kernels::MAX_NVL_RANKS as usize * kernels::NOTIFY_SLOT_BYTES <= INTERNODE_CONTROL_OFFSET);
+const _: () = assert!(INTERNODE_CONTROL_OFFSET + kernels::INTERNODE_CONTROL_BYTES <= CONTROL_BYTES);
 const WINDOW_ALIGN: usize = nccl_sys::NCCL_WIN_REQUIRED_ALIGNMENT;
 /// Zeroed device scratch, as DeepEP's NUM_WORKSPACE_BYTES.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -36,6 +40,9 @@ const WS_LL_CLEAN_EPOCH: usize = 524;
 const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// Low-latency counters at the end of the workspace (see [`LlWorkspace`]).
 const WS_LL: usize = WORKSPACE_BYTES - (128 << 10);
+/// Internode running totals (DEEPEP_INTERNODE_WORKSPACE_WORDS), below the LL counters.
+const WS_INTERNODE: usize = WS_LL - (64 << 10);
+const _: () = assert!(WS_INTERNODE + kernels::INTERNODE_WORKSPACE_BYTES <= WS_LL);
 /// Largest rank count the LL workspace arrays hold.
 pub(crate) const LL_MAX_RANKS: i32 = 1024;
 /// Bytes of an LL workspace array of `per` bytes per (op kind, half, `n`).
@@ -140,7 +147,7 @@ impl Resources {
         self.workspace_at(WS_LAYOUT_TICKET).cast()
     }
     pub fn layout_accumulators(&self) -> (*mut i32, i64) {
-        (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WS_LL - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
+        (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WS_INTERNODE - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
     }
     /// The LL state, per (op kind, half): done [R], source_state [R], ticket (then the last
     /// send's half), op_seq [LL_MAX_BLOCKS], gin_sent [R]; then mask [R] (kernels/deepep_kernels.h).
@@ -193,6 +200,36 @@ impl Resources {
             ring_tokens,
             barrier_base: kernel.barrier_slot(),
             reserved: 0,
+        }
+    }
+    /// Window geometry, device counters and topology of the internode kernels.
+    pub fn internode_common(
+        &self,
+        wait: WaitContext,
+        layout: &crate::config::RankLayout,
+        rdma_offset: usize,
+        num_channels: i32,
+        rdma_ring_tokens: i32,
+        nvl_ring_tokens: i32,
+    ) -> kernels::InternodeCommon {
+        kernels::InternodeCommon {
+            window: self.window.handle().cast(),
+            nvl_offset: CONTROL_BYTES as u64,
+            rdma_offset: rdma_offset as u64,
+            control_offset: INTERNODE_CONTROL_OFFSET as u64,
+            op_epoch: self.workspace_at(WS_OP_EPOCH).cast(),
+            ticket: self.workspace_at(WS_DATA_TICKET).cast(),
+            totals: self.workspace_at(WS_INTERNODE).cast(),
+            fault: self.fault.device_ptr(),
+            wait,
+            rank: layout.rank,
+            num_ranks: layout.num_ranks,
+            node_size: layout.node_size,
+            num_nodes: layout.num_ranks / layout.node_size,
+            num_channels,
+            rdma_ring_tokens,
+            nvl_ring_tokens,
+            gin_signal_base: kernels::LL_GIN_SIGNALS_PER_RANK * layout.num_ranks,
         }
     }
     /// The stream an op launches on: the caller's, or the comm stream for NULL.
@@ -282,7 +319,12 @@ impl Buffer {
         let window = SymmetricWindow::new(&comm, window_bytes)?;
         cuda::memset_zero(window.ptr(), window.bytes())?;
         // Control and notify slots, then one per SM so per-CTA barriers never share one.
-        let gin_signals = if multi_node { kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks } else { 0 };
+        // The LL signals, then (a normal-mode buffer) the internode counters.
+        let gin_signals = match (multi_node, args.low_latency_mode) {
+            (false, _) => 0,
+            (true, true) => kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks,
+            (true, false) => kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks + kernels::INTERNODE_COUNTERS,
+        };
         let dev_comm = DevComm::new(&comm, build, DATA_BARRIER_BASE + num_sms, gin_signals).map_err(|e| {
             if multi_node {
                 Error::unsupported(format!(

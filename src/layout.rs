@@ -214,10 +214,11 @@ mod tests {
 
     #[test]
     fn across_nodes_the_layout_counts_the_buffers_nodes() {
-        // 2 ranks as 2 nodes of 1: token 0 -> rank 1, token 1 -> ranks 0 and 1.
+        // 2 ranks as 2 nodes of 1, 2 experts each: token 0 -> expert 2 (rank 1), token 1 -> experts
+        // 0 and 3 (ranks 0 and 1).
         let two = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
         assert_eq!(layout_nodes(&two), (2, 1));
-        let (_, per_node, _, _) = reference_layout_in(&two, &[1, -1, 0, 1], 2, 4);
+        let (_, per_node, _, _) = reference_layout_in(&two, &[2, -1, 0, 3], 2, 4);
         assert_eq!(per_node, Some(vec![1, 2]));
         let o = layout_outputs_in(&two, 16, 4).unwrap();
         assert_eq!((o.get(1).dtype, o.get(1).shape[0], o.offset[1]), (DEEPEP_DTYPE_INT32 as i32, 2, 2));

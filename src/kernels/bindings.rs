@@ -940,12 +940,9 @@ pub struct DeepepInternodeCombineParams {
     pub topk_weights: *const f32,
     pub bias_0: *const ::std::os::raw::c_void,
     pub bias_1: *const ::std::os::raw::c_void,
-    pub src_meta: *const u8,
-    pub is_combined_token_in_rank: *const u8,
     pub rdma_channel_prefix_matrix: *const i32,
     pub rdma_rank_prefix_sum: *const i32,
     pub gbl_channel_prefix_matrix: *const i32,
-    pub gbl_rank_prefix_sum: *const i32,
     pub combined_rdma_head: *mut i32,
     pub combined_nvl_head: *mut i32,
     pub combined_x: *mut ::std::os::raw::c_void,
@@ -962,7 +959,7 @@ pub struct DeepepInternodeCombineParams {
 const _: () = {
     [
         "Size of DeepepInternodeCombineParams",
-    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 280usize];
+    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 256usize];
     [
         "Alignment of DeepepInternodeCombineParams",
     ][::std::mem::align_of::<DeepepInternodeCombineParams>() - 8usize];
@@ -982,65 +979,54 @@ const _: () = {
         "Offset of field: DeepepInternodeCombineParams::bias_1",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 152usize];
     [
-        "Offset of field: DeepepInternodeCombineParams::src_meta",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, src_meta) - 160usize];
-    [
-        "Offset of field: DeepepInternodeCombineParams::is_combined_token_in_rank",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, is_combined_token_in_rank)
-        - 168usize];
-    [
         "Offset of field: DeepepInternodeCombineParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_channel_prefix_matrix)
-        - 176usize];
+        - 160usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_rank_prefix_sum)
-        - 184usize];
+        - 168usize];
     [
         "Offset of field: DeepepInternodeCombineParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, gbl_channel_prefix_matrix)
-        - 192usize];
-    [
-        "Offset of field: DeepepInternodeCombineParams::gbl_rank_prefix_sum",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, gbl_rank_prefix_sum)
-        - 200usize];
+        - 176usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_rdma_head)
-        - 208usize];
+        - 184usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_nvl_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_nvl_head)
-        - 216usize];
+        - 192usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 224usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 200usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_topk_weights)
-        - 232usize];
+        - 208usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 216usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 224usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_rdma_recv_rows)
-        - 256usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeCombineParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 240usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 268usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 244usize];
     [
         "Offset of field: DeepepInternodeCombineParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 248usize];
     [
         "Offset of field: DeepepInternodeCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 276usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 252usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]

@@ -389,6 +389,9 @@ _PROTOTYPES = {
     "deepep_intranode_dispatch_prepare": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]),
     "deepep_intranode_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_intranode_combine": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_internode_dispatch_prepare": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]),
+    "deepep_internode_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
+    "deepep_internode_combine": (c_int, [c_void_p, c_void_p, c_void_p]),
     "deepep_low_latency_check_shape": (c_int, [c_int64, c_int64, c_int, c_int]),
     "deepep_low_latency_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_low_latency_combine": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
@@ -413,6 +416,9 @@ _PROTOTYPES = {
     "deepep_intranode_dispatch_handle_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
     "deepep_intranode_dispatch_outputs": (c_int, [c_void_p, c_void_p, c_int, c_void_p]),
     "deepep_intranode_combine_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_internode_dispatch_handle_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_internode_dispatch_outputs": (c_int, [c_void_p, c_void_p, c_int, c_int, c_void_p]),
+    "deepep_internode_combine_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
 }
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _fn = getattr(lib, _name)
