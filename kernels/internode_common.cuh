@@ -167,8 +167,9 @@ struct Transport {
     add(peer, idx, 1);
   }
 
-  // Bounded wait until counter `idx` (written by `src`) reaches `target`; the whole warp calls.
-  __device__ bool wait_counter(int src, int idx, uint64_t target, int op, int channel) const {
+  // Bounded wait until counter `idx` (written by `src`) reaches `target`; the whole warp calls
+  // (lane 0 records a stall), or one thread with `alone`.
+  __device__ bool wait_counter(int src, int idx, uint64_t target, int op, int channel, bool alone = false) const {
     uint64_t seen = read(src, idx);
     if (seen >= target) return true;
     const uint64_t start = global_time_ns();
@@ -177,7 +178,7 @@ struct Transport {
       seen = read(src, idx);
       if (seen >= target) return true;
       if ((spin & 15) == 15 && (normal::buffer_failed(c.wait) || global_time_ns() - start > c.wait.timeout_ns)) {
-        if (!normal::buffer_failed(c.wait) && (threadIdx.x & 31) == 0)
+        if (!normal::buffer_failed(c.wait) && (alone || (threadIdx.x & 31) == 0))
           record_stall(c.wait, src, op, channel, int64_t(target), int64_t(seen));
         return false;
       }

@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
 
   // 3. Every rank's slot of this round.
   for (int src = threadIdx.x; src < R; src += blockDim.x) {
-    if (!tr.wait_counter(src, notify_counter(src), round + 1, DEEPEP_WAIT_OP_INTERNODE_NOTIFY, src)) failed = 1;
+    if (!tr.wait_counter(src, notify_counter(src), round + 1, DEEPEP_WAIT_OP_INTERNODE_NOTIFY, src, true)) failed = 1;
   }
   __syncthreads();
   if (failed) return;

@@ -76,6 +76,17 @@ pub(crate) fn stall_error(record: &StallRecord, timeout_ns: u64) -> Error {
         kernels::DEEPEP_WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch{}", ll_ops(record)),
         kernels::DEEPEP_WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine{}", ll_ops(record)),
         kernels::DEEPEP_WAIT_OP_LL_CLEAN => format!("rank {peer} never arrived at clean_low_latency_buffer's barrier"),
+        kernels::DEEPEP_WAIT_OP_INTERNODE_NOTIFY => format!("rank {peer} never sent its internode notify counts"),
+        kernels::DEEPEP_WAIT_OP_RDMA_TAIL => {
+            format!("rank {peer} never sent its rows over the scale-out leg (internode, channel {n})")
+        }
+        kernels::DEEPEP_WAIT_OP_RDMA_HEAD => {
+            format!("rank {peer} never freed scale-out ring slots (internode, channel {n})")
+        }
+        kernels::DEEPEP_WAIT_OP_NVL_SLOT => format!("rank {peer} never sent its rows over the NVLink leg (internode, channel {n})"),
+        kernels::DEEPEP_WAIT_OP_NVL_CONSUMED => {
+            format!("rank {peer} never freed an NVLink ring slot (internode, channel {n})")
+        }
         _ => format!("rank {peer} stalled wait op {} counter {n}", record.op),
     };
     Error::new(
@@ -116,6 +127,27 @@ mod tests {
         assert!(fault_error(&FaultRecord { a: -3, ..f }).message.starts_with("combine: an index entry holds"));
         let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_LL_SAME_HALF as i32, a: 1, b: 3, c: 0 };
         assert!(fault_error(&f).message.starts_with("rank 3: two low-latency sends in a row used buffer half 1"));
+    }
+
+    #[test]
+    fn internode_stalls_name_the_leg_and_the_channel() {
+        let record = |op: kernels::DeepepWaitOp| StallRecord {
+            flag: 1,
+            rank: 1,
+            peer: 0,
+            op: op as i32,
+            counter: 3,
+            reserved: 0,
+            expected: 5,
+            seen: 4,
+        };
+        let text = |op| stall_error(&record(op), 1_000_000_000).message;
+        assert!(text(kernels::DEEPEP_WAIT_OP_RDMA_TAIL).contains("rank 0 never sent its rows over the scale-out leg (internode, channel 3)"));
+        assert!(text(kernels::DEEPEP_WAIT_OP_RDMA_HEAD).contains("never freed scale-out ring slots (internode, channel 3)"));
+        assert!(text(kernels::DEEPEP_WAIT_OP_NVL_SLOT).contains("over the NVLink leg (internode, channel 3)"));
+        assert!(text(kernels::DEEPEP_WAIT_OP_NVL_CONSUMED).contains("never freed an NVLink ring slot"));
+        let notify = text(kernels::DEEPEP_WAIT_OP_INTERNODE_NOTIFY);
+        assert!(notify.starts_with("GPU wait timed out on rank 1 after 1.0 s: rank 0 never sent its internode notify counts"), "{notify}");
     }
 
     #[test]
