@@ -7,7 +7,8 @@ use crate::log::Level;
 
 pub(crate) const GPU_TIMEOUT_ENV: &str = "DEEPEP_GPU_TIMEOUT_SECS";
 /// Ranks [k*n, (k+1)*n) form one node; LL traffic between nodes takes the
-/// remote (GIN-protocol) path, emulated over NVLink.
+/// remote (GIN-protocol) path, emulated over NVLink, and a normal-mode buffer takes the internode
+/// path (its scale-out leg emulated over NVLink).
 pub(crate) const VIRTUAL_NODE_ENV: &str = "DEEPEP_VIRTUAL_NODE_SIZE";
 pub(crate) const LOG_ENV: &str = "DEEPEP_LOG";
 /// DeepEP's NUM_TIMEOUT_CYCLES equivalent (100 s).
