@@ -432,7 +432,8 @@ pub fn prepare(buffer: &Buffer, args: &DeepepInternodeDispatchArgs, stream: *mut
         }
         let num_recv = wait_for_recv_count(buffer, res, counts)?;
         // SAFETY: the GPU wrote the list and the scale-out count before num_recv_tokens (system fence).
-        let (list, num_rdma) = unsafe { (&(*counts).num_recv_tokens_per_expert, (*counts).num_rdma_recv_tokens) };
+        let (list, num_rdma) =
+            unsafe { (&(*counts).num_recv_tokens_per_expert, std::ptr::addr_of!((*counts).num_rdma_recv_tokens).read_volatile()) };
         per_expert_out[..num_local_experts].copy_from_slice(&list[..num_local_experts]);
         Ok(Prepared { num_recv_tokens: num_recv, num_rdma_recv_tokens: num_rdma, num_local_experts })
     })
