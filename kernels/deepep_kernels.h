@@ -85,6 +85,7 @@ enum DeepepFaultCode {
   DEEPEP_FAULT_COMBINE_HANDLE = 5,      // a = enum DeepepHandleEntry, b = flat index, c = value
   DEEPEP_FAULT_LL_SAME_HALF = 6,        // a = buffer half that took two LL sends in a row (a CUDA graph
                                         // with an odd number of LL ops replayed), b = rank
+  DEEPEP_FAULT_RDMA_RANK_COUNT = 7,     // a = node, b = num_tokens_per_rdma_rank[node], c = is_token_in_rank count
 };
 
 // Which index-bearing entry a normal kernel found out of range (a handle's, or one a peer sent).

@@ -75,6 +75,8 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
       for (int ch = 1; ch < C; ++ch) m[ch] += m[ch - 1];
       if (row < R && p.num_tokens_per_rank != nullptr && C > 0 && p.num_tokens_per_rank[row] != m[C - 1])
         record_fault(c.fault, DEEPEP_FAULT_RANK_COUNT, row, p.num_tokens_per_rank[row], m[C - 1]);
+      if (row >= R && p.num_tokens_per_rdma_rank != nullptr && C > 0 && p.num_tokens_per_rdma_rank[row - R] != m[C - 1])
+        record_fault(c.fault, DEEPEP_FAULT_RDMA_RANK_COUNT, row - R, p.num_tokens_per_rdma_rank[row - R], m[C - 1]);
     }
   }
   __syncthreads();

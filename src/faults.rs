@@ -16,6 +16,11 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
              pass the outputs of one get_dispatch_layout call",
             f.a, f.b, f.c, f.a
         ),
+        kernels::DEEPEP_FAULT_RDMA_RANK_COUNT => format!(
+            "num_tokens_per_rdma_rank[{}] is {} but is_token_in_rank selects {} tokens for node {}; \
+             pass the outputs of one get_dispatch_layout call",
+            f.a, f.b, f.c, f.a
+        ),
         kernels::DEEPEP_FAULT_WORST_TOO_SMALL => format!(
             "num_worst_tokens ({}) is smaller than the {} tokens this rank received; rows past it were dropped",
             f.a, f.b
@@ -112,6 +117,8 @@ mod tests {
         assert!(fault_error(&f).message.contains("topk_idx holds 300 at flat index 5"));
         let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RANK_COUNT as i32, a: 2, b: 10, c: 9 };
         assert!(fault_error(&f).message.starts_with("num_tokens_per_rank[2] is 10"));
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RDMA_RANK_COUNT as i32, a: 1, b: 7, c: 6 };
+        assert!(fault_error(&f).message.starts_with("num_tokens_per_rdma_rank[1] is 7 but is_token_in_rank selects 6 tokens for node 1"));
         let f = FaultRecord {
             flag: 1,
             code: kernels::DEEPEP_FAULT_DISPATCH_HANDLE as i32,

@@ -199,6 +199,7 @@ pub const DEEPEP_FAULT_WORST_TOO_SMALL: DeepepFaultCode = 3;
 pub const DEEPEP_FAULT_DISPATCH_HANDLE: DeepepFaultCode = 4;
 pub const DEEPEP_FAULT_COMBINE_HANDLE: DeepepFaultCode = 5;
 pub const DEEPEP_FAULT_LL_SAME_HALF: DeepepFaultCode = 6;
+pub const DEEPEP_FAULT_RDMA_RANK_COUNT: DeepepFaultCode = 7;
 pub type DeepepFaultCode = ::std::os::raw::c_uint;
 pub const DEEPEP_HANDLE_RANK_PREFIX: DeepepHandleEntry = 0;
 pub const DEEPEP_HANDLE_CHANNEL_PREFIX: DeepepHandleEntry = 1;
