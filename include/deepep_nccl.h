@@ -188,6 +188,158 @@ typedef struct {
 } DeepepConfig;
 
 /**
+ * Arguments of one internode dispatch (both calls take the same struct). Absent optional
+ * tensors have dtype 0. N = nodes, G = GPUs per node, C = config.num_sms / 2.
+ */
+typedef struct {
+  /**
+   * [T, H]: bf16 (fp16/fp32 also move), or float8_e4m3fn with `x_scales`.
+   */
+  DeepepTensor x;
+  /**
+   * Optional [T, S] float32 or int32, any strides.
+   */
+  DeepepTensor x_scales;
+  /**
+   * Optional [T, K] int64 or int32; -1 = no expert. Needs `topk_weights`.
+   */
+  DeepepTensor topk_idx;
+  /**
+   * Optional [T, K] float32.
+   */
+  DeepepTensor topk_weights;
+  /**
+   * [R] int32 (non-cached only).
+   */
+  DeepepTensor num_tokens_per_rank;
+  /**
+   * [N] int32 (non-cached only).
+   */
+  DeepepTensor num_tokens_per_rdma_rank;
+  /**
+   * [T, R] bool.
+   */
+  DeepepTensor is_token_in_rank;
+  /**
+   * [E] int32 (non-cached only).
+   */
+  DeepepTensor num_tokens_per_expert;
+  /**
+   * [N, C] int32: written (non-cached) or the handle's (cached).
+   */
+  DeepepTensor rdma_channel_prefix_matrix;
+  /**
+   * [R, C] int32: written (non-cached) or the handle's (cached).
+   */
+  DeepepTensor gbl_channel_prefix_matrix;
+  /**
+   * [N, C], [N], [R, C], [R] int32, written.
+   */
+  DeepepTensor recv_rdma_channel_prefix_matrix;
+  DeepepTensor recv_rdma_rank_prefix_sum;
+  DeepepTensor recv_gbl_channel_prefix_matrix;
+  DeepepTensor recv_gbl_rank_prefix_sum;
+  /**
+   * [T, N] int32, written (non-cached only).
+   */
+  DeepepTensor send_rdma_head;
+  DeepepConfig config;
+  /**
+   * Non-zero: reuse a handle's routing (no top-k, no host wait).
+   */
+  int32_t cached;
+  /**
+   * num_recv_tokens_per_expert entries are rounded up to a multiple of this (>= 1).
+   */
+  int32_t expert_alignment;
+  /**
+   * > 0: outputs have exactly this many rows and there is no host wait.
+   */
+  int32_t num_worst_tokens;
+  int32_t reserved;
+} DeepepInternodeDispatchArgs;
+
+/**
+ * Outputs of deepep_internode_dispatch, as deepep_internode_dispatch_outputs describes them.
+ */
+typedef struct {
+  /**
+   * [Nr, H], x's dtype.
+   */
+  DeepepTensor recv_x;
+  /**
+   * [Nr, S] row-major, x_scales' dtype; present iff x_scales is.
+   */
+  DeepepTensor recv_x_scales;
+  /**
+   * [Nr, K], topk_idx's dtype; present iff topk_idx is.
+   */
+  DeepepTensor recv_topk_idx;
+  /**
+   * [Nr, K] float32; present iff topk_weights is.
+   */
+  DeepepTensor recv_topk_weights;
+  /**
+   * [Nr, 8] uint8 (DeepEP's SourceMeta); absent when cached.
+   */
+  DeepepTensor recv_src_meta;
+  /**
+   * [Nrdma, G] int32; absent when cached.
+   */
+  DeepepTensor send_nvl_head;
+} DeepepInternodeDispatchOutputs;
+
+/**
+ * Arguments of one internode combine, DeepEP's: the handle entries under their combine names.
+ * Absent optional tensors have dtype 0.
+ */
+typedef struct {
+  /**
+   * [Nr, H] bfloat16: one row per token this rank received in the dispatch.
+   */
+  DeepepTensor x;
+  /**
+   * Optional [Nr, K] float32.
+   */
+  DeepepTensor topk_weights;
+  /**
+   * Optional [T, H] bfloat16 each.
+   */
+  DeepepTensor bias_0;
+  DeepepTensor bias_1;
+  /**
+   * The handle's recv_src_meta [Nr, 8] uint8.
+   */
+  DeepepTensor src_meta;
+  /**
+   * The handle's is_token_in_rank [T, R] bool (T: the combined rows).
+   */
+  DeepepTensor is_combined_token_in_rank;
+  /**
+   * The handle's recv_rdma_channel_prefix_matrix [N, C], recv_rdma_rank_prefix_sum [N],
+   * recv_gbl_channel_prefix_matrix [R, C].
+   */
+  DeepepTensor rdma_channel_prefix_matrix;
+  DeepepTensor rdma_rank_prefix_sum;
+  DeepepTensor gbl_channel_prefix_matrix;
+  /**
+   * The handle's send_rdma_head [T, N] and send_nvl_head [Nrdma, G] int32, rewritten in place
+   * as DeepEP's combine does.
+   */
+  DeepepTensor combined_rdma_head;
+  DeepepTensor combined_nvl_head;
+  /**
+   * [T, H] bfloat16 output.
+   */
+  DeepepTensor combined_x;
+  /**
+   * [T, K] float32 output; present iff topk_weights is.
+   */
+  DeepepTensor combined_topk_weights;
+  DeepepConfig config;
+} DeepepInternodeCombineArgs;
+
+/**
  * Arguments of one LL dispatch (`Buffer::low_latency_dispatch`). The caller
  * allocates the outputs as deepep_low_latency_dispatch_outputs describes them; absent
  * optional tensors have dtype 0.
@@ -546,7 +698,8 @@ DeepepStatus deepep_buffer_get_num_ranks(const DeepepBuffer *buf,
                                          int *out);
 
 /**
- * max(1, num_ranks / 8), as DeepEP.
+ * The buffer's nodes: num_ranks / node size across (virtual) nodes (the LSA team, or
+ * DEEPEP_VIRTUAL_NODE_SIZE); within one node max(1, num_ranks / 8), as DeepEP.
  *
  * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
  * DEEPEP_ERROR_INTERNAL.
@@ -555,7 +708,7 @@ DeepepStatus deepep_buffer_get_num_rdma_ranks(const DeepepBuffer *buf,
                                               int *out);
 
 /**
- * rank / 8, as DeepEP.
+ * This rank's node: rank / node size across nodes; within one node rank / 8, as DeepEP.
  *
  * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
  * DEEPEP_ERROR_INTERNAL.
@@ -582,7 +735,7 @@ DeepepStatus deepep_buffer_get_num_device_sms(const DeepepBuffer *buf,
                                               int *out);
 
 /**
- * DeepEP's get_root_rdma_rank(global): global ? rank % 8 : 0.
+ * DeepEP's get_root_rdma_rank(global): global ? rank % node size (8 within one node) : 0.
  *
  * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
  * DEEPEP_ERROR_INTERNAL.
@@ -658,8 +811,8 @@ DeepepStatus deepep_buffer_set_gpu_timeout_ms(const DeepepBuffer *buf,
 /**
  * DeepEP's get_dispatch_layout. Outputs are caller-allocated, as
  * deepep_get_dispatch_layout_outputs describes them: num_tokens_per_rank
- * int32 [num_ranks], num_tokens_per_rdma_rank int32 [num_ranks/8] (only when
- * num_ranks > 8, else NULL), num_tokens_per_expert int32 [num_experts],
+ * int32 [num_ranks], num_tokens_per_rdma_rank int32 [nodes] (a buffer across nodes: its
+ * nodes; within one node num_ranks/8 when num_ranks > 8, else NULL), num_tokens_per_expert int32 [num_experts],
  * is_token_in_rank bool [num_tokens, num_ranks]. topk_idx is int64 (or int32)
  * [num_tokens, num_topk]; negative entries mean "no expert". Launches on
  * `stream` (NULL: the buffer's comm stream) without host synchronisation.
@@ -681,8 +834,8 @@ DeepepStatus deepep_get_dispatch_layout(const DeepepBuffer *buf,
 /**
  * Writes to `*out` what a deepep_get_dispatch_layout caller allocates for `num_tokens` rows of
  * topk_idx and `num_experts` experts (R = the buffer's ranks). out->tensors, in order:
- * num_tokens_per_rank int32 [R]; num_tokens_per_rdma_rank int32 [R / 8], absent (dtype 0)
- * up to 8 ranks, when the op takes NULL for it; num_tokens_per_expert int32 [E]; these three
+ * num_tokens_per_rank int32 [R]; num_tokens_per_rdma_rank int32 [nodes] (deepep_buffer_get_num_rdma_ranks
+ * across nodes; R / 8 within one node), absent (dtype 0) within one node up to 8 ranks, when the op takes NULL for it; num_tokens_per_expert int32 [E]; these three
  * are views of one int32 allocation; is_token_in_rank bool [num_tokens, R], an allocation of
  * its own. Allocate as DeepepOutputs says, set each present tensors[i].data and pass
  * &out->tensors[i] to the op. Errors name num_tokens (< 0) or num_experts (<= 0); on any error
@@ -766,6 +919,95 @@ DeepepStatus deepep_check_buffer_args(int rank,
                                       int64_t num_nvl_bytes,
                                       int64_t num_rdma_bytes,
                                       bool low_latency_mode);
+
+/**
+ * Writes to `*out` the dispatch handle's int32 matrices the caller allocates before
+ * deepep_internode_dispatch_prepare (they go into args). Reads args->x ([T, H]),
+ * args->config.num_sms (C = num_sms / 2) and args->cached. out->tensors, in order, views of one
+ * int32 allocation: rdma_channel_prefix_matrix [N, C] and gbl_channel_prefix_matrix [R, C]
+ * (absent when cached: pass the handle's), recv_rdma_channel_prefix_matrix [N, C],
+ * recv_rdma_rank_prefix_sum [N], recv_gbl_channel_prefix_matrix [R, C], recv_gbl_rank_prefix_sum
+ * [R], send_rdma_head [T, N] (absent when cached). N = deepep_buffer_get_num_rdma_ranks.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad value or a buffer
+ * within one node, named in the message); DEEPEP_ERROR_INTERNAL.
+ */
+DeepepStatus deepep_internode_dispatch_handle_outputs(const DeepepBuffer *buf,
+                                                      const DeepepInternodeDispatchArgs *args,
+                                                      DeepepOutputs *out);
+
+/**
+ * Step 1 of DeepEP's internode_dispatch: the notify kernel. Writes the receive count to
+ * `*num_recv_tokens`, the rows of this GPU's scale-out receive space to `*num_rdma_recv_tokens`
+ * and E/R aligned per-expert counts to `num_recv_tokens_per_expert` (capacity
+ * `per_expert_capacity`) when it waited for them; -1 (and no list) in cached or
+ * num_worst_tokens mode.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, or bad
+ * input a kernel found in an earlier op); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a
+ * timeout); DEEPEP_ERROR_TIMEOUT (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA;
+ * DEEPEP_ERROR_INTERNAL.
+ */
+DeepepStatus deepep_internode_dispatch_prepare(const DeepepBuffer *buf,
+                                               const DeepepInternodeDispatchArgs *args,
+                                               int *num_recv_tokens,
+                                               int *num_rdma_recv_tokens,
+                                               int *num_recv_tokens_per_expert,
+                                               int per_expert_capacity,
+                                               void *stream);
+
+/**
+ * Writes to `*out` the outputs of deepep_internode_dispatch, after prepare with the same
+ * (complete) args. out->tensors are laid out as DeepepInternodeDispatchOutputs: recv_x [Nr, H],
+ * recv_x_scales [Nr, S], recv_topk_idx [Nr, K], recv_topk_weights [Nr, K] float32 (as
+ * intranode), recv_src_meta [Nr, 8] uint8 and send_nvl_head [Nrdma, G] int32 (both absent when
+ * cached). Nr, Nrdma: the handle's counts when cached (num_rdma_recv_tokens unused), else
+ * args->num_worst_tokens when > 0, else prepare's counts.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
+ */
+DeepepStatus deepep_internode_dispatch_outputs(const DeepepBuffer *buf,
+                                               const DeepepInternodeDispatchArgs *args,
+                                               int num_recv_tokens,
+                                               int num_rdma_recv_tokens,
+                                               DeepepOutputs *out);
+
+/**
+ * Step 2 of DeepEP's internode_dispatch: the data kernel into the caller's outputs.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT; DEEPEP_ERROR_NOT_AVAILABLE; DEEPEP_ERROR_TIMEOUT
+ * (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
+ */
+DeepepStatus deepep_internode_dispatch(const DeepepBuffer *buf,
+                                       const DeepepInternodeDispatchArgs *args,
+                                       const DeepepInternodeDispatchOutputs *outputs,
+                                       void *stream);
+
+/**
+ * Writes to `*out` the outputs of deepep_internode_combine for these args (validated as the op
+ * does; the output descriptors are ignored): combined_x [T, H] bfloat16 with T =
+ * is_combined_token_in_rank's rows, combined_topk_weights [T, K] float32, absent without
+ * topk_weights.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
+ */
+DeepepStatus deepep_internode_combine_outputs(const DeepepBuffer *buf,
+                                              const DeepepInternodeCombineArgs *args,
+                                              DeepepOutputs *out);
+
+/**
+ * DeepEP's internode_combine: sums each token's rows inside each node, then over nodes (fp32,
+ * DeepEP's order, biases first) into combined_x on its source rank. Rewrites the two heads in
+ * place as DeepEP does.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT; DEEPEP_ERROR_NOT_AVAILABLE; DEEPEP_ERROR_TIMEOUT
+ * (a GPU wait expired, here or in an earlier op); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
+ */
+DeepepStatus deepep_internode_combine(const DeepepBuffer *buf,
+                                      const DeepepInternodeCombineArgs *args,
+                                      void *stream);
 
 /**
  * Checks a low-latency shape against the LL kernels' limits (M, hidden, experts per rank,

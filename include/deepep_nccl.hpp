@@ -308,6 +308,51 @@ class Buffer {
     intranode_dispatch(args, DeepepIntranodeDispatchOutputs{t[0], t[1], t[2], t[3], t[4]}, stream);
   }
 
+  // Internode normal mode (a buffer across nodes, get_num_rdma_ranks() > 1; draft, not yet run on
+  // GPUs): the intranode sequence with the internode structs. prepare returns the receive count
+  // N and writes the scale-out receive count to *num_rdma_recv (-1 both when cached or with
+  // num_worst_tokens).
+  int internode_dispatch_prepare(const DeepepInternodeDispatchArgs& args, int* num_rdma_recv,
+                                 std::vector<int>* per_expert = nullptr, void* stream = nullptr) const {
+    std::vector<int> scratch;
+    std::vector<int>& list = per_expert != nullptr ? *per_expert : scratch;
+    list.clear();
+    const DeepepTensor& experts = args.num_tokens_per_expert;
+    if (args.cached == 0 && experts.dtype != 0 && experts.ndim == 1 && experts.shape[0] > 0) {
+      const int ranks = num_ranks();
+      if (ranks > 0) list.assign(static_cast<size_t>(experts.shape[0] / ranks), 0);
+    }
+    int num_recv = -1, rdma = -1;
+    check(deepep_internode_dispatch_prepare(buf_, &args, &num_recv, &rdma, list.empty() ? nullptr : list.data(),
+                                            static_cast<int>(list.size()), stream));
+    if (num_recv < 0) list.clear();
+    if (num_rdma_recv != nullptr) *num_rdma_recv = rdma;
+    return num_recv;
+  }
+  void internode_dispatch(const DeepepInternodeDispatchArgs& args, const DeepepInternodeDispatchOutputs& outputs,
+                          void* stream = nullptr) const {
+    check(deepep_internode_dispatch(buf_, &args, &outputs, stream));
+  }
+  void internode_combine(const DeepepInternodeCombineArgs& args, void* stream = nullptr) const {
+    check(deepep_internode_combine(buf_, &args, stream));
+  }
+  DeepepOutputs internode_dispatch_handle_outputs(const DeepepInternodeDispatchArgs& args) const {
+    return describe_outputs(deepep_internode_dispatch_handle_outputs, &args);
+  }
+  DeepepOutputs internode_dispatch_outputs(const DeepepInternodeDispatchArgs& args, int num_recv_tokens,
+                                           int num_rdma_recv_tokens) const {
+    return describe_outputs(deepep_internode_dispatch_outputs, &args, num_recv_tokens, num_rdma_recv_tokens);
+  }
+  DeepepOutputs internode_combine_outputs(const DeepepInternodeCombineArgs& args) const {
+    return describe_outputs(deepep_internode_combine_outputs, &args);
+  }
+  // Step 2 into receive outputs placed with place_outputs (DeepepInternodeDispatchOutputs' order).
+  void internode_dispatch(const DeepepInternodeDispatchArgs& args, const DeepepOutputs& outputs,
+                          void* stream = nullptr) const {
+    const DeepepTensor* t = outputs.tensors;
+    internode_dispatch(args, DeepepInternodeDispatchOutputs{t[0], t[1], t[2], t[3], t[4], t[5]}, stream);
+  }
+
   // Low-latency (LL) mode: needs a buffer created with low_latency_mode and num_rdma_bytes from
   // low_latency_rdma_size_hint. Every LL call flips the buffer half (DeepEP's double buffering).
   // Streams as everywhere here: nullptr = the comm stream, default_stream() = CUDA's default.

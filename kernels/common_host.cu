@@ -5,6 +5,7 @@
 
 #include "deepep_kernels.h"
 #include "ll_common.cuh"
+#include "internode_common.cuh"
 #include "normal_common.cuh"
 
 extern "C" int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk) {
@@ -38,4 +39,12 @@ extern "C" int64_t deepep_ll_view_row_bytes(int32_t hidden) { return deepep::ll:
 
 extern "C" const char* deepep_cuda_error_string(int error) {
   return cudaGetErrorString(static_cast<cudaError_t>(error));
+}
+
+extern "C" int64_t deepep_internode_dispatch_row_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk) {
+  return deepep::internode::DispatchRow{hidden_bytes, num_scales, num_topk}.bytes();
+}
+
+extern "C" int64_t deepep_internode_combine_row_bytes(int32_t hidden_bytes, int32_t num_topk) {
+  return deepep::internode::CombineRow{hidden_bytes, num_topk}.bytes();
 }

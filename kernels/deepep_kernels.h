@@ -26,6 +26,12 @@ enum DeepepWaitOp {
   DEEPEP_WAIT_OP_LL_DISPATCH = 6,        // low-latency receiver waiting for a source rank's dispatch signal
   DEEPEP_WAIT_OP_LL_COMBINE = 7,         // low-latency receiver waiting for an expert rank's combine signal
   DEEPEP_WAIT_OP_LL_CLEAN = 8,           // clean_low_latency_buffer's barrier waiting for a rank to arrive
+  // Internode normal mode; `counter` is the channel (the source rank for a notify wait).
+  DEEPEP_WAIT_OP_INTERNODE_NOTIFY = 9,   // notify: waiting for a rank's counts (scale-out leg when remote)
+  DEEPEP_WAIT_OP_RDMA_TAIL = 10,         // scale-out leg: waiting for a node's rows in a ring
+  DEEPEP_WAIT_OP_RDMA_HEAD = 11,         // scale-out leg: waiting for a node to free ring slots
+  DEEPEP_WAIT_OP_NVL_SLOT = 12,          // NVLink leg: waiting for a local peer's ring slot
+  DEEPEP_WAIT_OP_NVL_CONSUMED = 13,      // NVLink leg: waiting for a local peer to free a slot
 };
 
 // Written by the first GPU thread whose wait expires; lives in host-mapped
@@ -80,6 +86,7 @@ enum DeepepFaultCode {
   DEEPEP_FAULT_LL_SAME_HALF = 6,        // a = buffer half that took two LL sends in a row (a CUDA graph
                                         // with an odd number of LL ops replayed), b = rank
   DEEPEP_FAULT_LL_COMBINE_HANDLE = 7,   // a = enum DeepepHandleEntry, b = flat index, c = value
+  DEEPEP_FAULT_RDMA_RANK_COUNT = 8,     // a = node, b = num_tokens_per_rdma_rank[node], c = is_token_in_rank count
 };
 
 // Which index-bearing entry a kernel found out of range (a handle's, or one a peer sent).
@@ -110,7 +117,7 @@ typedef struct DeepepFaultRecord {
 // the per-expert list, then num_recv_tokens (the host spins on it, -1 before).
 typedef struct DeepepRecvCounts {
   int32_t num_recv_tokens;
-  int32_t reserved;
+  int32_t num_rdma_recv_tokens;  // internode: rows of this GPU's scale-out receive space
   int32_t num_recv_tokens_per_expert[DEEPEP_MAX_LOCAL_EXPERTS];
 } DeepepRecvCounts;
 
@@ -214,6 +221,135 @@ typedef struct DeepepCombineParams {
   int32_t slot_bytes;
   int32_t reserved;
 } DeepepCombineParams;
+
+// ---------------------------------------------------------------- internode normal mode
+// docs/internode.md. N nodes of G GPUs; rank r is GPU r % G of node r / G. Draft limits: the
+// data kernels give each source node a warp and each local GPU a warp (N + G <= 24).
+#define DEEPEP_INTERNODE_MAX_NODES 16
+#define DEEPEP_INTERNODE_MAX_NODE_SIZE 8
+#define DEEPEP_INTERNODE_MAX_RANKS (DEEPEP_INTERNODE_MAX_NODES * DEEPEP_INTERNODE_MAX_NODE_SIZE)
+// Scale-out counters, uint64 words: tail [MAX_CHANNELS][MAX_NODES] (rows a node put into this
+// rank's ring (channel, node)), head [MAX_CHANNELS][MAX_NODES] (rows a node consumed of this
+// rank's rows to it), notify [MAX_RANKS] (notify rounds a rank sent here). Window words for
+// LSA-reached peers (DEEPEP_INTERNODE_CONTROL_BYTES at common.control_offset), GIN signals
+// (from common.gin_signal_base, same order) for the others. They only grow.
+#define DEEPEP_INTERNODE_COUNTERS \
+  (2 * DEEPEP_MAX_CHANNELS * DEEPEP_INTERNODE_MAX_NODES + DEEPEP_INTERNODE_MAX_RANKS)
+#define DEEPEP_INTERNODE_CONTROL_BYTES (8 * DEEPEP_INTERNODE_COUNTERS)
+// One notify slot (int32, per source and parity): the source's gbl channel prefixes towards
+// this rank [C], its rdma channel prefixes towards this node [C] (from the same-GPU source
+// only), its token count for each local expert [E / R].
+#define DEEPEP_INTERNODE_NOTIFY_SLOT_INTS (2 * DEEPEP_MAX_CHANNELS + DEEPEP_MAX_LOCAL_EXPERTS)
+// Local running totals (workspace, uint64): sent [MAX_CHANNELS][MAX_NODES], received
+// [MAX_CHANNELS][MAX_NODES], then the notify rounds done.
+#define DEEPEP_INTERNODE_WORKSPACE_WORDS (2 * DEEPEP_MAX_CHANNELS * DEEPEP_INTERNODE_MAX_NODES + 1)
+// Bytes of a dispatch row's header (source token, destination-GPU mask) and of an NVLink slot's
+// header (flag, source rank, sequence) before its row.
+#define DEEPEP_INTERNODE_ROW_HEADER_BYTES 16
+#define DEEPEP_INTERNODE_NVL_HEADER_BYTES 16
+
+typedef struct DeepepInternodeCommon {
+  void* window;               // ncclWindow_t
+  uint64_t nvl_offset;        // NVL region: NVLink rings, then their consumed words
+  uint64_t rdma_offset;       // RDMA region: notify slots [2][R] and staging [2][R], then the
+                              // scale-out rings [C][N] of rdma_ring_tokens slots (+ GIN send rings)
+  uint64_t control_offset;    // the counters' window words
+  uint32_t* op_epoch;         // workspace: bumped by the last block of every data kernel
+  uint32_t* ticket;           // workspace: last-block detection, zero between launches
+  uint64_t* totals;           // workspace: DEEPEP_INTERNODE_WORKSPACE_WORDS
+  DeepepFaultRecord* fault;
+  DeepepWaitContext wait;
+  int32_t rank;
+  int32_t num_ranks;
+  int32_t node_size;          // G
+  int32_t num_nodes;          // N
+  int32_t num_channels;       // C = config.num_sms / 2
+  int32_t rdma_ring_tokens;   // config.num_max_rdma_chunked_recv_tokens
+  int32_t nvl_ring_tokens;    // config.num_max_nvl_chunked_recv_tokens
+  int32_t gin_signal_base;    // first GIN signal of the counters (after the LL ones)
+} DeepepInternodeCommon;
+
+// Notify: counts and channel prefixes to every rank, which derives its receive side. Also a
+// combine's barrier (is_token_in_rank NULL): every data kernel starts after every rank has
+// finished its previous one, so rings start empty.
+typedef struct DeepepInternodeNotifyParams {
+  DeepepInternodeCommon common;
+  const uint8_t* is_token_in_rank;            // [T, R] bool, or NULL (barrier only)
+  const int32_t* num_tokens_per_rank;         // [R] or NULL
+  const int32_t* num_tokens_per_rdma_rank;    // [N] or NULL
+  const int32_t* num_tokens_per_expert;       // [E] or NULL
+  const void* topk_idx;                       // [T, K] for range checks, or NULL
+  int32_t* rdma_channel_prefix_matrix;        // [N, C]: written (non-cached) or read (cached)
+  int32_t* gbl_channel_prefix_matrix;         // [R, C]: written (non-cached) or read (cached)
+  int32_t* recv_rdma_channel_prefix_matrix;   // [N, C] written (combine: read, the heads' segments)
+  int32_t* recv_rdma_rank_prefix_sum;         // [N] written (combine: read)
+  int32_t* recv_gbl_channel_prefix_matrix;    // [R, C] written
+  int32_t* recv_gbl_rank_prefix_sum;          // [R] written
+  int32_t* combined_rdma_head;                // combine: [T, N], rewritten in place, or NULL
+  int32_t* combined_nvl_head;                 // combine: [num_rdma_rows, G], rewritten in place
+  DeepepRecvCounts* counts;                   // host-mapped, or NULL (no host wait)
+  int64_t num_tokens;
+  int64_t num_rdma_rows;                      // combine: rows of combined_nvl_head
+  int32_t num_topk;
+  int32_t topk_idx_is_int32;
+  int32_t num_experts;                        // 0 in cached mode
+  int32_t expert_alignment;
+  int32_t cached;
+  int32_t num_worst_tokens;
+} DeepepInternodeNotifyParams;
+
+typedef struct DeepepInternodeDispatchParams {
+  DeepepInternodeCommon common;
+  const void* x;                              // [T, H] contiguous
+  const void* x_scales;                       // [T, S] 4-byte elements, strided, or NULL
+  const void* topk_idx;                       // [T, K] or NULL
+  const float* topk_weights;                  // [T, K] or NULL
+  const uint8_t* is_token_in_rank;            // [T, R]
+  const int32_t* recv_rdma_channel_prefix_matrix;  // [N, C]
+  const int32_t* recv_rdma_rank_prefix_sum;   // [N]
+  const int32_t* recv_gbl_channel_prefix_matrix;   // [R, C]
+  const int32_t* recv_gbl_rank_prefix_sum;    // [R]
+  void* recv_x;                               // [Nr, H]
+  void* recv_x_scales;                        // [Nr, S] or NULL
+  void* recv_topk_idx;                        // [Nr, K] or NULL
+  float* recv_topk_weights;                   // [Nr, K] or NULL
+  uint8_t* recv_src_meta;                     // [Nr, 8] or NULL (cached)
+  int32_t* send_rdma_head;                    // [T, N] or NULL (cached)
+  int32_t* send_nvl_head;                     // [Nrdma, G] or NULL (cached)
+  int64_t num_tokens;
+  int64_t num_recv_rows;                      // Nr, rows allocated in the recv outputs
+  int64_t num_rdma_recv_rows;                 // rows allocated in send_nvl_head
+  int64_t scale_stride_token;
+  int64_t scale_stride_scale;
+  int32_t hidden_bytes;
+  int32_t num_scales;
+  int32_t num_topk;
+  int32_t topk_idx_is_int32;
+  int32_t num_experts;
+  int32_t row_bytes;                          // one row: header, x, scales, top-k ids and weights
+} DeepepInternodeDispatchParams;
+
+typedef struct DeepepInternodeCombineParams {
+  DeepepInternodeCommon common;
+  const void* x;                              // [Nr, H] bf16
+  const float* topk_weights;                  // [Nr, K] or NULL
+  const void* bias_0;                         // [T, H] bf16 or NULL
+  const void* bias_1;
+  const int32_t* rdma_channel_prefix_matrix;  // [N, C]: dispatch's recv_rdma_channel_prefix_matrix
+  const int32_t* rdma_rank_prefix_sum;        // [N]: dispatch's recv_rdma_rank_prefix_sum
+  const int32_t* gbl_channel_prefix_matrix;   // [R, C]: dispatch's recv_gbl_channel_prefix_matrix
+  int32_t* combined_rdma_head;                // [T, N]: dispatch's send_rdma_head (read)
+  int32_t* combined_nvl_head;                 // [Nrdma, G]: dispatch's send_nvl_head (read)
+  void* combined_x;                           // [T, H] bf16
+  float* combined_topk_weights;               // [T, K] or NULL
+  int64_t num_tokens;                         // T
+  int64_t num_recv_rows;                      // Nr
+  int64_t num_rdma_recv_rows;                 // rows of combined_nvl_head
+  int32_t hidden_bytes;
+  int32_t num_topk;
+  int32_t row_bytes;                          // one row: header, x, top-k weights
+  int32_t reserved;
+} DeepepInternodeCombineParams;
 
 // ---------------------------------------------------------------- low-latency mode
 #define DEEPEP_LL_MAX_TOPK 16
@@ -341,6 +477,10 @@ int64_t deepep_dispatch_layout_workspace_elems(const DeepepLayoutParams* params)
 // Bytes of one normal-mode ring slot for a dispatch/combine row layout (both sides must agree).
 int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk);
 int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk);
+// Bytes of one internode row (a scale-out ring slot; an NVLink slot adds a flag header) of a
+// dispatch (num_scales, num_topk) or a combine (num_scales 0, num_topk: the weights).
+int64_t deepep_internode_dispatch_row_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk);
+int64_t deepep_internode_combine_row_bytes(int32_t hidden_bytes, int32_t num_topk);
 // High word of every normal-mode ring flag of op `epoch` (normal_common.cuh flag_generation).
 uint32_t deepep_normal_flag_generation(uint32_t epoch);
 // LL: bytes of one dispatch slot (header + payload) and of one combine slot (-1: LogFMT asked
@@ -379,6 +519,14 @@ typedef int DeepepLaunchWindowGeometry(void* window, int lsa_size, uint64_t* out
 typedef int DeepepLaunchNormalNotify(const void* dev_comm, const DeepepNotifyParams* params, void* stream);
 typedef int DeepepLaunchNormalDispatch(const DeepepDispatchParams* params, void* stream);
 typedef int DeepepLaunchNormalCombine(const void* dev_comm, const DeepepCombineParams* params, void* stream);
+// Internode normal mode (kernels/internode_*.cu). remote_kind: an enum DeepepLlRemoteKind
+// (EMULATED or GIN: how the scale-out leg reaches other nodes).
+typedef int DeepepLaunchInternodeNotify(const void* dev_comm, const DeepepInternodeNotifyParams* params,
+                                        int remote_kind, void* stream);
+typedef int DeepepLaunchInternodeDispatch(const void* dev_comm, const DeepepInternodeDispatchParams* params,
+                                          int remote_kind, void* stream);
+typedef int DeepepLaunchInternodeCombine(const void* dev_comm, const DeepepInternodeCombineParams* params,
+                                         int remote_kind, void* stream);
 // Low-latency mode (kernels/ll_*.cu). remote_kind: an enum DeepepLlRemoteKind.
 typedef int DeepepLaunchLlDispatch(const void* dev_comm, const DeepepLlDispatchParams* params, int remote_kind,
                                    int num_blocks, void* stream);
@@ -407,6 +555,9 @@ typedef struct DeepepNcclBuild {
   DeepepLaunchLlDispatch* launch_ll_dispatch;
   DeepepLaunchLlCombine* launch_ll_combine;
   DeepepLaunchLlClean* launch_ll_clean;
+  DeepepLaunchInternodeNotify* launch_internode_notify;
+  DeepepLaunchInternodeDispatch* launch_internode_dispatch;
+  DeepepLaunchInternodeCombine* launch_internode_combine;
 } DeepepNcclBuild;
 
 // A build's table is returned by deepep_nccl_build_<NCCL_VERSION_CODE of its headers>(); build.rs
@@ -431,6 +582,9 @@ DeepepLaunchNormalCombine deepep_launch_normal_combine;
 DeepepLaunchLlDispatch deepep_launch_ll_dispatch;
 DeepepLaunchLlCombine deepep_launch_ll_combine;
 DeepepLaunchLlClean deepep_launch_ll_clean;
+DeepepLaunchInternodeNotify deepep_launch_internode_notify;
+DeepepLaunchInternodeDispatch deepep_launch_internode_dispatch;
+DeepepLaunchInternodeCombine deepep_launch_internode_combine;
 #endif
 
 #ifdef __cplusplus

@@ -31,6 +31,9 @@ extern "C" __attribute__((visibility("default"))) const DeepepNcclBuild* DEEPEP_
     b.launch_ll_dispatch = deepep_launch_ll_dispatch;
     b.launch_ll_combine = deepep_launch_ll_combine;
     b.launch_ll_clean = deepep_launch_ll_clean;
+    b.launch_internode_notify = deepep_launch_internode_notify;
+    b.launch_internode_dispatch = deepep_launch_internode_dispatch;
+    b.launch_internode_combine = deepep_launch_internode_combine;
     return b;
   }();
   return &build;

@@ -216,10 +216,10 @@ __device__ __forceinline__ void count_dropped(const DeepepNormalCommon& c, int k
 // mode after marking `peer` gone (no stall: the kernel drops the peer's traffic). Whole warps
 // call it; in shrink mode the answer is the warp's (a lane that saw the peer given up while
 // another saw its flag must not split the warp).
+// `gone` is the kernel's peer-gone words (shrink mode only).
 template <bool kAcquire, bool kShrink>
-__device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t expected, const DeepepNormalCommon& c,
-                                               int peer, int op, int counter) {
-  const DeepepWaitContext& w = c.wait;
+__device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
+                                               int32_t* gone, int peer, int op, int counter) {
   uint64_t seen = ld_relaxed_sys(flag);
   if (seen != expected) {
     const uint64_t start = global_time_ns();
@@ -230,7 +230,8 @@ __device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t ex
       if (seen == expected) break;
       if ((spin & 15) == 15) {
         if (kShrink) {
-          if (buffer_failed(w) || peer_gone<kShrink>(c, peer) || global_time_ns() - start > w.timeout_ns) {
+          if (buffer_failed(w) || *reinterpret_cast<volatile int32_t*>(gone + peer) != 0 ||
+              global_time_ns() - start > w.timeout_ns) {
             got = false;
             break;
           }
@@ -242,7 +243,7 @@ __device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t ex
       }
     }
     if (kShrink && !__all_sync(0xffffffffu, got)) {
-      if ((threadIdx.x & 31) == 0) atomicExch(c.peer_gone + peer, 1);
+      if ((threadIdx.x & 31) == 0) atomicExch(gone + peer, 1);
       return false;
     }
   }
@@ -254,7 +255,12 @@ __device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t ex
 template <bool kShrink>
 __device__ __forceinline__ bool warp_wait(const uint64_t* flag, uint64_t expected, const DeepepNormalCommon& c,
                                           int peer, int op, int counter) {
-  return warp_wait_flag<true, kShrink>(flag, expected, c, peer, op, counter);
+  return warp_wait_flag<true, kShrink>(flag, expected, c.wait, c.peer_gone, peer, op, counter);
+}
+// The same for kernels without a shrink mode (internode).
+__device__ __forceinline__ bool warp_wait(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
+                                          int peer, int op, int counter) {
+  return warp_wait_flag<true, false>(flag, expected, w, nullptr, peer, op, counter);
 }
 
 // For a word that only gates our own later stores (a freed ring slot): stores
@@ -262,7 +268,11 @@ __device__ __forceinline__ bool warp_wait(const uint64_t* flag, uint64_t expecte
 template <bool kShrink>
 __device__ __forceinline__ bool warp_wait_relaxed(const uint64_t* flag, uint64_t expected, const DeepepNormalCommon& c,
                                                   int peer, int op, int counter) {
-  return warp_wait_flag<false, kShrink>(flag, expected, c, peer, op, counter);
+  return warp_wait_flag<false, kShrink>(flag, expected, c.wait, c.peer_gone, peer, op, counter);
+}
+__device__ __forceinline__ bool warp_wait_relaxed(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
+                                                  int peer, int op, int counter) {
+  return warp_wait_flag<false, false>(flag, expected, w, nullptr, peer, op, counter);
 }
 
 // Fills `bytes` at p with 0xff across the grid: NaN in every float dtype (and UE8M0), -1 in

@@ -22,6 +22,10 @@ const LL_CLEAN_BARRIER_OFFSET: usize = 32 << 10;
 const NOTIFY_OFFSET: usize = 64 << 10;
 const _: () = assert!(LL_CLEAN_BARRIER_OFFSET + 4 * LL_MAX_RANKS as usize <= NOTIFY_OFFSET);
 const _: () = assert!(NOTIFY_OFFSET + 2 * kernels::MAX_NVL_RANKS as usize * kernels::NOTIFY_SLOT_BYTES <= CONTROL_BYTES);
+/// The internode counters' window words (kernels/deepep_kernels.h DEEPEP_INTERNODE_COUNTERS).
+const INTERNODE_CONTROL_OFFSET: usize = 256 << 10;
+const _: () = assert!(NOTIFY_OFFSET + 2 * kernels::MAX_NVL_RANKS as usize * kernels::NOTIFY_SLOT_BYTES <= INTERNODE_CONTROL_OFFSET);
+const _: () = assert!(INTERNODE_CONTROL_OFFSET + kernels::INTERNODE_CONTROL_BYTES <= CONTROL_BYTES);
 const WINDOW_ALIGN: usize = nccl_sys::NCCL_WIN_REQUIRED_ALIGNMENT;
 /// Zeroed device scratch, as DeepEP's NUM_WORKSPACE_BYTES.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -41,6 +45,9 @@ const _: () = assert!(WS_NORMAL_DROPPED + 8 * kernels::DROPPED_KINDS <= WS_LAYOU
 const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// Low-latency counters at the end of the workspace (see [`LlWorkspace`]).
 const WS_LL: usize = WORKSPACE_BYTES - (128 << 10);
+/// Internode running totals (DEEPEP_INTERNODE_WORKSPACE_WORDS), below the LL counters.
+const WS_INTERNODE: usize = WS_LL - (64 << 10);
+const _: () = assert!(WS_INTERNODE + kernels::INTERNODE_WORKSPACE_BYTES <= WS_LL);
 /// Largest rank count the LL workspace arrays hold.
 pub(crate) const LL_MAX_RANKS: i32 = 1024;
 /// Bytes of an LL workspace array of `per` bytes per (op kind, half, `n`).
@@ -145,7 +152,7 @@ impl Resources {
         self.workspace_at(WS_LAYOUT_TICKET).cast()
     }
     pub fn layout_accumulators(&self) -> (*mut i32, i64) {
-        (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WS_LL - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
+        (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WS_INTERNODE - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
     }
     /// The LL state, per (op kind, half): done [R], source_state [R], ticket (then the sends per
     /// half), op_seq [LL_MAX_BLOCKS], gin_sent [R]; then mask [R] (kernels/deepep_kernels.h).
@@ -208,6 +215,36 @@ impl Resources {
     pub fn normal_dropped(&self) -> *mut u64 {
         self.workspace_at(WS_NORMAL_DROPPED).cast()
     }
+    /// Window geometry, device counters and topology of the internode kernels.
+    pub fn internode_common(
+        &self,
+        wait: WaitContext,
+        layout: &crate::config::RankLayout,
+        rdma_offset: usize,
+        num_channels: i32,
+        rdma_ring_tokens: i32,
+        nvl_ring_tokens: i32,
+    ) -> kernels::InternodeCommon {
+        kernels::InternodeCommon {
+            window: self.window.handle().cast(),
+            nvl_offset: CONTROL_BYTES as u64,
+            rdma_offset: rdma_offset as u64,
+            control_offset: INTERNODE_CONTROL_OFFSET as u64,
+            op_epoch: self.workspace_at(WS_OP_EPOCH).cast(),
+            ticket: self.workspace_at(WS_DATA_TICKET).cast(),
+            totals: self.workspace_at(WS_INTERNODE).cast(),
+            fault: self.fault.device_ptr(),
+            wait,
+            rank: layout.rank,
+            num_ranks: layout.num_ranks,
+            node_size: layout.node_size,
+            num_nodes: layout.num_ranks / layout.node_size,
+            num_channels,
+            rdma_ring_tokens,
+            nvl_ring_tokens,
+            gin_signal_base: kernels::LL_GIN_SIGNALS_PER_RANK * layout.num_ranks,
+        }
+    }
     /// The stream an op launches on: the caller's, or the comm stream for NULL.
     pub fn stream_or_comm(&self, stream: *mut c_void) -> *mut c_void {
         if stream.is_null() {
@@ -260,7 +297,7 @@ impl Buffer {
         let resources = Self::create_resources(&args, device_id, &id, &settings, build)?;
         let buffer = Self {
             args,
-            layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks },
+            layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks, node_size: resources.node_size },
             device_id,
             num_device_sms: resources.num_sms,
             lsa_size: resources.lsa_size,
@@ -288,13 +325,6 @@ impl Buffer {
         let comm = Communicator::init_rank(args.num_ranks, id, args.rank)?;
         let team = comm.lsa_team();
         let multi_node = team.nRanks != args.num_ranks;
-        if multi_node && !args.low_latency_mode {
-            return Err(Error::unsupported(format!(
-                "rank {} reaches only {} of {} ranks over NVLink/P2P (LSA team): across nodes only low-latency mode \
-                 (low_latency_mode=True) is supported",
-                args.rank, team.nRanks, args.num_ranks
-            )));
-        }
         let virtual_node = settings.virtual_node_size;
         let nvl_offset = CONTROL_BYTES;
         let rdma_offset = nvl_offset + align_up(args.num_nvl_bytes as usize, WINDOW_ALIGN);
@@ -302,7 +332,12 @@ impl Buffer {
         let window = SymmetricWindow::new(&comm, window_bytes)?;
         cuda::memset_zero(window.ptr(), window.bytes())?;
         // Control and notify slots, then one per SM so per-CTA barriers never share one.
-        let gin_signals = if multi_node { kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks } else { 0 };
+        // The LL signals, then (a normal-mode buffer) the internode counters.
+        let gin_signals = match (multi_node, args.low_latency_mode) {
+            (false, _) => 0,
+            (true, true) => kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks,
+            (true, false) => kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks + kernels::INTERNODE_COUNTERS,
+        };
         let dev_comm = DevComm::new(&comm, build, DATA_BARRIER_BASE + num_sms, gin_signals).map_err(|e| {
             if multi_node {
                 Error::unsupported(format!(
@@ -365,9 +400,15 @@ impl Buffer {
     /// For the CPU tests, fuzz targets and benches (capi::testing), never for a user.
     #[doc(hidden)]
     pub fn without_resources(args: BufferArgs, num_device_sms: i32) -> Self {
+        Self::without_resources_in_nodes(args, num_device_sms, args.num_ranks)
+    }
+
+    /// [`Buffer::without_resources`] spanning nodes of `node_size` ranks (internode checks).
+    #[doc(hidden)]
+    pub fn without_resources_in_nodes(args: BufferArgs, num_device_sms: i32, node_size: i32) -> Self {
         Self {
             args,
-            layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks },
+            layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks, node_size },
             device_id: -1,
             num_device_sms,
             lsa_size: args.num_ranks,

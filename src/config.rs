@@ -266,32 +266,54 @@ pub fn check_buffer_args(rank: i32, num_ranks: i32, num_nvl_bytes: i64, num_rdma
         num_ranks < NUM_MAX_NVL_PEERS || num_ranks % NUM_MAX_NVL_PEERS == 0,
         "num_ranks ({num_ranks}) must be < {NUM_MAX_NVL_PEERS} or a multiple of {NUM_MAX_NVL_PEERS}"
     );
+    // DeepEP's nodes are 8 GPUs; virtual nodes (DEEPEP_VIRTUAL_NODE_SIZE below num_ranks) make
+    // internode normal mode, which uses the RDMA region, possible with fewer ranks.
     ensure_arg!(
-        num_rdma_bytes == 0 || num_ranks > NUM_MAX_NVL_PEERS || low_latency_mode,
+        num_rdma_bytes == 0 || num_ranks > NUM_MAX_NVL_PEERS || low_latency_mode || crate::env::virtual_nodes(num_ranks),
         "num_rdma_bytes ({num_rdma_bytes}) > 0 requires num_ranks > {NUM_MAX_NVL_PEERS} or low_latency_mode"
     );
     Ok(())
 }
 
-/// Rank bookkeeping DeepEP derives from (rank, num_ranks).
+/// Rank bookkeeping DeepEP derives from (rank, num_ranks), with the buffer's node size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RankLayout {
     pub rank: i32,
     pub num_ranks: i32,
+    /// GPUs per (virtual) node of the buffer: the LSA team or DEEPEP_VIRTUAL_NODE_SIZE;
+    /// num_ranks when the buffer lies within one node.
+    pub node_size: i32,
 }
 
 impl RankLayout {
+    /// A buffer within one node (and a buffer not yet created): DeepEP's answers.
+    pub fn one_node(rank: i32, num_ranks: i32) -> Self {
+        Self { rank, num_ranks, node_size: num_ranks }
+    }
+    /// Whether the buffer spans (virtual) nodes: internode normal mode.
+    pub fn spans_nodes(&self) -> bool {
+        self.node_size < self.num_ranks
+    }
+    /// GPUs per node as the rdma queries count them: the node size across nodes; within one
+    /// node DeepEP's 8 (so a 16-rank single-node LL buffer answers as DeepEP does).
+    pub fn gpus_per_node(&self) -> i32 {
+        if self.spans_nodes() {
+            self.node_size
+        } else {
+            NUM_MAX_NVL_PEERS
+        }
+    }
     pub fn rdma_rank(&self) -> i32 {
-        self.rank / NUM_MAX_NVL_PEERS
+        self.rank / self.gpus_per_node()
     }
     pub fn nvl_rank(&self) -> i32 {
-        self.rank % NUM_MAX_NVL_PEERS
+        self.rank % self.gpus_per_node()
     }
     pub fn num_rdma_ranks(&self) -> i32 {
-        (self.num_ranks / NUM_MAX_NVL_PEERS).max(1)
+        (self.num_ranks / self.gpus_per_node()).max(1)
     }
     pub fn num_nvl_ranks(&self) -> i32 {
-        self.num_ranks.min(NUM_MAX_NVL_PEERS)
+        self.num_ranks.min(self.gpus_per_node())
     }
     /// `get_root_rdma_rank(global)`: `global ? nvl_rank : 0`.
     pub fn root_rdma_rank(&self, global: bool) -> i32 {
@@ -411,10 +433,17 @@ mod tests {
 
     #[test]
     fn rank_layout_derivations() {
-        let l = RankLayout { rank: 13, num_ranks: 16 };
+        let l = RankLayout::one_node(13, 16);
         assert_eq!((l.rdma_rank(), l.nvl_rank(), l.num_rdma_ranks(), l.num_nvl_ranks()), (1, 5, 2, 8));
         assert_eq!((l.root_rdma_rank(true), l.root_rdma_rank(false)), (5, 0));
-        let small = RankLayout { rank: 3, num_ranks: 4 };
+        let small = RankLayout::one_node(3, 4);
         assert_eq!((small.num_rdma_ranks(), small.num_nvl_ranks()), (1, 4));
+        // Across nodes the node size replaces DeepEP's 8: 2 GPUs as 2 nodes of 1, 12 as 3 x 4.
+        let virt = RankLayout { rank: 1, num_ranks: 2, node_size: 1 };
+        assert!(virt.spans_nodes());
+        assert_eq!((virt.rdma_rank(), virt.nvl_rank(), virt.num_rdma_ranks(), virt.num_nvl_ranks()), (1, 0, 2, 1));
+        let twelve = RankLayout { rank: 9, num_ranks: 12, node_size: 4 };
+        assert_eq!((twelve.rdma_rank(), twelve.root_rdma_rank(true), twelve.num_rdma_ranks()), (2, 1, 3));
+        assert!(!RankLayout::one_node(13, 16).spans_nodes());
     }
 }

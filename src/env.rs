@@ -7,7 +7,8 @@ use crate::log::Level;
 
 pub(crate) const GPU_TIMEOUT_ENV: &str = "DEEPEP_GPU_TIMEOUT_SECS";
 /// Ranks [k*n, (k+1)*n) form one node; LL traffic between nodes takes the
-/// remote (GIN-protocol) path, emulated over NVLink.
+/// remote (GIN-protocol) path, emulated over NVLink, and a normal-mode buffer takes the internode
+/// path (its scale-out leg emulated over NVLink).
 pub(crate) const VIRTUAL_NODE_ENV: &str = "DEEPEP_VIRTUAL_NODE_SIZE";
 pub(crate) const LOG_ENV: &str = "DEEPEP_LOG";
 /// DeepEP's NUM_TIMEOUT_CYCLES equivalent (100 s).
@@ -47,6 +48,12 @@ pub(crate) fn parse_virtual_node_size(value: Option<&str>, num_ranks: i32) -> Re
             &format!("a positive integer dividing the rank count ({num_ranks}): ranks per virtual node"),
         )),
     }
+}
+
+/// Whether DEEPEP_VIRTUAL_NODE_SIZE splits `num_ranks` into several nodes (a bad value: no; Buffer
+/// creation reports it).
+pub(crate) fn virtual_nodes(num_ranks: i32) -> bool {
+    parse_virtual_node_size(read(VIRTUAL_NODE_ENV).as_deref(), num_ranks).is_ok_and(|n| n < num_ranks)
 }
 
 /// `error`, `warn`, `info` or `debug` (any case); `warn` when unset.

@@ -16,6 +16,11 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
              pass the outputs of one get_dispatch_layout call",
             f.a, f.b, f.c, f.a
         ),
+        kernels::DEEPEP_FAULT_RDMA_RANK_COUNT => format!(
+            "num_tokens_per_rdma_rank[{}] is {} but is_token_in_rank selects {} tokens for node {}; \
+             pass the outputs of one get_dispatch_layout call",
+            f.a, f.b, f.c, f.a
+        ),
         kernels::DEEPEP_FAULT_WORST_TOO_SMALL => format!(
             "num_worst_tokens ({}) is smaller than the {} tokens this rank received; rows past it were dropped",
             f.a, f.b
@@ -89,6 +94,17 @@ pub(crate) fn stall_error(record: &StallRecord, timeout_ns: u64) -> Error {
         kernels::DEEPEP_WAIT_OP_LL_DISPATCH => format!("rank {peer} never sent its low-latency dispatch{}", ll_ops(record)),
         kernels::DEEPEP_WAIT_OP_LL_COMBINE => format!("rank {peer} never sent its low-latency combine{}", ll_ops(record)),
         kernels::DEEPEP_WAIT_OP_LL_CLEAN => format!("rank {peer} never arrived at clean_low_latency_buffer's barrier"),
+        kernels::DEEPEP_WAIT_OP_INTERNODE_NOTIFY => format!("rank {peer} never sent its internode notify counts"),
+        kernels::DEEPEP_WAIT_OP_RDMA_TAIL => {
+            format!("rank {peer} never sent its rows over the scale-out leg (internode, channel {n})")
+        }
+        kernels::DEEPEP_WAIT_OP_RDMA_HEAD => {
+            format!("rank {peer} never freed scale-out ring slots (internode, channel {n})")
+        }
+        kernels::DEEPEP_WAIT_OP_NVL_SLOT => format!("rank {peer} never sent its rows over the NVLink leg (internode, channel {n})"),
+        kernels::DEEPEP_WAIT_OP_NVL_CONSUMED => {
+            format!("rank {peer} never freed an NVLink ring slot (internode, channel {n})")
+        }
         _ => format!("rank {peer} stalled wait op {} counter {n}", record.op),
     };
     Error::new(
@@ -114,6 +130,8 @@ mod tests {
         assert!(fault_error(&f).message.contains("topk_idx holds 300 at flat index 5"));
         let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RANK_COUNT as i32, a: 2, b: 10, c: 9 };
         assert!(fault_error(&f).message.starts_with("num_tokens_per_rank[2] is 10"));
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RDMA_RANK_COUNT as i32, a: 1, b: 7, c: 6 };
+        assert!(fault_error(&f).message.starts_with("num_tokens_per_rdma_rank[1] is 7 but is_token_in_rank selects 6 tokens for node 1"));
         let f = FaultRecord {
             flag: 1,
             code: kernels::DEEPEP_FAULT_DISPATCH_HANDLE as i32,
@@ -139,6 +157,27 @@ mod tests {
         let m = fault_error(&f).message;
         assert!(m.starts_with("low_latency_combine: the handle's src_info (handle[0]) holds 4096 at flat index 70"), "{m}");
         assert!(m.contains("below num_max_dispatch_tokens_per_rank"), "{m}");
+    }
+
+    #[test]
+    fn internode_stalls_name_the_leg_and_the_channel() {
+        let record = |op: kernels::DeepepWaitOp| StallRecord {
+            flag: 1,
+            rank: 1,
+            peer: 0,
+            op: op as i32,
+            counter: 3,
+            reserved: 0,
+            expected: 5,
+            seen: 4,
+        };
+        let text = |op| stall_error(&record(op), 1_000_000_000).message;
+        assert!(text(kernels::DEEPEP_WAIT_OP_RDMA_TAIL).contains("rank 0 never sent its rows over the scale-out leg (internode, channel 3)"));
+        assert!(text(kernels::DEEPEP_WAIT_OP_RDMA_HEAD).contains("never freed scale-out ring slots (internode, channel 3)"));
+        assert!(text(kernels::DEEPEP_WAIT_OP_NVL_SLOT).contains("over the NVLink leg (internode, channel 3)"));
+        assert!(text(kernels::DEEPEP_WAIT_OP_NVL_CONSUMED).contains("never freed an NVLink ring slot"));
+        let notify = text(kernels::DEEPEP_WAIT_OP_INTERNODE_NOTIFY);
+        assert!(notify.starts_with("GPU wait timed out on rank 1 after 1.0 s: rank 0 never sent its internode notify counts"), "{notify}");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::os::raw::c_void;
 
 use crate::buffer::Buffer;
-use crate::config::NUM_MAX_NVL_PEERS;
+use crate::config::{RankLayout, NUM_MAX_NVL_PEERS};
 use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::kernels::{self, LayoutParams};
@@ -27,10 +27,16 @@ pub const LAYOUT_OUTPUTS: [&str; 4] =
 /// Nodes the layout counts tokens for: num_ranks / 8 above 8 ranks, else none (DeepEP's
 /// num_tokens_per_rdma_rank is None within one node).
 pub fn layout_rdma_ranks(num_ranks: i32) -> i32 {
-    if num_ranks > NUM_MAX_NVL_PEERS {
-        num_ranks / NUM_MAX_NVL_PEERS
+    layout_nodes(&RankLayout::one_node(0, num_ranks)).0
+}
+
+/// (nodes, GPUs per node) the layout counts tokens per node for: a buffer across nodes counts
+/// its nodes; within one node, DeepEP's nodes of 8 above 8 ranks, else none (0).
+pub fn layout_nodes(layout: &RankLayout) -> (i32, i32) {
+    if layout.spans_nodes() || layout.num_ranks > NUM_MAX_NVL_PEERS {
+        (layout.num_rdma_ranks(), layout.gpus_per_node())
     } else {
-        0
+        (0, NUM_MAX_NVL_PEERS)
     }
 }
 
@@ -38,9 +44,15 @@ pub fn layout_rdma_ranks(num_ranks: i32) -> i32 {
 /// num_tokens_per_rdma_rank int32 [R / 8] (absent up to 8 ranks), num_tokens_per_expert int32
 /// [E], these three in one allocation, and is_token_in_rank bool [T, R].
 pub fn layout_outputs(num_ranks: i32, num_tokens: i64, num_experts: i32) -> Result<DeepepOutputs> {
+    layout_outputs_in(&RankLayout::one_node(0, num_ranks), num_tokens, num_experts)
+}
+
+/// [`layout_outputs`] for a buffer's topology: num_tokens_per_rdma_rank has one entry per node
+/// ([`layout_nodes`]).
+pub fn layout_outputs_in(layout: &RankLayout, num_tokens: i64, num_experts: i32) -> Result<DeepepOutputs> {
     ensure_arg!(num_tokens >= 0, "num_tokens must be >= 0, got {num_tokens}");
     ensure_arg!(num_experts > 0, "num_experts must be positive, got {num_experts}");
-    let (ranks, nodes) = (num_ranks as i64, layout_rdma_ranks(num_ranks) as i64);
+    let (ranks, nodes) = (layout.num_ranks as i64, layout_nodes(layout).0 as i64);
     let mut o = DeepepOutputs::default();
     let per_rank = o.push(DEEPEP_DTYPE_INT32, &[ranks]);
     if nodes > 0 {
@@ -56,17 +68,23 @@ pub fn layout_outputs(num_ranks: i32, num_tokens: i64, num_experts: i32) -> Resu
 /// Validates every argument against DeepEP's contract and builds kernel params
 /// (workspace fields left for the caller).
 pub fn build_params<'a>(num_ranks: i32, num_sms: i32, args: &LayoutArgs<'a>) -> Result<LayoutParams> {
+    build_params_in(&RankLayout::one_node(0, num_ranks), num_sms, args)
+}
+
+/// [`build_params`] for a buffer's topology (nodes of [`layout_nodes`]).
+pub fn build_params_in<'a>(layout: &RankLayout, num_sms: i32, args: &LayoutArgs<'a>) -> Result<LayoutParams> {
+    let num_ranks = layout.num_ranks;
     let topk = check("topk_idx", args.topk_idx, &[DEEPEP_DTYPE_INT64, DEEPEP_DTYPE_INT32], 2)?;
     let (num_tokens, num_topk) = (topk.dims()[0], topk.dims()[1]);
     let num_experts = args.num_experts;
-    let want = layout_outputs(num_ranks, num_tokens, num_experts)?;
+    let want = layout_outputs_in(layout, num_tokens, num_experts)?;
     ensure_arg!(
         num_experts % num_ranks == 0,
         "num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})"
     );
     ensure_arg!(num_topk <= 1024, "topk_idx has {num_topk} columns; at most 1024 are supported");
     // Shared-memory histograms: experts + ranks + nodes counters plus a 32-token row tile.
-    let num_rdma_ranks = layout_rdma_ranks(num_ranks);
+    let (num_rdma_ranks, gpus_per_node) = layout_nodes(layout);
     let smem = 4 * (num_experts as i64 + num_ranks as i64 + num_rdma_ranks as i64) + 32 * num_ranks as i64;
     ensure_arg!(
         smem <= 96 * 1024,
@@ -86,7 +104,8 @@ pub fn build_params<'a>(num_ranks: i32, num_sms: i32, args: &LayoutArgs<'a>) -> 
     } else {
         ensure_arg!(
             args.num_tokens_per_rdma_rank.is_none(),
-            "num_tokens_per_rdma_rank must be NULL with {num_ranks} ranks (it exists only above {NUM_MAX_NVL_PEERS} ranks)"
+            "num_tokens_per_rdma_rank must be NULL with {num_ranks} ranks in one node (it exists only above \
+             {NUM_MAX_NVL_PEERS} ranks or across nodes)"
         );
         std::ptr::null_mut()
     };
@@ -99,7 +118,7 @@ pub fn build_params<'a>(num_ranks: i32, num_sms: i32, args: &LayoutArgs<'a>) -> 
         num_experts,
         num_ranks,
         num_rdma_ranks,
-        num_ranks_per_rdma_rank: NUM_MAX_NVL_PEERS,
+        num_ranks_per_rdma_rank: gpus_per_node,
         num_tokens_per_rank: per_rank.ptr().cast(),
         num_tokens_per_rdma_rank: per_rdma_ptr,
         num_tokens_per_expert: per_expert.ptr().cast(),
@@ -114,7 +133,7 @@ pub fn build_params<'a>(num_ranks: i32, num_sms: i32, args: &LayoutArgs<'a>) -> 
 
 /// Launches the layout kernel on `stream` (NULL: the buffer's comm stream).
 pub fn get_dispatch_layout(buffer: &Buffer, args: &LayoutArgs<'_>, stream: *mut c_void) -> Result<()> {
-    let mut params = build_params(buffer.layout.num_ranks, buffer.num_device_sms(), args)?;
+    let mut params = build_params_in(&buffer.layout, buffer.num_device_sms(), args)?;
     buffer.with_resources(|res| {
         let (accumulators, capacity) = res.layout_accumulators();
         params.accumulators = accumulators;
@@ -140,12 +159,24 @@ pub fn reference_layout(
     num_experts: i32,
     num_ranks: i32,
 ) -> (Vec<i32>, Option<Vec<i32>>, Vec<i32>, Vec<bool>) {
+    reference_layout_in(&RankLayout::one_node(0, num_ranks), topk_idx, num_topk, num_experts)
+}
+
+/// [`reference_layout`] for a buffer's topology.
+pub fn reference_layout_in(
+    layout: &RankLayout,
+    topk_idx: &[i64],
+    num_topk: usize,
+    num_experts: i32,
+) -> (Vec<i32>, Option<Vec<i32>>, Vec<i32>, Vec<bool>) {
+    let num_ranks = layout.num_ranks;
+    let (nodes, gpus) = layout_nodes(layout);
+    let (nodes, gpus) = (nodes as usize, gpus as usize);
     let num_tokens = if num_topk == 0 { 0 } else { topk_idx.len() / num_topk };
     let experts_per_rank = (num_experts / num_ranks) as i64;
     let mut per_rank = vec![0; num_ranks as usize];
     let mut per_expert = vec![0; num_experts as usize];
     let mut in_rank = vec![false; num_tokens * num_ranks as usize];
-    let nodes = layout_rdma_ranks(num_ranks) as usize;
     let mut per_node = vec![0; nodes];
     for t in 0..num_tokens {
         let row = &mut in_rank[t * num_ranks as usize..(t + 1) * num_ranks as usize];
@@ -159,7 +190,7 @@ pub fn reference_layout(
             per_rank[r] += *hit as i32;
         }
         for (n, count) in per_node.iter_mut().enumerate() {
-            let span = n * NUM_MAX_NVL_PEERS as usize..(n + 1) * NUM_MAX_NVL_PEERS as usize;
+            let span = n * gpus..(n + 1) * gpus;
             *count += row[span].iter().any(|h| *h) as i32;
         }
     }
@@ -179,6 +210,37 @@ mod tests {
         assert_eq!(per_rank, vec![1, 1]);
         assert_eq!(in_rank, vec![true, false, false, true]);
         assert!(per_node.is_none());
+    }
+
+    #[test]
+    fn across_nodes_the_layout_counts_the_buffers_nodes() {
+        // 2 ranks as 2 nodes of 1, 2 experts each: token 0 -> expert 2 (rank 1), token 1 -> experts
+        // 0 and 3 (ranks 0 and 1).
+        let two = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
+        assert_eq!(layout_nodes(&two), (2, 1));
+        let (_, per_node, _, _) = reference_layout_in(&two, &[2, -1, 0, 3], 2, 4);
+        assert_eq!(per_node, Some(vec![1, 2]));
+        let o = layout_outputs_in(&two, 16, 4).unwrap();
+        assert_eq!((o.get(1).dtype, o.get(1).shape[0], o.offset[1]), (DEEPEP_DTYPE_INT32 as i32, 2, 2));
+        // 12 ranks as 3 nodes of 4; within one node the answers stay DeepEP's.
+        assert_eq!(layout_nodes(&RankLayout { rank: 0, num_ranks: 12, node_size: 4 }), (3, 4));
+        assert_eq!(layout_nodes(&RankLayout::one_node(0, 8)), (0, 8));
+        assert_eq!(layout_nodes(&RankLayout::one_node(0, 16)), (2, 8));
+        let topk = desc(0x1000 as *mut c_void, DEEPEP_DTYPE_INT64, &[16, 2]);
+        let (ranks, nodes) = (desc(0x1000 as *mut c_void, DEEPEP_DTYPE_INT32, &[2]), desc(0x1000 as *mut c_void, DEEPEP_DTYPE_INT32, &[2]));
+        let (experts, in_rank) = (desc(0x1000 as *mut c_void, DEEPEP_DTYPE_INT32, &[4]), desc(0x1000 as *mut c_void, DEEPEP_DTYPE_BOOL, &[16, 2]));
+        let args = LayoutArgs {
+            topk_idx: Some(&topk),
+            num_experts: 4,
+            num_tokens_per_rank: Some(&ranks),
+            num_tokens_per_rdma_rank: Some(&nodes),
+            num_tokens_per_expert: Some(&experts),
+            is_token_in_rank: Some(&in_rank),
+        };
+        let p = build_params_in(&two, 132, &args).unwrap();
+        assert_eq!((p.num_rdma_ranks, p.num_ranks_per_rdma_rank), (2, 1));
+        let one = build_params(2, 132, &args).unwrap_err();
+        assert!(one.message.contains("num_tokens_per_rdma_rank must be NULL with 2 ranks in one node"), "{}", one.message);
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod env;
 pub mod error;
 mod faults;
 mod handles;
+pub mod internode;
 pub mod kernels;
 pub mod layout;
 mod log;

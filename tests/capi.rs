@@ -433,6 +433,20 @@ fn every_buffer_entry(buf: *mut DeepepBuffer) -> Vec<(&'static str, DeepepStatus
     call!("intranode_dispatch_handle_outputs", deepep_intranode_dispatch_handle_outputs(buf, &dispatch, &mut o));
     call!("intranode_dispatch_outputs", deepep_intranode_dispatch_outputs(buf, &dispatch, 5, &mut o));
     call!("intranode_combine_outputs", deepep_intranode_combine_outputs(buf, &combine, &mut o));
+    {
+        use deepep_nccl::internode::combine::DeepepInternodeCombineArgs;
+        use deepep_nccl::internode::dispatch::{DeepepInternodeDispatchArgs, DeepepInternodeDispatchOutputs};
+        // SAFETY: as above.
+        let (dispatch, outputs, combine): (DeepepInternodeDispatchArgs, DeepepInternodeDispatchOutputs, DeepepInternodeCombineArgs) =
+            unsafe { (std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed()) };
+        let mut j = 0i32;
+        call!("internode_dispatch_prepare", deepep_internode_dispatch_prepare(buf, &dispatch, &mut i, &mut j, list.as_mut_ptr(), 4, s));
+        call!("internode_dispatch", deepep_internode_dispatch(buf, &dispatch, &outputs, s));
+        call!("internode_combine", deepep_internode_combine(buf, &combine, s));
+        call!("internode_dispatch_handle_outputs", deepep_internode_dispatch_handle_outputs(buf, &dispatch, &mut o));
+        call!("internode_dispatch_outputs", deepep_internode_dispatch_outputs(buf, &dispatch, 5, 3, &mut o));
+        call!("internode_combine_outputs", deepep_internode_combine_outputs(buf, &combine, &mut o));
+    }
     calls
 }
 

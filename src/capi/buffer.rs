@@ -69,6 +69,11 @@ pub mod testing {
         register(Buffer::without_resources(args, num_device_sms)).expect("room for a test buffer handle")
     }
 
+    /// [`buffer_without_resources`] spanning nodes of `node_size` ranks (internode checks).
+    pub fn buffer_without_resources_in_nodes(args: BufferArgs, num_device_sms: i32, node_size: i32) -> *mut DeepepBuffer {
+        register(Buffer::without_resources_in_nodes(args, num_device_sms, node_size)).expect("room for a test buffer handle")
+    }
+
     /// One registry lookup of a handle (what every call with a buffer handle does first), for
     /// bench/handle_lookup.rs: whether the handle is live.
     pub fn lookup_buffer(buf: *const DeepepBuffer) -> bool {
@@ -183,7 +188,8 @@ pub extern "C" fn deepep_buffer_get_num_ranks(buf: *const DeepepBuffer, out: *mu
     int_query(buf, out, |b| b.layout.num_ranks)
 }
 
-/// max(1, num_ranks / 8), as DeepEP.
+/// The buffer's nodes: num_ranks / node size across (virtual) nodes (the LSA team, or
+/// DEEPEP_VIRTUAL_NODE_SIZE); within one node max(1, num_ranks / 8), as DeepEP.
 ///
 /// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
 /// DEEPEP_ERROR_INTERNAL.
@@ -192,7 +198,7 @@ pub extern "C" fn deepep_buffer_get_num_rdma_ranks(buf: *const DeepepBuffer, out
     int_query(buf, out, |b| b.layout.num_rdma_ranks())
 }
 
-/// rank / 8, as DeepEP.
+/// This rank's node: rank / node size across nodes; within one node rank / 8, as DeepEP.
 ///
 /// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
 /// DEEPEP_ERROR_INTERNAL.
@@ -219,7 +225,7 @@ pub extern "C" fn deepep_buffer_get_num_device_sms(buf: *const DeepepBuffer, out
     int_query(buf, out, |b| b.num_device_sms())
 }
 
-/// DeepEP's get_root_rdma_rank(global): global ? rank % 8 : 0.
+/// DeepEP's get_root_rdma_rank(global): global ? rank % node size (8 within one node) : 0.
 ///
 /// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; NULL out);
 /// DEEPEP_ERROR_INTERNAL.
@@ -323,8 +329,8 @@ fn opt<'a>(t: *const DeepepTensor) -> Option<&'a DeepepTensor> {
 
 /// DeepEP's get_dispatch_layout. Outputs are caller-allocated, as
 /// deepep_get_dispatch_layout_outputs describes them: num_tokens_per_rank
-/// int32 [num_ranks], num_tokens_per_rdma_rank int32 [num_ranks/8] (only when
-/// num_ranks > 8, else NULL), num_tokens_per_expert int32 [num_experts],
+/// int32 [num_ranks], num_tokens_per_rdma_rank int32 [nodes] (a buffer across nodes: its
+/// nodes; within one node num_ranks/8 when num_ranks > 8, else NULL), num_tokens_per_expert int32 [num_experts],
 /// is_token_in_rank bool [num_tokens, num_ranks]. topk_idx is int64 (or int32)
 /// [num_tokens, num_topk]; negative entries mean "no expert". Launches on
 /// `stream` (NULL: the buffer's comm stream) without host synchronisation.
@@ -359,8 +365,8 @@ pub extern "C" fn deepep_get_dispatch_layout(
 
 /// Writes to `*out` what a deepep_get_dispatch_layout caller allocates for `num_tokens` rows of
 /// topk_idx and `num_experts` experts (R = the buffer's ranks). out->tensors, in order:
-/// num_tokens_per_rank int32 [R]; num_tokens_per_rdma_rank int32 [R / 8], absent (dtype 0)
-/// up to 8 ranks, when the op takes NULL for it; num_tokens_per_expert int32 [E]; these three
+/// num_tokens_per_rank int32 [R]; num_tokens_per_rdma_rank int32 [nodes] (deepep_buffer_get_num_rdma_ranks
+/// across nodes; R / 8 within one node), absent (dtype 0) within one node up to 8 ranks, when the op takes NULL for it; num_tokens_per_expert int32 [E]; these three
 /// are views of one int32 allocation; is_token_in_rank bool [num_tokens, R], an allocation of
 /// its own. Allocate as DeepepOutputs says, set each present tensors[i].data and pass
 /// &out->tensors[i] to the op. Errors name num_tokens (< 0) or num_experts (<= 0); on any error
@@ -375,7 +381,7 @@ pub extern "C" fn deepep_get_dispatch_layout_outputs(
     num_experts: c_int,
     out: *mut DeepepOutputs,
 ) -> DeepepStatus {
-    outputs_query(out, || layout::layout_outputs(buffer_ref(buf)?.layout.num_ranks, num_tokens, num_experts))
+    outputs_query(out, || layout::layout_outputs_in(&buffer_ref(buf)?.layout, num_tokens, num_experts))
 }
 
 /// The output queries' common part: zeroes `*out` (a failed query leaves count 0), then writes

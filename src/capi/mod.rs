@@ -11,11 +11,13 @@ use crate::tensor::DeepepDtype;
 
 mod buffer;
 mod config;
+mod internode;
 mod low_latency;
 mod normal;
 
 pub use buffer::*;
 pub use config::*;
+pub use internode::*;
 pub use low_latency::*;
 pub use normal::*;
 

@@ -18,7 +18,7 @@ use crate::normal::combine::{self, DeepepIntranodeCombineArgs};
 use crate::normal::dispatch::{self, DeepepIntranodeDispatchArgs, DeepepIntranodeDispatchOutputs};
 use crate::outputs::DeepepOutputs;
 
-fn args_ref<'a, T>(name: &str, ptr: *const T) -> crate::error::Result<&'a T> {
+pub(super) fn args_ref<'a, T>(name: &str, ptr: *const T) -> crate::error::Result<&'a T> {
     // SAFETY: callers pass a valid struct pointer or NULL; NULL is rejected.
     unsafe { ptr.as_ref() }.ok_or_else(|| Error::invalid(format!("{name} must not be NULL")))
 }
@@ -91,7 +91,7 @@ pub extern "C" fn deepep_intranode_combine(
 }
 
 /// An output query of an op's args (checked before the buffer, so that each NULL is named).
-fn args_query<T>(
+pub(super) fn args_query<T>(
     buf: *const super::DeepepBuffer,
     args: *const T,
     out: *mut DeepepOutputs,

@@ -6,6 +6,15 @@
 pub const DEEPEP_MAX_NVL_RANKS: i32 = 8;
 pub const DEEPEP_MAX_CHANNELS: i32 = 128;
 pub const DEEPEP_NOTIFY_SLOT_INTS: i32 = 1161;
+pub const DEEPEP_INTERNODE_MAX_NODES: i32 = 16;
+pub const DEEPEP_INTERNODE_MAX_NODE_SIZE: i32 = 8;
+pub const DEEPEP_INTERNODE_MAX_RANKS: i32 = 128;
+pub const DEEPEP_INTERNODE_COUNTERS: i32 = 4224;
+pub const DEEPEP_INTERNODE_CONTROL_BYTES: i32 = 33792;
+pub const DEEPEP_INTERNODE_NOTIFY_SLOT_INTS: i32 = 1280;
+pub const DEEPEP_INTERNODE_WORKSPACE_WORDS: i32 = 4097;
+pub const DEEPEP_INTERNODE_ROW_HEADER_BYTES: i32 = 16;
+pub const DEEPEP_INTERNODE_NVL_HEADER_BYTES: i32 = 16;
 pub const DEEPEP_LL_MAX_TOPK: i32 = 16;
 pub const DEEPEP_LL_MAX_BLOCKS: i32 = 1024;
 pub const DEEPEP_LL_CLEAN_BANK: i32 = 2;
@@ -22,6 +31,11 @@ pub const DEEPEP_WAIT_OP_COMBINE_CONSUMED: DeepepWaitOp = 5;
 pub const DEEPEP_WAIT_OP_LL_DISPATCH: DeepepWaitOp = 6;
 pub const DEEPEP_WAIT_OP_LL_COMBINE: DeepepWaitOp = 7;
 pub const DEEPEP_WAIT_OP_LL_CLEAN: DeepepWaitOp = 8;
+pub const DEEPEP_WAIT_OP_INTERNODE_NOTIFY: DeepepWaitOp = 9;
+pub const DEEPEP_WAIT_OP_RDMA_TAIL: DeepepWaitOp = 10;
+pub const DEEPEP_WAIT_OP_RDMA_HEAD: DeepepWaitOp = 11;
+pub const DEEPEP_WAIT_OP_NVL_SLOT: DeepepWaitOp = 12;
+pub const DEEPEP_WAIT_OP_NVL_CONSUMED: DeepepWaitOp = 13;
 pub type DeepepWaitOp = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Default)]
@@ -186,6 +200,7 @@ pub const DEEPEP_FAULT_DISPATCH_HANDLE: DeepepFaultCode = 4;
 pub const DEEPEP_FAULT_COMBINE_HANDLE: DeepepFaultCode = 5;
 pub const DEEPEP_FAULT_LL_SAME_HALF: DeepepFaultCode = 6;
 pub const DEEPEP_FAULT_LL_COMBINE_HANDLE: DeepepFaultCode = 7;
+pub const DEEPEP_FAULT_RDMA_RANK_COUNT: DeepepFaultCode = 8;
 pub type DeepepFaultCode = ::std::os::raw::c_uint;
 pub const DEEPEP_HANDLE_RANK_PREFIX: DeepepHandleEntry = 0;
 pub const DEEPEP_HANDLE_CHANNEL_PREFIX: DeepepHandleEntry = 1;
@@ -230,7 +245,7 @@ const _: () = {
 #[derive(Debug, Copy, Clone)]
 pub struct DeepepRecvCounts {
     pub num_recv_tokens: i32,
-    pub reserved: i32,
+    pub num_rdma_recv_tokens: i32,
     pub num_recv_tokens_per_expert: [i32; 1024usize],
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
@@ -243,8 +258,8 @@ const _: () = {
         "Offset of field: DeepepRecvCounts::num_recv_tokens",
     ][::std::mem::offset_of!(DeepepRecvCounts, num_recv_tokens) - 0usize];
     [
-        "Offset of field: DeepepRecvCounts::reserved",
-    ][::std::mem::offset_of!(DeepepRecvCounts, reserved) - 4usize];
+        "Offset of field: DeepepRecvCounts::num_rdma_recv_tokens",
+    ][::std::mem::offset_of!(DeepepRecvCounts, num_rdma_recv_tokens) - 4usize];
     [
         "Offset of field: DeepepRecvCounts::num_recv_tokens_per_expert",
     ][::std::mem::offset_of!(DeepepRecvCounts, num_recv_tokens_per_expert) - 8usize];
@@ -604,6 +619,436 @@ const _: () = {
     [
         "Offset of field: DeepepCombineParams::reserved",
     ][::std::mem::offset_of!(DeepepCombineParams, reserved) - 236usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct DeepepInternodeCommon {
+    pub window: *mut ::std::os::raw::c_void,
+    pub nvl_offset: u64,
+    pub rdma_offset: u64,
+    pub control_offset: u64,
+    pub op_epoch: *mut u32,
+    pub ticket: *mut u32,
+    pub totals: *mut u64,
+    pub fault: *mut DeepepFaultRecord,
+    pub wait: DeepepWaitContext,
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub node_size: i32,
+    pub num_nodes: i32,
+    pub num_channels: i32,
+    pub rdma_ring_tokens: i32,
+    pub nvl_ring_tokens: i32,
+    pub gin_signal_base: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of DeepepInternodeCommon",
+    ][::std::mem::size_of::<DeepepInternodeCommon>() - 128usize];
+    [
+        "Alignment of DeepepInternodeCommon",
+    ][::std::mem::align_of::<DeepepInternodeCommon>() - 8usize];
+    [
+        "Offset of field: DeepepInternodeCommon::window",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, window) - 0usize];
+    [
+        "Offset of field: DeepepInternodeCommon::nvl_offset",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_offset) - 8usize];
+    [
+        "Offset of field: DeepepInternodeCommon::rdma_offset",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_offset) - 16usize];
+    [
+        "Offset of field: DeepepInternodeCommon::control_offset",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, control_offset) - 24usize];
+    [
+        "Offset of field: DeepepInternodeCommon::op_epoch",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, op_epoch) - 32usize];
+    [
+        "Offset of field: DeepepInternodeCommon::ticket",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, ticket) - 40usize];
+    [
+        "Offset of field: DeepepInternodeCommon::totals",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, totals) - 48usize];
+    [
+        "Offset of field: DeepepInternodeCommon::fault",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, fault) - 56usize];
+    [
+        "Offset of field: DeepepInternodeCommon::wait",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, wait) - 64usize];
+    [
+        "Offset of field: DeepepInternodeCommon::rank",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 96usize];
+    [
+        "Offset of field: DeepepInternodeCommon::num_ranks",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 100usize];
+    [
+        "Offset of field: DeepepInternodeCommon::node_size",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 104usize];
+    [
+        "Offset of field: DeepepInternodeCommon::num_nodes",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 108usize];
+    [
+        "Offset of field: DeepepInternodeCommon::num_channels",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 112usize];
+    [
+        "Offset of field: DeepepInternodeCommon::rdma_ring_tokens",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 116usize];
+    [
+        "Offset of field: DeepepInternodeCommon::nvl_ring_tokens",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 120usize];
+    [
+        "Offset of field: DeepepInternodeCommon::gin_signal_base",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 124usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct DeepepInternodeNotifyParams {
+    pub common: DeepepInternodeCommon,
+    pub is_token_in_rank: *const u8,
+    pub num_tokens_per_rank: *const i32,
+    pub num_tokens_per_rdma_rank: *const i32,
+    pub num_tokens_per_expert: *const i32,
+    pub topk_idx: *const ::std::os::raw::c_void,
+    pub rdma_channel_prefix_matrix: *mut i32,
+    pub gbl_channel_prefix_matrix: *mut i32,
+    pub recv_rdma_channel_prefix_matrix: *mut i32,
+    pub recv_rdma_rank_prefix_sum: *mut i32,
+    pub recv_gbl_channel_prefix_matrix: *mut i32,
+    pub recv_gbl_rank_prefix_sum: *mut i32,
+    pub combined_rdma_head: *mut i32,
+    pub combined_nvl_head: *mut i32,
+    pub counts: *mut DeepepRecvCounts,
+    pub num_tokens: i64,
+    pub num_rdma_rows: i64,
+    pub num_topk: i32,
+    pub topk_idx_is_int32: i32,
+    pub num_experts: i32,
+    pub expert_alignment: i32,
+    pub cached: i32,
+    pub num_worst_tokens: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of DeepepInternodeNotifyParams",
+    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 280usize];
+    [
+        "Alignment of DeepepInternodeNotifyParams",
+    ][::std::mem::align_of::<DeepepInternodeNotifyParams>() - 8usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::common",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, common) - 0usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::is_token_in_rank",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 128usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rank",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rank)
+        - 136usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rdma_rank",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rdma_rank)
+        - 144usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_expert",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_expert)
+        - 152usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::topk_idx",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 160usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::rdma_channel_prefix_matrix",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, rdma_channel_prefix_matrix)
+        - 168usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::gbl_channel_prefix_matrix",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, gbl_channel_prefix_matrix)
+        - 176usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::recv_rdma_channel_prefix_matrix",
+    ][::std::mem::offset_of!(
+        DeepepInternodeNotifyParams, recv_rdma_channel_prefix_matrix
+    ) - 184usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::recv_rdma_rank_prefix_sum",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_rdma_rank_prefix_sum)
+        - 192usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::recv_gbl_channel_prefix_matrix",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_channel_prefix_matrix)
+        - 200usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::recv_gbl_rank_prefix_sum",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_rank_prefix_sum)
+        - 208usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::combined_rdma_head",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_rdma_head)
+        - 216usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::combined_nvl_head",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 224usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::counts",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 232usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::num_tokens",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 240usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::num_rdma_rows",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 248usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::num_topk",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 256usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::topk_idx_is_int32",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 260usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::num_experts",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 264usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::expert_alignment",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 268usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::cached",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 272usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::num_worst_tokens",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 276usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct DeepepInternodeDispatchParams {
+    pub common: DeepepInternodeCommon,
+    pub x: *const ::std::os::raw::c_void,
+    pub x_scales: *const ::std::os::raw::c_void,
+    pub topk_idx: *const ::std::os::raw::c_void,
+    pub topk_weights: *const f32,
+    pub is_token_in_rank: *const u8,
+    pub recv_rdma_channel_prefix_matrix: *const i32,
+    pub recv_rdma_rank_prefix_sum: *const i32,
+    pub recv_gbl_channel_prefix_matrix: *const i32,
+    pub recv_gbl_rank_prefix_sum: *const i32,
+    pub recv_x: *mut ::std::os::raw::c_void,
+    pub recv_x_scales: *mut ::std::os::raw::c_void,
+    pub recv_topk_idx: *mut ::std::os::raw::c_void,
+    pub recv_topk_weights: *mut f32,
+    pub recv_src_meta: *mut u8,
+    pub send_rdma_head: *mut i32,
+    pub send_nvl_head: *mut i32,
+    pub num_tokens: i64,
+    pub num_recv_rows: i64,
+    pub num_rdma_recv_rows: i64,
+    pub scale_stride_token: i64,
+    pub scale_stride_scale: i64,
+    pub hidden_bytes: i32,
+    pub num_scales: i32,
+    pub num_topk: i32,
+    pub topk_idx_is_int32: i32,
+    pub num_experts: i32,
+    pub row_bytes: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of DeepepInternodeDispatchParams",
+    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 320usize];
+    [
+        "Alignment of DeepepInternodeDispatchParams",
+    ][::std::mem::align_of::<DeepepInternodeDispatchParams>() - 8usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::common",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, common) - 0usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::x",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 128usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::x_scales",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 136usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::topk_idx",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 144usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::topk_weights",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 152usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::is_token_in_rank",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, is_token_in_rank)
+        - 160usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::recv_rdma_channel_prefix_matrix",
+    ][::std::mem::offset_of!(
+        DeepepInternodeDispatchParams, recv_rdma_channel_prefix_matrix
+    ) - 168usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::recv_rdma_rank_prefix_sum",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_rdma_rank_prefix_sum)
+        - 176usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::recv_gbl_channel_prefix_matrix",
+    ][::std::mem::offset_of!(
+        DeepepInternodeDispatchParams, recv_gbl_channel_prefix_matrix
+    ) - 184usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::recv_gbl_rank_prefix_sum",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_gbl_rank_prefix_sum)
+        - 192usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::recv_x",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 200usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::recv_x_scales",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 208usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::recv_topk_idx",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 216usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::recv_topk_weights",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_weights)
+        - 224usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::recv_src_meta",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 232usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::send_rdma_head",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 240usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::send_nvl_head",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 248usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::num_tokens",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 256usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::num_recv_rows",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 264usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::num_rdma_recv_rows",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_rdma_recv_rows)
+        - 272usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::scale_stride_token",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_token)
+        - 280usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::scale_stride_scale",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_scale)
+        - 288usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::hidden_bytes",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 296usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::num_scales",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 300usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::num_topk",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 304usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::topk_idx_is_int32",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx_is_int32)
+        - 308usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::num_experts",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 312usize];
+    [
+        "Offset of field: DeepepInternodeDispatchParams::row_bytes",
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 316usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct DeepepInternodeCombineParams {
+    pub common: DeepepInternodeCommon,
+    pub x: *const ::std::os::raw::c_void,
+    pub topk_weights: *const f32,
+    pub bias_0: *const ::std::os::raw::c_void,
+    pub bias_1: *const ::std::os::raw::c_void,
+    pub rdma_channel_prefix_matrix: *const i32,
+    pub rdma_rank_prefix_sum: *const i32,
+    pub gbl_channel_prefix_matrix: *const i32,
+    pub combined_rdma_head: *mut i32,
+    pub combined_nvl_head: *mut i32,
+    pub combined_x: *mut ::std::os::raw::c_void,
+    pub combined_topk_weights: *mut f32,
+    pub num_tokens: i64,
+    pub num_recv_rows: i64,
+    pub num_rdma_recv_rows: i64,
+    pub hidden_bytes: i32,
+    pub num_topk: i32,
+    pub row_bytes: i32,
+    pub reserved: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of DeepepInternodeCombineParams",
+    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 256usize];
+    [
+        "Alignment of DeepepInternodeCombineParams",
+    ][::std::mem::align_of::<DeepepInternodeCombineParams>() - 8usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::common",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, common) - 0usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::x",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 128usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::topk_weights",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 136usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::bias_0",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 144usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::bias_1",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 152usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::rdma_channel_prefix_matrix",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_channel_prefix_matrix)
+        - 160usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::rdma_rank_prefix_sum",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_rank_prefix_sum)
+        - 168usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::gbl_channel_prefix_matrix",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, gbl_channel_prefix_matrix)
+        - 176usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::combined_rdma_head",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_rdma_head)
+        - 184usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::combined_nvl_head",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_nvl_head)
+        - 192usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::combined_x",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 200usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::combined_topk_weights",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_topk_weights)
+        - 208usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::num_tokens",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 216usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::num_recv_rows",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 224usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::num_rdma_recv_rows",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_rdma_recv_rows)
+        - 232usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::hidden_bytes",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 240usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::num_topk",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 244usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::row_bytes",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 248usize];
+    [
+        "Offset of field: DeepepInternodeCombineParams::reserved",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 252usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -1017,6 +1462,30 @@ pub type DeepepLaunchNormalCombine = ::std::option::Option<
         stream: *mut ::std::os::raw::c_void,
     ) -> ::std::os::raw::c_int,
 >;
+pub type DeepepLaunchInternodeNotify = ::std::option::Option<
+    unsafe extern "C" fn(
+        dev_comm: *const ::std::os::raw::c_void,
+        params: *const DeepepInternodeNotifyParams,
+        remote_kind: ::std::os::raw::c_int,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int,
+>;
+pub type DeepepLaunchInternodeDispatch = ::std::option::Option<
+    unsafe extern "C" fn(
+        dev_comm: *const ::std::os::raw::c_void,
+        params: *const DeepepInternodeDispatchParams,
+        remote_kind: ::std::os::raw::c_int,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int,
+>;
+pub type DeepepLaunchInternodeCombine = ::std::option::Option<
+    unsafe extern "C" fn(
+        dev_comm: *const ::std::os::raw::c_void,
+        params: *const DeepepInternodeCombineParams,
+        remote_kind: ::std::os::raw::c_int,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int,
+>;
 pub type DeepepLaunchLlDispatch = ::std::option::Option<
     unsafe extern "C" fn(
         dev_comm: *const ::std::os::raw::c_void,
@@ -1063,10 +1532,13 @@ pub struct DeepepNcclBuild {
     pub launch_ll_dispatch: DeepepLaunchLlDispatch,
     pub launch_ll_combine: DeepepLaunchLlCombine,
     pub launch_ll_clean: DeepepLaunchLlClean,
+    pub launch_internode_notify: DeepepLaunchInternodeNotify,
+    pub launch_internode_dispatch: DeepepLaunchInternodeDispatch,
+    pub launch_internode_combine: DeepepLaunchInternodeCombine,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of DeepepNcclBuild"][::std::mem::size_of::<DeepepNcclBuild>() - 120usize];
+    ["Size of DeepepNcclBuild"][::std::mem::size_of::<DeepepNcclBuild>() - 144usize];
     ["Alignment of DeepepNcclBuild"][::std::mem::align_of::<DeepepNcclBuild>() - 8usize];
     [
         "Offset of field: DeepepNcclBuild::nccl_version",
@@ -1119,6 +1591,15 @@ const _: () = {
     [
         "Offset of field: DeepepNcclBuild::launch_ll_clean",
     ][::std::mem::offset_of!(DeepepNcclBuild, launch_ll_clean) - 112usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_internode_notify",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_internode_notify) - 120usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_internode_dispatch",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_internode_dispatch) - 128usize];
+    [
+        "Offset of field: DeepepNcclBuild::launch_internode_combine",
+    ][::std::mem::offset_of!(DeepepNcclBuild, launch_internode_combine) - 136usize];
 };
 unsafe extern "C" {
     pub fn deepep_launch_dispatch_layout(
@@ -1134,6 +1615,12 @@ unsafe extern "C" {
         num_topk: i32,
     ) -> i64;
     pub fn deepep_combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64;
+    pub fn deepep_internode_dispatch_row_bytes(
+        hidden_bytes: i32,
+        num_scales: i32,
+        num_topk: i32,
+    ) -> i64;
+    pub fn deepep_internode_combine_row_bytes(hidden_bytes: i32, num_topk: i32) -> i64;
     pub fn deepep_normal_flag_generation(epoch: u32) -> u32;
     pub fn deepep_ll_dispatch_slot_bytes(
         hidden: i32,

@@ -28,6 +28,10 @@ pub type LlDispatchParams = DeepepLlDispatchParams;
 pub type LlCombineParams = DeepepLlCombineParams;
 pub type LlCleanParams = DeepepLlCleanParams;
 pub type DevCommInfo = DeepepDevCommInfo;
+pub type InternodeCommon = DeepepInternodeCommon;
+pub type InternodeNotifyParams = DeepepInternodeNotifyParams;
+pub type InternodeDispatchParams = DeepepInternodeDispatchParams;
+pub type InternodeCombineParams = DeepepInternodeCombineParams;
 
 // The header's constants in the types the host code computes with.
 pub(crate) const MAX_LOCAL_EXPERTS: usize = crate::capi::DEEPEP_MAX_LOCAL_EXPERTS as usize;
@@ -48,11 +52,20 @@ pub(crate) const LL_SIGNAL_KINDS: i32 = DEEPEP_LL_SIGNAL_KINDS;
 /// Bytes of a buffer half's LSA signal words per source rank: a u64 (generation, count) per signal kind.
 pub(crate) const LL_SIGNAL_BYTES_PER_RANK: u64 = LL_SIGNAL_KINDS as u64 * size_of::<u64>() as u64;
 pub(crate) const LL_GIN_SIGNALS_PER_RANK: i32 = DEEPEP_LL_GIN_SIGNALS_PER_RANK;
+pub(crate) const INTERNODE_MAX_NODES: i32 = DEEPEP_INTERNODE_MAX_NODES;
+pub(crate) const INTERNODE_MAX_NODE_SIZE: i32 = DEEPEP_INTERNODE_MAX_NODE_SIZE;
+/// GIN signals (and window words) of the internode counters.
+pub(crate) const INTERNODE_COUNTERS: i32 = DEEPEP_INTERNODE_COUNTERS as i32;
+pub(crate) const INTERNODE_CONTROL_BYTES: usize = DEEPEP_INTERNODE_CONTROL_BYTES as usize;
+pub(crate) const INTERNODE_WORKSPACE_BYTES: usize = DEEPEP_INTERNODE_WORKSPACE_WORDS as usize * size_of::<u64>();
+/// Bytes of one internode notify slot (per source rank and parity).
+pub(crate) const INTERNODE_NOTIFY_SLOT_BYTES: i64 = DEEPEP_INTERNODE_NOTIFY_SLOT_INTS as i64 * 4;
+pub(crate) const INTERNODE_NVL_HEADER_BYTES: i64 = DEEPEP_INTERNODE_NVL_HEADER_BYTES as i64;
 
 impl Default for RecvCounts {
     /// num_recv_tokens is -1 until the notify kernel has written the counts.
     fn default() -> Self {
-        Self { num_recv_tokens: -1, reserved: 0, num_recv_tokens_per_expert: [0; MAX_LOCAL_EXPERTS] }
+        Self { num_recv_tokens: -1, num_rdma_recv_tokens: -1, num_recv_tokens_per_expert: [0; MAX_LOCAL_EXPERTS] }
     }
 }
 
@@ -143,6 +156,18 @@ pub fn combine_slot_bytes(hidden_bytes: i32, num_topk: i32) -> i64 {
     unsafe { deepep_combine_slot_bytes(hidden_bytes, num_topk) }
 }
 
+/// Bytes of one internode dispatch row (a scale-out ring slot).
+pub fn internode_dispatch_row_bytes(hidden_bytes: i32, num_scales: i32, num_topk: i32) -> i64 {
+    // SAFETY: pure arithmetic.
+    unsafe { deepep_internode_dispatch_row_bytes(hidden_bytes, num_scales, num_topk) }
+}
+
+/// Bytes of one internode combine row (a scale-out ring slot).
+pub fn internode_combine_row_bytes(hidden_bytes: i32, num_topk: i32) -> i64 {
+    // SAFETY: pure arithmetic.
+    unsafe { deepep_internode_combine_row_bytes(hidden_bytes, num_topk) }
+}
+
 /// High word of the normal-mode ring flags of op `epoch`.
 pub fn normal_flag_generation(epoch: u32) -> u32 {
     // SAFETY: pure arithmetic.
@@ -216,7 +241,10 @@ mod tests {
                     && t.launch_normal_combine.is_some()
                     && t.launch_ll_dispatch.is_some()
                     && t.launch_ll_combine.is_some()
-                    && t.launch_ll_clean.is_some(),
+                    && t.launch_ll_clean.is_some()
+                    && t.launch_internode_notify.is_some()
+                    && t.launch_internode_dispatch.is_some()
+                    && t.launch_internode_combine.is_some(),
                 "{build:?}"
             );
             count += 1;

@@ -397,7 +397,7 @@ pub fn prepare(
 
 /// DeepEP's one host wait: spins on the host-mapped counter, giving up with the
 /// stalled peer's name if a GPU wait expired, or after the GPU timeout.
-fn wait_for_recv_count(buffer: &Buffer, res: &crate::buffer::Resources, counts: *mut kernels::RecvCounts) -> Result<i32> {
+pub(crate) fn wait_for_recv_count(buffer: &Buffer, res: &crate::buffer::Resources, counts: *mut kernels::RecvCounts) -> Result<i32> {
     let start = Instant::now();
     let budget = std::time::Duration::from_nanos(buffer.timeout_ns()) + std::time::Duration::from_secs(5);
     let mut spins = 0u32;

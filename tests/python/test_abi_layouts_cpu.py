@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from deep_ep_cpp import _lib, _low_latency, _normal
+from deep_ep_cpp import _internode, _lib, _low_latency, _normal
 
 HEADER = Path(__file__).resolve().parents[2] / "include" / "deepep_nccl.h"
 
 CTYPES_STRUCTS = (_lib.DeepepTensor, _lib.DeepepConfig, _lib.DeepepOutputs)
-ARGS_LAYOUTS = (_normal._DISPATCH, _normal._COMBINE, _low_latency._DISPATCH, _low_latency._COMBINE)
+ARGS_LAYOUTS = (_normal._DISPATCH, _normal._COMBINE, _internode._DISPATCH, _internode._COMBINE, _low_latency._DISPATCH,
+                _low_latency._COMBINE)
 # C type of a header field -> the ArgsLayout kind that packs it.
 KINDS = {"DeepepTensor": "tensor", "DeepepConfig": "config", "int32_t": "int32"}
 # C element type -> the ctypes type that must declare it.

@@ -447,11 +447,8 @@ def test_methods_need_a_synced_buffer(method, args):
         getattr(_buffer(), method)(*args)
 
 
-# DeepEP's positional parameter counts (csrc/deep_ep.hpp) and the feature each one names.
-NOT_IMPLEMENTED = [
-    ("internode_dispatch", 20, "internode normal-mode dispatch"),
-    ("internode_combine", 15, "internode normal-mode combine"),
-]
+# DeepEP's positional parameter counts of the internode methods (csrc/deep_ep.hpp).
+INTERNODE = [("internode_dispatch", 20), ("internode_combine", 15)]
 
 # DeepEP's positional parameter counts of the low-latency methods (csrc/deep_ep.hpp).
 LOW_LATENCY = [
@@ -483,14 +480,12 @@ def test_low_latency_argument_structs_match_the_c_abi():
     assert _low_latency._COMBINE_PHASES_AT == 7 * 80 + 16
 
 
-@pytest.mark.parametrize("method, num_args, feature", NOT_IMPLEMENTED)
-def test_unimplemented_methods_keep_deepeps_arity(method, num_args, feature):
-    buffer = _buffer()
-    bound = getattr(buffer, method)
+@pytest.mark.parametrize("method, num_args", INTERNODE)
+def test_internode_methods_keep_deepeps_arity_and_need_sync(method, num_args):
+    bound = getattr(_buffer(), method)
     assert len(inspect.signature(bound).parameters) == num_args
-    with pytest.raises(NotImplementedError) as info:
+    with pytest.raises(RuntimeError, match=r"call sync\(\) first"):
         bound(*([None] * num_args))
-    assert str(info.value) == f"deepep-nccl: {method} ({feature}) is not implemented yet"
 
 
 @pytest.mark.parametrize("method, num_args", [("intranode_dispatch", 16), ("intranode_combine", 12)])
@@ -687,7 +682,7 @@ def test_deep_ep_extension_kwargs():
         buffer.low_latency_combine(None, None, None, None, overlap=True, block_m=64, src_signals=None)
     with pytest.raises(TypeError, match="use_fp16"):
         buffer.low_latency_dispatch(None, None, 128, 256, use_fp16=True)
-    with pytest.raises(NotImplementedError, match="internode normal-mode dispatch"):
+    with pytest.raises(AssertionError):  # DeepEP's: internode_dispatch needs a config
         buffer.internode_dispatch(None)
 
 

@@ -38,10 +38,6 @@ def _check_extension_kwargs(method: str, kwargs: dict, known: frozenset) -> None
         )
 
 
-def _not_implemented(method: str, feature: str) -> NotImplementedError:
-    return NotImplementedError(f"deepep-nccl: Buffer.{method} ({feature}) is not implemented yet")
-
-
 # (kind, num_ranks, num_sms) -> Config: a dispatch/combine without config= asks for it every call,
 # and a Config cannot change after construction.
 _default_configs = {}
@@ -343,7 +339,42 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        raise _not_implemented("internode_dispatch", "internode normal-mode dispatch")
+        """dispatch() on a buffer across nodes (get_num_rdma_ranks() > 1): the same arguments and
+        returns; the handle is DeepEP's 10-tuple (is_token_in_rank, rdma_channel_prefix_matrix,
+        gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
+        recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head,
+        send_nvl_head). Draft: not yet run on GPUs."""
+        assert config is not None
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        previous = getattr(previous_event, "event", None)
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
+             recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta,
+             send_rdma_head, send_nvl_head) = handle
+            num_recv_tokens = recv_src_meta.size(0)
+            num_rdma_recv_tokens = send_nvl_head.size(0)
+            recv_x, recv_x_scales, *_, event = self.runtime.internode_dispatch(
+                x, x_scales, None, None, None, None, is_token_in_rank, None, num_recv_tokens, num_rdma_recv_tokens,
+                rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, gbl_channel_prefix_matrix,
+                recv_gbl_rank_prefix_sum, expert_alignment, num_worst_tokens, config, previous, async_finish,
+                allocate_on_comm_stream)
+            recv = (recv_x, recv_x_scales) if x_scales is not None else recv_x
+            return recv, None, None, None, None, EventOverlap(event)
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+         rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
+         recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta,
+         send_rdma_head, send_nvl_head, event) = self.runtime.internode_dispatch(
+            x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+            num_tokens_per_expert, 0, 0, None, None, None, None, expert_alignment, num_worst_tokens, config, previous,
+            async_finish, allocate_on_comm_stream)
+        handle = (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
+                  recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix,
+                  recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head)
+        recv = (recv_x, recv_x_scales) if x_scales is not None else recv_x
+        return (recv, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+                EventOverlap(event))
 
     def internode_combine(
         self,
@@ -356,7 +387,18 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        raise _not_implemented("internode_combine", "internode normal-mode combine")
+        """combine() on a buffer across nodes: DeepEP's order (bias_0 + bias_1, then the nodes'
+        partial sums in ascending node, each a sum over the node's GPUs rounded to BF16). Rewrites
+        the handle's two heads in place, as DeepEP does. Draft: not yet run on GPUs."""
+        assert config is not None
+        (is_combined_token_in_rank, _, _, rdma_channel_prefix_matrix, rdma_rank_prefix_sum, gbl_channel_prefix_matrix,
+         _, src_meta, send_rdma_head, send_nvl_head) = handle
+        bias_0, bias_1 = Buffer._unpack_bias(bias)
+        combined_x, combined_topk_weights, event = self.runtime.internode_combine(
+            x, topk_weights, bias_0, bias_1, src_meta, is_combined_token_in_rank, rdma_channel_prefix_matrix,
+            rdma_rank_prefix_sum, gbl_channel_prefix_matrix, send_rdma_head, send_nvl_head, config,
+            getattr(previous_event, "event", None), async_finish, allocate_on_comm_stream)
+        return combined_x, combined_topk_weights, EventOverlap(event)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: resets the low-latency signals (call it after normal-mode ops, before LL ops)."""

@@ -6,6 +6,7 @@ import warnings
 from ctypes import byref, c_bool, c_int, c_int64, c_void_p
 
 from . import _fast, _lib
+from ._internode import InternodeMode
 from ._low_latency import LowLatencyMode
 from ._normal import NormalMode
 from ._streams import without_torch_function
@@ -36,10 +37,6 @@ _ZERO_DIMS = (0,) * MAX_DIMS
 _torch = _lib.torch
 _INT32_LOW, _INT32_HIGH = INT32
 _DTYPE_CODES = _lib.TORCH_DTYPE_CODES
-
-
-def _not_implemented(method, feature):
-    return NotImplementedError(f"deepep-nccl: {method} ({feature}) is not implemented yet")
 
 
 def _current_device():
@@ -75,7 +72,7 @@ class _DeviceBytes:
         self.owner = owner
 
 
-class Buffer(NormalMode, LowLatencyMode):
+class Buffer(NormalMode, InternodeMode, LowLatencyMode):
     """One rank's communication buffer. The constructor only validates; sync() creates it."""
 
     # Class-level defaults so that __del__ works when __init__ raised.
@@ -123,6 +120,7 @@ class Buffer(NormalMode, LowLatencyMode):
         # constructor, not in a first op that peers may already wait on.
         self._fast = _fast.module()
         self._normal_init()
+        self._internode_init()
         self._ll_init()
 
     def __del__(self, _free=lib.deepep_buffer_free, _finalizing=sys.is_finalizing):
@@ -157,13 +155,23 @@ class Buffer(NormalMode, LowLatencyMode):
         check(lib.deepep_buffer_is_available(self._handle, byref(out)))
         return out.value
 
+    # Node topology: after sync() the library's (nodes of the LSA team or DEEPEP_VIRTUAL_NODE_SIZE);
+    # before it, DeepEP's nodes of 8 (the node size is known only once the buffer exists).
     def get_num_rdma_ranks(self):
+        if self._handle is not None:
+            return self._query_int(lib.deepep_buffer_get_num_rdma_ranks)
         return max(1, self._num_ranks // NUM_MAX_NVL_PEERS)
 
     def get_rdma_rank(self):
+        if self._handle is not None:
+            return self._query_int(lib.deepep_buffer_get_rdma_rank)
         return self._rank // NUM_MAX_NVL_PEERS
 
     def get_root_rdma_rank(self, global_):
+        if self._handle is not None:
+            out = c_int()
+            check(lib.deepep_buffer_get_root_rdma_rank(self._handle, bool(global_), byref(out)))
+            return out.value
         return self._rank % NUM_MAX_NVL_PEERS if global_ else 0
 
     def get_local_device_id(self):
@@ -321,22 +329,6 @@ class Buffer(NormalMode, LowLatencyMode):
         if status:
             raise_status(status)
         return tensors
-
-    def internode_dispatch(
-        self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-        num_tokens_per_expert, cached_num_recv_tokens, cached_num_rdma_recv_tokens,
-        cached_rdma_channel_prefix_matrix, cached_recv_rdma_rank_prefix_sum, cached_gbl_channel_prefix_matrix,
-        cached_recv_gbl_rank_prefix_sum, expert_alignment, num_worst_tokens, config, previous_event, async_,
-        allocate_on_comm_stream,
-    ):
-        raise _not_implemented("internode_dispatch", "internode normal-mode dispatch")
-
-    def internode_combine(
-        self, x, topk_weights, bias_0, bias_1, src_meta, is_combined_token_in_rank, rdma_channel_prefix_matrix,
-        rdma_rank_prefix_sum, gbl_channel_prefix_matrix, combined_rdma_head, combined_nvl_head, config,
-        previous_event, async_, allocate_on_comm_stream,
-    ):
-        raise _not_implemented("internode_combine", "internode normal-mode combine")
 
     def check_peers(self):
         """Collective: every rank writes to every peer over NVLink/P2P and verifies what arrived."""

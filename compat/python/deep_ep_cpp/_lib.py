@@ -373,6 +373,9 @@ _PROTOTYPES = {
     "deepep_buffer_free": (c_int, [c_void_p]),
     "deepep_buffer_get_local_device_id": (c_int, [c_void_p, POINTER(c_int)]),
     "deepep_buffer_get_num_device_sms": (c_int, [c_void_p, POINTER(c_int)]),
+    "deepep_buffer_get_num_rdma_ranks": (c_int, [c_void_p, POINTER(c_int)]),
+    "deepep_buffer_get_rdma_rank": (c_int, [c_void_p, POINTER(c_int)]),
+    "deepep_buffer_get_root_rdma_rank": (c_int, [c_void_p, c_bool, POINTER(c_int)]),
     "deepep_buffer_is_available": (c_int, [c_void_p, POINTER(c_bool)]),
     "deepep_buffer_get_local_buffer": (c_int, [c_void_p, c_bool, POINTER(c_void_p), POINTER(c_int64)]),
     "deepep_buffer_barrier": (c_int, [c_void_p]),
@@ -386,6 +389,9 @@ _PROTOTYPES = {
     "deepep_intranode_dispatch_prepare": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]),
     "deepep_intranode_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_intranode_combine": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_internode_dispatch_prepare": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]),
+    "deepep_internode_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
+    "deepep_internode_combine": (c_int, [c_void_p, c_void_p, c_void_p]),
     "deepep_low_latency_check_shape": (c_int, [c_int64, c_int64, c_int, c_int]),
     "deepep_low_latency_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_low_latency_combine": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
@@ -411,6 +417,9 @@ _PROTOTYPES = {
     "deepep_intranode_dispatch_handle_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
     "deepep_intranode_dispatch_outputs": (c_int, [c_void_p, c_void_p, c_int, c_void_p]),
     "deepep_intranode_combine_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_internode_dispatch_handle_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_internode_dispatch_outputs": (c_int, [c_void_p, c_void_p, c_int, c_int, c_void_p]),
+    "deepep_internode_combine_outputs": (c_int, [c_void_p, c_void_p, c_void_p]),
 }
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _fn = getattr(lib, _name)

@@ -1,0 +1,104 @@
+"""Internode normal-mode benchmark on 2 GPUs as 2 nodes of 1 (DEEPEP_VIRTUAL_NODE_SIZE=1: both
+legs over NVLink, the forwarder is the receiver), against the intranode op of the same shape
+and SMs in the same processes: docs/internode.md's check on these machines is internode >= 80%
+of intranode. DeepEP's shape: 4096 tokens/rank, hidden 7168, top-8 of 256 experts, random
+routing; BF16 dispatch through the cached handle (DeepEP's tuning loop) and BF16 combine, timed
+as DeepEP's tests/utils.bench. GB/s = received bytes / time (DeepEP's counting, all rows).
+
+Run: python bench/bench_internode.py [--json PATH] [--sms 24 ...] [--tokens 4096]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import deep_ep
+from bench_common import bench, init_worker, spawn_workers
+
+HIDDEN = 7168
+NUM_EXPERTS = 256
+NUM_TOPK = 8
+
+
+def config(num_sms):
+    return deep_ep.Config(num_sms, 8, 256, 16, 128)
+
+
+def make_buffers(group, world, max_sms):
+    """(intranode buffer, internode buffer over virtual nodes of 1), both sized by DeepEP's hints
+    for the largest SM count measured."""
+    configs = (config(max_sms),)
+    nvl = max(c.get_nvl_buffer_size_hint(HIDDEN * 2, world) for c in configs)
+    rdma = max(c.get_rdma_buffer_size_hint(HIDDEN * 2, world * 8) for c in configs)  # nodes of 8 in the hint
+    intra = deep_ep.Buffer(group, num_nvl_bytes=nvl, explicitly_destroy=True)
+    os.environ['DEEPEP_VIRTUAL_NODE_SIZE'] = '1'
+    try:
+        inter = deep_ep.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, explicitly_destroy=True)
+    finally:
+        del os.environ['DEEPEP_VIRTUAL_NODE_SIZE']
+    assert inter.runtime.get_num_rdma_ranks() == world
+    return intra, inter
+
+
+def measure(buffer, tokens, num_sms):
+    """(dispatch us, combine us, received rows) of one buffer."""
+    scores = torch.randn(tokens, NUM_EXPERTS, device='cuda').abs() + 1
+    topk_idx = torch.topk(scores, NUM_TOPK, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t)
+    weights = torch.rand(tokens, NUM_TOPK, dtype=torch.float32, device='cuda')
+    x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device='cuda')
+    per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+    dispatch_config = combine_config = config(num_sms)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights, config=dispatch_config)
+    dispatch_us = bench(lambda: buffer.dispatch(x, handle=handle, config=dispatch_config))[0]
+    combine_us = bench(lambda: buffer.combine(recv_x, handle, config=combine_config))[0]
+    return dispatch_us, combine_us, recv_x.size(0)
+
+
+def worker(rank, world, port, args):
+    say = init_worker(rank, world, port)
+    torch.set_default_dtype(torch.bfloat16)
+    group = dist.new_group(list(range(world)))
+    intra, inter = make_buffers(group, world, max(args.sms))
+    results = []
+    try:
+        for num_sms in args.sms:
+            row = {'num_sms': num_sms, 'num_tokens': args.tokens}
+            for name, buffer in (('intranode', intra), ('internode', inter)):
+                d_us, c_us, rows = measure(buffer, args.tokens, num_sms)
+                stats = torch.tensor([d_us, c_us, rows], dtype=torch.float64, device='cuda')
+                dist.all_reduce(stats, group=group)
+                d_us, c_us, rows = (stats / world).tolist()
+                gb = rows * HIDDEN * 2 / 1e9
+                row[name] = {'dispatch_us': d_us, 'combine_us': c_us, 'dispatch_gbps': gb / (d_us / 1e6),
+                             'combine_gbps': gb / (c_us / 1e6)}
+            row['internode_vs_intranode'] = {op: row['intranode'][f'{op}_us'] / row['internode'][f'{op}_us']
+                                             for op in ('dispatch', 'combine')}
+            say(f"SMs {num_sms}: dispatch {row['internode']['dispatch_us']:.0f} us internode vs "
+                f"{row['intranode']['dispatch_us']:.0f} us intranode ({row['internode_vs_intranode']['dispatch']:.2f}x), "
+                f"combine {row['internode']['combine_us']:.0f} vs {row['intranode']['combine_us']:.0f} us "
+                f"({row['internode_vs_intranode']['combine']:.2f}x); check >= 0.80")
+            results.append(row)
+    finally:
+        intra.destroy()
+        inter.destroy()
+    if rank == 0 and args.json:
+        with open(args.json, 'w') as f:
+            json.dump({'world': world, 'shape': {'hidden': HIDDEN, 'experts': NUM_EXPERTS, 'topk': NUM_TOPK},
+                       'results': results}, f, indent=1)
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--json')
+    parser.add_argument('--sms', type=int, nargs='+', default=[24])
+    parser.add_argument('--tokens', type=int, default=4096)
+    args = parser.parse_args()
+    if torch.cuda.device_count() < 2:
+        print('bench_internode needs 2 GPUs')
+        sys.exit(1)
+    spawn_workers(worker, 2, args)

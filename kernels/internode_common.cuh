@@ -1,0 +1,219 @@
+// Shared device code of the internode normal-mode kernels (docs/internode.md): the scale-out
+// transport (GIN puts and signals, or their LSA emulation for virtual nodes), the counters of
+// the scale-out rings, the region layouts and the row layouts.
+//
+// Protocol. Every kernel pair of an op starts after a notify round (an all-to-all of counters:
+// every rank has then finished its previous data kernel), so rings start empty and per-op slot
+// numbers k (slot k % ring) suffice. Scale-out ring (channel c, node s) of rank (n, l) is
+// written only by (s, l): a row goes to slot k, then the writer adds 1 to the reader's tail
+// counter (c, s); the reader adds 1 to the writer's head counter (c, n) once it has read the
+// slot. Counters only grow over the buffer's life; each side keeps its running totals in the
+// workspace (sent, received), so a wait compares with "total before this op + k + 1" and a stale
+// signal is already counted. NVLink rings (channel c, writer GPU) carry a flag per slot with the
+// op's generation (normal_common.cuh), and a consumed word per slot at the writer.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstdint>
+
+#include "deepep_kernels.h"
+#include "ll_common.cuh"
+#include "normal_common.cuh"
+
+namespace deepep {
+namespace internode {
+
+using normal::flag_generation;
+using normal::make_flag;
+using normal::warp_wait;
+using normal::warp_wait_relaxed;
+
+constexpr int kThreads = 768;
+constexpr int kWarps = kThreads / kWarp;
+constexpr int kNotifyThreads = 1024;
+constexpr int kMaxNodes = DEEPEP_INTERNODE_MAX_NODES;
+constexpr int kMaxNodeSize = DEEPEP_INTERNODE_MAX_NODE_SIZE;
+constexpr int kHeadNone = 1 << 25;  // DeepEP's "no later head in this segment"
+static_assert(kMaxNodes + kMaxNodeSize <= kWarps, "a warp per source node and per local GPU");
+
+// Counter indices (window words and GIN signals alike).
+__host__ __device__ constexpr int tail_counter(int channel, int node) { return channel * kMaxNodes + node; }
+__host__ __device__ constexpr int head_counter(int channel, int node) {
+  return DEEPEP_MAX_CHANNELS * kMaxNodes + channel * kMaxNodes + node;
+}
+__host__ __device__ constexpr int notify_counter(int rank) { return 2 * DEEPEP_MAX_CHANNELS * kMaxNodes + rank; }
+// Workspace running totals.
+__host__ __device__ constexpr int sent_total(int channel, int node) { return channel * kMaxNodes + node; }
+__host__ __device__ constexpr int recv_total(int channel, int node) {
+  return DEEPEP_MAX_CHANNELS * kMaxNodes + channel * kMaxNodes + node;
+}
+constexpr int kNotifyRounds = 2 * DEEPEP_MAX_CHANNELS * kMaxNodes;
+static_assert(kNotifyRounds + 1 == DEEPEP_INTERNODE_WORKSPACE_WORDS, "workspace layout");
+static_assert(notify_counter(DEEPEP_INTERNODE_MAX_RANKS) == DEEPEP_INTERNODE_COUNTERS, "counter layout");
+
+constexpr int64_t kNotifySlotBytes = int64_t(DEEPEP_INTERNODE_NOTIFY_SLOT_INTS) * 4;
+
+// Rows. Dispatch: header (source token, destination-GPU mask on the row's node), x, scales,
+// top-k ids (int32), weights. Combine: x (bf16), weights. An NVLink slot is a 16-byte header
+// (flag, source rank, sequence) before the row.
+struct DispatchRow {
+  int32_t hidden_bytes, num_scales, num_topk;
+  __host__ __device__ int64_t x_off() const { return DEEPEP_INTERNODE_ROW_HEADER_BYTES; }
+  __host__ __device__ int64_t scales_off() const { return x_off() + align16(hidden_bytes); }
+  __host__ __device__ int64_t topk_off() const { return scales_off() + align16(int64_t(num_scales) * 4); }
+  __host__ __device__ int64_t weights_off() const { return topk_off() + align16(int64_t(num_topk) * 4); }
+  __host__ __device__ int64_t bytes() const { return weights_off() + align16(int64_t(num_topk) * 4); }
+};
+struct CombineRow {
+  int32_t hidden_bytes, num_topk;
+  __host__ __device__ int64_t weights_off() const { return align16(hidden_bytes); }
+  __host__ __device__ int64_t bytes() const { return weights_off() + align16(int64_t(num_topk) * 4); }
+};
+constexpr int kNvlHeaderBytes = DEEPEP_INTERNODE_NVL_HEADER_BYTES;
+
+// RDMA region: notify receive slots [2][R], notify staging [2][R], receive rings [C][N][ring],
+// send rings (GIN staging) [C][N][ring].
+struct RdmaLayout {
+  int64_t row_bytes;
+  int ring, num_nodes, num_channels, num_ranks;
+  __device__ int64_t notify_recv(int parity, int src) const { return (int64_t(parity) * num_ranks + src) * kNotifySlotBytes; }
+  __device__ int64_t notify_send(int parity, int dst) const {
+    return (2 * int64_t(num_ranks) + int64_t(parity) * num_ranks + dst) * kNotifySlotBytes;
+  }
+  __device__ int64_t rings() const { return 4 * int64_t(num_ranks) * kNotifySlotBytes; }
+  __device__ int64_t recv_slot(int channel, int node, int64_t k) const {
+    return rings() + ((int64_t(channel) * num_nodes + node) * ring + k % ring) * row_bytes;
+  }
+  __device__ int64_t send_slot(int channel, int node, int64_t k) const {
+    return recv_slot(channel, node, k) + int64_t(num_channels) * num_nodes * ring * row_bytes;
+  }
+};
+
+__device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// How this rank reaches a peer. Peers of the same node, and every peer under the emulation (one
+// physical node), take LSA loads and stores; kRemoteGin peers of other nodes take GIN.
+template <int kRemote>
+struct Transport {
+  const DeepepInternodeCommon& c;
+  ncclDevComm const& dev_comm;
+  __device__ Transport(const DeepepInternodeCommon& common, ncclDevComm const& dc) : c(common), dev_comm(dc) {}
+
+  __device__ __forceinline__ ncclWindow_t window() const { return static_cast<ncclWindow_t>(c.window); }
+  __device__ __forceinline__ bool direct(int peer) const {
+    return kRemote != ll::kRemoteGin || peer / c.node_size == c.rank / c.node_size;
+  }
+  __device__ __forceinline__ uint8_t* lsa(uint64_t offset, int peer) const {
+    return static_cast<uint8_t*>(ncclGetLsaPointer(window(), offset, peer - c.wait.lsa_base_rank));
+  }
+  __device__ __forceinline__ uint8_t* local(uint64_t offset) const {
+    return static_cast<uint8_t*>(ncclGetLocalPointer(window(), offset));
+  }
+#if DEEPEP_HAVE_GIN
+  __device__ __forceinline__ int context(int peer) const {
+    return dev_comm.ginContextCount > 0 ? peer % dev_comm.ginContextCount : 0;
+  }
+#endif
+
+  // Adds `delta` to counter `idx` of `peer`, after the calling warp's earlier writes to it
+  // (the warp synced; lane 0 calls).
+  __device__ __forceinline__ void add(int peer, int idx, uint64_t delta) const {
+    if (!direct(peer)) {
+#if DEEPEP_HAVE_GIN
+      ncclGin gin(dev_comm, context(peer));
+      gin.signal(ncclTeamWorld(dev_comm), peer, ncclGin_SignalAdd{unsigned(c.gin_signal_base + idx), delta});
+#endif
+      return;
+    }
+    fence_acq_rel_sys();
+    red_add_release_sys(reinterpret_cast<uint64_t*>(lsa(c.control_offset + 8ull * idx, peer)), delta);
+  }
+  // Counter `idx` of this rank, as written by `src`.
+  __device__ __forceinline__ uint64_t read(int src, int idx) const {
+    if (!direct(src)) {
+#if DEEPEP_HAVE_GIN
+      ncclGin gin(dev_comm, 0);
+      return gin.readSignal(unsigned(c.gin_signal_base + idx));
+#endif
+    }
+    return ld_acquire_sys(reinterpret_cast<const uint64_t*>(local(c.control_offset + 8ull * idx)));
+  }
+  // Where a warp writes `bytes` bound for `peer`'s `dst_offset`: the peer's memory (direct), or
+  // this rank's staging at `staging_offset` for put_add.
+  __device__ __forceinline__ uint8_t* row_target(int peer, uint64_t dst_offset, uint64_t staging_offset) const {
+    return direct(peer) ? lsa(dst_offset, peer) : local(staging_offset);
+  }
+  // After the warp wrote a row to row_target: delivers it (GIN) and adds 1 to counter `idx`
+  // of the peer, ordered after the row. The whole warp calls.
+  __device__ __forceinline__ void put_add(int peer, uint64_t dst_offset, uint64_t staging_offset, int64_t bytes, int idx,
+                                          int lane) const {
+    __syncwarp();
+    if (lane != 0) return;
+    if (!direct(peer)) {
+#if DEEPEP_HAVE_GIN
+      __threadfence();  // the other lanes' staging writes, before the NIC reads them
+      ncclGin gin(dev_comm, context(peer));
+      gin.put(ncclTeamWorld(dev_comm), peer, window(), dst_offset, window(), staging_offset, size_t(bytes),
+              ncclGin_SignalAdd{unsigned(c.gin_signal_base + idx), 1});
+#endif
+      return;
+    }
+    add(peer, idx, 1);
+  }
+
+  // Bounded wait until counter `idx` (written by `src`) reaches `target`; the whole warp calls
+  // (lane 0 records a stall), or one thread with `alone`.
+  __device__ bool wait_counter(int src, int idx, uint64_t target, int op, int channel, bool alone = false) const {
+    uint64_t seen = read(src, idx);
+    if (seen >= target) return true;
+    const uint64_t start = global_time_ns();
+    for (int spin = 1;; ++spin) {
+      if (spin > 4) __nanosleep(128);
+      seen = read(src, idx);
+      if (seen >= target) return true;
+      if ((spin & 15) == 15 && (normal::buffer_failed(c.wait) || global_time_ns() - start > c.wait.timeout_ns)) {
+        if (!normal::buffer_failed(c.wait) && (alone || (threadIdx.x & 31) == 0))
+          record_stall(c.wait, src, op, channel, int64_t(target), int64_t(seen));
+        return false;
+      }
+    }
+  }
+};
+
+// NVLink rings in the NVL region: [C][G writer-or-reader GPU][ring] slots, then a consumed word
+// per slot. Ring (c, w) at reader GPU r is written by local GPU w; its consumed words live at
+// the writer, indexed (c, r).
+__device__ __forceinline__ normal::RingLayout nvl_rings(const DeepepInternodeCommon& c, int64_t slot_bytes) {
+  return normal::RingLayout{slot_bytes, c.nvl_ring_tokens, c.node_size};
+}
+template <int kRemote>
+__device__ __forceinline__ uint8_t* nvl_of(const Transport<kRemote>& tr, int local_gpu) {
+  const DeepepInternodeCommon& c = tr.c;
+  return tr.lsa(c.nvl_offset, (c.rank / c.node_size) * c.node_size + local_gpu);
+}
+
+// Tokens of channel c (DeepEP's split).
+__device__ __forceinline__ void channel_range(int64_t num_tokens, int num_channels, int ch, int64_t& begin,
+                                              int64_t& end) {
+  normal::channel_range(num_tokens, num_channels, ch, begin, end);
+}
+
+// The last block to finish bumps the op epoch (the next data kernel's flags differ).
+__device__ __forceinline__ void finish_op(const DeepepInternodeCommon& c) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(c.ticket, 1u) == gridDim.x - 1) {
+      *c.ticket = 0;
+      atomicAdd(c.op_epoch, 1u);
+    }
+  }
+}
+
+}  // namespace internode
+}  // namespace deepep

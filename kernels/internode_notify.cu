@@ -1,0 +1,195 @@
+// Internode notify: one block. Dispatch: turns is_token_in_rank into the sender's prefix
+// matrices (per destination rank and node), sends every rank its slot (the rank's channel
+// prefixes, the node's channel prefixes for the same-GPU forwarder, the rank's expert counts),
+// waits for all R slots, and derives the receive side. Combine (is_token_in_rank NULL): the
+// same round without data, then DeepEP's rewrite of the two head tensors in place.
+// The round is an all-to-all, so after it every rank has finished its previous data kernel:
+// the data kernel that follows may start its rings empty. Slots are double-buffered by the
+// round's parity (a rank can be one round ahead of another, never two: each round waits for all).
+#include "internode_common.cuh"
+#include "launch.cuh"
+
+namespace deepep {
+namespace internode {
+
+// DeepEP's in-place head rewrite, over one segment [begin, end) of a column: a negative entry
+// becomes -(the next non-negative entry below it) - 1, or -kHeadNone - 1. Idempotent.
+__device__ __forceinline__ void rewrite_segment(int32_t* head, int64_t stride, int64_t begin, int64_t end) {
+  int32_t next = kHeadNone;
+  for (int64_t i = end - 1; i >= begin; --i) {
+    const int32_t h = head[i * stride];
+    if (h >= 0) next = h;
+    else head[i * stride] = -next - 1;
+  }
+}
+
+template <int kRemote>
+__global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDevComm dev_comm,
+                                                                        DeepepInternodeNotifyParams p) {
+  const DeepepInternodeCommon& c = p.common;
+  const Transport<kRemote> tr(c, dev_comm);
+  const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
+  const int my_gpu = me % G;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, num_warps = blockDim.x / kWarp;
+  const bool with_data = p.is_token_in_rank != nullptr;
+  const int local_experts = (with_data && !p.cached) ? p.num_experts / R : 0;
+  const RdmaLayout rdma{0, 0, N, C, R};
+  __shared__ int failed;
+  __shared__ int32_t rank_prefix[DEEPEP_INTERNODE_MAX_RANKS];
+  if (normal::buffer_failed(c.wait)) return;
+  if (threadIdx.x == 0) failed = 0;
+  const uint64_t round = c.totals[kNotifyRounds];
+  const int parity = int(round & 1);
+
+  // 1. The sender's prefix matrices (inclusive over channels).
+  if (with_data && !p.cached) {
+    for (int i = threadIdx.x; i < (R + N) * C; i += blockDim.x) {
+      const bool per_rank = i < R * C;
+      const int row = per_rank ? i / C : (i - R * C) / C, ch = i % C;
+      int64_t begin, end;
+      channel_range(p.num_tokens, C, ch, begin, end);
+      int count = 0;
+      for (int64_t t = begin; t < end; ++t) {
+        const uint8_t* in = p.is_token_in_rank + t * R;
+        if (per_rank) {
+          count += in[row] != 0;
+        } else {
+          bool any = false;
+          for (int g = 0; g < G; ++g) any |= in[row * G + g] != 0;
+          count += any;
+        }
+      }
+      (per_rank ? p.gbl_channel_prefix_matrix : p.rdma_channel_prefix_matrix)[row * C + ch] = count;
+    }
+    if (p.topk_idx != nullptr) {
+      const int64_t n = p.num_tokens * p.num_topk;
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const int64_t e = p.topk_idx_is_int32 ? int64_t(static_cast<const int32_t*>(p.topk_idx)[i])
+                                              : static_cast<const int64_t*>(p.topk_idx)[i];
+        if (e < -1 || e >= p.num_experts) record_fault(c.fault, DEEPEP_FAULT_TOPK_OUT_OF_RANGE, i, e, p.num_experts);
+      }
+    }
+    __syncthreads();
+    for (int row = threadIdx.x; row < R + N; row += blockDim.x) {
+      int32_t* m = row < R ? p.gbl_channel_prefix_matrix + row * C : p.rdma_channel_prefix_matrix + (row - R) * C;
+      for (int ch = 1; ch < C; ++ch) m[ch] += m[ch - 1];
+      if (row < R && p.num_tokens_per_rank != nullptr && C > 0 && p.num_tokens_per_rank[row] != m[C - 1])
+        record_fault(c.fault, DEEPEP_FAULT_RANK_COUNT, row, p.num_tokens_per_rank[row], m[C - 1]);
+      if (row >= R && p.num_tokens_per_rdma_rank != nullptr && C > 0 && p.num_tokens_per_rdma_rank[row - R] != m[C - 1])
+        record_fault(c.fault, DEEPEP_FAULT_RDMA_RANK_COUNT, row - R, p.num_tokens_per_rdma_rank[row - R], m[C - 1]);
+    }
+  }
+  __syncthreads();
+
+  // 2. One slot to every rank (a warp per destination), then its notify counter.
+  for (int dst = warp; dst < R; dst += num_warps) {
+    const uint64_t recv_off = c.rdma_offset + rdma.notify_recv(parity, me);
+    const uint64_t send_off = c.rdma_offset + rdma.notify_send(parity, dst);
+    int32_t* slot = reinterpret_cast<int32_t*>(tr.row_target(dst, recv_off, send_off));
+    const int ints = with_data ? 2 * C + local_experts : 0;
+    const bool forwarder = dst % G == my_gpu;
+    for (int i = lane; i < ints; i += kWarp) {
+      int32_t v;
+      if (i < C) v = p.gbl_channel_prefix_matrix[dst * C + i];
+      else if (i < 2 * C) v = forwarder ? p.rdma_channel_prefix_matrix[(dst / G) * C + i - C] : 0;
+      else v = p.num_tokens_per_expert[dst * local_experts + (i - 2 * C)];
+      slot[i] = v;
+    }
+    if (ints > 0) {
+      tr.put_add(dst, recv_off, send_off, align16(int64_t(ints) * 4), notify_counter(me), lane);
+    } else {
+      __syncwarp();
+      if (lane == 0) tr.add(dst, notify_counter(me), 1);
+    }
+  }
+
+  // 3. Every rank's slot of this round.
+  for (int src = threadIdx.x; src < R; src += blockDim.x) {
+    if (!tr.wait_counter(src, notify_counter(src), round + 1, DEEPEP_WAIT_OP_INTERNODE_NOTIFY, src, true)) failed = 1;
+  }
+  __syncthreads();
+  if (failed) return;
+  if (threadIdx.x == 0) c.totals[kNotifyRounds] = round + 1;
+
+  if (!with_data) {
+    // Combine: DeepEP's rewrite of the heads it reads (segments: source channels; (node, channel)
+    // blocks of the scale-out receive space).
+    if (p.combined_rdma_head == nullptr) return;
+    for (int i = threadIdx.x; i < C * N; i += blockDim.x) {
+      int64_t begin, end;
+      channel_range(p.num_tokens, C, i / N, begin, end);
+      rewrite_segment(p.combined_rdma_head + i % N, N, begin, end);
+    }
+    for (int i = threadIdx.x; i < N * C * G; i += blockDim.x) {
+      const int n = i / (C * G), ch = (i / G) % C, g = i % G;
+      const int64_t base = n > 0 ? p.recv_rdma_rank_prefix_sum[n - 1] : 0;
+      const int64_t begin = base + (ch > 0 ? p.recv_rdma_channel_prefix_matrix[n * C + ch - 1] : 0);
+      const int64_t end = base + p.recv_rdma_channel_prefix_matrix[n * C + ch];
+      if (0 <= begin && begin <= end && end <= p.num_rdma_rows) rewrite_segment(p.combined_nvl_head + g, G, begin, end);
+    }
+    return;
+  }
+
+  // 4. The receive side.
+  const int32_t* slots = reinterpret_cast<const int32_t*>(tr.local(c.rdma_offset + rdma.notify_recv(parity, 0)));
+  const int stride = DEEPEP_INTERNODE_NOTIFY_SLOT_INTS;
+  if (threadIdx.x == 0) {
+    int32_t acc = 0;
+    for (int s = 0; s < R; ++s) {
+      acc += C > 0 ? max(slots[s * stride + C - 1], 0) : 0;
+      rank_prefix[s] = acc;
+      p.recv_gbl_rank_prefix_sum[s] = acc;
+    }
+    acc = 0;
+    for (int n = 0; n < N; ++n) {
+      acc += C > 0 ? max(slots[(n * G + my_gpu) * stride + 2 * C - 1], 0) : 0;
+      p.recv_rdma_rank_prefix_sum[n] = acc;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+    const int s = i / C, ch = i % C;
+    p.recv_gbl_channel_prefix_matrix[i] = (s > 0 ? rank_prefix[s - 1] : 0) + (ch > 0 ? slots[s * stride + ch - 1] : 0);
+  }
+  for (int i = threadIdx.x; i < N * C; i += blockDim.x) {
+    const int n = i / C, ch = i % C;
+    p.recv_rdma_channel_prefix_matrix[i] = slots[(n * G + my_gpu) * stride + C + ch];
+  }
+  __syncthreads();
+  const int num_recv = R > 0 ? rank_prefix[R - 1] : 0;
+  const int num_rdma_recv = N > 0 ? p.recv_rdma_rank_prefix_sum[N - 1] : 0;
+  if (p.num_worst_tokens > 0 && max(num_recv, num_rdma_recv) > p.num_worst_tokens && threadIdx.x == 0)
+    record_fault(c.fault, DEEPEP_FAULT_WORST_TOO_SMALL, p.num_worst_tokens, max(num_recv, num_rdma_recv), 0);
+  // 5. Host-visible counts: the list, the scale-out rows, then num_recv_tokens (the host spins on it).
+  if (p.counts != nullptr) {
+    for (int e = threadIdx.x; e < local_experts; e += blockDim.x) {
+      int sum = 0;
+      for (int s = 0; s < R; ++s) sum += slots[s * stride + 2 * C + e];
+      const int a = p.expert_alignment;
+      p.counts->num_recv_tokens_per_expert[e] = (sum + a - 1) / a * a;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      p.counts->num_rdma_recv_tokens = num_rdma_recv;
+      __threadfence_system();
+      *reinterpret_cast<volatile int32_t*>(&p.counts->num_recv_tokens) = num_recv;
+      __threadfence_system();
+    }
+  }
+}
+
+}  // namespace internode
+}  // namespace deepep
+
+extern "C" int deepep_launch_internode_notify(const void* dev_comm, const DeepepInternodeNotifyParams* params,
+                                              int remote_kind, void* stream) {
+  using namespace deepep::internode;
+  const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (remote_kind == DEEPEP_LL_REMOTE_EMULATED)
+    return deepep::launch_kernel(internode_notify_kernel<deepep::ll::kRemoteEmulated>, 1, kNotifyThreads, 0, s, dc,
+                                 *params);
+  if (remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN)
+    return deepep::launch_kernel(internode_notify_kernel<deepep::ll::kRemoteGin>, 1, kNotifyThreads, 0, s, dc, *params);
+  return int(cudaErrorInvalidValue);
+}

@@ -1,0 +1,213 @@
+//! Internode normal mode (docs/internode.md): a buffer across (virtual) nodes. The checks both
+//! ops share (topology, config, the NVL and RDMA budgets), and the ops in [`dispatch`] and
+//! [`combine`]. Draft: compiled and CPU-tested, not yet run on GPUs.
+pub mod combine;
+pub mod dispatch;
+
+use crate::buffer::Buffer;
+use crate::config::{DeepepConfig, RankLayout};
+use crate::ensure_arg;
+use crate::error::{Error, Result};
+use crate::kernels;
+use crate::normal::channel_plan;
+
+/// Channels and ring sizes of one internode op, from its `Config`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InternodePlan {
+    pub num_channels: i32,
+    pub rdma_ring_tokens: i32,
+    pub nvl_ring_tokens: i32,
+}
+
+/// The topology the internode kernels take: across nodes, at most their nodes and node size.
+pub fn check_topology(layout: &RankLayout, low_latency_mode: bool) -> Result<()> {
+    ensure_arg!(
+        layout.spans_nodes(),
+        "internode dispatch/combine need a buffer across nodes; this one's {} ranks are one NVLink domain (use \
+         intranode dispatch/combine, or DEEPEP_VIRTUAL_NODE_SIZE to split it into virtual nodes)",
+        layout.num_ranks
+    );
+    ensure_arg!(
+        !low_latency_mode,
+        "internode dispatch/combine on a low_latency_mode buffer are not supported yet (the low-latency ops own its \
+         RDMA region); create the buffer with low_latency_mode=False"
+    );
+    let (nodes, node_size) = (layout.num_ranks / layout.node_size, layout.node_size);
+    ensure_arg!(
+        nodes <= kernels::INTERNODE_MAX_NODES,
+        "internode dispatch/combine support up to {} nodes, the buffer has {nodes} ({} ranks in nodes of {node_size})",
+        kernels::INTERNODE_MAX_NODES,
+        layout.num_ranks
+    );
+    ensure_arg!(
+        node_size <= kernels::INTERNODE_MAX_NODE_SIZE,
+        "internode dispatch/combine support nodes of up to {} GPUs, the buffer's have {node_size}",
+        kernels::INTERNODE_MAX_NODE_SIZE
+    );
+    Ok(())
+}
+
+/// Bytes of the NVL region the NVLink rings of rows of `row_bytes` take: C x G rings of
+/// nvl_ring_tokens slots (header + row) plus a consumed word per slot.
+pub fn nvl_bytes_needed(plan: InternodePlan, node_size: i32, row_bytes: i64) -> Option<i64> {
+    (plan.num_channels as i64)
+        .checked_mul(node_size as i64)?
+        .checked_mul(plan.nvl_ring_tokens as i64)?
+        .checked_mul(row_bytes.checked_add(kernels::INTERNODE_NVL_HEADER_BYTES + 8)?)
+}
+
+/// Bytes of the RDMA region: notify slots and staging (2 x 2 x R slots), then receive and send
+/// rings (2 x C x N x rdma_ring_tokens rows).
+pub fn rdma_bytes_needed(plan: InternodePlan, num_ranks: i32, num_nodes: i32, row_bytes: i64) -> Option<i64> {
+    let notify = 4 * num_ranks as i64 * kernels::INTERNODE_NOTIFY_SLOT_BYTES;
+    let rings = (2 * plan.num_channels as i64)
+        .checked_mul(num_nodes as i64)?
+        .checked_mul(plan.rdma_ring_tokens as i64)?
+        .checked_mul(row_bytes)?;
+    notify.checked_add(rings)
+}
+
+/// Config, topology and both regions' budgets for rows of `row_bytes`.
+pub fn plan_for_layout(
+    layout: &RankLayout,
+    args: &crate::buffer::BufferArgs,
+    num_device_sms: i32,
+    config: &DeepepConfig,
+    op: &str,
+    row_bytes: i64,
+) -> Result<InternodePlan> {
+    check_topology(layout, args.low_latency_mode)?;
+    let channels = channel_plan(config, num_device_sms)?;
+    let rdma_ring = config.num_max_rdma_chunked_recv_tokens;
+    ensure_arg!(rdma_ring > 0, "config.num_max_rdma_chunked_recv_tokens must be positive, got {rdma_ring}");
+    ensure_arg!(
+        row_bytes <= i32::MAX as i64,
+        "x: an internode {op} row of {row_bytes} bytes (its hidden size, scales and top-k) is more than the kernels' \
+         32-bit row size holds"
+    );
+    let plan = InternodePlan {
+        num_channels: channels.num_channels,
+        rdma_ring_tokens: rdma_ring,
+        nvl_ring_tokens: channels.ring_tokens,
+    };
+    let (g, n) = (layout.node_size, layout.num_ranks / layout.node_size);
+    let too_big = || {
+        Error::invalid(format!(
+            "this internode {op} needs more bytes than a 64-bit size holds ({} channels, rings of {} and {} rows of \
+             {row_bytes} B)",
+            plan.num_channels, plan.nvl_ring_tokens, plan.rdma_ring_tokens
+        ))
+    };
+    let nvl = nvl_bytes_needed(plan, g, row_bytes).ok_or_else(too_big)?;
+    ensure_arg!(
+        nvl <= args.num_nvl_bytes,
+        "num_nvl_bytes ({}) is too small for this internode {op}: {} channels x {g} GPUs per node x {} slots \
+         (config.num_max_nvl_chunked_recv_tokens) of {} B need {nvl} B; size the buffer with \
+         Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)",
+        args.num_nvl_bytes,
+        plan.num_channels,
+        plan.nvl_ring_tokens,
+        row_bytes + kernels::INTERNODE_NVL_HEADER_BYTES + 8
+    );
+    let rdma = rdma_bytes_needed(plan, layout.num_ranks, n, row_bytes).ok_or_else(too_big)?;
+    ensure_arg!(
+        rdma <= args.num_rdma_bytes,
+        "num_rdma_bytes ({}) is too small for this internode {op}: notify slots and 2 x {} channels x {n} nodes x {} \
+         rows (config.num_max_rdma_chunked_recv_tokens) of {row_bytes} B need {rdma} B; size the buffer with \
+         Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)",
+        args.num_rdma_bytes,
+        plan.num_channels,
+        plan.rdma_ring_tokens
+    );
+    Ok(plan)
+}
+
+fn plan_for(buffer: &Buffer, config: &DeepepConfig, op: &str, row_bytes: i64) -> Result<InternodePlan> {
+    plan_for_layout(&buffer.layout, &buffer.args, buffer.num_device_sms(), config, op, row_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::buffer::BufferArgs;
+    use crate::config::{default_config, ConfigKind};
+
+    fn args(num_ranks: i32, nvl: i64, rdma: i64) -> BufferArgs {
+        BufferArgs {
+            rank: 0,
+            num_ranks,
+            num_nvl_bytes: nvl,
+            num_rdma_bytes: rdma,
+            low_latency_mode: false,
+            explicitly_destroy: false,
+            enable_shrink: false,
+        }
+    }
+
+    #[test]
+    fn topology_limits_name_the_value() {
+        let within = RankLayout::one_node(0, 8);
+        assert!(check_topology(&within, false).unwrap_err().message.contains("one NVLink domain"));
+        let two = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
+        check_topology(&two, false).unwrap();
+        assert!(check_topology(&two, true).unwrap_err().message.contains("low_latency_mode buffer"));
+        let many = RankLayout { rank: 0, num_ranks: 34, node_size: 2 };
+        assert!(check_topology(&many, false).unwrap_err().message.contains("up to 16 nodes, the buffer has 17"));
+        let wide = RankLayout { rank: 0, num_ranks: 32, node_size: 16 };
+        assert!(check_topology(&wide, false).unwrap_err().message.contains("nodes of up to 8 GPUs"));
+    }
+
+    /// DeepEP's hints suffice: a buffer sized by get_{nvl,rdma}_buffer_size_hint fits every
+    /// internode op of DeepEP's shape (hidden 7168, FP8 scales, top-8) with its default configs,
+    /// for 2 to 16 nodes of 8 (the hints count nodes of 8: with nodes of G the caller asks for
+    /// nodes x 8 ranks).
+    #[test]
+    fn deepeps_hints_fit_the_rings() {
+        for nodes in [2, 4, 8, 16] {
+            let r = nodes * 8;
+            for kind in [ConfigKind::Dispatch, ConfigKind::Combine] {
+                let config = default_config(kind, r, 132).unwrap();
+                let nvl = config.nvl_buffer_size_hint(7168 * 2, r).unwrap();
+                let rdma = config.rdma_buffer_size_hint(7168 * 2, r).unwrap();
+                let layout = RankLayout { rank: 0, num_ranks: r, node_size: 8 };
+                let dispatch_row = kernels::internode_dispatch_row_bytes(7168, 56, 8);
+                let combine_row = kernels::internode_combine_row_bytes(7168 * 2, 8);
+                for row in [dispatch_row, combine_row] {
+                    plan_for_layout(&layout, &args(r, nvl, rdma), 132, &config, "dispatch", row)
+                        .unwrap_or_else(|e| panic!("{nodes} nodes, {kind:?}: {}", e.message));
+                }
+                // 2 GPUs as 2 nodes of 1, sized by the 16-rank hints (2 nodes of 8).
+                let two = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
+                let small = default_config(kind, 16, 132).unwrap();
+                let (nvl, rdma) = (small.nvl_buffer_size_hint(7168 * 2, 16).unwrap(), small.rdma_buffer_size_hint(7168 * 2, 16).unwrap());
+                plan_for_layout(&two, &args(2, nvl, rdma), 132, &small, "dispatch", dispatch_row).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn small_regions_name_the_argument_and_the_hint() {
+        let layout = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
+        let config = default_config(ConfigKind::Dispatch, 16, 132).unwrap();
+        let row = kernels::internode_dispatch_row_bytes(4096, 0, 8);
+        let err = plan_for_layout(&layout, &args(2, 1 << 20, 1 << 30), 132, &config, "dispatch", row).unwrap_err();
+        assert!(err.message.starts_with("num_nvl_bytes (1048576) is too small for this internode dispatch"), "{}", err.message);
+        assert!(err.message.contains("get_nvl_buffer_size_hint"), "{}", err.message);
+        let err = plan_for_layout(&layout, &args(2, 1 << 30, 1 << 20), 132, &config, "combine", row).unwrap_err();
+        assert!(err.message.starts_with("num_rdma_bytes (1048576) is too small for this internode combine"), "{}", err.message);
+        assert!(err.message.contains("get_rdma_buffer_size_hint"), "{}", err.message);
+        let huge = InternodePlan { num_channels: 64, rdma_ring_tokens: i32::MAX, nvl_ring_tokens: i32::MAX };
+        assert!(rdma_bytes_needed(huge, 2, 2, i64::MAX / 2).is_none());
+        assert!(nvl_bytes_needed(huge, 8, i64::MAX).is_none());
+    }
+
+    #[test]
+    fn row_sizes_are_16_byte_multiples_with_room_for_every_part() {
+        // Header 16 + x + scales + ids + weights, each part padded to 16 bytes.
+        assert_eq!(kernels::internode_dispatch_row_bytes(7168 * 2, 0, 8), 16 + 14336 + 0 + 32 + 32);
+        assert_eq!(kernels::internode_dispatch_row_bytes(7168, 56, 8), 16 + 7168 + 224 + 32 + 32);
+        assert_eq!(kernels::internode_dispatch_row_bytes(4096, 0, 1), 16 + 4096 + 16 + 16);
+        assert_eq!(kernels::internode_combine_row_bytes(4096, 0), 4096);
+        assert_eq!(kernels::internode_combine_row_bytes(4096, 9), 4096 + 48);
+    }
+}

@@ -1,0 +1,177 @@
+"""Internode normal-mode dispatch and combine (docs/internode.md) on 2 GPUs as 2 nodes of 1
+(DEEPEP_VIRTUAL_NODE_SIZE=1: the scale-out leg is the LSA emulation, kRemoteEmulated), against
+the pure-torch oracle internode_reference.py (DeepEP V1's values of every output and handle entry).
+
+Workers run as DeepEP's tests: default dtype BF16, default device CUDA, a deep_ep.Buffer over
+dist.new_group(all ranks), sized by DeepEP's hints (the RDMA hint asked for nodes x 8 ranks: the
+hints count nodes of 8). Cases: T in {0, 1, 4096}, hidden 2048/7168, top-k 1/8, random, skewed
+and -1-heavy routing, BF16 and FP8 (column-major float32 scales); each checks the layout's
+per-node counts, every dispatch output and all 10 handle entries exactly, a cached dispatch
+bit-identical to the first, combine (with the received weights and a bias tuple) bit for bit, and
+the two heads as combine rewrote them. Then num_worst_tokens (defined rows only).
+
+Run: python tests/gpu/test_internode.py (needs 2 GPUs; more are left idle)."""
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+import deep_ep
+from common import Checks, assert_same, finish, random_topk, skip, spawn
+import internode_reference as ir
+
+E = 64
+NODE_SIZE = 1  # GPUs per virtual node
+MAX_HIDDEN = 7168
+
+
+def make_ctx(group, rep):
+    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_device('cuda')
+    return SimpleNamespace(group=group, rank=group.rank(), world=group.size(), rep=rep, buffer=None)
+
+
+def make_buffer(ctx):
+    """A buffer across ctx.world / NODE_SIZE virtual nodes, sized by DeepEP's hints for BF16 rows of
+    MAX_HIDDEN with the default dispatch and combine configs."""
+    world, nodes = ctx.world, ctx.world // NODE_SIZE
+    configs = (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world))
+    nvl = max(c.get_nvl_buffer_size_hint(MAX_HIDDEN * 2, world) for c in configs)
+    rdma = max(c.get_rdma_buffer_size_hint(MAX_HIDDEN * 2, nodes * 8) for c in configs)
+    os.environ['DEEPEP_VIRTUAL_NODE_SIZE'] = str(NODE_SIZE)
+    try:
+        buffer = deep_ep.Buffer(ctx.group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, explicitly_destroy=True)
+    finally:
+        del os.environ['DEEPEP_VIRTUAL_NODE_SIZE']
+    assert buffer.runtime.get_num_rdma_ranks() == nodes, buffer.runtime.get_num_rdma_ranks()
+    assert buffer.runtime.get_rdma_rank() == ctx.rank // NODE_SIZE
+    return buffer
+
+
+def route(kind, num_tokens, num_topk, world):
+    if kind == 'random':
+        return random_topk(num_tokens, E, num_topk)
+    if kind == 'skewed':  # every token to the last rank's experts
+        per_rank = E // world
+        local = torch.rand(num_tokens, per_rank, dtype=torch.float32).argsort(1)[:, :num_topk]
+        return (local + (world - 1) * per_rank).to(deep_ep.topk_idx_t)
+    if kind == 'minus_one_heavy':
+        t = random_topk(num_tokens, E, num_topk)
+        t[torch.rand(t.shape, dtype=torch.float32) < 0.9] = -1
+        t[:num_tokens // 8] = -1
+        return t
+    raise ValueError(kind)
+
+
+def layout(ctx, buffer, topk_idx, chk):
+    per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    chk.expect(per_rdma is not None, 'get_dispatch_layout: num_tokens_per_rdma_rank is None across nodes')
+    if per_rdma is not None:
+        want = ir.in_node(in_rank, NODE_SIZE).sum(0, dtype=torch.int32)
+        chk(assert_same, 'num_tokens_per_rdma_rank', per_rdma, want)
+    return per_rank, per_rdma, per_expert, in_rank
+
+
+def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False, num_worst_tokens=0):
+    buffer, chk = ctx.buffer, Checks()
+    topk_idx = route(routing, tokens, topk, ctx.world)
+    weights = torch.rand(tokens, topk, dtype=torch.float32)
+    per_rank, per_rdma, per_expert, in_rank = layout(ctx, buffer, topk_idx, chk)
+    chk.agree(ctx.group)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    if fp8:
+        x_data = x.to(torch.float8_e4m3fn)
+        scales = torch.rand(hidden // 128, tokens, dtype=torch.float32).T  # column-major, as test_internode
+        x_in = (x_data, scales)
+    else:
+        x_in = x
+    config = deep_ep.Buffer.get_dispatch_config(ctx.world)
+    num_channels = config.num_sms // 2
+    ref = ir.ref_internode_dispatch(ctx.group, x_in, in_rank, per_expert, topk_idx, weights, num_nvl_ranks=NODE_SIZE,
+                                    num_channels=num_channels, num_worst_tokens=num_worst_tokens)
+    recv, recv_topk, recv_weights, per_expert_list, handle, _ = buffer.dispatch(
+        x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights, num_worst_tokens=num_worst_tokens,
+        config=config)
+    recv_x, recv_scales = recv if fp8 else (recv, None)
+    n, nr = ref.num_recv, ref.num_rdma_recv
+    rows = slice(0, n)
+    chk(assert_same, 'recv_x', recv_x[rows], ref.recv_x[rows])
+    if fp8:
+        chk(assert_same, 'recv_x_scales', recv_scales[rows], ref.recv_x_scales[rows])
+    chk(assert_same, 'recv_topk_idx', recv_topk, ref.recv_topk_idx)  # the tail is -1 with num_worst_tokens
+    chk(assert_same, 'recv_topk_weights', recv_weights[rows], ref.recv_topk_weights[rows])
+    chk.expect(per_expert_list == ref.num_recv_tokens_per_expert_list,
+               f'num_recv_tokens_per_expert_list {per_expert_list}, expected {ref.num_recv_tokens_per_expert_list}')
+    chk.expect(len(handle) == 10, f'the handle has {len(handle)} entries, expected 10')
+    names = ('is_token_in_rank', 'rdma_channel_prefix_matrix', 'gbl_channel_prefix_matrix',
+             'recv_rdma_channel_prefix_matrix', 'recv_rdma_rank_prefix_sum', 'recv_gbl_channel_prefix_matrix',
+             'recv_gbl_rank_prefix_sum', 'recv_src_meta', 'send_rdma_head', 'send_nvl_head')
+    defined = {'recv_src_meta': n, 'send_nvl_head': nr}
+    for i, name in enumerate(names):
+        got, want = handle[i], ref.handle[i]
+        if name in defined:
+            got, want = got[:defined[name]], want[:defined[name]]
+        chk(assert_same, f'handle[{i}] {name}', got, want)
+    chk.agree(ctx.group)
+
+    # A cached dispatch with the handle: the same rows, bit for bit.
+    if num_worst_tokens == 0:
+        again, *_ = buffer.dispatch(x_in, handle=handle, config=config)
+        again_x = again[0] if fp8 else again
+        chk(assert_same, 'cached recv_x', again_x, recv_x)
+        if fp8:
+            chk(assert_same, 'cached recv_x_scales', again[1], recv_scales)
+
+    # Combine an expert output with the received weights and a bias tuple.
+    y = torch.randn(n, hidden, dtype=torch.bfloat16)
+    bias = (torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.randn(tokens, hidden, dtype=torch.bfloat16))
+    want_x, want_w = ir.ref_internode_combine(ctx.group, in_rank, y, n, recv_weights[rows], bias,
+                                              num_nvl_ranks=NODE_SIZE)
+    combined_x, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_weights[rows].contiguous(), bias=bias,
+                                               config=deep_ep.Buffer.get_combine_config(ctx.world))
+    chk(assert_same, 'combined_x', combined_x, want_x)
+    chk(assert_same, 'combined_topk_weights', combined_w, want_w)
+    after = ref.combined_handle(num_channels)
+    chk(assert_same, 'send_rdma_head after combine', handle[8], after[8])
+    chk(assert_same, 'send_nvl_head after combine', handle[9][:nr], after[9][:nr])
+    # A second combine (heads already rewritten: idempotent) gives the same bits.
+    again_x, _, _ = buffer.combine(y, handle, topk_weights=recv_weights[rows].contiguous(), bias=bias,
+                                   config=deep_ep.Buffer.get_combine_config(ctx.world))
+    chk(assert_same, 'second combined_x', again_x, combined_x)
+    chk.done()
+
+
+CASES = {
+    'random_T4096_H7168_top8': dict(hidden=7168),
+    'random_T4096_H2048_top1': dict(topk=1),
+    'random_T1_H2048': dict(tokens=1),
+    'random_T0_H2048': dict(tokens=0),
+    'skewed_T4096_H2048': dict(routing='skewed'),
+    'minus_one_heavy_T4096_H7168': dict(routing='minus_one_heavy', hidden=7168),
+    'fp8_col_scales_T4096_H7168': dict(fp8=True, hidden=7168),
+    'fp8_col_scales_T1_H2048_skewed': dict(fp8=True, tokens=1, routing='skewed'),
+    'num_worst_tokens_T4096_H2048': dict(num_worst_tokens=4096 * 2),
+}
+
+
+def worker(rank, world, group, rep):
+    ctx = make_ctx(dist.new_group(list(range(world))), rep)
+    if not rep.run('create_buffer_across_virtual_nodes', lambda: setattr(ctx, 'buffer', make_buffer(ctx))):
+        return
+    for name, spec in CASES.items():
+        rep.run(name, roundtrip, ctx, **spec)
+    rep.run('destroy_buffer', ctx.buffer.destroy)
+
+
+if __name__ == '__main__':
+    num_gpus = torch.cuda.device_count()
+    if num_gpus < 2:
+        print(f'test_internode needs at least 2 GPUs, found {num_gpus}')
+        sys.exit(1)
+    spawn(worker, 2, timeout=300)
+    if num_gpus < 4:
+        skip('w4', f'only {num_gpus} GPUs visible (4 would run 2 nodes of 2)')
+    finish()
