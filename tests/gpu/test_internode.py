@@ -162,7 +162,7 @@ def worker(rank, world, group, rep):
     if not rep.run('create_buffer_across_virtual_nodes', lambda: setattr(ctx, 'buffer', make_buffer(ctx))):
         return
     for name, spec in CASES.items():
-        rep.run(name, roundtrip, ctx, **spec)
+        rep.run(name, lambda spec=spec: roundtrip(ctx, **spec))
     rep.run('destroy_buffer', ctx.buffer.destroy)
 
 

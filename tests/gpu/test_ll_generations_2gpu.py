@@ -53,7 +53,7 @@ class Case:
         self.group, self.rank, self.world = group, group.rank(), group.size()
         self.E = num_experts
         size = max(deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, self.world, e) for e in (num_experts, *shapes))
-        self.ll_bytes = size  # what the LL ops may touch; a guard of guard_bytes follows it
+        self.ll_bytes, self.guard_bytes = size, guard_bytes  # what the LL ops may touch; the guard follows it
         self.buf = deep_ep.Buffer(group, num_rdma_bytes=size + guard_bytes, low_latency_mode=True,
                                   num_qps_per_rank=max(1, num_experts // self.world), explicitly_destroy=True, **kwargs)
         self.buf.runtime.set_gpu_timeout_ms(TIMEOUT_MS)
@@ -262,7 +262,8 @@ def shrink_masked_rank_rejoins(case, chk):
 
 
 def corrupted_handle_combine(case, chk):
-    guard = case.buf.get_local_buffer_tensor(torch.uint8, offset=case.ll_bytes, use_rdma_buffer=True)
+    # DeepEP's view runs num_rdma_bytes from the offset (past the window's end): only the guard's bytes.
+    guard = case.buf.get_local_buffer_tensor(torch.uint8, offset=case.ll_bytes, use_rdma_buffer=True)[:case.guard_bytes]
     for entry, op in (('src_info', 2), ('layout_range', 3)):
         case.round(chk, op - 1)
         guard.fill_(0x5a)
