@@ -221,7 +221,9 @@ template <bool kAcquire, bool kShrink>
 __device__ __forceinline__ bool warp_wait_flag(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
                                                int32_t* gone, int peer, int op, int counter) {
   uint64_t seen = ld_relaxed_sys(flag);
-  if (seen != expected) {
+  // Shrink mode: the whole warp enters the wait if one lane does (it meets at __all_sync below);
+  // lanes that saw the flag at once leave at their first poll.
+  if (kShrink ? __any_sync(0xffffffffu, seen != expected) : seen != expected) {
     const uint64_t start = global_time_ns();
     bool got = true;
     for (int spin = 1;; ++spin) {

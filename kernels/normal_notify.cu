@@ -9,9 +9,10 @@
 // may write notify k+1 before a slow one has read notify k (no barrier between).
 //
 // Shrink mode: masked ranks get nothing and are not waited for; a peer that misses the barrier,
-// or whose slot does not carry this notify's tag (it skipped a notify, or masks us and wrote
-// nothing), is masked at the kernel's end. Either way its slot reads as zeros here, so its rows
-// are absent from the receive count, the prefixes and the per-expert list (docs/normal_shrink.md).
+// or whose slot does not carry this notify's tag (it skipped a notify, masks us and wrote nothing,
+// or found us silent at its barrier and took its tag back), is masked at the kernel's end. Either
+// way its slot reads as zeros here, so its rows are absent from the receive count, the prefixes
+// and the per-expert list (docs/normal_shrink.md).
 #include "launch.cuh"
 #include "normal_common.cuh"
 
@@ -23,6 +24,10 @@ constexpr int kNotifyThreads = 1024;
 constexpr int kNotifySlotInts = DEEPEP_NOTIFY_SLOT_INTS;
 constexpr int kNotifySlotBytes = kNotifySlotInts * 4;
 constexpr int kNotifyTag = kNotifySlotInts - 1;  // shrink mode: flag_generation(sender's notify epoch)
+// Shrink mode: what a sender leaves in the tag of a peer it found silent at its barrier. Never a
+// tag (flag_generation has bit 30 set), so the peer, reading the slot when it reaches this notify
+// epoch late (it skipped a notify), takes the sender as absent instead of reading stale counts.
+constexpr int32_t kNotifyNoTag = 0;
 
 template <bool kShrink>
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_comm, DeepepNotifyParams p) {
@@ -114,7 +119,22 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
   barrier.arrive(cta, cuda::memory_order_acq_rel);
   if constexpr (kShrink) {
     const uint32_t silent = barrier.wait_survivors(cta, c.wait, masked);
-    if (threadIdx.x == 0) absent = masked | silent;
+    if (threadIdx.x == 0) {
+      absent = masked | silent;
+      // Take back the tag this thread wrote in a silent peer's slot in step 2: a peer that skipped
+      // this notify reaches this epoch at its next one, where our arrival from this one passes its
+      // barrier and our tag would match; it must find us absent (docs/normal_shrink.md). A peer
+      // merely late that read the tag before this store takes us as present, and masks us at its
+      // first wait on our traffic, if any (we send it nothing from now on): masks are per rank.
+      for (int peer = 0; peer < R; ++peer) {
+        if (!((silent >> peer) & 1u)) continue;
+        int32_t* slot = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(ncclGetLsaPointer(
+            static_cast<ncclWindow_t>(c.window),
+            c.notify_offset + (uint64_t(parity) * DEEPEP_MAX_NVL_RANKS + me) * kNotifySlotBytes, peer)));
+        *reinterpret_cast<volatile int32_t*>(slot + kNotifyTag) = kNotifyNoTag;
+      }
+      if (silent) __threadfence_system();
+    }
     __syncthreads();
   } else if (!barrier.wait_bounded(cta, c.wait)) {
     return;
