@@ -16,8 +16,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def inputs(tokens, hidden, num_experts, empty=False):
+def inputs(tokens, hidden, num_experts, empty=False, keep=None):
+    """keep: a rank whose experts alone take the first quarter of the tokens (then each rank
+    sends itself and its peer different counts, as the GPU run's inputs may: a reference that
+    takes rank_prefix_matrix's column of the wrong rank shows)."""
     scores = torch.randn(tokens, num_experts, dtype=torch.float32).abs() + 1
+    if keep is not None:
+        per_rank = num_experts // 2
+        scores[:tokens // 4] = 0
+        scores[:tokens // 4, keep * per_rank:(keep + 1) * per_rank] = 1
     topk = torch.topk(scores, 8, dim=-1, sorted=False).indices
     topk[torch.rand(tokens, 8) < 0.1] = -1
     if empty:
@@ -40,7 +47,13 @@ def run(rank, port):
     from test_normal import E, check_dispatch
 
     group, channels = dist.group.WORLD, 10
-    inp = inputs(t.TOKENS, t.HIDDEN, E)
+    for keep in (None, rank, 1 - rank):
+        check(rank, group, channels, inputs(t.TOKENS, t.HIDDEN, E, keep=keep), t, ref_dispatch, E, check_dispatch,
+              deep_ep)
+    dist.barrier()
+
+
+def check(rank, group, channels, inp, t, ref_dispatch, E, check_dispatch, deep_ep):
     ref = ref_dispatch(group, inp.x, inp.in_rank, inp.per_expert, inp.topk, inp.weights, num_channels=channels)
     for me in (0, 1):
         other = 1 - me
@@ -59,12 +72,20 @@ def run(rank, port):
         x, _ = t.alone_combine(ref, inp, me, y, alone.recv_topk_weights)
         mine = inp.in_rank[:, me]
         assert torch.equal(x[mine.nonzero().squeeze(1)], y) and bool((x[~mine] == 0).all()), 'alone_combine'
+        # emptied_ref: every row that is not one of me's own is other's, and is empty; me's own rows
+        # are those of the reference with other absent (independent of rank_prefix_matrix's columns).
         emptied = t.emptied_ref(ref, me, other)
-        lo, hi = t.own_rows(ref, other)
-        assert bool((emptied.recv_topk_idx[lo:hi] == -1).all()) and bool((emptied.handle[3][lo:hi] == -1).all())
-        assert bool((emptied.recv_x[lo:hi] == 0).all()), 'emptied_ref'
-        print(f'rank {rank}: the references with rank {other} absent or emptied agree', flush=True)
-    dist.barrier()
+        lo, hi = t.own_rows(ref, me)
+        mine = torch.zeros(ref.num_recv, dtype=torch.bool)
+        mine[lo:hi] = True
+        assert torch.equal(emptied.recv_x[mine], alone.recv_x) and torch.equal(emptied.handle[3][mine], alone.handle[3])
+        assert bool((emptied.recv_topk_idx[~mine] == -1).all()) and bool((emptied.handle[3][~mine] == -1).all())
+        assert bool((emptied.recv_x[~mine] == 0).all()) and bool((emptied.recv_topk_weights[~mine] == 0).all()), \
+            'emptied_ref'
+        assert t.rows_from(ref, other, me) == ((hi, ref.num_recv) if me == 0 else (0, lo)), 'rows_from'
+        sent_self, sent_other = (int(inp.in_rank[:, r].sum()) for r in (me, other))
+        print(f'rank {rank}: the references with rank {other} absent or emptied agree (sends {sent_self} to '
+              f'itself, {sent_other} to rank {other})', flush=True)
 
 
 if __name__ == '__main__':

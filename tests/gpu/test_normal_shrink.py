@@ -36,11 +36,17 @@ RECV_EMPTY, NOT_SENT, COMBINE_LEFT_OUT, COMBINE_NOT_SENT = range(4)
 
 
 # ---------------------------------------------------------------- references
-def own_rows(ref, me):
-    """The rows source `me` has in a full dispatch reference: [lo, hi)."""
+def rows_from(ref, src, me):
+    """The rows source `src` has in `me`'s full dispatch reference: [lo, hi). Column `me` of
+    rank_prefix_matrix (rank_prefix_matrix[i][j]: tokens ranks 0..i send to rank j)."""
     prefix = ref.handle[0]
-    lo = int(prefix[me - 1, me]) if me > 0 else 0
-    return lo, int(prefix[me, me])
+    lo = int(prefix[src - 1, me]) if src > 0 else 0
+    return lo, int(prefix[src, me])
+
+
+def own_rows(ref, me):
+    """The rows source `me` has in its own full dispatch reference: [lo, hi)."""
+    return rows_from(ref, me, me)
 
 
 def alone_ref(ref, inp, me, other):
@@ -65,7 +71,7 @@ def alone_ref(ref, inp, me, other):
 def emptied_ref(ref, me, other):
     """What `me` receives when `other` goes silent after notify: every row, those of `other`
     empty (x 0, top-k -1, weight 0, source index -1); counts and handle as exchanged."""
-    lo, hi = own_rows(ref, other)
+    lo, hi = rows_from(ref, other, me)
     recv_x, topk, weights, src = (ref.recv_x.clone(), ref.recv_topk_idx.clone(), ref.recv_topk_weights.clone(),
                                   ref.handle[3].clone())
     recv_x[lo:hi], topk[lo:hi], weights[lo:hi], src[lo:hi] = 0, -1, 0, -1
