@@ -88,7 +88,9 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
     begin = base + (ch > 0 ? p.rdma_channel_prefix_matrix[s * C + ch - 1] : 0);
     end = base + p.rdma_channel_prefix_matrix[s * C + ch];
   };
-  int64_t offset = 0;  // lane j < G: GPU j's rows before this segment
+  // Lane j < G: GPU j's rows before this segment; a row's place in GPU j's stream is this plus
+  // its head (the row's index among the segment's rows that GPU j got).
+  int64_t offset = 0;
   for (int s = 0; s < src_node; ++s) {
     int64_t b, e;
     segment(s, b, e);
@@ -145,7 +147,6 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
       st_relaxed_sys(reinterpret_cast<uint64_t*>(nvl_of(tr, lane) + nvl.consumed_offset(C, ch, my_gpu, k % nvl.ring)),
                      make_flag(generation, k));
     }
-    offset += head >= 0;
   }
   if (lane == 0) c.totals[sent_total(ch, src_node)] = sent + (end - begin);
 }
