@@ -274,7 +274,7 @@ typedef struct DeepepInternodeCommon {
 // finished its previous one, so rings start empty.
 typedef struct DeepepInternodeNotifyParams {
   DeepepInternodeCommon common;
-  const uint8_t* is_token_in_rank;            // [T, R] bool, or NULL (barrier only)
+  const uint8_t* is_token_in_rank;            // [T, R] bool (dispatch; NULL when T = 0)
   const int32_t* num_tokens_per_rank;         // [R] or NULL
   const int32_t* num_tokens_per_rdma_rank;    // [N] or NULL
   const int32_t* num_tokens_per_expert;       // [E] or NULL
@@ -296,6 +296,7 @@ typedef struct DeepepInternodeNotifyParams {
   int32_t expert_alignment;
   int32_t cached;
   int32_t num_worst_tokens;
+  int32_t dispatch;                           // 1: a dispatch's round (counts, prefixes); 0: combine's
 } DeepepInternodeNotifyParams;
 
 typedef struct DeepepInternodeDispatchParams {

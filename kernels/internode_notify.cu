@@ -1,8 +1,9 @@
 // Internode notify: one block. Dispatch: turns is_token_in_rank into the sender's prefix
 // matrices (per destination rank and node), sends every rank its slot (the rank's channel
 // prefixes, the node's channel prefixes for the same-GPU forwarder, the rank's expert counts),
-// waits for all R slots, and derives the receive side. Combine (is_token_in_rank NULL): the
-// same round without data, then DeepEP's rewrite of the two head tensors in place.
+// waits for all R slots, and derives the receive side. Combine (p.dispatch 0): the
+// same round without data, then DeepEP's rewrite of the two head tensors in place. The mode is
+// p.dispatch, not is_token_in_rank: a dispatch of 0 tokens has no tensor data (NULL).
 // The round is an all-to-all, so after it every rank has finished its previous data kernel:
 // the data kernel that follows may start its rings empty. Slots are double-buffered by the
 // round's parity (a rank can be one round ahead of another, never two: each round waits for all).
@@ -31,7 +32,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
   const int my_gpu = me % G;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, num_warps = blockDim.x / kWarp;
-  const bool with_data = p.is_token_in_rank != nullptr;
+  const bool with_data = p.dispatch != 0;
   const int local_experts = (with_data && !p.cached) ? p.num_experts / R : 0;
   const RdmaLayout rdma{0, 0, N, C, R};
   __shared__ int failed;

@@ -192,6 +192,7 @@ pub fn combine(buffer: &Buffer, a: &DeepepInternodeCombineArgs, stream: *mut c_v
             expert_alignment: 1,
             cached: 0,
             num_worst_tokens: 0,
+            dispatch: 0,
         };
         let table = res.dev_comm.build().table();
         // SAFETY: params point at validated tensors, the live window and workspace; the launcher

@@ -421,6 +421,7 @@ pub fn prepare(buffer: &Buffer, args: &DeepepInternodeDispatchArgs, stream: *mut
             expert_alignment: plan.expert_alignment,
             cached: plan.cached as i32,
             num_worst_tokens: plan.num_worst_tokens,
+            dispatch: 1,
         };
         let launch = kernels::entry(res.dev_comm.build().table().launch_internode_notify);
         // SAFETY: params point at validated tensors, the live window and workspace; the launcher

@@ -727,12 +727,13 @@ pub struct DeepepInternodeNotifyParams {
     pub expert_alignment: i32,
     pub cached: i32,
     pub num_worst_tokens: i32,
+    pub dispatch: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     [
         "Size of DeepepInternodeNotifyParams",
-    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 280usize];
+    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 288usize];
     [
         "Alignment of DeepepInternodeNotifyParams",
     ][::std::mem::align_of::<DeepepInternodeNotifyParams>() - 8usize];
@@ -816,6 +817,9 @@ const _: () = {
     [
         "Offset of field: DeepepInternodeNotifyParams::num_worst_tokens",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 276usize];
+    [
+        "Offset of field: DeepepInternodeNotifyParams::dispatch",
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 280usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]

@@ -126,11 +126,13 @@ def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False
             chk(assert_same, 'cached recv_x_scales', again[1], recv_scales)
 
     # Combine an expert output with the received weights and a bias tuple.
-    y = torch.randn(n, hidden, dtype=torch.bfloat16)
+    # As DeepEP, combine takes as many rows as dispatch returned (num_worst_tokens: the padded
+    # rows, which no channel range covers).
+    y = torch.randn(recv_x.size(0), hidden, dtype=torch.bfloat16)
     bias = (torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.randn(tokens, hidden, dtype=torch.bfloat16))
-    want_x, want_w = ir.ref_internode_combine(ctx.group, in_rank, y, n, recv_weights[rows], bias,
+    want_x, want_w = ir.ref_internode_combine(ctx.group, in_rank, y[rows], n, recv_weights[rows], bias,
                                               num_nvl_ranks=NODE_SIZE)
-    combined_x, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_weights[rows].contiguous(), bias=bias,
+    combined_x, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_weights, bias=bias,
                                                config=deep_ep.Buffer.get_combine_config(ctx.world))
     chk(assert_same, 'combined_x', combined_x, want_x)
     chk(assert_same, 'combined_topk_weights', combined_w, want_w)
@@ -138,7 +140,7 @@ def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False
     chk(assert_same, 'send_rdma_head after combine', handle[8], after[8])
     chk(assert_same, 'send_nvl_head after combine', handle[9][:nr], after[9][:nr])
     # A second combine (heads already rewritten: idempotent) gives the same bits.
-    again_x, _, _ = buffer.combine(y, handle, topk_weights=recv_weights[rows].contiguous(), bias=bias,
+    again_x, _, _ = buffer.combine(y, handle, topk_weights=recv_weights, bias=bias,
                                    config=deep_ep.Buffer.get_combine_config(ctx.world))
     chk(assert_same, 'second combined_x', again_x, combined_x)
     chk.done()
