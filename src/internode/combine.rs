@@ -76,7 +76,7 @@ pub fn combine_outputs_for(buffer: &Buffer, a: &DeepepInternodeCombineArgs) -> R
 
 fn validate<'a>(buffer: &Buffer, a: &'a DeepepInternodeCombineArgs) -> Result<Plan<'a>> {
     let l = &buffer.layout;
-    super::check_topology(l, buffer.args.low_latency_mode)?;
+    super::check_topology(l, &buffer.args)?;
     let (r, n, g) = (l.num_ranks as i64, (l.num_ranks / l.node_size) as i64, l.node_size as i64);
     let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
     check_aligned16("x", &x)?;

@@ -179,7 +179,7 @@ pub fn num_recv_rows(cached: bool, num_worst_tokens: i32, num_recv_tokens: i32, 
 /// The handle's geometry for these args (deepep_internode_dispatch_handle_outputs): reads x,
 /// config.num_sms and cached only.
 pub fn handle_outputs_for(buffer: &Buffer, a: &DeepepInternodeDispatchArgs) -> Result<DeepepOutputs> {
-    super::check_topology(&buffer.layout, buffer.args.low_latency_mode)?;
+    super::check_topology(&buffer.layout, &buffer.args)?;
     let (x, _) = check_x(a)?;
     let channels = crate::normal::channel_plan(&a.config, buffer.num_device_sms())?;
     let l = &buffer.layout;
@@ -242,7 +242,7 @@ impl Plan {
 
 fn validate(buffer: &Buffer, a: &DeepepInternodeDispatchArgs) -> Result<Plan> {
     let l = &buffer.layout;
-    super::check_topology(l, buffer.args.low_latency_mode)?;
+    super::check_topology(l, &buffer.args)?;
     let (r, n) = (l.num_ranks as i64, (l.num_ranks / l.node_size) as i64);
     let (x, hidden_bytes) = check_x(a)?;
     let t = x.dims()[0];

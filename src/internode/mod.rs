@@ -4,7 +4,7 @@
 pub mod combine;
 pub mod dispatch;
 
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, BufferArgs};
 use crate::config::{DeepepConfig, RankLayout};
 use crate::ensure_arg;
 use crate::error::{Error, Result};
@@ -20,7 +20,7 @@ pub struct InternodePlan {
 }
 
 /// The topology the internode kernels take: across nodes, at most their nodes and node size.
-pub fn check_topology(layout: &RankLayout, low_latency_mode: bool) -> Result<()> {
+pub fn check_topology(layout: &RankLayout, args: &BufferArgs) -> Result<()> {
     ensure_arg!(
         layout.spans_nodes(),
         "internode dispatch/combine need a buffer across nodes; this one's {} ranks are one NVLink domain (use \
@@ -28,9 +28,14 @@ pub fn check_topology(layout: &RankLayout, low_latency_mode: bool) -> Result<()>
         layout.num_ranks
     );
     ensure_arg!(
-        !low_latency_mode,
+        !args.low_latency_mode,
         "internode dispatch/combine on a low_latency_mode buffer are not supported yet (the low-latency ops own its \
          RDMA region); create the buffer with low_latency_mode=False"
+    );
+    ensure_arg!(
+        !args.enable_shrink,
+        "internode dispatch/combine have no shrink mode yet (a silent rank is a stall error, not masked); create \
+         the buffer with enable_shrink=False"
     );
     let (nodes, node_size) = (layout.num_ranks / layout.node_size, layout.node_size);
     ensure_arg!(
@@ -70,13 +75,13 @@ pub fn rdma_bytes_needed(plan: InternodePlan, num_ranks: i32, num_nodes: i32, ro
 /// Config, topology and both regions' budgets for rows of `row_bytes`.
 pub fn plan_for_layout(
     layout: &RankLayout,
-    args: &crate::buffer::BufferArgs,
+    args: &BufferArgs,
     num_device_sms: i32,
     config: &DeepepConfig,
     op: &str,
     row_bytes: i64,
 ) -> Result<InternodePlan> {
-    check_topology(layout, args.low_latency_mode)?;
+    check_topology(layout, args)?;
     let channels = channel_plan(config, num_device_sms)?;
     let rdma_ring = config.num_max_rdma_chunked_recv_tokens;
     ensure_arg!(rdma_ring > 0, "config.num_max_rdma_chunked_recv_tokens must be positive, got {rdma_ring}");
@@ -129,7 +134,6 @@ fn plan_for(buffer: &Buffer, config: &DeepepConfig, op: &str, row_bytes: i64) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::buffer::BufferArgs;
     use crate::config::{default_config, ConfigKind};
 
     fn args(num_ranks: i32, nvl: i64, rdma: i64) -> BufferArgs {
@@ -146,15 +150,19 @@ mod tests {
 
     #[test]
     fn topology_limits_name_the_value() {
+        let normal = args(2, 0, 0);
         let within = RankLayout::one_node(0, 8);
-        assert!(check_topology(&within, false).unwrap_err().message.contains("one NVLink domain"));
+        assert!(check_topology(&within, &normal).unwrap_err().message.contains("one NVLink domain"));
         let two = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
-        check_topology(&two, false).unwrap();
-        assert!(check_topology(&two, true).unwrap_err().message.contains("low_latency_mode buffer"));
+        check_topology(&two, &normal).unwrap();
+        let ll = BufferArgs { low_latency_mode: true, ..normal };
+        assert!(check_topology(&two, &ll).unwrap_err().message.contains("low_latency_mode buffer"));
+        let shrink = BufferArgs { enable_shrink: true, ..normal };
+        assert!(check_topology(&two, &shrink).unwrap_err().message.contains("enable_shrink=False"));
         let many = RankLayout { rank: 0, num_ranks: 34, node_size: 2 };
-        assert!(check_topology(&many, false).unwrap_err().message.contains("up to 16 nodes, the buffer has 17"));
+        assert!(check_topology(&many, &normal).unwrap_err().message.contains("up to 16 nodes, the buffer has 17"));
         let wide = RankLayout { rank: 0, num_ranks: 32, node_size: 16 };
-        assert!(check_topology(&wide, false).unwrap_err().message.contains("nodes of up to 8 GPUs"));
+        assert!(check_topology(&wide, &normal).unwrap_err().message.contains("nodes of up to 8 GPUs"));
     }
 
     /// DeepEP's hints suffice: a buffer sized by get_{nvl,rdma}_buffer_size_hint fits every
