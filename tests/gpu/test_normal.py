@@ -8,8 +8,8 @@ skewed, empty rank, -1 heavy, duplicates), token counts 0/1/17/4096 (also differ
 hidden 2048/4096/6000/7168, top-k 1/8/16, BF16 and FP8 (float32 and int32 scales, row- and
 column-major), with and without top-k, expert alignment, the handle, cached and repeated calls,
 num_worst_tokens, combine bias, events and streams, CUDA-graph replay, a Config sweep, bad input,
-and a peer that stalls in dispatch, cached dispatch or combine (last, each on its own buffer,
-then a new one).
+and a peer that stalls before dispatch, cached dispatch or combine, or inside dispatch (after its
+notify) (last, each on its own buffer, then a new one).
 
 Every exact output is compared with torch.equal. Checks are collected (common.Checks) rather
 than raised at once so that all ranks keep making the same collective calls."""
@@ -722,7 +722,41 @@ def buffer_too_small(ctx):
 
 
 # ---------------------------------------------------------------- stalled peer
-STALL_PHASES = ('dispatch', 'cached_dispatch', 'combine')
+# dispatch_data_kernel: the peer stops inside the op (after its notify, before its data kernel).
+STALL_PHASES = ('dispatch', 'cached_dispatch', 'combine', 'dispatch_data_kernel')
+
+
+def sleep_cycles(ms):
+    """torch.cuda._sleep cycles that take about `ms` on this GPU."""
+    probe = 10 ** 8
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(ms * probe / max(start.elapsed_time(end), 1e-3))
+
+
+def late_dispatch(buf, inp, cycles):
+    """A dispatch whose data kernel starts `cycles` after its notify: the ctypes path, with a GPU
+    sleep put between its prepare (notify + host wait) and its data kernel launch."""
+    from deep_ep_cpp import _normal
+
+    runtime, launch = buf.runtime, _normal.lib.deepep_intranode_dispatch
+
+    def delayed(handle, args, outs, stream):
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            torch.cuda._sleep(cycles)
+        return launch(handle, args, outs, stream)
+
+    runtime._fast_with_config = lambda *args, **kwargs: None  # no compiled path: the launch below is taken
+    _normal.lib.deepep_intranode_dispatch = delayed
+    try:
+        return buf.dispatch(inp.x, **layout_args(inp))
+    finally:
+        _normal.lib.deepep_intranode_dispatch = launch
+        del runtime._fast_with_config
+
 
 
 def stall_case(phase):
@@ -730,9 +764,11 @@ def stall_case(phase):
 
 
 def stalled_peer(ctx, phase):
-    """Rank 1 skips an op (`phase`) that the others enter. The others must fail within 10 s with an
-    error naming rank 1 instead of hanging (in the call where the host waits, as non-cached
-    dispatch does; else at the next call, and is_available() says so after a synchronize);
+    """Rank 1 skips an op (`phase`) that the others enter, or (dispatch_data_kernel) stops inside it:
+    its notify runs, its data kernel starts well past the others' timeout. The others must fail
+    within 10 s with an error naming rank 1 instead of hanging (in the call where the host waits, as
+    non-cached dispatch's notify does; else at the next call, and is_available() says so after a
+    synchronize);
     destroy() must then return or raise on every rank,
     under a watchdog; and a new Buffer in the same processes must work (its results checked).
     Last, on their own buffers: the timeout leaves a buffer unusable."""
@@ -748,17 +784,22 @@ def stalled_peer(ctx, phase):
         calls = {'dispatch': lambda: buf.dispatch(inp.x, **layout_args(inp)),
                  'cached_dispatch': lambda: buf.dispatch(inp.x, handle=handle),
                  'combine': lambda: buf.combine(y, handle)}
+        calls['dispatch_data_kernel'] = calls['dispatch']
+        cycles = sleep_cycles(3 * STALL_TIMEOUT_MS)
         torch.cuda.synchronize()
         buf.runtime.set_gpu_timeout_ms(STALL_TIMEOUT_MS)
         dist.barrier(group=ctx.group)
-        if ctx.rank == STALLED_RANK:
+        if ctx.rank == STALLED_RANK and phase == 'dispatch_data_kernel':
+            late_dispatch(buf, inp, cycles)  # well past the others' timeout
+            torch.cuda.synchronize()
+        elif ctx.rank == STALLED_RANK:
             time.sleep(3 * STALL_TIMEOUT_MS / 1000)  # well past the others' timeout
         else:
             start = time.monotonic()
 
             def stalled_op():
                 calls[phase]()
-                if phase != 'dispatch':  # no host wait: the stall surfaces at the next call
+                if phase != 'dispatch':  # no host wait on the stalled kernel: the stall surfaces at the next call
                     torch.cuda.synchronize()
                     chk.expect(not buf.runtime.is_available(), f'is_available() is True after the stalled {phase}')
                     buf.get_dispatch_layout(inp.topk, E)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import deep_ep
 from common import Checks, finish, skip, spawn, watchdog
 from normal_reference import DispatchRef
-from test_normal import (E, check_combine, check_dispatch, expect_dispatch, hint_bytes, layout_args, make_ctx,
-                         make_inputs, roundtrip)
+from test_normal import (E, check_combine, check_dispatch, expect_dispatch, hint_bytes, late_dispatch, layout_args,
+                         make_ctx, make_inputs, roundtrip, sleep_cycles)
 
 SILENT = 1
 TIMEOUT_MS = 2000
@@ -101,38 +101,6 @@ def query(buf):
     buf.normal_query_dropped_buffer(dropped)
     torch.cuda.synchronize()
     return mask.tolist(), dropped.tolist()
-
-
-def sleep_cycles(ms):
-    """torch.cuda._sleep cycles that take about `ms` on this GPU."""
-    probe = 10 ** 8
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(probe)
-    end.record()
-    end.synchronize()
-    return int(ms * probe / max(start.elapsed_time(end), 1e-3))
-
-
-def late_dispatch(buf, inp, cycles):
-    """A dispatch whose data kernel starts `cycles` after its notify: the ctypes path, with a GPU
-    sleep put between its prepare (notify + host wait) and its data kernel launch."""
-    from deep_ep_cpp import _normal
-
-    runtime, launch = buf.runtime, _normal.lib.deepep_intranode_dispatch
-
-    def delayed(handle, args, outs, stream):
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            torch.cuda._sleep(cycles)
-        return launch(handle, args, outs, stream)
-
-    runtime._fast_with_config = lambda *args, **kwargs: None  # no compiled path: the launch below is taken
-    _normal.lib.deepep_intranode_dispatch = delayed
-    try:
-        return buf.dispatch(inp.x, **layout_args(inp))
-    finally:
-        _normal.lib.deepep_intranode_dispatch = launch
-        del runtime._fast_with_config
 
 
 def new_buffer(ctx):
