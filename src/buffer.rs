@@ -332,12 +332,9 @@ impl Buffer {
         let window = SymmetricWindow::new(&comm, window_bytes)?;
         cuda::memset_zero(window.ptr(), window.bytes())?;
         // Control and notify slots, then one per SM so per-CTA barriers never share one.
-        // The LL signals, then (a normal-mode buffer) the internode counters.
-        let gin_signals = match (multi_node, args.low_latency_mode) {
-            (false, _) => 0,
-            (true, true) => kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks,
-            (true, false) => kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks + kernels::INTERNODE_COUNTERS,
-        };
+        // The LL signals, then the internode counters (one buffer may serve both kinds of op).
+        let gin_signals =
+            if multi_node { kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks + kernels::INTERNODE_COUNTERS } else { 0 };
         let dev_comm = DevComm::new(&comm, build, DATA_BARRIER_BASE + num_sms, gin_signals).map_err(|e| {
             if multi_node {
                 Error::unsupported(format!(

@@ -28,11 +28,6 @@ pub fn check_topology(layout: &RankLayout, args: &BufferArgs) -> Result<()> {
         layout.num_ranks
     );
     ensure_arg!(
-        !args.low_latency_mode,
-        "internode dispatch/combine on a low_latency_mode buffer are not supported yet (the low-latency ops own its \
-         RDMA region); create the buffer with low_latency_mode=False"
-    );
-    ensure_arg!(
         !args.enable_shrink,
         "internode dispatch/combine have no shrink mode yet (a silent rank is a stall error, not masked); create \
          the buffer with enable_shrink=False"
@@ -155,8 +150,8 @@ mod tests {
         assert!(check_topology(&within, &normal).unwrap_err().message.contains("one NVLink domain"));
         let two = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
         check_topology(&two, &normal).unwrap();
-        let ll = BufferArgs { low_latency_mode: true, ..normal };
-        assert!(check_topology(&two, &ll).unwrap_err().message.contains("low_latency_mode buffer"));
+        // One buffer serves internode and low-latency ops (clean_low_latency_buffer between, as DeepEP).
+        check_topology(&two, &BufferArgs { low_latency_mode: true, ..normal }).unwrap();
         let shrink = BufferArgs { enable_shrink: true, ..normal };
         assert!(check_topology(&two, &shrink).unwrap_err().message.contains("enable_shrink=False"));
         let many = RankLayout { rank: 0, num_ranks: 34, node_size: 2 };

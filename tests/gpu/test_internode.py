@@ -8,7 +8,8 @@ hints count nodes of 8). Cases: T in {0, 1, 4096}, hidden 2048/7168, top-k 1/8, 
 and -1-heavy routing, BF16 and FP8 (column-major float32 scales); each checks the layout's
 per-node counts, every dispatch output and all 10 handle entries exactly, a cached dispatch
 bit-identical to the first, combine (with the received weights and a bias tuple) bit for bit, and
-the two heads as combine rewrote them. Then num_worst_tokens (defined rows only).
+the two heads as combine rewrote them. Then num_worst_tokens (defined rows only), and one
+low_latency_mode buffer serving internode and LL ops (DeepEP's --test-ll-compatibility).
 
 Run: python tests/gpu/test_internode.py (needs 2 GPUs; more are left idle)."""
 import os
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import deep_ep
 from common import Checks, assert_same, finish, random_topk, skip, spawn
 import internode_reference as ir
+from ll_reference import bf16_ulp_distance, ref_ll_combine, ref_ll_dispatch
 
 E = 64
 NODE_SIZE = 1  # GPUs per virtual node
@@ -33,16 +35,22 @@ def make_ctx(group, rep):
     return SimpleNamespace(group=group, rank=group.rank(), world=group.size(), rep=rep, buffer=None)
 
 
-def make_buffer(ctx):
+def make_buffer(ctx, ll_shape=None):
     """A buffer across ctx.world / NODE_SIZE virtual nodes, sized by DeepEP's hints for BF16 rows of
-    MAX_HIDDEN with the default dispatch and combine configs."""
+    MAX_HIDDEN with the default dispatch and combine configs; with ll_shape (M, H, E) also a
+    low_latency_mode buffer for LL ops of that shape (DeepEP's --test-ll-compatibility)."""
     world, nodes = ctx.world, ctx.world // NODE_SIZE
     configs = (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world))
     nvl = max(c.get_nvl_buffer_size_hint(MAX_HIDDEN * 2, world) for c in configs)
     rdma = max(c.get_rdma_buffer_size_hint(MAX_HIDDEN * 2, nodes * 8) for c in configs)
+    ll = {}
+    if ll_shape is not None:
+        m, h, e = ll_shape
+        rdma = max(rdma, deep_ep.Buffer.get_low_latency_rdma_size_hint(m, h, world, e))
+        ll = dict(low_latency_mode=True, num_qps_per_rank=max(1, e // world))
     os.environ['DEEPEP_VIRTUAL_NODE_SIZE'] = str(NODE_SIZE)
     try:
-        buffer = deep_ep.Buffer(ctx.group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, explicitly_destroy=True)
+        buffer = deep_ep.Buffer(ctx.group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, explicitly_destroy=True, **ll)
     finally:
         del os.environ['DEEPEP_VIRTUAL_NODE_SIZE']
     assert buffer.runtime.get_num_rdma_ranks() == nodes, buffer.runtime.get_num_rdma_ranks()
@@ -146,6 +154,56 @@ def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False
     chk.done()
 
 
+LL_SHAPE = (64, 2048, 16)  # M, H, E of the LL ops on the shared buffer
+LL_TOPK = 4
+
+
+def ll_round(ctx, buffer, seed):
+    """One low_latency_dispatch + low_latency_combine on `buffer`, both checked against
+    ll_reference (every rank derives every rank's inputs from seeds)."""
+    m, h, e = LL_SHAPE
+    all_x, all_topk = [], []
+    for r in range(ctx.world):
+        g = torch.Generator().manual_seed(seed + r)
+        t = m - 3 * r
+        all_x.append(torch.randn(t, h, generator=g, device='cpu', dtype=torch.float32).to(torch.bfloat16).cuda())
+        all_topk.append(torch.rand(t, e, generator=g, device='cpu', dtype=torch.float32).topk(LL_TOPK, dim=1).indices.cuda())
+    g = torch.Generator().manual_seed(seed + 1000)
+    ys = [torch.randn(e // ctx.world, ctx.world * m, h, generator=g, device='cpu', dtype=torch.float32).to(torch.bfloat16).cuda()
+          for _ in range(ctx.world)]
+    weights = torch.rand(all_topk[ctx.rank].shape, generator=g, device='cpu', dtype=torch.float32).cuda()
+    recv_x, count, handle, _, _ = buffer.low_latency_dispatch(all_x[ctx.rank], all_topk[ctx.rank], m, e,
+                                                              use_fp8=False)
+    torch.cuda.synchronize()
+    ref = ref_ll_dispatch(all_x, all_topk, ctx.rank, e, m)
+    for name, got, want in (('recv_count', count, ref.count), ('layout_range', handle[1], ref.layout_range),
+                            ('src_info', handle[0][ref.valid], ref.src_info[ref.valid]),
+                            ('recv_x', recv_x[ref.valid], ref.x[ref.valid])):
+        assert torch.equal(got, want), f'low_latency_dispatch: {name} differs from the reference'
+    combined = buffer.low_latency_combine(ys[ctx.rank], all_topk[ctx.rank], weights, handle)[0]
+    torch.cuda.synchronize()
+    ulps = int(bf16_ulp_distance(combined, ref_ll_combine(ys, all_topk, ctx.rank, weights, e, m)).max())
+    assert ulps <= 1, f'low_latency_combine: off by up to {ulps} BF16 ulp'
+
+
+def ll_compatibility(ctx):
+    """DeepEP's --test-ll-compatibility: one low_latency_mode buffer across the virtual nodes serves
+    internode dispatch + combine, then (after clean_low_latency_buffer, as DeepEP requires) LL
+    dispatch + combine, then internode again: every result checked."""
+    shared = make_buffer(ctx, LL_SHAPE)
+    plain, ctx.buffer = ctx.buffer, shared
+    try:
+        roundtrip(ctx, hidden=2048)
+        shared.clean_low_latency_buffer(*LL_SHAPE)
+        ll_round(ctx, shared, seed=77)
+        ll_round(ctx, shared, seed=78)
+        roundtrip(ctx, hidden=2048, routing='skewed')
+    finally:
+        ctx.buffer = plain
+        torch.cuda.synchronize()
+        shared.destroy()
+
+
 CASES = {
     'random_T4096_H7168_top8': dict(hidden=7168),
     'random_T4096_H2048_top1': dict(topk=1),
@@ -165,6 +223,7 @@ def worker(rank, world, group, rep):
         return
     for name, spec in CASES.items():
         rep.run(name, lambda spec=spec: roundtrip(ctx, **spec))
+    rep.run('ll_compatibility', lambda: ll_compatibility(ctx))
     rep.run('destroy_buffer', ctx.buffer.destroy)
 
 
