@@ -124,7 +124,13 @@ fuzz_target!(|data: &[u8]| {
                     enable_shrink: bool_(&mut u),
                 };
                 let sms = [0, 2, 24, 132][u.choose_index(4).unwrap_or(3)];
-                let h = testing::buffer_without_resources(args, sms) as usize;
+                // Some span (virtual) nodes, so that the internode ops get past their topology check.
+                let node_size = [1, 2, 4, 8][u.choose_index(4).unwrap_or(0)];
+                let h = if num_ranks > node_size && num_ranks % node_size == 0 && bool_(&mut u) {
+                    testing::buffer_without_resources_in_nodes(args, sms, node_size) as usize
+                } else {
+                    testing::buffer_without_resources(args, sms) as usize
+                };
                 assert!(testing::lookup_buffer(h as *const DeepepBuffer));
                 pool.handles.push((h, State::Live));
             }

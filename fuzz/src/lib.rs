@@ -79,6 +79,8 @@ pub mod entries {
 
     use deepep_nccl::capi::*;
     use deepep_nccl::config::DeepepConfig;
+    use deepep_nccl::internode::combine::DeepepInternodeCombineArgs;
+    use deepep_nccl::internode::dispatch::{DeepepInternodeDispatchArgs, DeepepInternodeDispatchOutputs};
     use deepep_nccl::ll::combine::DeepepLowLatencyCombineArgs;
     use deepep_nccl::ll::dispatch::DeepepLowLatencyDispatchArgs;
     use deepep_nccl::normal::combine::DeepepIntranodeCombineArgs;
@@ -90,7 +92,7 @@ pub mod entries {
     use super::{bool_, i32_edge, i64_edge, Unstructured};
 
     /// Entries [`call`] knows: `which` in 0..COUNT; 1 is deepep_buffer_free.
-    pub const COUNT: u8 = 32;
+    pub const COUNT: u8 = 39;
     pub const FREE: u8 = 1;
 
     /// A plain-old-data value (ints and descriptor pointers only) with every byte from the fuzz input.
@@ -323,6 +325,60 @@ pub mod entries {
                         let n = i32_edge(u);
                         ("dispatch_outputs", deepep_intranode_dispatch_outputs(b, ap, n, ctx.out(u, &mut outs)))
                     }
+                }
+            }
+            32 => {
+                let t = ctx.tensor(u);
+                let tp = if bool_(u) && ctx.nullable { null() } else { &t as *const _ };
+                ("normal_query_dropped", deepep_normal_query_dropped(b, tp, s))
+            }
+            33..=36 => {
+                let mut a: DeepepInternodeDispatchArgs = pod(u);
+                fix!(ctx, u, a: x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                     is_token_in_rank, num_tokens_per_expert, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
+                     recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix,
+                     recv_gbl_rank_prefix_sum, send_rdma_head);
+                a.config = config(ctx, u, a.config);
+                a.cached = ctx.int(u, a.cached, &FLAGS);
+                a.expert_alignment = ctx.int(u, a.expert_alignment, &[1, 128]);
+                a.num_worst_tokens = ctx.int(u, a.num_worst_tokens, &TOKENS);
+                let ap = ctx.args(u, &a);
+                match which {
+                    33 => {
+                        let (mut per_expert, mut rdma_recv) = ([0i32; 16], 0i32);
+                        let cap = u.int_in_range(-2i32..=16).unwrap_or(0);
+                        let pe = if bool_(u) { null_mut() } else { per_expert.as_mut_ptr() };
+                        let (recv, rdma) = (ctx.out(u, &mut i), ctx.out(u, &mut rdma_recv));
+                        // cap > 16 would let the library write past the local array: never passed.
+                        ("internode_dispatch_prepare", deepep_internode_dispatch_prepare(b, ap, recv, rdma, pe, cap.min(16), s))
+                    }
+                    34 => {
+                        let mut o: DeepepInternodeDispatchOutputs = pod(u);
+                        fix!(ctx, u, o: recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_meta, send_nvl_head);
+                        let op = ctx.args(u, &o);
+                        ("internode_dispatch", deepep_internode_dispatch(b, ap, op, s))
+                    }
+                    35 => (
+                        "internode_dispatch_handle_outputs",
+                        deepep_internode_dispatch_handle_outputs(b, ap, ctx.out(u, &mut outs)),
+                    ),
+                    _ => {
+                        let (recv, rdma) = (i32_edge(u), i32_edge(u));
+                        ("internode_dispatch_outputs", deepep_internode_dispatch_outputs(b, ap, recv, rdma, ctx.out(u, &mut outs)))
+                    }
+                }
+            }
+            37 | 38 => {
+                let mut a: DeepepInternodeCombineArgs = pod(u);
+                fix!(ctx, u, a: x, topk_weights, bias_0, bias_1, src_meta, is_combined_token_in_rank, rdma_channel_prefix_matrix,
+                     rdma_rank_prefix_sum, gbl_channel_prefix_matrix, combined_rdma_head, combined_nvl_head, combined_x,
+                     combined_topk_weights);
+                a.config = config(ctx, u, a.config);
+                let ap = ctx.args(u, &a);
+                if which == 37 {
+                    ("internode_combine", deepep_internode_combine(b, ap, s))
+                } else {
+                    ("internode_combine_outputs", deepep_internode_combine_outputs(b, ap, ctx.out(u, &mut outs)))
                 }
             }
             _ => {
