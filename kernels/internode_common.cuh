@@ -5,12 +5,13 @@
 // Protocol. Every kernel pair of an op starts after a notify round (an all-to-all of counters:
 // every rank has then finished its previous data kernel), so rings start empty and per-op slot
 // numbers k (slot k % ring) suffice. Scale-out ring (channel c, node s) of rank (n, l) is
-// written only by (s, l): a row goes to slot k, then the writer adds 1 to the reader's tail
-// counter (c, s); the reader adds 1 to the writer's head counter (c, n) once it has read the
-// slot. Counters only grow over the buffer's life; each side keeps its running totals in the
-// workspace (sent, received), so a wait compares with "total before this op + k + 1" and a stale
-// signal is already counted. NVLink rings (channel c, writer GPU) carry a flag per slot with the
-// op's generation (normal_common.cuh), and a consumed word per slot at the writer.
+// written only by (s, l), by a warp group: its rows go to slots k, then one thread adds the
+// chunk's row count to the reader's tail counter (c, s) (publish), so a tail of k means "rows
+// < k have landed"; the reader adds the rows it has read, per round, to the writer's head
+// counter (c, n). Counters only grow over the buffer's life; each side keeps its running totals
+// in the workspace (sent, received), so a wait compares with "total before this op + k + 1" and
+// a stale signal is already counted. NVLink rings (channel c, writer GPU) carry a flag per slot
+// with the op's generation (normal_common.cuh), and a consumed word per slot at the writer.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,6 +39,30 @@ constexpr int kMaxNodes = DEEPEP_INTERNODE_MAX_NODES;
 constexpr int kMaxNodeSize = DEEPEP_INTERNODE_MAX_NODE_SIZE;
 constexpr int kHeadNone = 1 << 25;  // DeepEP's "no later head in this segment"
 static_assert(kMaxNodes + kMaxNodeSize <= kWarps, "a warp per source node and per local GPU");
+
+// Chunking of a scale-out ring of `ring` slots. The writer publishes its tail per chunk of at
+// most send_chunk rows (a group barrier each); the reader returns credits per round of at most
+// recv_round rows. A writer blocked on credits holds an unpublished chunk, a reader blocked on
+// the tail holds an uncredited round: with chunk + round <= ring + 1 both cannot happen at once.
+__host__ __device__ constexpr int send_chunk(int ring) { return ring < 63 ? (ring + 1) / 2 : 32; }
+__host__ __device__ constexpr int recv_round(int ring) { return ring + 1 - send_chunk(ring); }
+
+// Warp groups: `warps` warps per role, roles in warp order. A group of several warps syncs on
+// named barrier 1 + role (1..15; a block holds at most kWarps / 2 such groups).
+struct WarpGroup {
+  int role, member, warps;
+  __device__ WarpGroup(int warp, int num_roles) {
+    warps = max(1, kWarps / max(num_roles, 1));
+    role = warp / warps;
+    member = warp % warps;
+  }
+  __device__ __forceinline__ void sync() const {
+    if (warps == 1) __syncwarp();
+    else asm volatile("bar.sync %0, %1;" ::"r"(1 + role), "r"(warps * kWarp) : "memory");
+  }
+  __device__ __forceinline__ bool leader(int lane) const { return member == 0 && lane == 0; }
+};
+static_assert(kWarps / 2 + 1 <= 15, "named barriers of the warp groups");
 
 // Counter indices (window words and GIN signals alike).
 __host__ __device__ constexpr int tail_counter(int channel, int node) { return channel * kMaxNodes + node; }
@@ -166,10 +191,45 @@ struct Transport {
     add(peer, idx, 1);
   }
 
+  // One thread, after its group wrote rows [first, first + count) of the scale-out ring (channel
+  // ch) at `peer` through row_target and synced: delivers them (GIN: from the staging ring, one
+  // put per contiguous run, the last one with the signal) and adds `count` to tail counter `idx`.
+  __device__ __forceinline__ void publish(int peer, const RdmaLayout& rdma, int ch, int64_t first, int count,
+                                          int idx) const {
+    if (count == 0) return;
+    if (!direct(peer)) {
+#if DEEPEP_HAVE_GIN
+      __threadfence();  // the group's staging writes, before the NIC reads them
+      const int my_node = c.rank / c.node_size, node = peer / c.node_size;
+      ncclGin gin(dev_comm, context(peer));
+      for (int64_t k = first, end = first + count; k < end;) {
+        const int64_t run = min(end - k, int64_t(rdma.ring) - k % rdma.ring);
+        const uint64_t dst = c.rdma_offset + rdma.recv_slot(ch, my_node, k);
+        const uint64_t src = c.rdma_offset + rdma.send_slot(ch, node, k);
+        const size_t bytes = size_t(run * rdma.row_bytes);
+        k += run;
+        if (k < end) gin.put(ncclTeamWorld(dev_comm), peer, window(), dst, window(), src, bytes);
+        else gin.put(ncclTeamWorld(dev_comm), peer, window(), dst, window(), src, bytes,
+                     ncclGin_SignalAdd{unsigned(c.gin_signal_base + idx), uint64_t(count)});
+      }
+#endif
+      return;
+    }
+    add(peer, idx, uint64_t(count));
+  }
+
   // Bounded wait until counter `idx` (written by `src`) reaches `target`; the whole warp calls
   // (lane 0 records a stall), or one thread with `alone`.
   __device__ bool wait_counter(int src, int idx, uint64_t target, int op, int channel, bool alone = false) const {
-    uint64_t seen = read(src, idx);
+    uint64_t seen = 0;
+    return wait_counter(src, idx, target, seen, op, channel, alone);
+  }
+  // The same with `seen`, the counter's last value read (it only grows): no read while it
+  // already covers `target`.
+  __device__ bool wait_counter(int src, int idx, uint64_t target, uint64_t& seen, int op, int channel,
+                               bool alone = false) const {
+    if (seen >= target) return true;
+    seen = read(src, idx);
     if (seen >= target) return true;
     const uint64_t start = global_time_ns();
     for (int spin = 1;; ++spin) {

@@ -1,13 +1,15 @@
 // Internode dispatch data kernel (docs/internode.md, "Dispatch"). 2C blocks:
-// * block c < C, the sender: warp n walks channel c's tokens in order and writes every token
-//   bound for node n into the scale-out ring (c, my node) of the forwarder (n, my GPU), then
-//   adds 1 to its tail counter. Own-node tokens take the same ring of this rank (LSA, local).
-// * block C + c: forwarder warps (one per source node s) drain ring (c, s) and copy each row into
-//   the NVLink ring (c, my GPU) of every local GPU in its mask, with the row's sequence number in
-//   its (source rank, channel) stream towards that GPU (send_nvl_head); receiver warps (one per
-//   local forwarder GPU) drain this rank's NVLink rings into the outputs at
-//   recv_gbl_channel_prefix_matrix[source][c] + sequence.
-// Draft: one row per counter update and per flag (no batching with rdma_send / FlagBatch yet).
+// * block c < C, the sender: a warp group per destination node n walks channel c's tokens in
+//   tiles and writes every token bound for node n into the scale-out ring (c, my node) of the
+//   forwarder (n, my GPU), each warp every group-size-th row; after each tile the group syncs
+//   and one thread publishes the tile's rows (tail += rows). Own-node tokens take the same ring
+//   of this rank (LSA, local).
+// * block C + c: forwarder groups (one per source node s) drain ring (c, s) in rounds; each row
+//   goes to every local GPU in its mask with its sequence number in its (source rank, channel)
+//   stream towards that GPU (send_nvl_head): straight into recv_x for this GPU, else into the
+//   NVLink ring (c, my GPU) of that GPU. After each round the group returns its slots (one head
+//   add). Receiver groups (one per other local GPU) drain this rank's NVLink rings into the
+//   outputs at recv_gbl_channel_prefix_matrix[source][c] + sequence.
 #include "internode_common.cuh"
 #include "launch.cuh"
 
@@ -23,37 +25,46 @@ __device__ __forceinline__ void store_topk(void* topk, bool is_int32, int64_t i,
 }
 
 template <int kRemote>
-__device__ void dispatch_send(const DeepepInternodeDispatchParams& p, const Transport<kRemote>& tr, int ch, int node,
-                              int lane) {
+__device__ void dispatch_send(const DeepepInternodeDispatchParams& p, const Transport<kRemote>& tr, int ch,
+                              const WarpGroup& group, int lane) {
   const DeepepInternodeCommon& c = p.common;
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
-  const int my_node = me / G, dst = node * G + me % G;
+  const int node = group.role, my_node = me / G, dst = node * G + me % G;
   const DispatchRow row{p.hidden_bytes, p.num_scales, p.num_topk};
   const RdmaLayout rdma{p.row_bytes, c.rdma_ring_tokens, N, C, R};
   const int K = p.num_topk, S = p.num_scales;
+  // A tile's tokens bound for the node are a chunk of at most send_chunk rows.
+  const int tile_tokens = send_chunk(c.rdma_ring_tokens);
   const uint64_t sent = c.totals[sent_total(ch, node)];
+  uint64_t freed = 0;  // head counter, last read
+  bool ok = true;      // false after a wait expired: the warp still meets its group's barriers
   int64_t begin, end;
   channel_range(p.num_tokens, C, ch, begin, end);
   int64_t k = 0;
-  for (int64_t tile = begin; tile < end; tile += kWarp) {
+  for (int64_t tile = begin, tile_idx = 0; tile < end; tile += tile_tokens, ++tile_idx) {
     const int64_t t_lane = tile + lane;
+    const bool valid = lane < tile_tokens && t_lane < end;
     uint32_t gpu_mask = 0;
-    if (t_lane < end)
+    if (valid)
       for (int g = 0; g < G; ++g) gpu_mask |= uint32_t(p.is_token_in_rank[t_lane * R + node * G + g] != 0) << g;
     const uint32_t in = __ballot_sync(0xffffffffu, gpu_mask != 0);
-    if (p.send_rdma_head != nullptr && t_lane < end)
+    if (p.send_rdma_head != nullptr && valid && tile_idx % group.warps == group.member)
       p.send_rdma_head[t_lane * N + node] = gpu_mask != 0 ? int32_t(k + __popc(in & ((1u << lane) - 1u))) : -1;
-    for (uint32_t rest = in; rest; rest &= rest - 1, ++k) {
+    int i = 0;
+    for (uint32_t rest = in; rest; rest &= rest - 1, ++i) {
+      if (!ok || i % group.warps != group.member) continue;
       const int bit = __ffs(rest) - 1;
-      const int64_t t = tile + bit;
+      const int64_t t = tile + bit, slot = k + i;
       const uint32_t mask = __shfl_sync(0xffffffffu, gpu_mask, bit);
-      // Credits: slot k % ring is free once the forwarder consumed row k - ring.
-      if (k >= c.rdma_ring_tokens &&
-          !tr.wait_counter(dst, head_counter(ch, node), sent + k + 1 - c.rdma_ring_tokens, DEEPEP_WAIT_OP_RDMA_HEAD, ch))
-        return;
-      const uint64_t recv_off = c.rdma_offset + rdma.recv_slot(ch, my_node, k);
-      const uint64_t send_off = c.rdma_offset + rdma.send_slot(ch, node, k);
-      uint8_t* out = tr.row_target(dst, recv_off, send_off);
+      // Credits: slot `slot % ring` is free once the forwarder returned row slot - ring.
+      if (slot >= c.rdma_ring_tokens &&
+          !tr.wait_counter(dst, head_counter(ch, node), sent + slot + 1 - c.rdma_ring_tokens, freed,
+                           DEEPEP_WAIT_OP_RDMA_HEAD, ch)) {
+        ok = false;
+        continue;
+      }
+      uint8_t* out = tr.row_target(dst, c.rdma_offset + rdma.recv_slot(ch, my_node, slot),
+                                   c.rdma_offset + rdma.send_slot(ch, node, slot));
       if (lane == 0) {
         reinterpret_cast<int32_t*>(out)[0] = int32_t(t);
         reinterpret_cast<int32_t*>(out)[1] = int32_t(mask);
@@ -65,84 +76,135 @@ __device__ void dispatch_send(const DeepepInternodeDispatchParams& p, const Tran
         reinterpret_cast<int32_t*>(out + row.scales_off())[s] =
             static_cast<const int32_t*>(p.x_scales)[t * p.scale_stride_token + s * p.scale_stride_scale];
       if (p.topk_idx != nullptr) {
-        for (int i = lane; i < K; i += kWarp) {
-          reinterpret_cast<int32_t*>(out + row.topk_off())[i] = int32_t(load_topk(p.topk_idx, p.topk_idx_is_int32, t * K + i));
-          reinterpret_cast<float*>(out + row.weights_off())[i] = p.topk_weights != nullptr ? p.topk_weights[t * K + i] : 0.0f;
+        for (int e = lane; e < K; e += kWarp) {
+          reinterpret_cast<int32_t*>(out + row.topk_off())[e] = int32_t(load_topk(p.topk_idx, p.topk_idx_is_int32, t * K + e));
+          reinterpret_cast<float*>(out + row.weights_off())[e] = p.topk_weights != nullptr ? p.topk_weights[t * K + e] : 0.0f;
         }
       }
-      tr.put_add(dst, recv_off, send_off, p.row_bytes, tail_counter(ch, my_node), lane);
     }
+    group.sync();
+    if (ok && group.leader(lane)) tr.publish(dst, rdma, ch, k, __popc(in), tail_counter(ch, my_node));
+    k += __popc(in);
   }
-  if (lane == 0) c.totals[sent_total(ch, node)] = sent + k;
+  if (group.leader(lane)) c.totals[sent_total(ch, node)] = sent + k;
 }
 
-// Forwarder of source node `src_node`: its rows of channel ch, to the local GPUs in their masks.
+// A dispatched row (`in`: DispatchRow without its x offset applied) of source rank `src` into
+// output row `out` (bounds-checked by the caller).
+__device__ void write_recv_row(const DeepepInternodeDispatchParams& p, int64_t out, const uint8_t* in, int src,
+                               int lane) {
+  const DeepepInternodeCommon& c = p.common;
+  const DispatchRow row{p.hidden_bytes, p.num_scales, p.num_topk};
+  const int K = p.num_topk, epr = p.num_experts > 0 ? p.num_experts / c.num_ranks : 0;
+  warp_copy<4, CopyLoad::kCg>(reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + out * p.hidden_bytes),
+                              reinterpret_cast<const int4*>(in + row.x_off()), p.hidden_bytes / 16, lane);
+  if (p.recv_x_scales != nullptr)
+    for (int s = lane; s < p.num_scales; s += kWarp)
+      static_cast<int32_t*>(p.recv_x_scales)[out * p.num_scales + s] = reinterpret_cast<const int32_t*>(in + row.scales_off())[s];
+  if (p.recv_topk_idx != nullptr) {
+    for (int i = lane; i < K; i += kWarp) {
+      const int64_t e = reinterpret_cast<const int32_t*>(in + row.topk_off())[i];
+      const int64_t first = int64_t(c.rank) * epr;
+      const int64_t local = (e >= first && e < first + epr) ? e - first : -1;
+      store_topk(p.recv_topk_idx, p.topk_idx_is_int32, out * K + i, local);
+      if (p.recv_topk_weights != nullptr)
+        p.recv_topk_weights[out * K + i] = local >= 0 ? reinterpret_cast<const float*>(in + row.weights_off())[i] : 0.0f;
+    }
+  }
+  // SourceMeta {int src_rdma_rank; int is_token_in_nvl_rank_bits}.
+  if (p.recv_src_meta != nullptr && lane < 2)
+    reinterpret_cast<int32_t*>(p.recv_src_meta + out * 8)[lane] = lane == 0 ? src / c.node_size : reinterpret_cast<const int32_t*>(in)[1];
+}
+
+// Forwarder group of source node `group.role`: its rows of channel ch, to the local GPUs in
+// their masks. Every warp reads a round's masks (the sequence numbers); member m forwards the
+// round's rows m, m + warps, ...
 template <int kRemote>
 __device__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const Transport<kRemote>& tr, int ch,
-                                 int src_node, int lane, int* nvl_alloc, uint32_t generation) {
+                                 const WarpGroup& group, int lane, int* nvl_alloc, uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
-  const int my_node = me / G, my_gpu = me % G, src = src_node * G + my_gpu;
+  const int src_node = group.role, my_node = me / G, my_gpu = me % G, src = src_node * G + my_gpu;
   const RdmaLayout rdma{p.row_bytes, c.rdma_ring_tokens, N, C, R};
   const int64_t nvl_slot_bytes = kNvlHeaderBytes + p.row_bytes;
   const normal::RingLayout nvl = nvl_rings(c, nvl_slot_bytes);
   const int32_t* cpm = p.recv_rdma_channel_prefix_matrix + src_node * C;
   const int64_t first = ch > 0 ? cpm[ch - 1] : 0, count = cpm[ch] - first;
   const int64_t rdma_row0 = (src_node > 0 ? p.recv_rdma_rank_prefix_sum[src_node - 1] : 0) + first;
+  const int64_t own_row0 = p.recv_gbl_channel_prefix_matrix[src * C + ch];
+  const int round = min(kWarp, recv_round(c.rdma_ring_tokens));
   const uint64_t received = c.totals[recv_total(ch, src_node)];
   uint8_t* my_nvl = tr.local(c.nvl_offset);
-  int seq[kMaxNodeSize] = {};
-  int64_t i = 0;
-  for (; i < count; ++i) {
-    if (!tr.wait_counter(src, tail_counter(ch, src_node), received + i + 1, DEEPEP_WAIT_OP_RDMA_TAIL, ch)) return;
-    const uint8_t* in = tr.local(c.rdma_offset + rdma.recv_slot(ch, src_node, i));
-    const uint32_t mask = uint32_t(reinterpret_cast<const int32_t*>(in)[1]);
-    const int64_t rdma_row = rdma_row0 + i;
-    if (p.send_nvl_head != nullptr && lane < G && uint64_t(rdma_row) < uint64_t(p.num_rdma_recv_rows))
-      p.send_nvl_head[rdma_row * G + lane] = (mask >> lane) & 1u ? seq[lane] : -1;
-#pragma unroll
-    for (int j = 0; j < kMaxNodeSize; ++j) {
-      if (j >= G || !((mask >> j) & 1u)) continue;
-      int k = 0;
-      if (lane == 0) k = atomicAdd(&nvl_alloc[j], 1);
-      k = __shfl_sync(0xffffffffu, k, 0);
-      if (k >= nvl.ring) {
-        const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + nvl.consumed_offset(C, ch, j, k % nvl.ring));
-        if (!warp_wait_relaxed(consumed, make_flag(generation, k - nvl.ring), c.wait, my_node * G + j,
-                               DEEPEP_WAIT_OP_NVL_CONSUMED, ch))
-          return;
-      }
-      uint8_t* slot = nvl_of(tr, j) + nvl.slot_offset(ch, my_gpu, k % nvl.ring);
-      if (lane == 0) {
-        reinterpret_cast<int32_t*>(slot)[2] = src;
-        reinterpret_cast<int32_t*>(slot)[3] = seq[j];
-      }
-      warp_copy<4, CopyLoad::kCg>(reinterpret_cast<int4*>(slot + kNvlHeaderBytes), reinterpret_cast<const int4*>(in),
-                                  int(p.row_bytes / 16), lane);
-      __syncwarp();
-      if (lane == 0) {
-        fence_acq_rel_sys();
-        st_relaxed_sys(reinterpret_cast<uint64_t*>(slot), make_flag(generation, k));
-      }
-      ++seq[j];
+  uint64_t tail = 0;  // tail counter, last read
+  int64_t seq_base = 0;  // lane j < G: rows of earlier rounds towards GPU j
+  bool ok = true;
+  for (int64_t i0 = 0; i0 < count; i0 += round) {
+    const int n = int(min(int64_t(round), count - i0));
+    ok = ok && tr.wait_counter(src, tail_counter(ch, src_node), received + i0 + n, tail, DEEPEP_WAIT_OP_RDMA_TAIL, ch);
+    const uint32_t lane_mask =
+        ok && lane < n ? uint32_t(reinterpret_cast<const int32_t*>(tr.local(c.rdma_offset + rdma.recv_slot(ch, src_node, i0 + lane)))[1]) : 0u;
+    uint32_t towards = 0;  // lane j < G: which of the round's rows go to GPU j
+    for (int j = 0; j < G; ++j) {
+      const uint32_t b = __ballot_sync(0xffffffffu, (lane_mask >> j) & 1u);
+      if (lane == j) towards = b;
     }
-    // Slot read: credit to the source.
-    __syncwarp();
-    if (lane == 0) tr.add(src, head_counter(ch, my_node), 1);
+    for (int b = group.member; ok && b < n; b += group.warps) {
+      const uint8_t* in = tr.local(c.rdma_offset + rdma.recv_slot(ch, src_node, i0 + b));
+      const uint32_t mask = __shfl_sync(0xffffffffu, lane_mask, b);
+      const int64_t seq = seq_base + __popc(towards & ((1u << b) - 1u));  // lane j: towards GPU j
+      const int64_t rdma_row = rdma_row0 + i0 + b;
+      if (p.send_nvl_head != nullptr && lane < G && uint64_t(rdma_row) < uint64_t(p.num_rdma_recv_rows))
+        p.send_nvl_head[rdma_row * G + lane] = (mask >> lane) & 1u ? int32_t(seq) : -1;
+#pragma unroll
+      for (int j = 0; j < kMaxNodeSize; ++j) {
+        if (j >= G || !((mask >> j) & 1u)) continue;
+        const int64_t s = __shfl_sync(0xffffffffu, seq, j);
+        if (j == my_gpu) {
+          if (uint64_t(own_row0 + s) < uint64_t(p.num_recv_rows)) write_recv_row(p, own_row0 + s, in, src, lane);
+          continue;
+        }
+        int k = 0;
+        if (lane == 0) k = atomicAdd(&nvl_alloc[j], 1);
+        k = __shfl_sync(0xffffffffu, k, 0);
+        if (k >= nvl.ring) {
+          const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + nvl.consumed_offset(C, ch, j, k % nvl.ring));
+          if (!warp_wait_relaxed(consumed, make_flag(generation, k - nvl.ring), c.wait, my_node * G + j,
+                                 DEEPEP_WAIT_OP_NVL_CONSUMED, ch)) {
+            ok = false;
+            break;
+          }
+        }
+        uint8_t* slot = nvl_of(tr, j) + nvl.slot_offset(ch, my_gpu, k % nvl.ring);
+        if (lane == 0) {
+          reinterpret_cast<int32_t*>(slot)[2] = src;
+          reinterpret_cast<int32_t*>(slot)[3] = int32_t(s);
+        }
+        warp_copy<4, CopyLoad::kCg>(reinterpret_cast<int4*>(slot + kNvlHeaderBytes), reinterpret_cast<const int4*>(in),
+                                    int(p.row_bytes / 16), lane);
+        __syncwarp();
+        if (lane == 0) {
+          fence_acq_rel_sys();
+          st_relaxed_sys(reinterpret_cast<uint64_t*>(slot), make_flag(generation, k));
+        }
+      }
+    }
+    seq_base += __popc(towards);
+    // The round's slots read: credits to the source.
+    group.sync();
+    if (ok && group.leader(lane)) tr.add(src, head_counter(ch, my_node), uint64_t(n));
   }
-  if (lane == 0) c.totals[recv_total(ch, src_node)] = received + count;
+  if (group.leader(lane)) c.totals[recv_total(ch, src_node)] = received + count;
 }
 
-// Receiver of local forwarder GPU `fwd`: the rows of sources (s, fwd) for every node s, channel ch.
+// Receiver group of local forwarder GPU `fwd` (not this GPU): the rows of sources (s, fwd) for
+// every node s, channel ch; member m takes slots m, m + warps, ...
 template <int kRemote>
 __device__ void dispatch_receive(const DeepepInternodeDispatchParams& p, const Transport<kRemote>& tr, int ch, int fwd,
-                                 int lane, uint32_t generation) {
+                                 const WarpGroup& group, int lane, uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
   const int my_gpu = me % G;
-  const DispatchRow row{p.hidden_bytes, p.num_scales, p.num_topk};
   const normal::RingLayout nvl = nvl_rings(c, kNvlHeaderBytes + p.row_bytes);
-  const int K = p.num_topk, epr = p.num_experts > 0 ? p.num_experts / R : 0;
   int64_t count = 0;
   for (int s = 0; s < N; ++s) {
     const int src = s * G + fwd;
@@ -151,34 +213,14 @@ __device__ void dispatch_receive(const DeepepInternodeDispatchParams& p, const T
   }
   uint8_t* my_nvl = tr.local(c.nvl_offset);
   uint8_t* fwd_nvl = nvl_of(tr, fwd);
-  for (int64_t k = 0; k < count; ++k) {
+  for (int64_t k = group.member; k < count; k += group.warps) {
     const uint8_t* slot = my_nvl + nvl.slot_offset(ch, fwd, k % nvl.ring);
     if (!warp_wait(reinterpret_cast<const uint64_t*>(slot), make_flag(generation, k), c.wait,
                    (me / G) * G + fwd, DEEPEP_WAIT_OP_NVL_SLOT, ch))
       return;
     const int src = reinterpret_cast<const int32_t*>(slot)[2], seq = reinterpret_cast<const int32_t*>(slot)[3];
-    const uint8_t* in = slot + kNvlHeaderBytes;
     const int64_t out = unsigned(src) < unsigned(R) ? int64_t(p.recv_gbl_channel_prefix_matrix[src * C + ch]) + seq : -1;
-    if (uint64_t(out) < uint64_t(p.num_recv_rows)) {
-      warp_copy<4, CopyLoad::kCg>(reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + out * p.hidden_bytes),
-                                  reinterpret_cast<const int4*>(in + row.x_off()), p.hidden_bytes / 16, lane);
-      if (p.recv_x_scales != nullptr)
-        for (int s = lane; s < p.num_scales; s += kWarp)
-          static_cast<int32_t*>(p.recv_x_scales)[out * p.num_scales + s] = reinterpret_cast<const int32_t*>(in + row.scales_off())[s];
-      if (p.recv_topk_idx != nullptr) {
-        for (int i = lane; i < K; i += kWarp) {
-          const int64_t e = reinterpret_cast<const int32_t*>(in + row.topk_off())[i];
-          const int64_t first = int64_t(me) * epr;
-          const int64_t local = (e >= first && e < first + epr) ? e - first : -1;
-          store_topk(p.recv_topk_idx, p.topk_idx_is_int32, out * K + i, local);
-          if (p.recv_topk_weights != nullptr)
-            p.recv_topk_weights[out * K + i] = local >= 0 ? reinterpret_cast<const float*>(in + row.weights_off())[i] : 0.0f;
-        }
-      }
-      // SourceMeta {int src_rdma_rank; int is_token_in_nvl_rank_bits}.
-      if (p.recv_src_meta != nullptr && lane < 2)
-        reinterpret_cast<int32_t*>(p.recv_src_meta + out * 8)[lane] = lane == 0 ? src / G : reinterpret_cast<const int32_t*>(in)[1];
-    }
+    if (uint64_t(out) < uint64_t(p.num_recv_rows)) write_recv_row(p, out, slot + kNvlHeaderBytes, src, lane);
     normal::warp_release_slot(reinterpret_cast<uint64_t*>(fwd_nvl + nvl.consumed_offset(C, ch, my_gpu, k % nvl.ring)),
                               make_flag(generation, k), lane);
   }
@@ -189,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(ncclDev
                                                                          DeepepInternodeDispatchParams p) {
   const DeepepInternodeCommon& c = p.common;
   const Transport<kRemote> tr(c, dev_comm);
-  const int C = c.num_channels, N = c.num_nodes, G = c.node_size;
+  const int C = c.num_channels, N = c.num_nodes, G = c.node_size, my_gpu = c.rank % G;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   __shared__ int nvl_alloc[kMaxNodeSize];
   if (threadIdx.x < kMaxNodeSize) nvl_alloc[threadIdx.x] = 0;
@@ -197,11 +239,17 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(ncclDev
   const uint32_t generation = flag_generation(*c.op_epoch);
   if (!normal::buffer_failed(c.wait)) {
     if (int(blockIdx.x) < C) {
-      for (int node = warp; node < N; node += kWarps) dispatch_send(p, tr, blockIdx.x, node, lane);
-    } else if (warp < N) {
-      dispatch_forward(p, tr, blockIdx.x - C, warp, lane, nvl_alloc, generation);
-    } else if (warp < N + G) {
-      dispatch_receive(p, tr, blockIdx.x - C, warp - N, lane, generation);
+      const WarpGroup group(warp, N);
+      if (group.role < N) dispatch_send(p, tr, blockIdx.x, group, lane);
+    } else {
+      // Roles: N forwarders, then a receiver per other local GPU.
+      const WarpGroup group(warp, N + G - 1);
+      if (group.role < N) {
+        dispatch_forward(p, tr, blockIdx.x - C, group, lane, nvl_alloc, generation);
+      } else if (group.role < N + G - 1) {
+        const int r = group.role - N;
+        dispatch_receive(p, tr, blockIdx.x - C, r < my_gpu ? r : r + 1, group, lane, generation);
+      }
     }
   }
   // num_worst_tokens: rows past the received ones carry no expert.

@@ -4,7 +4,7 @@ what each notify slot carries and how the receive side is derived from it, the s
 per-node sequence numbers, the forwarder's per-GPU sequence numbers and NVLink ring (any
 interleaving of source nodes), the receiver's row positions, and in combine the NVLink senders'
 streams (segments of source nodes, the last one ending at x's rows), the forwarder's offsets
-into them from the rewritten heads, and the head rewrite itself. Each step mirrors a named
+into them from the rewritten heads (its own GPU's rows straight from x), and the head rewrite itself. Each step mirrors a named
 kernel function; a wrong offset there shows up as a row here that is not the oracle's.
 
 Needs torch (CPU is enough); skipped where it is missing (the CI venv has none)."""
@@ -171,7 +171,11 @@ def combine_rows(inp, C, side, rdma_head, nvl_head, recv):
                 for i in range(end - begin):
                     for j in range(G):
                         h = heads[begin + i][j]
-                        if h >= 0:
+                        if h >= 0 and j == l:
+                            # combine_forward reads its own GPU's rows straight from x.
+                            got = recv[f][side[f]["recv_gbl_cpm"][src][c] + h][:2]
+                            assert got == (src, tokens[i]), (f, c, s_node, i, j, got, (src, tokens[i]))
+                        elif h >= 0:
                             got = streams[(n * G + j, c, l)][offset[j] + h]
                             assert got == (src, tokens[i]), (f, c, s_node, i, j, got, (src, tokens[i]))
                             offset_check = inp.in_rank[src][tokens[i], n * G + j]
