@@ -2,6 +2,7 @@
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 
@@ -87,6 +88,78 @@ class AllToAllDispatcher:
         out = torch.zeros(self.x.size(0), self.x.size(1), dtype=torch.float32, device=self.x.device)
         out.index_add_(0, self.order, back.float())
         return out.to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------ package
+OURS = 'deepep-nccl'
+DEEPEP_V1 = 'deepep_v1'
+
+
+def detect_package():
+    """Which deep_ep is importable: ours (deep_ep_cpp over libdeepep_nccl.so, which has
+    library_version) or DeepEP V1's own (its pybind deep_ep_cpp has none)."""
+    import deep_ep_cpp
+    return OURS if hasattr(deep_ep_cpp, 'library_version') else DEEPEP_V1
+
+
+def add_package_arg(parser):
+    parser.add_argument('--package', choices=('auto', OURS, DEEPEP_V1), default='auto',
+                        help='the deep_ep package to measure: the importable one (auto), or fail unless it is '
+                             f'this one. {DEEPEP_V1}: DeepEP V1 built by shared/bench/deepep_v1.sh, e.g. '
+                             'PYTHONPATH=/tmp/deepep_v1; only its public API is used')
+
+
+def resolve_package(args):
+    """args.package set to the importable package; exits if --package named another (a PYTHONPATH slip
+    would otherwise label one package's numbers with the other's name)."""
+    found = detect_package()
+    if args.package not in ('auto', found):
+        sys.exit(f'--package {args.package}: the importable deep_ep is {found} (check PYTHONPATH)')
+    args.package = found
+    return found
+
+
+def host_paths(buffer, package, attr, group=None):
+    """{host path name: a function that makes buffer use it}, and a function restoring the original.
+    Ours: 'compiled' (deep_ep_cpp/_fast.cpp, buffer.runtime.<attr>) where every rank loaded it (each
+    op is collective, so all ranks must take the same path), and 'ctypes' (attr None). Another package
+    has one path, named after it, and nothing is switched."""
+    if package != OURS:
+        return {package: lambda: None}, lambda: None
+    runtime = buffer.runtime
+    compiled = getattr(runtime, attr)
+
+    def use(ops):
+        def select():
+            setattr(runtime, attr, ops)
+            # The LL ops pick the path per shape and cache the choice: switching clears the cache.
+            shapes = getattr(runtime, '_ll_dispatch_shapes', None)
+            if shapes is not None:
+                shapes.clear()
+        return select
+
+    everywhere = torch.tensor([int(compiled is not None)], device='cuda')
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
+    paths = {'compiled': use(compiled)} if everywhere.item() else {}
+    paths['ctypes'] = use(None)
+    return paths, use(compiled)
+
+
+class DeepEPDefaults:
+    """The defaults DeepEP's tests run under (torch.set_default_dtype(bfloat16) and
+    set_default_device('cuda')) while inside, if on; plain defaults after."""
+
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        if self.on:
+            torch.set_default_dtype(torch.bfloat16)
+            torch.set_default_device('cuda')
+
+    def __exit__(self, *exc):
+        torch.set_default_device(None)
+        torch.set_default_dtype(torch.float32)
 
 
 # ------------------------------------------------------------------------ profiler

@@ -5,7 +5,9 @@ Method: warm up, synchronize, then time N back-to-back calls with time.perf_coun
 the GPU inside the loop; N is small enough that the launch queue never fills), synchronize; the median
 over rounds of the per-call mean, in us. Measured per op, once with plain defaults and once as DeepEP's
 tests run (torch.set_default_dtype(bfloat16), torch.set_default_device('cuda')), and per host path:
-the compiled one (deep_ep_cpp/_fast.cpp) when it loaded, and the ctypes one. A torch op pair
+the compiled one (deep_ep_cpp/_fast.cpp) when it loaded, and the ctypes one. With DeepEP V1's own
+package importable (--package deepep_v1, or auto-detected) the same loops run through its public API
+alone, one host path labelled deepep_v1. A torch op pair
 (`torch.empty` + `add_`) is timed the same way as a yardstick for this CPU.
 
 Shape and inputs as bench_low_latency.py (hidden 7168, top-8 of 288 experts, DeepEP's routing with
@@ -16,7 +18,7 @@ calls do not wait for the GPU, so this is each rank's CPU cost while its peers r
 M per T as bench_low_latency.py (T rounded up so that R*M % 4 == 0).
 
 Run: python bench/bench_ll_host.py [--num-processes N] [--tokens 1 128] [--calls 200] [--rounds 7]
-     [--profile] [--json PATH]
+     [--profile] [--json PATH] [--package auto|deepep-nccl|deepep_v1]
 """
 import argparse
 import cProfile
@@ -34,7 +36,8 @@ import torch.distributed as dist
 
 os.environ.setdefault('DEEPEP_GPU_TIMEOUT_SECS', '60')
 
-from bench_common import init_worker, spawn_workers  # noqa: E402
+from bench_common import (DeepEPDefaults, add_package_arg, host_paths, init_worker, resolve_package,  # noqa: E402
+                          spawn_workers)
 from bench_low_latency import (HIDDEN, NUM_EXPERTS, NUM_MASKED, NUM_TOPK, Inputs, make_buffer,  # noqa: E402
                                max_tokens_for)
 
@@ -99,35 +102,26 @@ def worker(rank, world, port, args):
     group = dist.new_group(list(range(world)))
     buffer, _ = make_buffer(group, max(max_tokens_for(T, world, 't') for T in args.tokens), args, world)
     results = []
-    runtime = buffer.runtime
-    compiled = runtime._ll_fast
-    # Both host paths side by side when the compiled one loaded (deep_ep_cpp/_fast.py): the
-    # ops pick it per shape, so switching clears the shape cache.
-    # Every rank runs the same collectives, so the compiled path is measured only where all have it.
-    everywhere = torch.tensor([int(compiled is not None)], device='cuda')
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
-    paths = ('compiled', 'ctypes') if everywhere.item() else ('ctypes',)
+    # Ours: both host paths side by side when the compiled one loaded (deep_ep_cpp/_fast.py).
+    paths, restore = host_paths(buffer, args.package, '_ll_fast', group)
     try:
-        for path in paths:
-            runtime._ll_fast = compiled if path == 'compiled' else None
-            runtime._ll_dispatch_shapes.clear()
+        for path, use in paths.items():
+            use()
             for deepep_defaults in (False, True):
-                if deepep_defaults:
-                    torch.set_default_dtype(torch.bfloat16)
-                    torch.set_default_device('cuda')
-                for T in args.tokens:
-                    for name, fn in ops(buffer, T, args).items():
-                        dist.barrier(group)
-                        us = host_us(fn, args.calls, args.rounds)
-                        gathered = [None] * world
-                        dist.all_gather_object(gathered, us, group=group)
-                        results.append({'op': name, 'num_tokens': T, 'deepep_defaults': deepep_defaults,
-                                        'host_path': path, 'host_us': gathered})
-                        if args.profile and rank == 0 and T == max(args.tokens) and name == 'dispatch + combine':
-                            profile(fn, deepep_defaults)
-                torch.set_default_device(None)
-                torch.set_default_dtype(torch.float32)
-        runtime._ll_fast = compiled
+                with DeepEPDefaults(deepep_defaults):
+                    for T in args.tokens:
+                        for name, fn in ops(buffer, T, args).items():
+                            dist.barrier(group)
+                            us = host_us(fn, args.calls, args.rounds)
+                            gathered = [None] * world
+                            dist.all_gather_object(gathered, us, group=group)
+                            results.append({'package': args.package, 'op': name, 'num_tokens': T,
+                                            'deepep_defaults': deepep_defaults, 'host_path': path,
+                                            'host_us': gathered})
+                            if (args.profile and rank == 0 and T == max(args.tokens)
+                                    and name == 'dispatch + combine'):
+                                profile(fn, deepep_defaults)
+        restore()
     finally:
         buffer.destroy()
     if rank == 0:
@@ -152,7 +146,7 @@ def profile(fn, deepep_defaults):
 
 def report(results, world, args):
     gpu = torch.cuda.get_device_name()
-    print(f'\nHost time per call, us (median of {args.rounds} rounds of {args.calls} calls; rank average, '
+    print(f'\n{args.package}: host time per call, us (median of {args.rounds} rounds of {args.calls} calls; rank average, '
           f'min-max over {world} rank(s)); {gpu}, hidden {args.hidden}, top-{args.num_topk} of '
           f'{args.num_experts}, FP8 dispatch')
     print('| host path | op | T | plain: median | min | DeepEP defaults (bf16, cuda): median | min |')
@@ -172,7 +166,7 @@ def report(results, world, args):
         print(f'| {path} | {op} | {T} | {cells(by_mode[False])} | {cells(by_mode[True])} |')
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump({'tool': 'bench/bench_ll_host.py', 'gpu': gpu, 'world_size': world,
+            json.dump({'tool': 'bench/bench_ll_host.py', 'package': args.package, 'gpu': gpu, 'world_size': world,
                        'settings': vars(args), 'results': results}, f, indent=1)
 
 
@@ -190,7 +184,9 @@ def main():
     parser.add_argument('--rounds', type=int, default=7)
     parser.add_argument('--profile', action='store_true', help='also print a cProfile of the pair (rank 0)')
     parser.add_argument('--json', default=None)
+    add_package_arg(parser)
     args = parser.parse_args()
+    resolve_package(args)
     if args.num_processes < 1 or args.num_processes > torch.cuda.device_count():
         sys.exit(f'--num-processes {args.num_processes}: {torch.cuda.device_count()} GPUs visible')
     if args.num_experts % args.num_processes:

@@ -12,10 +12,12 @@ the host wait for the receive counts), and BF16 combine of the BF16-dispatched r
   3. GB/s = received bytes / time, DeepEP's counting: BF16 recv_x.numel()*2, FP8 that times
      (1 + 4/128)/2, combine the BF16 dispatch bytes. Times and bytes are averaged over ranks.
 Also: the Megatron-style NCCL all-to-all dispatcher in the same process group (same routing),
-and the host time per call of the Python layer (plain and under torch.set_default_device('cuda')),
-on both host paths (the compiled one, deep_ep_cpp/_fast.cpp, and ctypes).
+and the host time per call of the Python layer (plain and under DeepEP's test defaults, bf16 default
+dtype + cuda default device), on both host paths (the compiled one, deep_ep_cpp/_fast.cpp, and ctypes).
+With DeepEP V1's own package importable (--package deepep_v1, or auto-detected) everything runs
+through its public API alone (one host path, labelled deepep_v1).
 
-Run: python bench/bench_normal.py [--json PATH] [--quick] [--world N]
+Run: python bench/bench_normal.py [--json PATH] [--quick] [--world N] [--package auto|deepep-nccl|deepep_v1]
 """
 import argparse
 import json
@@ -30,7 +32,8 @@ import torch.distributed as dist
 import torch.profiler
 
 import deep_ep
-from bench_common import AllToAllDispatcher, bench as deepep_bench, init_worker, spawn_workers, trace_events
+from bench_common import (AllToAllDispatcher, DeepEPDefaults, add_package_arg, bench as deepep_bench, detect_package,
+                          host_paths, init_worker, resolve_package, spawn_workers, trace_events)
 
 HIDDEN = 7168
 NUM_EXPERTS = 256
@@ -328,48 +331,43 @@ def host_ops(buffer, inp, supported):
     return fns
 
 
-def measure_host(buffer, inputs, rank, supported, say):
-    """Host us per call of the Python layer at HOST_SMS, plain and under set_default_device('cuda'),
-    on each host path: the compiled one (deep_ep_cpp/_fast.cpp) when it loaded, and ctypes. The
-    paths alternate within each (op, mode), HOST_ROUNDS times, and each keeps its best round."""
-    runtime = buffer.runtime
-    compiled = runtime._normal_fast
-    # Every rank must run the same calls (each dispatch is collective): the compiled path is
-    # measured only where all ranks have it.
-    everywhere = torch.tensor([int(compiled is not None)], device='cuda')
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
-    paths = {'compiled': compiled, 'ctypes': None} if everywhere.item() else {'ctypes': None}
+HOST_MODES = ('plain', 'deepep_defaults')  # deepep_defaults: bf16 default dtype + cuda default device
+
+
+def measure_host(buffer, inputs, package, supported, say):
+    """Host us per call of the Python layer at HOST_SMS, plain and under DeepEP's test defaults
+    (set_default_dtype(bfloat16) + set_default_device('cuda')), on each host path (bench_common.host_paths:
+    ours has the compiled one, deep_ep_cpp/_fast.cpp, when it loaded, and ctypes). The paths alternate
+    within each (op, mode), HOST_ROUNDS times, and each keeps its best round."""
+    paths, restore = host_paths(buffer, package, '_normal_fast')
     rows = []
     try:
         # A build with a prebuilt host path is timed right after start-up, one that compiles its host
         # path first is not: warm both up alike (host-bound calls at the smallest T, ~40 us each).
         warm = host_ops(buffer, inputs[min(inputs)], supported)
-        for path, ops in paths.items():
-            runtime._normal_fast = ops
+        for use in paths.values():
+            use()
             for fn in warm.values():
                 host_loop(fn, 1, num_warmups=int(HOST_WARMUP_S / len(paths) / len(warm) / 40e-6))
         for num_tokens, inp in inputs.items():
             for name, fn in host_ops(buffer, inp, supported).items():
-                per_path = {path: {'op': name, 'path': path, 'num_tokens': num_tokens, 'num_sms': HOST_SMS,
-                                   'calls': HOST_CALLS[num_tokens]} for path in paths}
-                for mode in ('plain', 'default_device_cuda'):
-                    torch.set_default_device('cuda' if mode == 'default_device_cuda' else None)
-                    try:
+                per_path = {path: {'package': package, 'op': name, 'path': path, 'num_tokens': num_tokens,
+                                   'num_sms': HOST_SMS, 'calls': HOST_CALLS[num_tokens]} for path in paths}
+                for mode in HOST_MODES:
+                    with DeepEPDefaults(mode == 'deepep_defaults'):
                         for _ in range(HOST_ROUNDS):
-                            for path, ops in paths.items():
-                                runtime._normal_fast = ops
+                            for path, use in paths.items():
+                                use()
                                 launch_us, wall_us = host_loop(fn, HOST_CALLS[num_tokens])
                                 best = per_path[path].get(mode)
                                 if best is None or launch_us < best['launch_us']:
                                     per_path[path][mode] = {'launch_us': launch_us, 'wall_us': wall_us}
-                    finally:
-                        torch.set_default_device(None)
                 for path, row in per_path.items():
                     rows.append(row)
-                    say(f'host {path:8s} {name:22s} T={num_tokens:5d}: plain {row["plain"]["launch_us"]:.1f} us/call, '
-                        f'default_device=cuda {row["default_device_cuda"]["launch_us"]:.1f} us/call (rank 0)')
+                    say(f'host {path:9s} {name:22s} T={num_tokens:5d}: plain {row["plain"]["launch_us"]:.1f} us/call, '
+                        f'DeepEP defaults {row["deepep_defaults"]["launch_us"]:.1f} us/call (rank 0)')
     finally:
-        runtime._normal_fast = compiled
+        restore()
     return rows
 
 
@@ -393,7 +391,7 @@ def worker(rank, world, port, args):
     # Phase 1, before any profiler session (CUPTI can leave launch overhead behind): host time.
     host_inputs = {t: Inputs(buffer, t, rank) for t in HOST_TOKENS}
     supported = probe(buffer, host_inputs[HOST_TOKENS[0]], rank)
-    host_rows = [] if args.skip_host else measure_host(buffer, host_inputs, rank, supported, say)
+    host_rows = [] if args.skip_host else measure_host(buffer, host_inputs, args.package, supported, say)
     del host_inputs
 
     # Phase 2: end to end (DeepEP's bench), chunk sweeps; phase 3: kineto at the chosen chunks.
@@ -565,13 +563,14 @@ def print_reference(rows, baseline):
 def print_host(host):
     print(f'\nHost time per call of the Python layer ({HOST_SMS} SMs; N back-to-back calls, one synchronize at '
           f'the end; "launch" = loop time until the last call returns, "wall" = including the synchronize; '
-          f'best of {HOST_ROUNDS} rounds, the host paths alternating; rank average):')
-    print(f'{"path":8s} {"op":22s} {"T":>5s} {"N":>4s} {"plain launch":>12s} {"plain wall":>10s} '
-          f'{"dflt-cuda launch":>16s} {"dflt-cuda wall":>14s}')
+          f'best of {HOST_ROUNDS} rounds, the host paths alternating; rank average; "DeepEP dflt" = under '
+          f'set_default_dtype(bfloat16) + set_default_device("cuda")):')
+    print(f'{"path":9s} {"op":22s} {"T":>5s} {"N":>4s} {"plain launch":>12s} {"plain wall":>10s} '
+          f'{"DeepEP dflt launch":>18s} {"DeepEP dflt wall":>16s}')
     for r in host:
-        print(f'{r.get("path", "ctypes"):8s} {r["op"]:22s} {r["num_tokens"]:5d} {r["calls"]:4d} {r["plain"]["launch_us"]:12.1f} '
-              f'{r["plain"]["wall_us"]:10.1f} {r["default_device_cuda"]["launch_us"]:16.1f} '
-              f'{r["default_device_cuda"]["wall_us"]:14.1f}')
+        print(f'{r["path"]:9s} {r["op"]:22s} {r["num_tokens"]:5d} {r["calls"]:4d} {r["plain"]["launch_us"]:12.1f} '
+              f'{r["plain"]["wall_us"]:10.1f} {r["deepep_defaults"]["launch_us"]:18.1f} '
+              f'{r["deepep_defaults"]["wall_us"]:16.1f}')
     print('(at T=128 kernels are short, so "launch" is the Python call itself; non-cached dispatch includes its '
           'host wait for the receive counts; at T=4096 "wall" is GPU-bound)')
 
@@ -579,8 +578,8 @@ def print_host(host):
 def merge_host(per_rank_host):
     rows = []
     for recs in zip(*per_rank_host):
-        row = {k: recs[0][k] for k in ('op', 'path', 'num_tokens', 'num_sms', 'calls')}
-        for mode in ('plain', 'default_device_cuda'):
+        row = {k: recs[0][k] for k in ('package', 'op', 'path', 'num_tokens', 'num_sms', 'calls')}
+        for mode in HOST_MODES:
             row[mode] = {k: sum(r[mode][k] for r in recs) / len(recs) for k in ('launch_us', 'wall_us')}
             row[mode]['per_rank_launch_us'] = [r[mode]['launch_us'] for r in recs]
         rows.append(row)
@@ -592,9 +591,9 @@ def nccl_version():
     return '.'.join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
-def machine_info(world):
+def machine_info(world, package=None):
     props = torch.cuda.get_device_properties(0)
-    info = {'gpu': props.name, 'num_sms': props.multi_processor_count, 'world_size': world,
+    info = {'package': package or detect_package(), 'gpu': props.name, 'num_sms': props.multi_processor_count, 'world_size': world,
             'torch': torch.__version__, 'cuda': torch.version.cuda,
             'nccl_torch': nccl_version(), 'hostname': socket.gethostname(),
             'env': {k: v for k, v in os.environ.items() if k.startswith(('NCCL_', 'DEEPEP_', 'TORCH_SYMM'))}}
@@ -612,8 +611,8 @@ def report(gathered, world, args, supported):
     rows = merge([g['records'] for g in gathered])
     baseline = merge([g['baseline'] for g in gathered])
     host = merge_host([g['host'] for g in gathered])
-    info = machine_info(world)
-    print(f'\nGPU: {info["gpu"]}, {info["num_sms"]} SMs; world size {world}; torch {info["torch"]}, '
+    info = machine_info(world, args.package)
+    print(f'\nPackage: {args.package}; GPU: {info["gpu"]}, {info["num_sms"]} SMs; world size {world}; torch {info["torch"]}, '
           f'NCCL {info["nccl_torch"]} (torch); shape: hidden {HIDDEN}, top-{NUM_TOPK} of {NUM_EXPERTS} experts')
     print(f'Times are rank averages; GB/s = received bytes / time (DeepEP counting); e2e = DeepEP tests/utils.bench '
           f'({args.warmups} warm-up, {args.tests} timed); kern = sum of all kernels per call (kineto, '
@@ -623,7 +622,7 @@ def report(gathered, world, args, supported):
     print_table(rows + baseline)
     print_reference(rows, baseline)
     print_host(host)
-    out = {'machine': info, 'supported': supported,
+    out = {'package': args.package, 'machine': info, 'supported': supported,
            'shape': {'hidden': HIDDEN, 'num_experts': NUM_EXPERTS, 'num_topk': NUM_TOPK,
                      'routing': 'topk(|randn|+1), per-rank seed', 'nvl_recv_tokens': NVL_RECV_TOKENS},
            'settings': {'sms': list(args.sms), 'tokens': list(args.tokens), 'dispatch_chunks': list(DISPATCH_CHUNKS),
@@ -649,7 +648,9 @@ def main():
     parser.add_argument('--warmups', type=int, default=10)
     parser.add_argument('--tests', type=int, default=20)
     parser.add_argument('--json', default=os.path.join(os.environ.get('OUT') or '.', 'bench_normal.json'))
+    add_package_arg(parser)
     args = parser.parse_args()
+    resolve_package(args)
     args.sms = tuple(args.sms or (QUICK_SMS if args.quick else SMS))
     args.tokens = tuple(args.tokens or (QUICK_TOKENS if args.quick else TOKENS))
     if args.world < 1 or args.world > torch.cuda.device_count():

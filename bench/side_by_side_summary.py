@@ -1,0 +1,135 @@
+"""The summary of bench/side_by_side.sh: ours vs DeepEP V1 per op, from the JSON that its steps wrote.
+
+Reads DIR/{bench_normal,bench_ll_host,eager_profile}_<package>.json (any may be missing: its rows are left
+out) and DIR/steps.tsv (step, seconds, status); prints markdown tables and writes them as JSON.
+
+Run: python bench/side_by_side_summary.py DIR [--json PATH]
+"""
+import argparse
+import json
+import os
+
+OURS, V1 = 'deepep-nccl', 'deepep_v1'
+MODES = {False: 'plain', True: 'DeepEP defaults'}
+
+
+def load(directory, tool, package):
+    path = os.path.join(directory, f'{tool}_{package}.json')
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def mean(values):
+    return sum(values) / len(values)
+
+
+def cell(v):
+    return '-' if v is None else f'{v:.1f}'
+
+
+def ratio(a, b):
+    return '-' if a is None or not b else f'{a / b:.2f}'
+
+
+def host_rows(directory):
+    """{(op, T, mode): {column: us}}, columns 'compiled' / 'ctypes' (ours) and 'deepep_v1': the best
+    round's us per call, rank average."""
+    table = {}
+    for package in (OURS, V1):
+        normal = load(directory, 'bench_normal', package)
+        for r in (normal or {}).get('host_overhead', []):
+            for key, mode in (('plain', False), ('deepep_defaults', True)):
+                table.setdefault((f'normal {r["op"]}', r['num_tokens'], MODES[mode]), {})[r['path']] = \
+                    r[key]['launch_us']
+        ll = load(directory, 'bench_ll_host', package)
+        for r in (ll or {}).get('results', []):
+            table.setdefault((f'LL {r["op"]}', r['num_tokens'], MODES[r['deepep_defaults']]), {})[r['host_path']] = \
+                mean([best for _, best in r['host_us']])
+    return table
+
+
+def gpu_rows(directory):
+    """{(op, dtype, T): {package: row}} of bench_normal's end-to-end / kernel rows at any SM count."""
+    table = {}
+    for package in (OURS, V1):
+        for r in (load(directory, 'bench_normal', package) or {}).get('rows', []):
+            table.setdefault((r['op'], r['dtype'], r['num_sms'], r['num_tokens']), {})[package] = r
+    return table
+
+
+def eager_rows(directory):
+    """{(part, metric): {package: us}}: rank averages of eager_profile's summaries."""
+    table = {}
+    for package in (OURS, V1):
+        for part, ranks in (load(directory, 'eager_profile', package) or {}).get('parts', {}).items():
+            for metric in ('wall_us', 'host_span_us', 'gpu_busy_us', 'gpu_idle_us'):
+                table.setdefault((part, metric), {})[package] = mean([r[metric] for r in ranks])
+            table.setdefault((part, 'GPU idle gaps'), {})[package] = mean([len(r['gaps']) for r in ranks])
+            for i, call in enumerate(ranks[0]['calls']):
+                table.setdefault((part, f'host us: {call["name"]}'), {})[package] = \
+                    mean([r['calls'][i]['host_us'] for r in ranks])
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('dir')
+    parser.add_argument('--json', default=None)
+    args = parser.parse_args()
+    out = {}
+
+    steps_path = os.path.join(args.dir, 'steps.tsv')
+    if os.path.isfile(steps_path):
+        with open(steps_path) as f:
+            steps = [line.rstrip('\n').split('\t') for line in f if line.strip()]
+        print('| step | seconds | status |\n| --- | --- | --- |')
+        for name, seconds, status in steps:
+            print(f'| {name} | {seconds} | {status} |')
+        out['steps'] = steps
+
+    host = host_rows(args.dir)
+    if host:
+        print('\nHost time per call, us (best round, rank average; bench_normal.py: 24 SMs, N back-to-back calls, '
+              'launch time; bench_ll_host.py: 200 calls a round). "ours/V1" takes our compiled path where it ran.')
+        print('| op | T | defaults | ours compiled | ours ctypes | DeepEP V1 | ours/V1 |\n| --- | --- | --- | --- | --- | --- | --- |')
+        out['host'] = []
+        for (op, T, mode), cols in host.items():
+            ours = cols.get('compiled', cols.get('ctypes'))
+            print(f'| {op} | {T} | {mode} | {cell(cols.get("compiled"))} | {cell(cols.get("ctypes"))} | '
+                  f'{cell(cols.get(V1))} | {ratio(ours, cols.get(V1))} |')
+            out['host'].append({'op': op, 'num_tokens': T, 'defaults': mode, **cols})
+
+    gpu = gpu_rows(args.dir)
+    if gpu:
+        print('\nNormal mode, us per call (bench_normal.py, rank average): e2e = DeepEP\'s bench (CUDA events), '
+              'kern = sum of the kernels (kineto); chunk = the best NVL chunk of its sweep')
+        print('| op | dtype | SMs | T | ours e2e | V1 e2e | ours/V1 | ours kern | V1 kern | chunk ours / V1 |\n'
+              '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+        out['gpu'] = []
+        for (op, dtype, sms, T), by in sorted(gpu.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][1])):
+            o, v = by.get(OURS, {}), by.get(V1, {})
+            print(f'| {op} | {dtype} | {sms} | {T} | {cell(o.get("e2e_us"))} | {cell(v.get("e2e_us"))} | '
+                  f'{ratio(o.get("e2e_us"), v.get("e2e_us"))} | {cell(o.get("kernel_us"))} | '
+                  f'{cell(v.get("kernel_us"))} | {o.get("nvl_chunk", "-")} / {v.get("nvl_chunk", "-")} |')
+            out['gpu'].append({'op': op, 'dtype': dtype, 'num_sms': sms, 'num_tokens': T,
+                               **{p: {k: r.get(k) for k in ('e2e_us', 'kernel_us', 'nvl_chunk')} for p, r in by.items()}})
+
+    eager = eager_rows(args.dir)
+    if eager:
+        print('\nEager step (eager_profile.py, one plain step after warm-up, rank average, us; wall = first call '
+              'start -> last GPU activity end)')
+        print('| part | metric | ours | DeepEP V1 | ours/V1 |\n| --- | --- | --- | --- | --- |')
+        out['eager'] = []
+        for (part, metric), by in eager.items():
+            print(f'| {part} | {metric} | {cell(by.get(OURS))} | {cell(by.get(V1))} | {ratio(by.get(OURS), by.get(V1))} |')
+            out['eager'].append({'part': part, 'metric': metric, **by})
+
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == '__main__':
+    main()
