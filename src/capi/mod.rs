@@ -82,6 +82,19 @@ pub(crate) fn out_ref<'a, T>(name: &str, ptr: *mut T) -> Result<&'a mut T> {
     unsafe { ptr.as_mut() }.ok_or_else(|| Error::invalid(format!("{name} must not be NULL")))
 }
 
+/// A dispatch prepare's per-expert received-count list: empty for NULL or a capacity <= 0, and
+/// never longer than DEEPEP_MAX_LOCAL_EXPERTS (no more entries are ever written).
+///
+/// # Safety
+/// `ptr` is NULL or points at `capacity` writable ints that outlive the returned slice.
+pub(crate) unsafe fn per_expert_list<'a>(ptr: *mut c_int, capacity: c_int) -> &'a mut [i32] {
+    if ptr.is_null() || capacity <= 0 {
+        return &mut [];
+    }
+    // SAFETY: the caller's contract; len <= capacity.
+    unsafe { std::slice::from_raw_parts_mut(ptr, capacity.min(DEEPEP_MAX_LOCAL_EXPERTS) as usize) }
+}
+
 /// ABI version of this library (`DEEPEP_ABI_VERSION` it was built with).
 #[no_mangle]
 pub extern "C" fn deepep_abi_version() -> u32 {

@@ -44,14 +44,8 @@ pub extern "C" fn deepep_intranode_dispatch_prepare(
     ffi(|| {
         let out = out_ref("num_recv_tokens", num_recv_tokens)?;
         *out = -1;
-        let list: &mut [i32] = if num_recv_tokens_per_expert.is_null() || per_expert_capacity <= 0 {
-            &mut []
-        } else {
-            // At most DEEPEP_MAX_LOCAL_EXPERTS entries are ever written: the slice spans no more.
-            let len = per_expert_capacity.min(super::DEEPEP_MAX_LOCAL_EXPERTS) as usize;
-            // SAFETY: the caller provides per_expert_capacity (>= len) writable ints.
-            unsafe { std::slice::from_raw_parts_mut(num_recv_tokens_per_expert, len) }
-        };
+        // SAFETY: the caller provides per_expert_capacity writable ints (or NULL).
+        let list = unsafe { super::per_expert_list(num_recv_tokens_per_expert, per_expert_capacity) };
         let prepared = dispatch::prepare(buffer_ref(buf)?.buffer(), args_ref("args", args)?, stream, list)?;
         *out = prepared.num_recv_tokens;
         Ok(())

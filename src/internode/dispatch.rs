@@ -6,11 +6,10 @@ use std::os::raw::c_void;
 use super::{plan_for, InternodePlan};
 use crate::buffer::Buffer;
 use crate::config::DeepepConfig;
-use crate::cuda;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::kernels::{self, InternodeDispatchParams, InternodeNotifyParams, MAX_LOCAL_EXPERTS};
-use crate::normal::dispatch::wait_for_recv_count;
+use crate::normal::dispatch::RecvCountsPlan;
 use crate::outputs::{check_output, check_required, DeepepOutputs};
 use crate::tensor::{
     check, check_aligned16, check_opt, check_shape, check_strided, DeepepDtype, DeepepDtype::*, DeepepTensor, TensorView,
@@ -360,29 +359,11 @@ pub struct Prepared {
 /// non-cached dispatch without num_worst_tokens, waits for the receive counts.
 pub fn prepare(buffer: &Buffer, args: &DeepepInternodeDispatchArgs, stream: *mut c_void, per_expert_out: &mut [i32]) -> Result<Prepared> {
     let plan = validate(buffer, args)?;
-    let num_ranks = buffer.layout.num_ranks;
-    let wait_for_counts = !plan.cached && plan.num_worst_tokens == 0;
-    let num_local_experts = if plan.cached { 0 } else { (plan.num_experts / num_ranks) as usize };
-    if wait_for_counts {
-        ensure_arg!(
-            per_expert_out.len() >= num_local_experts,
-            "num_recv_tokens_per_expert needs room for {num_local_experts} entries, got {}",
-            per_expert_out.len()
-        );
-    }
+    let counts_plan = RecvCountsPlan::new(buffer, plan.cached, plan.num_worst_tokens, plan.num_experts, per_expert_out)?;
+    let (wait_for_counts, num_local_experts) = (counts_plan.wait, counts_plan.num_local_experts);
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
-        if wait_for_counts && cuda::stream_is_capturing(stream)? {
-            return Err(Error::invalid(
-                "a non-cached dispatch waits on the host for the receive counts and cannot be captured in a CUDA \
-                 graph; pass num_worst_tokens > 0 (or a handle) to capture it",
-            ));
-        }
-        let counts = res.recv_counts.host_ptr();
-        if wait_for_counts {
-            // SAFETY: counts is the live host-mapped record; the GPU writes it only in the launch below.
-            unsafe { std::ptr::addr_of_mut!((*counts).num_recv_tokens).write_volatile(-1) };
-        }
+        counts_plan.arm(res, stream)?;
         let ch = plan.channels;
         let common = res.internode_common(
             buffer.wait_context(res),
@@ -428,15 +409,13 @@ pub fn prepare(buffer: &Buffer, args: &DeepepInternodeDispatchArgs, stream: *mut
         // is of the devComm's build; remote_kind is the buffer's.
         let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, res.remote_kind, stream) };
         kernels::launch_result("internode dispatch notify", rc)?;
-        if !wait_for_counts {
-            return Ok(Prepared { num_recv_tokens: -1, num_rdma_recv_tokens: -1, num_local_experts });
-        }
-        let num_recv = wait_for_recv_count(buffer, res, counts)?;
-        // SAFETY: the GPU wrote the list and the scale-out count before num_recv_tokens (system fence).
-        let (list, num_rdma) =
-            unsafe { (&(*counts).num_recv_tokens_per_expert, std::ptr::addr_of!((*counts).num_rdma_recv_tokens).read_volatile()) };
-        per_expert_out[..num_local_experts].copy_from_slice(&list[..num_local_experts]);
-        Ok(Prepared { num_recv_tokens: num_recv, num_rdma_recv_tokens: num_rdma, num_local_experts })
+        let num_recv_tokens = counts_plan.collect(buffer, res, per_expert_out)?;
+        let num_rdma_recv_tokens = match wait_for_counts {
+            // SAFETY: the GPU wrote the scale-out count before num_recv_tokens (system fence).
+            true => unsafe { std::ptr::addr_of!((*res.recv_counts.host_ptr()).num_rdma_recv_tokens).read_volatile() },
+            false => -1,
+        };
+        Ok(Prepared { num_recv_tokens, num_rdma_recv_tokens, num_local_experts })
     })
 }
 

@@ -327,29 +327,11 @@ pub fn prepare(
     per_expert_out: &mut [i32],
 ) -> Result<Prepared> {
     let plan = validate(buffer, args)?;
-    let num_ranks = buffer.layout.num_ranks;
-    let wait_for_counts = !plan.cached && plan.num_worst_tokens == 0;
-    let num_local_experts = if plan.cached { 0 } else { (plan.num_experts / num_ranks) as usize };
-    if wait_for_counts {
-        ensure_arg!(
-            per_expert_out.len() >= num_local_experts,
-            "num_recv_tokens_per_expert needs room for {num_local_experts} entries, got {}",
-            per_expert_out.len()
-        );
-    }
+    let counts_plan = RecvCountsPlan::new(buffer, plan.cached, plan.num_worst_tokens, plan.num_experts, per_expert_out)?;
+    let (wait_for_counts, num_local_experts) = (counts_plan.wait, counts_plan.num_local_experts);
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
-        if wait_for_counts && cuda::stream_is_capturing(stream)? {
-            return Err(Error::invalid(
-                "a non-cached dispatch waits on the host for the receive counts and cannot be captured in a CUDA \
-                 graph; pass num_worst_tokens > 0 (or a handle) to capture it",
-            ));
-        }
-        let counts = res.recv_counts.host_ptr();
-        if wait_for_counts {
-            // SAFETY: counts is the live host-mapped record; the GPU writes it only in the launch below.
-            unsafe { std::ptr::addr_of_mut!((*counts).num_recv_tokens).write_volatile(-1) };
-        }
+        counts_plan.arm(res, stream)?;
         let common = res.normal_common(
             buffer.wait_context(res),
             &buffer.args,
@@ -384,20 +366,67 @@ pub fn prepare(
         // is of the devComm's build.
         let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, stream) };
         kernels::launch_result("dispatch notify", rc)?;
-        if !wait_for_counts {
-            return Ok(Prepared { num_recv_tokens: -1, num_local_experts });
+        let num_recv_tokens = counts_plan.collect(buffer, res, per_expert_out)?;
+        Ok(Prepared { num_recv_tokens, num_local_experts })
+    })
+}
+
+/// The host side of a notify that reports the receive counts (intranode and internode): a
+/// non-cached dispatch without num_worst_tokens waits for them on the host.
+pub(crate) struct RecvCountsPlan {
+    pub wait: bool,
+    pub num_local_experts: usize,
+}
+
+impl RecvCountsPlan {
+    pub fn new(buffer: &Buffer, cached: bool, num_worst_tokens: i32, num_experts: i32, per_expert_out: &[i32]) -> Result<Self> {
+        let wait = !cached && num_worst_tokens == 0;
+        let num_local_experts = if cached { 0 } else { (num_experts / buffer.layout.num_ranks) as usize };
+        if wait {
+            ensure_arg!(
+                per_expert_out.len() >= num_local_experts,
+                "num_recv_tokens_per_expert needs room for {num_local_experts} entries, got {}",
+                per_expert_out.len()
+            );
         }
+        Ok(Self { wait, num_local_experts })
+    }
+
+    /// Before the notify launch on `stream`: refuses graph capture of a host wait, and marks the
+    /// count as not yet written.
+    pub fn arm(&self, res: &crate::buffer::Resources, stream: *mut c_void) -> Result<()> {
+        if !self.wait {
+            return Ok(());
+        }
+        if cuda::stream_is_capturing(stream)? {
+            return Err(Error::invalid(
+                "a non-cached dispatch waits on the host for the receive counts and cannot be captured in a CUDA \
+                 graph; pass num_worst_tokens > 0 (or a handle) to capture it",
+            ));
+        }
+        // SAFETY: the live host-mapped record; the GPU writes it only in the launch that follows.
+        unsafe { std::ptr::addr_of_mut!((*res.recv_counts.host_ptr()).num_recv_tokens).write_volatile(-1) };
+        Ok(())
+    }
+
+    /// After the notify launch: the receive count (-1 when not waited for), the local experts'
+    /// counts copied into `per_expert_out`.
+    pub fn collect(&self, buffer: &Buffer, res: &crate::buffer::Resources, per_expert_out: &mut [i32]) -> Result<i32> {
+        if !self.wait {
+            return Ok(-1);
+        }
+        let counts = res.recv_counts.host_ptr();
         let num_recv = wait_for_recv_count(buffer, res, counts)?;
         // SAFETY: the GPU finished writing the list before num_recv_tokens (system fence).
         let list = unsafe { &(*counts).num_recv_tokens_per_expert };
-        per_expert_out[..num_local_experts].copy_from_slice(&list[..num_local_experts]);
-        Ok(Prepared { num_recv_tokens: num_recv, num_local_experts })
-    })
+        per_expert_out[..self.num_local_experts].copy_from_slice(&list[..self.num_local_experts]);
+        Ok(num_recv)
+    }
 }
 
 /// DeepEP's one host wait: spins on the host-mapped counter, giving up with the
 /// stalled peer's name if a GPU wait expired, or after the GPU timeout.
-pub(crate) fn wait_for_recv_count(buffer: &Buffer, res: &crate::buffer::Resources, counts: *mut kernels::RecvCounts) -> Result<i32> {
+fn wait_for_recv_count(buffer: &Buffer, res: &crate::buffer::Resources, counts: *mut kernels::RecvCounts) -> Result<i32> {
     let start = Instant::now();
     let budget = std::time::Duration::from_nanos(buffer.timeout_ns()) + std::time::Duration::from_secs(5);
     let mut spins = 0u32;
