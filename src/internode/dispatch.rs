@@ -7,12 +7,12 @@ use super::{plan_for, InternodePlan};
 use crate::buffer::Buffer;
 use crate::config::DeepepConfig;
 use crate::ensure_arg;
-use crate::error::{Error, Result};
-use crate::kernels::{self, InternodeDispatchParams, InternodeNotifyParams, MAX_LOCAL_EXPERTS};
-use crate::normal::dispatch::RecvCountsPlan;
+use crate::error::Result;
+use crate::kernels::{self, InternodeDispatchParams, InternodeNotifyParams};
+use crate::normal::dispatch::{check_routing, check_scales, RecvCountsPlan, Scales, Topk};
 use crate::outputs::{check_output, check_required, DeepepOutputs};
 use crate::tensor::{
-    check, check_aligned16, check_opt, check_shape, check_strided, DeepepDtype, DeepepDtype::*, DeepepTensor, TensorView,
+    check, check_aligned16, check_opt, check_shape, DeepepDtype, DeepepDtype::*, DeepepTensor, TensorView,
     DTYPE_ABSENT,
 };
 
@@ -212,8 +212,8 @@ struct Plan {
     hidden_bytes: i64,
     x_dtype: DeepepDtype,
     x: *const c_void,
-    scales: Option<(DeepepDtype, *const c_void, i64, i64, i64)>,
-    topk: Option<(DeepepDtype, *const c_void, *const f32, i64)>,
+    scales: Option<Scales>,
+    topk: Option<Topk>,
     num_experts: i32,
     is_token_in_rank: *const u8,
     per_rank: *const i32,
@@ -245,17 +245,7 @@ fn validate(buffer: &Buffer, a: &DeepepInternodeDispatchArgs) -> Result<Plan> {
     let (r, n) = (l.num_ranks as i64, (l.num_ranks / l.node_size) as i64);
     let (x, hidden_bytes) = check_x(a)?;
     let t = x.dims()[0];
-    let scales = match a.x_scales.dtype {
-        0 => None,
-        _ => {
-            let s = check_strided("x_scales", &a.x_scales, &[DEEPEP_DTYPE_FLOAT32, DEEPEP_DTYPE_INT32], 2)?;
-            ensure_arg!(x.dtype.size() == 1, "x_scales needs x as float8_e4m3fn, got x as {}", x.dtype.name());
-            ensure_arg!(s.dims()[0] == t, "x_scales must have {t} rows (one per token of x), got shape {:?}", s.dims());
-            let k = s.dims()[1];
-            ensure_arg!(k <= 1024, "x_scales has {k} scales per token; at most 1024 are supported");
-            Some((s.dtype, s.ptr() as *const c_void, k, s.raw.strides[0], s.raw.strides[1]))
-        }
-    };
+    let scales = check_scales(&a.x_scales, x.dtype, t)?;
     let in_rank = check("is_token_in_rank", Some(&a.is_token_in_rank), &[DEEPEP_DTYPE_BOOL], 2)?;
     check_shape("is_token_in_rank", &in_rank, &[t, r])?;
     let cached = a.cached != 0;
@@ -274,27 +264,8 @@ fn validate(buffer: &Buffer, a: &DeepepInternodeDispatchArgs) -> Result<Plan> {
         check_shape("num_tokens_per_rank", &per_rank, &[r])?;
         let per_rdma = check("num_tokens_per_rdma_rank", Some(&a.num_tokens_per_rdma_rank), &[DEEPEP_DTYPE_INT32], 1)?;
         check_shape("num_tokens_per_rdma_rank", &per_rdma, &[n])?;
-        let per_expert = check("num_tokens_per_expert", Some(&a.num_tokens_per_expert), &[DEEPEP_DTYPE_INT32], 1)?;
-        let e = per_expert.dims()[0];
-        ensure_arg!(e > 0 && e % r == 0, "num_tokens_per_expert has {e} experts; it must be a positive multiple of the {r} ranks");
-        ensure_arg!(
-            e / r <= MAX_LOCAL_EXPERTS as i64,
-            "{} experts per rank ({e} experts / {r} ranks); at most {MAX_LOCAL_EXPERTS} are supported",
-            e / r
-        );
-        let topk = match (topk_ids, topk_weights) {
-            (None, None) => None,
-            (Some(ids), Some(w)) => {
-                let k = ids.dims()[1];
-                ensure_arg!(ids.dims()[0] == t, "topk_idx must have {t} rows, got shape {:?}", ids.dims());
-                ensure_arg!(k > 0 && k <= 128, "topk_idx has {k} columns; 1 to 128 are supported");
-                check_shape("topk_weights", &w, &[t, k])?;
-                Some((ids.dtype, ids.ptr() as *const c_void, w.ptr() as *const f32, k))
-            }
-            (Some(_), None) => return Err(Error::invalid("topk_idx was given without topk_weights")),
-            (None, Some(_)) => return Err(Error::invalid("topk_weights was given without topk_idx")),
-        };
-        (topk, e as i32, per_rank.ptr() as *const i32, per_rdma.ptr() as *const i32, per_expert.ptr() as *const i32)
+        let (topk, e, per_expert) = check_routing(&a.num_tokens_per_expert, topk_ids, topk_weights, t, r)?;
+        (topk, e, per_rank.ptr() as *const i32, per_rdma.ptr() as *const i32, per_expert)
     };
 
     let want = handle_outputs(r, n, t, c, cached)?;

@@ -80,8 +80,8 @@ struct Plan {
     hidden_bytes: i64,
     x_dtype: DeepepDtype,
     x: *const c_void,
-    scales: Option<(DeepepDtype, *const c_void, i64, i64, i64)>, // dtype, ptr, S, strides
-    topk: Option<(DeepepDtype, *const c_void, *const f32, i64)>,  // dtype, ids, weights, K
+    scales: Option<Scales>,
+    topk: Option<Topk>,
     num_experts: i32,
     is_token_in_rank: *const u8,
     num_tokens_per_rank: *const i32,
@@ -198,22 +198,63 @@ fn check_x(a: &DeepepIntranodeDispatchArgs) -> Result<(TensorView<'_>, i64)> {
     Ok((x, hidden_bytes))
 }
 
+/// x_scales of an FP8 dispatch (both modes): (dtype, data, scales per token, token stride, scale
+/// stride), or None when absent.
+pub(crate) type Scales = (DeepepDtype, *const c_void, i64, i64, i64);
+/// Top-k of a dispatch (both modes): (ids dtype, ids, weights, K).
+pub(crate) type Topk = (DeepepDtype, *const c_void, *const f32, i64);
+
+pub(crate) fn check_scales(x_scales: &DeepepTensor, x_dtype: DeepepDtype, t: i64) -> Result<Option<Scales>> {
+    if x_scales.dtype == 0 {
+        return Ok(None);
+    }
+    let s = check_strided("x_scales", x_scales, &[DEEPEP_DTYPE_FLOAT32, DEEPEP_DTYPE_INT32], 2)?;
+    ensure_arg!(x_dtype.size() == 1, "x_scales needs x as float8_e4m3fn, got x as {}", x_dtype.name());
+    ensure_arg!(s.dims()[0] == t, "x_scales must have {t} rows (one per token of x), got shape {:?}", s.dims());
+    let n = s.dims()[1];
+    ensure_arg!(n <= 1024, "x_scales has {n} scales per token; at most 1024 are supported");
+    Ok(Some((s.dtype, s.ptr() as *const c_void, n, s.raw.strides[0], s.raw.strides[1])))
+}
+
+/// A non-cached dispatch's routing (both modes): num_tokens_per_expert (E a positive multiple of
+/// the R ranks, at most MAX_LOCAL_EXPERTS per rank) and the optional top-k pair of T tokens.
+/// Returns (top-k, E, num_tokens_per_expert).
+pub(crate) fn check_routing(
+    per_expert: &DeepepTensor,
+    topk_ids: Option<TensorView<'_>>,
+    topk_weights: Option<TensorView<'_>>,
+    t: i64,
+    r: i64,
+) -> Result<(Option<Topk>, i32, *const i32)> {
+    let per_expert = check("num_tokens_per_expert", Some(per_expert), &[DEEPEP_DTYPE_INT32], 1)?;
+    let e = per_expert.dims()[0];
+    ensure_arg!(e > 0 && e % r == 0, "num_tokens_per_expert has {e} experts; it must be a positive multiple of the {r} ranks");
+    ensure_arg!(
+        e / r <= MAX_LOCAL_EXPERTS as i64,
+        "{} experts per rank ({e} experts / {r} ranks); at most {MAX_LOCAL_EXPERTS} are supported",
+        e / r
+    );
+    let topk = match (topk_ids, topk_weights) {
+        (None, None) => None,
+        (Some(ids), Some(w)) => {
+            let k = ids.dims()[1];
+            ensure_arg!(ids.dims()[0] == t, "topk_idx must have {t} rows, got shape {:?}", ids.dims());
+            ensure_arg!(k > 0 && k <= 128, "topk_idx has {k} columns; 1 to 128 are supported");
+            check_shape("topk_weights", &w, &[t, k])?;
+            Some((ids.dtype, ids.ptr() as *const c_void, w.ptr() as *const f32, k))
+        }
+        (Some(_), None) => return Err(Error::invalid("topk_idx was given without topk_weights")),
+        (None, Some(_)) => return Err(Error::invalid("topk_weights was given without topk_idx")),
+    };
+    Ok((topk, e as i32, per_expert.ptr() as *const i32))
+}
+
 fn validate(buffer: &Buffer, a: &DeepepIntranodeDispatchArgs) -> Result<Plan> {
     let r = buffer.layout.num_ranks as i64;
     let (x, hidden_bytes) = check_x(a)?;
     let t = x.dims()[0];
 
-    let scales = match a.x_scales.dtype {
-        0 => None,
-        _ => {
-            let s = check_strided("x_scales", &a.x_scales, &[DEEPEP_DTYPE_FLOAT32, DEEPEP_DTYPE_INT32], 2)?;
-            ensure_arg!(x.dtype.size() == 1, "x_scales needs x as float8_e4m3fn, got x as {}", x.dtype.name());
-            ensure_arg!(s.dims()[0] == t, "x_scales must have {t} rows (one per token of x), got shape {:?}", s.dims());
-            let n = s.dims()[1];
-            ensure_arg!(n <= 1024, "x_scales has {n} scales per token; at most 1024 are supported");
-            Some((s.dtype, s.ptr() as *const c_void, n, s.raw.strides[0], s.raw.strides[1]))
-        }
-    };
+    let scales = check_scales(&a.x_scales, x.dtype, t)?;
 
     let in_rank = check("is_token_in_rank", Some(&a.is_token_in_rank), &[DEEPEP_DTYPE_BOOL], 2)?;
     check_shape("is_token_in_rank", &in_rank, &[t, r])?;
@@ -235,27 +276,8 @@ fn validate(buffer: &Buffer, a: &DeepepIntranodeDispatchArgs) -> Result<Plan> {
     } else {
         let per_rank = check("num_tokens_per_rank", Some(&a.num_tokens_per_rank), &[DEEPEP_DTYPE_INT32], 1)?;
         check_shape("num_tokens_per_rank", &per_rank, &[r])?;
-        let per_expert = check("num_tokens_per_expert", Some(&a.num_tokens_per_expert), &[DEEPEP_DTYPE_INT32], 1)?;
-        let e = per_expert.dims()[0];
-        ensure_arg!(e > 0 && e % r == 0, "num_tokens_per_expert has {e} experts; it must be a positive multiple of the {r} ranks");
-        ensure_arg!(
-            e / r <= MAX_LOCAL_EXPERTS as i64,
-            "{} experts per rank ({e} experts / {r} ranks); at most {MAX_LOCAL_EXPERTS} are supported",
-            e / r
-        );
-        let topk = match (topk_ids, topk_weights) {
-            (None, None) => None,
-            (Some(ids), Some(w)) => {
-                let k = ids.dims()[1];
-                ensure_arg!(ids.dims()[0] == t, "topk_idx must have {t} rows, got shape {:?}", ids.dims());
-                ensure_arg!(k > 0 && k <= 128, "topk_idx has {k} columns; 1 to 128 are supported");
-                check_shape("topk_weights", &w, &[t, k])?;
-                Some((ids.dtype, ids.ptr() as *const c_void, w.ptr() as *const f32, k))
-            }
-            (Some(_), None) => return Err(Error::invalid("topk_idx was given without topk_weights")),
-            (None, Some(_)) => return Err(Error::invalid("topk_weights was given without topk_idx")),
-        };
-        (topk, e as i32, per_rank.ptr() as *const i32, per_expert.ptr() as *const i32)
+        let (topk, e, per_expert) = check_routing(&a.num_tokens_per_expert, topk_ids, topk_weights, t, r)?;
+        (topk, e, per_rank.ptr() as *const i32, per_expert)
     };
 
     // The handle: outputs as handle_outputs describes them; cached, its first two are inputs.
