@@ -9,7 +9,7 @@ use crate::config::DeepepConfig;
 use crate::ensure_arg;
 use crate::error::Result;
 use crate::kernels::{self, InternodeDispatchParams, InternodeNotifyParams};
-use crate::normal::dispatch::{check_routing, check_scales, RecvCountsPlan, Scales, Topk};
+use crate::normal::dispatch::{check_routing, check_scales, received_rows, RecvCountsPlan, Scales, Topk};
 use crate::outputs::{check_output, check_required, DeepepOutputs};
 use crate::tensor::{
     check, check_aligned16, check_opt, check_shape, DeepepDtype, DeepepDtype::*, DeepepTensor, TensorView,
@@ -135,22 +135,7 @@ pub fn recv_outputs(
     let (num_rows, num_rdma_rows) = rows;
     ensure_arg!(num_rows >= 0, "the receive count must be >= 0, got {num_rows}");
     ensure_arg!(num_rdma_rows >= 0, "the scale-out receive count must be >= 0, got {num_rdma_rows}");
-    let mut o = DeepepOutputs::default();
-    o.push(x.0, &[num_rows, x.1]);
-    match scales {
-        Some((dtype, s)) => o.push(dtype, &[num_rows, s]),
-        None => o.push_absent(),
-    };
-    match topk {
-        Some((dtype, k)) => {
-            o.push(dtype, &[num_rows, k]);
-            o.push(DEEPEP_DTYPE_FLOAT32, &[num_rows, k])
-        }
-        None => {
-            o.push_absent();
-            o.push_absent()
-        }
-    };
+    let mut o = received_rows(num_rows, x, scales, topk);
     if cached {
         o.push_absent();
         o.push_absent();

@@ -133,6 +133,20 @@ pub fn recv_outputs(
     topk: Option<(DeepepDtype, i64)>,
 ) -> Result<DeepepOutputs> {
     ensure_arg!(num_rows >= 0, "the receive count must be >= 0, got {num_rows}");
+    let mut o = received_rows(num_rows, x, scales, topk);
+    o.push(DEEPEP_DTYPE_INT32, &[num_rows]);
+    o.checked(&RECV_OUTPUTS)
+}
+
+/// The received rows' outputs both modes share, N = num_rows rows: recv_x [N, H] in x's dtype,
+/// recv_x_scales [N, S] (absent without scales), recv_topk_idx [N, K] in topk_idx's dtype and
+/// recv_topk_weights [N, K] float32 (both absent without top-k).
+pub(crate) fn received_rows(
+    num_rows: i64,
+    x: (DeepepDtype, i64),
+    scales: Option<(DeepepDtype, i64)>,
+    topk: Option<(DeepepDtype, i64)>,
+) -> DeepepOutputs {
     let mut o = DeepepOutputs::default();
     o.push(x.0, &[num_rows, x.1]);
     match scales {
@@ -149,8 +163,7 @@ pub fn recv_outputs(
             o.push_absent()
         }
     };
-    o.push(DEEPEP_DTYPE_INT32, &[num_rows]);
-    o.checked(&RECV_OUTPUTS)
+    o
 }
 
 /// Rows of the receive outputs: in cached mode the handle's count (as DeepEP, whatever
