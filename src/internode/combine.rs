@@ -9,7 +9,7 @@ use crate::config::DeepepConfig;
 use crate::ensure_arg;
 use crate::error::Result;
 use crate::kernels::{self, InternodeCombineParams, InternodeNotifyParams};
-use crate::normal::combine::combine_outputs;
+use crate::normal::combine::{check_combine_weights, check_combine_x, combine_outputs};
 use crate::outputs::{check_output, check_required, DeepepOutputs};
 use crate::tensor::{check, check_aligned16, check_opt, check_shape, DeepepDtype::*, DeepepTensor, TensorView};
 
@@ -78,21 +78,9 @@ fn validate<'a>(buffer: &Buffer, a: &'a DeepepInternodeCombineArgs) -> Result<Pl
     let l = &buffer.layout;
     super::check_topology(l, &buffer.args)?;
     let (r, n, g) = (l.num_ranks as i64, (l.num_ranks / l.node_size) as i64, l.node_size as i64);
-    let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
-    check_aligned16("x", &x)?;
+    let (x, hidden_bytes) = check_combine_x(&a.x)?;
     let (nr, h) = (x.dims()[0], x.dims()[1]);
-    let hidden_bytes = h.checked_mul(2).unwrap_or(i64::MAX);
-    ensure_arg!(hidden_bytes % 16 == 0 && h > 0, "x: hidden size {h} must be a positive multiple of 8 bfloat16 elements");
-    ensure_arg!(hidden_bytes <= i32::MAX as i64, "x: {hidden_bytes} bytes per row is too large");
-    let weights = check_opt("topk_weights", &a.topk_weights, &[DEEPEP_DTYPE_FLOAT32], 2)?;
-    let k = match &weights {
-        Some(w) => {
-            ensure_arg!(w.dims()[0] == nr, "topk_weights must have {nr} rows (one per row of x), got shape {:?}", w.dims());
-            w.dims()[1]
-        }
-        None => 0,
-    };
-    ensure_arg!(k <= 1024, "topk_weights has {k} columns; at most 1024 are supported");
+    let (weights, k) = check_combine_weights(&a.topk_weights, nr)?;
     let row_bytes = kernels::internode_combine_row_bytes(hidden_bytes as i32, k as i32);
     let channels = plan_for(buffer, &a.config, "combine", row_bytes)?;
     let c = channels.num_channels as i64;

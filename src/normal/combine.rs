@@ -81,17 +81,38 @@ impl Plan<'_> {
     }
 }
 
-fn validate<'a>(buffer: &Buffer, a: &'a DeepepIntranodeCombineArgs) -> Result<Plan<'a>> {
-    let r = buffer.layout.num_ranks as i64;
-    let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
+/// A combine's x (both modes): BF16 [rows, H], 16-byte rows; with its bytes per row.
+pub(crate) fn check_combine_x(x: &DeepepTensor) -> Result<(TensorView<'_>, i64)> {
+    let x = check("x", Some(x), &[DEEPEP_DTYPE_BFLOAT16], 2)?;
     check_aligned16("x", &x)?;
-    let (n, h) = (x.dims()[0], x.dims()[1]);
+    let h = x.dims()[1];
     let hidden_bytes = h.checked_mul(2).unwrap_or(i64::MAX);
     ensure_arg!(
         hidden_bytes % 16 == 0 && h > 0,
         "x: hidden size {h} must be a positive multiple of 8 bfloat16 elements (16-byte rows)"
     );
     ensure_arg!(hidden_bytes <= i32::MAX as i64, "x: {hidden_bytes} bytes per row is too large");
+    Ok((x, hidden_bytes))
+}
+
+/// A combine's optional topk_weights (both modes): float32 [rows, K], K <= 1024; with K (0 absent).
+pub(crate) fn check_combine_weights(weights: &DeepepTensor, rows: i64) -> Result<(Option<TensorView<'_>>, i64)> {
+    let weights = check_opt("topk_weights", weights, &[DEEPEP_DTYPE_FLOAT32], 2)?;
+    let k = match &weights {
+        Some(w) => {
+            ensure_arg!(w.dims()[0] == rows, "topk_weights must have {rows} rows (one per row of x), got shape {:?}", w.dims());
+            w.dims()[1]
+        }
+        None => 0,
+    };
+    ensure_arg!(k <= 1024, "topk_weights has {k} columns; at most 1024 are supported");
+    Ok((weights, k))
+}
+
+fn validate<'a>(buffer: &Buffer, a: &'a DeepepIntranodeCombineArgs) -> Result<Plan<'a>> {
+    let r = buffer.layout.num_ranks as i64;
+    let (x, hidden_bytes) = check_combine_x(&a.x)?;
+    let (n, h) = (x.dims()[0], x.dims()[1]);
     let src_idx = check("src_idx", Some(&a.src_idx), &[DEEPEP_DTYPE_INT32], 1)?;
     ensure_arg!(
         src_idx.dims()[0] == n,
@@ -105,15 +126,7 @@ fn validate<'a>(buffer: &Buffer, a: &'a DeepepIntranodeCombineArgs) -> Result<Pl
         send_head.dims()
     );
     let t = send_head.dims()[0];
-    let weights = check_opt("topk_weights", &a.topk_weights, &[DEEPEP_DTYPE_FLOAT32], 2)?;
-    let k = match &weights {
-        Some(w) => {
-            ensure_arg!(w.dims()[0] == n, "topk_weights must have {n} rows (one per row of x), got shape {:?}", w.dims());
-            w.dims()[1]
-        }
-        None => 0,
-    };
-    ensure_arg!(k <= 1024, "topk_weights has {k} columns; at most 1024 are supported");
+    let (weights, k) = check_combine_weights(&a.topk_weights, n)?;
     let slot = kernels::combine_slot_bytes(hidden_bytes as i32, k as i32);
     let plan = plan_for(buffer, &a.config, "combine", slot)?;
     let c = plan.num_channels as i64;
