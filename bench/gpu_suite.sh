@@ -11,7 +11,8 @@
 #   SUITE_STEPS       space-separated step names to run, in the suite's order
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
 #                     steps: smoke_normal test_normal test_normal_ctypes test_normal_protocol
-#                     test_normal_shrink example_normal bench_normal test_internode bench_internode
+#                     test_normal_shrink example_normal bench_normal test_internode test_internode_protocol
+#                     bench_internode
 #                     smoke_low_latency test_fast_build test_low_latency test_ll_ctypes
 #                     example_ll bench_ll test_ll_virtual test_ll_generations test_ll_generations_2gpu
 #                     bench_ll_virtual bench_ll_host test_buffer
@@ -38,7 +39,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_normal_protocol test_normal_shrink example_normal bench_normal test_internode
-           bench_internode
+           test_internode_protocol bench_internode
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
            test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host
            test_buffer test_soak test_layout test_layout_ctypes test_python quickstart bench_layout
@@ -135,6 +136,8 @@ example example_normal "$EXAMPLE_NORMAL"
 step bench_normal 420 "$PYTHON" bench/bench_normal.py ${BENCH_NORMAL_ARGS:-} --json "$LOG_DIR/bench_normal.json"
 # Internode normal mode on 2 GPUs as 2 virtual nodes of 1 (the scale-out leg emulated over NVLink).
 step test_internode 400 "$PYTHON" tests/gpu/test_internode.py
+# Internode handles corrupted on one rank: guards around every output untouched, the entry named.
+step test_internode_protocol 300 "$PYTHON" tests/gpu/test_internode_protocol.py
 step bench_internode 300 "$PYTHON" bench/bench_internode.py --sms 12 24 --json "$LOG_DIR/bench_internode.json"
 step smoke_low_latency 120 "$PYTHON" tests/gpu/smoke_low_latency.py
 step test_fast_build 300 "$PYTHON" tests/gpu/test_fast_build.py
