@@ -147,15 +147,7 @@ pub fn combine(buffer: &Buffer, a: &DeepepInternodeCombineArgs, stream: *mut c_v
     let [rdma_cpm, rdma_prefix, gbl_cpm, rdma_head, nvl_head] = plan.handle;
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
-        let ch = plan.channels;
-        let common = res.internode_common(
-            buffer.wait_context(res),
-            &buffer.layout,
-            buffer.rdma_offset(),
-            ch.num_channels,
-            ch.rdma_ring_tokens,
-            ch.nvl_ring_tokens,
-        );
+        let common = plan.channels.common(buffer, res);
         let notify = InternodeNotifyParams {
             common,
             is_token_in_rank: std::ptr::null(),

@@ -320,15 +320,7 @@ pub fn prepare(buffer: &Buffer, args: &DeepepInternodeDispatchArgs, stream: *mut
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
         counts_plan.arm(res, stream)?;
-        let ch = plan.channels;
-        let common = res.internode_common(
-            buffer.wait_context(res),
-            &buffer.layout,
-            buffer.rdma_offset(),
-            ch.num_channels,
-            ch.rdma_ring_tokens,
-            ch.nvl_ring_tokens,
-        );
+        let common = plan.channels.common(buffer, res);
         let (topk_ptr, topk_k, topk_i32) = match plan.topk {
             Some((dtype, ids, _, k)) => (ids, k as i32, (dtype == DEEPEP_DTYPE_INT32) as i32),
             None => (std::ptr::null(), 0, 0),
@@ -396,15 +388,7 @@ pub fn launch(buffer: &Buffer, args: &DeepepInternodeDispatchArgs, outs: &Deepep
     debug_assert!(plan.cached || outs.send_nvl_head.dtype != DTYPE_ABSENT);
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
-        let ch = plan.channels;
-        let common = res.internode_common(
-            buffer.wait_context(res),
-            &buffer.layout,
-            buffer.rdma_offset(),
-            ch.num_channels,
-            ch.rdma_ring_tokens,
-            ch.nvl_ring_tokens,
-        );
+        let common = plan.channels.common(buffer, res);
         let (scales_ptr, num_scales, st_tok, st_scale) = plan.scales.map_or((std::ptr::null(), 0, 0, 0), |s| (s.1, s.2, s.3, s.4));
         let (topk_ptr, weights_ptr, k, i32_ids) = plan
             .topk

@@ -4,7 +4,7 @@
 pub mod combine;
 pub mod dispatch;
 
-use crate::buffer::{Buffer, BufferArgs};
+use crate::buffer::{Buffer, BufferArgs, Resources};
 use crate::config::{DeepepConfig, RankLayout};
 use crate::ensure_arg;
 use crate::error::{Error, Result};
@@ -17,6 +17,20 @@ pub struct InternodePlan {
     pub num_channels: i32,
     pub rdma_ring_tokens: i32,
     pub nvl_ring_tokens: i32,
+}
+
+impl InternodePlan {
+    /// The kernels' common parameters for an op of this plan on `buffer`.
+    pub fn common(&self, buffer: &Buffer, res: &Resources) -> kernels::InternodeCommon {
+        res.internode_common(
+            buffer.wait_context(res),
+            &buffer.layout,
+            buffer.rdma_offset(),
+            self.num_channels,
+            self.rdma_ring_tokens,
+            self.nvl_ring_tokens,
+        )
+    }
 }
 
 /// The topology the internode kernels take: across nodes, at most their nodes and node size.
