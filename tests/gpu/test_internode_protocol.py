@@ -18,16 +18,15 @@ import os
 
 os.environ['DEEPEP_NCCL_FAST'] = '0'  # before deep_ep loads (internode ops take the ctypes path anyway)
 
-import re
 import sys
 
 import torch
 import torch.distributed as dist
 
-from common import Checks, finish, skip, spawn, watchdog
+from common import Checks, finish, skip, spawn
 from deep_ep_cpp import _lib
 from test_internode import E, make_buffer, make_ctx, route
-from test_normal_protocol import GuardedTorch
+from test_normal_protocol import GuardedTorch, check_corrupted_call, destroy_after
 
 CORRUPT_RANK = 1
 STALL_MS = 1500
@@ -65,8 +64,7 @@ CASES = {
 
 def corrupted_handle(ctx, name, op, corrupt):
     chk = Checks()
-    ctx.buffer = make_buffer(ctx)
-    buf, errors = ctx.buffer, []
+    buf = ctx.buffer = make_buffer(ctx)
     try:
         topk_idx = route('random', TOKENS, 8, ctx.world)
         weights = torch.rand(TOKENS, 8, dtype=torch.float32)
@@ -84,31 +82,13 @@ def corrupted_handle(ctx, name, op, corrupt):
             corrupt(handle)
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
-        try:
-            if op == 'dispatch':
-                buf.dispatch(x, handle=handle)
-            else:
-                buf.combine(recv_x, handle, topk_weights=recv_weights)
-            torch.cuda.synchronize()
-        except RuntimeError as e:
-            errors.append(str(e))
-        try:  # a fault a kernel recorded is reported by the next call
-            buf.get_dispatch_layout(topk_idx, E)
-        except RuntimeError as e:
-            errors.append(str(e))
-        bad = GUARDS.violations()
-        chk.expect(not bad, f'{name}: rank {ctx.rank} has writes outside the outputs: {bad[:3]}')
-        named = torch.tensor([int(any(re.search(ENTRY_NAMED, e) for e in errors))], device='cuda')
-        dist.all_reduce(named, group=ctx.group)
-        chk.expect(named.item() > 0, f'{name}: no rank named the corrupted entry (errors here: {errors})')
+        if op == 'dispatch':
+            call = lambda: buf.dispatch(x, handle=handle)  # noqa: E731
+        else:
+            call = lambda: buf.combine(recv_x, handle, topk_weights=recv_weights)  # noqa: E731
+        check_corrupted_call(ctx, chk, name, GUARDS, ENTRY_NAMED, call, lambda: buf.get_dispatch_layout(topk_idx, E))
     finally:
-        dist.barrier(group=ctx.group)
-        with watchdog(ctx.rep, name, 60):
-            try:
-                buf.destroy()
-            except RuntimeError as e:  # a buffer that stalled may report it again
-                ctx.rep.info(f'destroy() after {name} raised: {e}')
-        GUARDS.blocks.clear()
+        destroy_after(ctx, buf, name, GUARDS)
     chk.done()
 
 

@@ -181,7 +181,6 @@ HANDLE_CASES = {
 def corrupted_handle(ctx, name, op, routing, corrupt):
     chk = Checks()
     buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
-    errors = []
     try:
         # 'skewed' on rank 0 only: it keeps none of its tokens, so rank 1's rows start its recv_x.
         inp = make_inputs(ctx, routing=routing if ctx.rank == 0 else 'random', tokens=256, hidden=HIDDEN)
@@ -196,32 +195,44 @@ def corrupted_handle(ctx, name, op, routing, corrupt):
             corrupt(handle, out, ctx)
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
+        if op == 'dispatch':
+            call = lambda: buf.dispatch(inp.x, handle=handle, config=CONFIG)  # noqa: E731
+        else:
+            call = lambda: buf.combine(out[0], handle, config=CONFIG)  # noqa: E731
+        check_corrupted_call(ctx, chk, name, GUARDS, ENTRY_NAMED, call, lambda: buf.get_dispatch_layout(inp.topk, E))
+    finally:
+        destroy_after(ctx, buf, name, GUARDS)
+    chk.done()
+
+
+def check_corrupted_call(ctx, chk, name, guards, entry_named, call, next_call):
+    """After a handle entry was corrupted: runs `call` over it, then `next_call` (which reports a
+    fault a kernel recorded). No guard may have changed, and some rank's error must match
+    `entry_named` (collective)."""
+    errors = []
+    for fn in (call, next_call):
         try:
-            if op == 'dispatch':
-                buf.dispatch(inp.x, handle=handle, config=CONFIG)
-            else:
-                buf.combine(out[0], handle, config=CONFIG)
+            fn()
             torch.cuda.synchronize()
         except RuntimeError as e:
             errors.append(str(e))
-        try:  # a fault a kernel recorded is reported by the next call
-            buf.get_dispatch_layout(inp.topk, E)
+    bad = guards.violations()
+    chk.expect(not bad, f'{name}: rank {ctx.rank} has writes outside the outputs: {bad[:3]}')
+    named = torch.tensor([int(any(re.search(entry_named, e) for e in errors))], device='cuda')
+    dist.all_reduce(named, group=ctx.group)
+    chk.expect(named.item() > 0, f'{name}: no rank named the corrupted entry (errors here: {errors})')
+
+
+def destroy_after(ctx, buf, name, guards):
+    """Destroys a case's buffer on every rank under a watchdog (a buffer that stalled may report it
+    again) and forgets the case's guarded allocations."""
+    dist.barrier(group=ctx.group)
+    with watchdog(ctx.rep, name, 60):
+        try:
+            buf.destroy()
         except RuntimeError as e:
-            errors.append(str(e))
-        bad = GUARDS.violations()
-        chk.expect(not bad, f'{name}: rank {ctx.rank} has writes outside the outputs: {bad[:3]}')
-        named = torch.tensor([int(any(re.search(ENTRY_NAMED, e) for e in errors))], device='cuda')
-        dist.all_reduce(named, group=ctx.group)
-        chk.expect(named.item() > 0, f'{name}: no rank named the corrupted entry (errors here: {errors})')
-    finally:
-        dist.barrier(group=ctx.group)
-        with watchdog(ctx.rep, name, 60):
-            try:
-                buf.destroy()
-            except RuntimeError as e:  # a buffer that stalled may report it again
-                ctx.rep.info(f'destroy() after {name} raised: {e}')
-        GUARDS.blocks.clear()
-    chk.done()
+            ctx.rep.info(f'destroy() after {name} raised: {e}')
+    guards.blocks.clear()
 
 
 # ---------------------------------------------------------------- F9
