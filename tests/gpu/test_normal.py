@@ -785,11 +785,12 @@ def stalled_peer(ctx, phase):
                  'cached_dispatch': lambda: buf.dispatch(inp.x, handle=handle),
                  'combine': lambda: buf.combine(y, handle)}
         calls['dispatch_data_kernel'] = calls['dispatch']
-        cycles = sleep_cycles(3 * STALL_TIMEOUT_MS)
+        stops_inside = ctx.rank == STALLED_RANK and phase == 'dispatch_data_kernel'
+        cycles = sleep_cycles(3 * STALL_TIMEOUT_MS) if stops_inside else 0
         torch.cuda.synchronize()
         buf.runtime.set_gpu_timeout_ms(STALL_TIMEOUT_MS)
         dist.barrier(group=ctx.group)
-        if ctx.rank == STALLED_RANK and phase == 'dispatch_data_kernel':
+        if stops_inside:
             late_dispatch(buf, inp, cycles)  # well past the others' timeout
             torch.cuda.synchronize()
         elif ctx.rank == STALLED_RANK:
