@@ -28,6 +28,107 @@ __device__ __forceinline__ int4 pack_bf16(const float (&acc)[8]) {
   return packed;
 }
 
+// Row sums of combine. Time goes to load latency, not arithmetic: a warp that adds one 16-byte
+// word per lane at a time keeps 512 B in flight (docs/internode.md, "Combine's time"), so every
+// lane loads kSumLoads words before it adds any, within the 80 registers of a 768-thread block.
+constexpr int kSumLoads = 8;
+
+__device__ __forceinline__ const int4* shfl_row(const int4* row, int j) {
+  return reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), j));
+}
+
+// sum_rows without a start and with kRows rows (lanes a, b): kSumLoads words per lane in flight,
+// no accumulator kept across loads.
+template <int kRows>
+__device__ __forceinline__ void sum_few_rows(int4* out, const int4* row, int a, int b, int hidden_int4, int lane) {
+  constexpr int kUnroll = kSumLoads / kRows;
+  const int4* src[2] = {shfl_row(row, a), shfl_row(row, b)};
+  for (int i0 = lane; i0 < hidden_int4; i0 += kUnroll * kWarp) {
+    int4 v[kUnroll][kRows];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        if (i0 + u * kWarp < hidden_int4) v[u][r] = ld_ring(src[r] + i0 + u * kWarp);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (i0 + u * kWarp >= hidden_int4) break;
+      float acc[8] = {};
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) accumulate(acc, v[u][r]);
+      st_stream(out + i0 + u * kWarp, pack_bf16(acc));
+    }
+  }
+}
+
+// out = bf16(start + rows in ascending lane order), in fp32 with one rounding; start is
+// bias_0 + bias_1 (each null reads as 0.0, both null: 0.0). Lane j holds row j's address, `mask`
+// (warp-uniform) the rows to add. Whole warps call; rows of hidden_int4 16-byte words.
+__device__ __forceinline__ void sum_rows(int4* out, const int4* row, uint32_t mask, int hidden_int4, const int4* bias_0,
+                                         const int4* bias_1, int lane) {
+  const int rows = __popc(mask);
+  if (bias_0 == nullptr && bias_1 == nullptr && rows <= 2) {  // start 0.0: DeepEP's shape, N = 2 or G <= 2
+    const int a = __ffs(mask) - 1, b = __ffs(mask & (mask - 1)) - 1;
+    if (rows == 1) sum_few_rows<1>(out, row, a, a, hidden_int4, lane);
+    else if (rows == 2) sum_few_rows<2>(out, row, a, b, hidden_int4, lane);
+    else for (int i = lane; i < hidden_int4; i += kWarp) st_stream(out + i, make_int4(0, 0, 0, 0));
+    return;
+  }
+  // General: an accumulator per word, two rows per pass (kUnroll x 2 loads in flight).
+  constexpr int kUnroll = kSumLoads / 4;
+  for (int i0 = lane; i0 < hidden_int4 + lane; i0 += kUnroll * kWarp) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = i0 + u * kWarp;
+      const int4 zero = make_int4(0, 0, 0, 0);
+      const int4 b0 = bias_0 != nullptr && i < hidden_int4 ? ld_stream(bias_0 + i) : zero;
+      const int4 b1 = bias_1 != nullptr && i < hidden_int4 ? ld_stream(bias_1 + i) : zero;
+      const __nv_bfloat16* v0 = reinterpret_cast<const __nv_bfloat16*>(&b0);
+      const __nv_bfloat16* v1 = reinterpret_cast<const __nv_bfloat16*>(&b1);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[u][e] = __bfloat162float(v0[e]) + __bfloat162float(v1[e]);
+    }
+    for (uint32_t rest = mask; rest != 0;) {
+      const int a = __ffs(rest) - 1;
+      rest &= rest - 1;
+      const bool two = rest != 0;
+      const int b = two ? __ffs(rest) - 1 : a;
+      if (two) rest &= rest - 1;
+      const int4 *ra = shfl_row(row, a), *rb = shfl_row(row, b);
+      int4 va[kUnroll], vb[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i0 + u * kWarp < hidden_int4) va[u] = ld_ring(ra + i0 + u * kWarp);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (two && i0 + u * kWarp < hidden_int4) vb[u] = ld_ring(rb + i0 + u * kWarp);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        accumulate(acc[u], va[u]);
+        if (two) accumulate(acc[u], vb[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * kWarp < hidden_int4) st_stream(out + i0 + u * kWarp, pack_bf16(acc[u]));
+  }
+}
+
+// out[w] = 0.0 + the rows' weights w in ascending lane order, w < K; lane j holds row j's
+// weights (null: the row has none and adds nothing). Whole warps call.
+__device__ __forceinline__ void sum_weights(float* out, const float* weights, uint32_t mask, int K, int lane) {
+  for (int w0 = 0; w0 < K; w0 += kWarp) {
+    float acc = 0.0f;
+    for (uint32_t rest = mask; rest != 0; rest &= rest - 1) {
+      const float* w = reinterpret_cast<const float*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(weights), __ffs(rest) - 1));
+      if (w != nullptr && w0 + lane < K) acc += w[w0 + lane];
+    }
+    if (w0 + lane < K) out[w0 + lane] = acc;
+  }
+}
+
 // x's rows [start, stop) from source rank src in channel ch: the last channel of a source ends
 // where the next source starts, the last source at x's rows (DeepEP's: combine takes no
 // recv_gbl_rank_prefix_sum). False (a fault recorded) for a range outside x.
@@ -131,29 +232,31 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
     for (int64_t i = q0 + group.member; ok && i < q0 + n; i += group.warps) {
       const int32_t head = lane < G ? p.combined_nvl_head[(begin + i) * G + lane] : -1;
       const uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
-      const uint8_t* source[kMaxNodeSize];  // row j: x (bf16), then weights at weights_off
-      const float* own_weights = nullptr;     // this GPU's weights (x's rows have none inline)
-#pragma unroll
-      for (int j = 0; j < kMaxNodeSize; ++j) {
-        source[j] = nullptr;
-        if (!((mask >> j) & 1u)) continue;
-        const int64_t h = __shfl_sync(0xffffffffu, head, j);
-        if (j == my_gpu) {
-          const int64_t r = own_start + h;
-          if (r >= own_stop) {
-            if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, dst * C + ch, r);
-            ok = false;
-            continue;
-          }
-          source[j] = static_cast<const uint8_t*>(p.x) + r * p.hidden_bytes;
-          if (p.topk_weights != nullptr) own_weights = p.topk_weights + r * K;
-          continue;
+      // Lane j in mask: GPU j's row (this GPU's from x, the others' NVLink slots) and weights.
+      const int64_t k = offset + head;  // lane j != my_gpu: the row's place in GPU j's stream
+      const uint8_t* slot = nullptr;
+      const int4* src = nullptr;
+      const float* weights = nullptr;
+      if (head >= 0 && lane != my_gpu) {
+        slot = my_nvl + nvl.slot_offset(ch, lane, k % nvl.ring);
+        src = reinterpret_cast<const int4*>(slot + kNvlHeaderBytes);
+        weights = reinterpret_cast<const float*>(slot + kNvlHeaderBytes + row.weights_off());
+      }
+      if ((mask >> my_gpu) & 1u) {
+        const int64_t r = own_start + __shfl_sync(0xffffffffu, head, my_gpu);
+        if (r >= own_stop) {
+          if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, dst * C + ch, r);
+          ok = false;
+        } else if (lane == my_gpu) {
+          src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + r * p.hidden_bytes);
+          weights = p.topk_weights != nullptr ? p.topk_weights + r * K : nullptr;
         }
-        const int64_t k = __shfl_sync(0xffffffffu, offset + head, j);
-        source[j] = my_nvl + nvl.slot_offset(ch, j, k % nvl.ring);
-        ok = ok && warp_wait(reinterpret_cast<const uint64_t*>(source[j]), make_flag(generation, k), c.wait,
-                             my_node * G + j, DEEPEP_WAIT_OP_NVL_SLOT, ch);
-        source[j] += kNvlHeaderBytes;
+      }
+      for (uint32_t rest = mask & ~(1u << my_gpu); ok && rest != 0; rest &= rest - 1) {
+        const int j = __ffs(rest) - 1;
+        const uint64_t* flag = reinterpret_cast<const uint64_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(slot), j));
+        ok = warp_wait(flag, make_flag(generation, __shfl_sync(0xffffffffu, k, j)), c.wait, my_node * G + j,
+                       DEEPEP_WAIT_OP_NVL_SLOT, ch);
       }
       ok = ok && (i < c.rdma_ring_tokens ||
                   tr.wait_counter(dst, head_counter(ch, src_node), sent + i + 1 - c.rdma_ring_tokens, freed,
@@ -161,30 +264,13 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
       if (!ok) break;
       uint8_t* out = tr.row_target(dst, c.rdma_offset + rdma.recv_slot(ch, my_node, i),
                                    c.rdma_offset + rdma.send_slot(ch, src_node, i));
-      for (int v = lane; v < hidden_int4; v += kWarp) {
-        float acc[8] = {};
-#pragma unroll
-        for (int j = 0; j < kMaxNodeSize; ++j)
-          if (source[j] != nullptr) accumulate(acc, ld_ring(reinterpret_cast<const int4*>(source[j]) + v));
-        reinterpret_cast<int4*>(out)[v] = pack_bf16(acc);
-      }
-      for (int w = lane; w < K; w += kWarp) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kMaxNodeSize; ++j) {
-          if (source[j] == nullptr) continue;
-          const float* weights = j == my_gpu ? own_weights : reinterpret_cast<const float*>(source[j] + row.weights_off());
-          if (weights != nullptr) acc += weights[w];
-        }
-        reinterpret_cast<float*>(out + row.weights_off())[w] = acc;
-      }
+      sum_rows(reinterpret_cast<int4*>(out), src, mask, hidden_int4, nullptr, nullptr, lane);
+      sum_weights(reinterpret_cast<float*>(out + row.weights_off()), weights, mask, K, lane);
       // The NVLink slots back to their writers.
       __syncwarp();
-      if (head >= 0 && lane != my_gpu) {
-        const int64_t k = offset + head;
+      if (head >= 0 && lane != my_gpu)
         st_relaxed_sys(reinterpret_cast<uint64_t*>(nvl_of(tr, lane) + nvl.consumed_offset(C, ch, my_gpu, k % nvl.ring)),
                        make_flag(generation, k));
-      }
     }
     group.sync();
     if (ok && group.leader(lane)) tr.publish(dst, rdma, ch, q0, n, tail_counter(ch, my_node));
@@ -193,8 +279,9 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
 }
 
 // Final receiver warps (warp `w` of `num_warps`, named barrier 1 among them): source tokens of
-// channel ch in batches of recv_round tokens (at most that many rows per node), warp w taking
-// tokens w, w + num_warps, ...; credits go back once per batch.
+// channel ch in batches of at most recv_round tokens (at most that many rows per node), a whole
+// number of tokens per warp where the round allows (warp w takes tokens w, w + num_warps, ...);
+// credits go back once per batch.
 template <int kRemote>
 __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch, int w,
                                 int num_warps, int lane, int* consumed) {
@@ -206,7 +293,8 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
   const int K = p.num_topk, hidden_int4 = p.hidden_bytes / 16;
   const int4* bias_0 = static_cast<const int4*>(p.bias_0);
   const int4* bias_1 = static_cast<const int4*>(p.bias_1);
-  const int batch = recv_round(c.rdma_ring_tokens);
+  const int round = recv_round(c.rdma_ring_tokens);
+  const int batch = round >= num_warps ? round / num_warps * num_warps : round;
   int64_t begin, end;
   channel_range(p.num_tokens, C, ch, begin, end);
   // Rows consumed of each node's ring before this op (lane n); heads count from 0 per op.
@@ -219,43 +307,22 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
     for (int64_t t = t0 + w; ok && t < min(t0 + batch, end); t += num_warps) {
       const int32_t head = lane < N ? p.combined_rdma_head[t * N + lane] : -1;
       const uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
-      const uint8_t* source[kMaxNodes];
-#pragma unroll
-      for (int n = 0; n < kMaxNodes; ++n) {
-        source[n] = nullptr;
-        if (!((mask >> n) & 1u)) continue;
-        const int64_t k = __shfl_sync(0xffffffffu, head, n);
-        const uint64_t target = __shfl_sync(0xffffffffu, base, n) + k + 1;
+      for (uint32_t rest = mask; ok && rest != 0; rest &= rest - 1) {
+        const int n = __ffs(rest) - 1;
+        const uint64_t target = __shfl_sync(0xffffffffu, base + head + 1, n);
         uint64_t seen = __shfl_sync(0xffffffffu, tail, n);
-        ok = ok && tr.wait_counter(n * G + my_gpu, tail_counter(ch, n), target, seen, DEEPEP_WAIT_OP_RDMA_TAIL, ch);
+        ok = tr.wait_counter(n * G + my_gpu, tail_counter(ch, n), target, seen, DEEPEP_WAIT_OP_RDMA_TAIL, ch);
         if (lane == n) tail = seen;
-        source[n] = tr.local(c.rdma_offset + rdma.recv_slot(ch, n, k));
       }
       if (!ok) break;
-      int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.hidden_bytes);
-      for (int v = lane; v < hidden_int4; v += kWarp) {
-        // DeepEP's order: bias_0 + bias_1, then nodes ascending; one rounding.
-        const int4 b0 = bias_0 != nullptr ? ld_stream(bias_0 + t * hidden_int4 + v) : make_int4(0, 0, 0, 0);
-        const int4 b1 = bias_1 != nullptr ? ld_stream(bias_1 + t * hidden_int4 + v) : make_int4(0, 0, 0, 0);
-        const __nv_bfloat16* v0 = reinterpret_cast<const __nv_bfloat16*>(&b0);
-        const __nv_bfloat16* v1 = reinterpret_cast<const __nv_bfloat16*>(&b1);
-        float acc[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = __bfloat162float(v0[e]) + __bfloat162float(v1[e]);
-#pragma unroll
-        for (int n = 0; n < kMaxNodes; ++n)
-          if (source[n] != nullptr) accumulate(acc, ld_ring(reinterpret_cast<const int4*>(source[n]) + v));
-        out[v] = pack_bf16(acc);
-      }
-      if (p.combined_topk_weights != nullptr) {
-        for (int i = lane; i < K; i += kWarp) {
-          float acc = 0.0f;
-#pragma unroll
-          for (int n = 0; n < kMaxNodes; ++n)
-            if (source[n] != nullptr) acc += reinterpret_cast<const float*>(source[n] + row.weights_off())[i];
-          p.combined_topk_weights[t * K + i] = acc;
-        }
-      }
+      // Lane n in mask: node n's row of token t.
+      const uint8_t* src = tr.local(c.rdma_offset + rdma.recv_slot(ch, lane < N ? lane : 0, max(head, 0)));
+      // DeepEP's order: bias_0 + bias_1, then nodes ascending; one rounding.
+      sum_rows(reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.hidden_bytes),
+               reinterpret_cast<const int4*>(src), mask, hidden_int4, bias_0 != nullptr ? bias_0 + t * hidden_int4 : nullptr,
+               bias_1 != nullptr ? bias_1 + t * hidden_int4 : nullptr, lane);
+      if (p.combined_topk_weights != nullptr)
+        sum_weights(p.combined_topk_weights + t * K, reinterpret_cast<const float*>(src + row.weights_off()), mask, K, lane);
       used += head >= 0;
     }
     if (lane < N && used > 0) atomicAdd(&consumed[lane], used);
@@ -271,8 +338,15 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
   if (w == 0 && lane < N) c.totals[recv_total(ch, lane)] = base + done;
 }
 
+// Fewer threads than the other internode kernels: 128 registers a thread hold the row sums'
+// loads in flight (kSumLoads) without spilling; 16 warps still cover 16 forwarder groups, or 7
+// NVLink sender warps and 9 receiver warps.
+constexpr int kCombineThreads = 512;
+constexpr int kCombineWarps = kCombineThreads / kWarp;
+static_assert(kMaxNodes <= kCombineWarps && kMaxNodeSize - 1 < kCombineWarps / 2, "a warp per forwarder and sender role");
+
 template <int kRemote>
-__global__ void __launch_bounds__(kThreads, 1) internode_combine_kernel(ncclDevComm dev_comm,
+__global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(ncclDevComm dev_comm,
                                                                         DeepepInternodeCombineParams p) {
   const DeepepInternodeCommon& c = p.common;
   const Transport<kRemote> tr(c, dev_comm);
@@ -285,15 +359,15 @@ __global__ void __launch_bounds__(kThreads, 1) internode_combine_kernel(ncclDevC
   if (!normal::buffer_failed(c.wait)) {
     if (int(blockIdx.x) < C) {
       // Half the block (at least a warp each) sends to the other local GPUs, the rest receives.
-      const int per_gpu = G > 1 ? max(1, kWarps / 2 / (G - 1)) : 0, senders = (G - 1) * per_gpu;
+      const int per_gpu = G > 1 ? max(1, kCombineWarps / 2 / (G - 1)) : 0, senders = (G - 1) * per_gpu;
       if (warp < senders) {
         const int r = warp / per_gpu;
         combine_nvl_send(p, tr, blockIdx.x, r < my_gpu ? r : r + 1, warp % per_gpu, per_gpu, lane, generation);
       } else {
-        combine_receive(p, tr, blockIdx.x, warp - senders, kWarps - senders, lane, consumed);
+        combine_receive(p, tr, blockIdx.x, warp - senders, kCombineWarps - senders, lane, consumed);
       }
     } else {
-      const WarpGroup group(warp, N);
+      const WarpGroup group(warp, N, kCombineWarps);
       if (group.role < N) combine_forward(p, tr, blockIdx.x - C, group, lane, generation);
     }
   }
@@ -314,9 +388,9 @@ extern "C" int deepep_launch_internode_combine(const void* dev_comm, const Deepe
   const auto s = static_cast<cudaStream_t>(stream);
   const int blocks = 2 * params->common.num_channels;
   if (remote_kind == DEEPEP_LL_REMOTE_EMULATED)
-    return deepep::launch_kernel(internode_combine_kernel<deepep::ll::kRemoteEmulated>, blocks, kThreads, 0, s, dc,
+    return deepep::launch_kernel(internode_combine_kernel<deepep::ll::kRemoteEmulated>, blocks, kCombineThreads, 0, s, dc,
                                  *params);
   if (remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN)
-    return deepep::launch_kernel(internode_combine_kernel<deepep::ll::kRemoteGin>, blocks, kThreads, 0, s, dc, *params);
+    return deepep::launch_kernel(internode_combine_kernel<deepep::ll::kRemoteGin>, blocks, kCombineThreads, 0, s, dc, *params);
   return int(cudaErrorInvalidValue);
 }

@@ -47,12 +47,13 @@ static_assert(kMaxNodes + kMaxNodeSize <= kWarps, "a warp per source node and pe
 __host__ __device__ constexpr int send_chunk(int ring) { return ring < 63 ? (ring + 1) / 2 : 32; }
 __host__ __device__ constexpr int recv_round(int ring) { return ring + 1 - send_chunk(ring); }
 
-// Warp groups: `warps` warps per role, roles in warp order. A group of several warps syncs on
-// named barrier 1 + role (1..15; a block holds at most kWarps / 2 such groups).
+// Warp groups: `warps` warps per role, roles in warp order, in a block of `block_warps` warps.
+// A group of several warps syncs on named barrier 1 + role (1..15; a block holds at most
+// kWarps / 2 such groups).
 struct WarpGroup {
   int role, member, warps;
-  __device__ WarpGroup(int warp, int num_roles) {
-    warps = max(1, kWarps / max(num_roles, 1));
+  __device__ WarpGroup(int warp, int num_roles, int block_warps = kWarps) {
+    warps = max(1, block_warps / max(num_roles, 1));
     role = warp / warps;
     member = warp % warps;
   }
