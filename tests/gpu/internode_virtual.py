@@ -190,6 +190,7 @@ class InternodeWorld:
                 call['handle'] = [h[0], h[1], h[2], _zeros(n_, c_), _zeros(n_), _zeros(r_, c_), _zeros(r_)]
             else:
                 topk, w = topks[r], weights[r]
+                assert topk.size(1) <= self.base['max_topk'], 'the windows are sized for max_topk columns'
                 in_rank, per_rank, per_node, per_expert = layout_of(topk, self.num_experts, r_, self.node_size)
                 call['handle'] = [in_rank, _zeros(n_, c_), _zeros(r_, c_), _zeros(n_, c_), _zeros(n_), _zeros(r_, c_),
                                   _zeros(r_), _zeros(t, n_)]
