@@ -55,21 +55,21 @@ def make_topk(gen, world, tokens, num_topk, routing):
     return topk
 
 
-def make_inputs(world, seed, tokens, num_topk, routing, fp8, topk_int32):
+def make_inputs(world, seed, tokens, num_topk, routing, fp8, topk_int32, device='cuda'):
     """Per rank: x (BF16, or FP8 with column-major float32 scales as DeepEP's tests), topk [T, K],
     weights [T, K]. `tokens`: an int (every rank) or a list per rank."""
     gen = torch.Generator().manual_seed(seed)
     counts = tokens if isinstance(tokens, (list, tuple)) else [tokens] * world.num_ranks
     xs, topks, weights = [], [], []
     for t in counts:
-        x = torch.randn(t, world.hidden, generator=gen).to(torch.bfloat16).cuda()
+        x = torch.randn(t, world.hidden, generator=gen).to(torch.bfloat16).to(device)
         if fp8:
-            scales = torch.rand(world.hidden // 128, t, generator=gen).cuda().T  # column-major
+            scales = torch.rand(world.hidden // 128, t, generator=gen).to(device).T  # column-major
             x = (x.to(torch.float8_e4m3fn), scales)
         xs.append(x)
         topk = make_topk(gen, world, t, num_topk, routing)
-        topks.append((topk.int() if topk_int32 else topk).cuda())
-        weights.append(torch.rand(t, num_topk, generator=gen).cuda())
+        topks.append((topk.int() if topk_int32 else topk).to(device))
+        weights.append(torch.rand(t, num_topk, generator=gen).to(device))
     return xs, topks, weights
 
 
