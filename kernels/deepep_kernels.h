@@ -249,7 +249,12 @@ typedef struct DeepepCombineParams {
 #define DEEPEP_INTERNODE_NVL_HEADER_BYTES 16
 
 typedef struct DeepepInternodeCommon {
-  void* window;               // ncclWindow_t
+  void* window;               // ncclWindow_t (only the GIN transport reads it)
+  // The window's LSA mapping, as in DeepepLlCommon: peer p's copy at lsa_base + (p -
+  // wait.lsa_base_rank) * lsa_stride, this rank's at local_base (no window-struct loads).
+  uint8_t* lsa_base;
+  uint64_t lsa_stride;
+  uint8_t* local_base;
   uint64_t nvl_offset;        // NVL region: NVLink rings, then their consumed words
   uint64_t rdma_offset;       // RDMA region: notify slots [2][R] and staging [2][R], then the
                               // scale-out rings [C][N] of rdma_ring_tokens slots (+ GIN send rings)

@@ -134,12 +134,12 @@ struct Transport {
   __device__ __forceinline__ bool direct(int peer) const {
     return kRemote != ll::kRemoteGin || peer / c.node_size == c.rank / c.node_size;
   }
+  // Pointers from the parameters' LSA mapping (as ll::Transport): no window-struct loads, and a
+  // harness can lay out virtual ranks' windows at a stride (tests/gpu/internode_virtual_ranks.cu).
   __device__ __forceinline__ uint8_t* lsa(uint64_t offset, int peer) const {
-    return static_cast<uint8_t*>(ncclGetLsaPointer(window(), offset, peer - c.wait.lsa_base_rank));
+    return c.lsa_base + uint64_t(peer - c.wait.lsa_base_rank) * c.lsa_stride + offset;
   }
-  __device__ __forceinline__ uint8_t* local(uint64_t offset) const {
-    return static_cast<uint8_t*>(ncclGetLocalPointer(window(), offset));
-  }
+  __device__ __forceinline__ uint8_t* local(uint64_t offset) const { return c.local_base + offset; }
 #if DEEPEP_HAVE_GIN
   __device__ __forceinline__ int context(int peer) const {
     return dev_comm.ginContextCount > 0 ? peer % dev_comm.ginContextCount : 0;

@@ -132,7 +132,7 @@ pub(crate) struct Resources {
     pub dev_comm: DevComm,
     pub comm: Communicator,
     pub window: SymmetricWindow,
-    /// Where each LSA rank's copy of the window lies (the LL kernels' pointers).
+    /// Where each LSA rank's copy of the window lies (the LL and internode kernels' pointers).
     pub lsa_geometry: LsaGeometry,
     pub lsa_base_rank: i32,
     pub lsa_size: i32,
@@ -227,6 +227,9 @@ impl Resources {
     ) -> kernels::InternodeCommon {
         kernels::InternodeCommon {
             window: self.window.handle().cast(),
+            lsa_base: self.lsa_geometry.base as *mut u8,
+            lsa_stride: self.lsa_geometry.stride,
+            local_base: self.lsa_geometry.local() as *mut u8,
             nvl_offset: CONTROL_BYTES as u64,
             rdma_offset: rdma_offset as u64,
             control_offset: INTERNODE_CONTROL_OFFSET as u64,

@@ -624,6 +624,9 @@ const _: () = {
 #[derive(Debug, Copy, Clone)]
 pub struct DeepepInternodeCommon {
     pub window: *mut ::std::os::raw::c_void,
+    pub lsa_base: *mut u8,
+    pub lsa_stride: u64,
+    pub local_base: *mut u8,
     pub nvl_offset: u64,
     pub rdma_offset: u64,
     pub control_offset: u64,
@@ -645,7 +648,7 @@ pub struct DeepepInternodeCommon {
 const _: () = {
     [
         "Size of DeepepInternodeCommon",
-    ][::std::mem::size_of::<DeepepInternodeCommon>() - 128usize];
+    ][::std::mem::size_of::<DeepepInternodeCommon>() - 152usize];
     [
         "Alignment of DeepepInternodeCommon",
     ][::std::mem::align_of::<DeepepInternodeCommon>() - 8usize];
@@ -653,53 +656,62 @@ const _: () = {
         "Offset of field: DeepepInternodeCommon::window",
     ][::std::mem::offset_of!(DeepepInternodeCommon, window) - 0usize];
     [
+        "Offset of field: DeepepInternodeCommon::lsa_base",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, lsa_base) - 8usize];
+    [
+        "Offset of field: DeepepInternodeCommon::lsa_stride",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, lsa_stride) - 16usize];
+    [
+        "Offset of field: DeepepInternodeCommon::local_base",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, local_base) - 24usize];
+    [
         "Offset of field: DeepepInternodeCommon::nvl_offset",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_offset) - 8usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_offset) - 32usize];
     [
         "Offset of field: DeepepInternodeCommon::rdma_offset",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_offset) - 16usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_offset) - 40usize];
     [
         "Offset of field: DeepepInternodeCommon::control_offset",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, control_offset) - 24usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, control_offset) - 48usize];
     [
         "Offset of field: DeepepInternodeCommon::op_epoch",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, op_epoch) - 32usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, op_epoch) - 56usize];
     [
         "Offset of field: DeepepInternodeCommon::ticket",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, ticket) - 40usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, ticket) - 64usize];
     [
         "Offset of field: DeepepInternodeCommon::totals",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, totals) - 48usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, totals) - 72usize];
     [
         "Offset of field: DeepepInternodeCommon::fault",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, fault) - 56usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, fault) - 80usize];
     [
         "Offset of field: DeepepInternodeCommon::wait",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, wait) - 64usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, wait) - 88usize];
     [
         "Offset of field: DeepepInternodeCommon::rank",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 96usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 120usize];
     [
         "Offset of field: DeepepInternodeCommon::num_ranks",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 100usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 124usize];
     [
         "Offset of field: DeepepInternodeCommon::node_size",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 104usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 128usize];
     [
         "Offset of field: DeepepInternodeCommon::num_nodes",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 108usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 132usize];
     [
         "Offset of field: DeepepInternodeCommon::num_channels",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 112usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 136usize];
     [
         "Offset of field: DeepepInternodeCommon::rdma_ring_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 116usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 140usize];
     [
         "Offset of field: DeepepInternodeCommon::nvl_ring_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 120usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 144usize];
     [
         "Offset of field: DeepepInternodeCommon::gin_signal_base",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 124usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 148usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -733,7 +745,7 @@ pub struct DeepepInternodeNotifyParams {
 const _: () = {
     [
         "Size of DeepepInternodeNotifyParams",
-    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 288usize];
+    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 312usize];
     [
         "Alignment of DeepepInternodeNotifyParams",
     ][::std::mem::align_of::<DeepepInternodeNotifyParams>() - 8usize];
@@ -742,84 +754,84 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::is_token_in_rank",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 128usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 152usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rank",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rank)
-        - 136usize];
+        - 160usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rdma_rank",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rdma_rank)
-        - 144usize];
+        - 168usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_expert",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_expert)
-        - 152usize];
+        - 176usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 160usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 184usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, rdma_channel_prefix_matrix)
-        - 168usize];
+        - 192usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, gbl_channel_prefix_matrix)
-        - 176usize];
+        - 200usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeNotifyParams, recv_rdma_channel_prefix_matrix
-    ) - 184usize];
+    ) - 208usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_rdma_rank_prefix_sum)
-        - 192usize];
+        - 216usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_channel_prefix_matrix)
-        - 200usize];
+        - 224usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_gbl_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_rank_prefix_sum)
-        - 208usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_rdma_head)
-        - 216usize];
+        - 240usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::combined_nvl_head",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 224usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 248usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::counts",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 232usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 256usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 264usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_rdma_rows",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 272usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 256usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 280usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 260usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 284usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_experts",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 288usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::expert_alignment",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 268usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 292usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::cached",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 296usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_worst_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 276usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 300usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::dispatch",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 280usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 304usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -857,7 +869,7 @@ pub struct DeepepInternodeDispatchParams {
 const _: () = {
     [
         "Size of DeepepInternodeDispatchParams",
-    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 320usize];
+    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 344usize];
     [
         "Alignment of DeepepInternodeDispatchParams",
     ][::std::mem::align_of::<DeepepInternodeDispatchParams>() - 8usize];
@@ -866,97 +878,97 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::x",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 128usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 152usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::x_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 136usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 160usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 144usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 168usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 152usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 176usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::is_token_in_rank",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, is_token_in_rank)
-        - 160usize];
+        - 184usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeDispatchParams, recv_rdma_channel_prefix_matrix
-    ) - 168usize];
+    ) - 192usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_rdma_rank_prefix_sum)
-        - 176usize];
+        - 200usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeDispatchParams, recv_gbl_channel_prefix_matrix
-    ) - 184usize];
+    ) - 208usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_gbl_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_gbl_rank_prefix_sum)
-        - 192usize];
+        - 216usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_x",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 200usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 224usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_x_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 208usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 232usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 216usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 240usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_weights)
-        - 224usize];
+        - 248usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_src_meta",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 232usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 256usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::send_rdma_head",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 264usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::send_nvl_head",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 272usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 256usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 280usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 288usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_rdma_recv_rows)
-        - 272usize];
+        - 296usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::scale_stride_token",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_token)
-        - 280usize];
+        - 304usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::scale_stride_scale",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_scale)
-        - 288usize];
+        - 312usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 296usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 320usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 300usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 324usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 304usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 328usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_idx_is_int32",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx_is_int32)
-        - 308usize];
+        - 332usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_experts",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 312usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 336usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 316usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 340usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -985,7 +997,7 @@ pub struct DeepepInternodeCombineParams {
 const _: () = {
     [
         "Size of DeepepInternodeCombineParams",
-    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 256usize];
+    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 280usize];
     [
         "Alignment of DeepepInternodeCombineParams",
     ][::std::mem::align_of::<DeepepInternodeCombineParams>() - 8usize];
@@ -994,65 +1006,65 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeCombineParams::x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 128usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 152usize];
     [
         "Offset of field: DeepepInternodeCombineParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 136usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 160usize];
     [
         "Offset of field: DeepepInternodeCombineParams::bias_0",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 144usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 168usize];
     [
         "Offset of field: DeepepInternodeCombineParams::bias_1",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 152usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 176usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_channel_prefix_matrix)
-        - 160usize];
+        - 184usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_rank_prefix_sum)
-        - 168usize];
+        - 192usize];
     [
         "Offset of field: DeepepInternodeCombineParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, gbl_channel_prefix_matrix)
-        - 176usize];
+        - 200usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_rdma_head)
-        - 184usize];
+        - 208usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_nvl_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_nvl_head)
-        - 192usize];
+        - 216usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 200usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 224usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_topk_weights)
-        - 208usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 216usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 240usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 224usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 248usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_rdma_recv_rows)
-        - 232usize];
+        - 256usize];
     [
         "Offset of field: DeepepInternodeCombineParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 264usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 244usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 268usize];
     [
         "Offset of field: DeepepInternodeCombineParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 272usize];
     [
         "Offset of field: DeepepInternodeCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 252usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 276usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
