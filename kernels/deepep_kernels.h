@@ -248,6 +248,25 @@ typedef struct DeepepCombineParams {
 #define DEEPEP_INTERNODE_ROW_HEADER_BYTES 16
 #define DEEPEP_INTERNODE_NVL_HEADER_BYTES 16
 
+// What the internode data kernels count in DeepepInternodeCommon.traffic, per sending rank and
+// cumulative over the buffer's life (read with deepep_internode_query_traffic; a call's traffic
+// is the difference of two reads). Scale-out: rows put into another node's scale-out ring (a
+// row for this rank's own node passes through its own ring and is not counted), bytes = rows x
+// the row (dispatch: header, x, scales, top-k ids and weights; combine: x and weights). NVLink:
+// rows written into another local GPU's NVLink ring (dispatch: by a forwarder; combine: by a
+// GPU, towards its local forwarder), bytes = rows x (the same row + the 16-byte slot header).
+enum DeepepTrafficKind {
+  DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_ROWS = 0,
+  DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_BYTES = 1,
+  DEEPEP_TRAFFIC_DISPATCH_NVL_ROWS = 2,
+  DEEPEP_TRAFFIC_DISPATCH_NVL_BYTES = 3,
+  DEEPEP_TRAFFIC_COMBINE_SCALEOUT_ROWS = 4,
+  DEEPEP_TRAFFIC_COMBINE_SCALEOUT_BYTES = 5,
+  DEEPEP_TRAFFIC_COMBINE_NVL_ROWS = 6,
+  DEEPEP_TRAFFIC_COMBINE_NVL_BYTES = 7,
+  DEEPEP_TRAFFIC_KINDS = 8,
+};
+
 typedef struct DeepepInternodeCommon {
   void* window;               // ncclWindow_t (only the GIN transport reads it)
   // The window's LSA mapping, as in DeepepLlCommon: peer p's copy at lsa_base + (p -
@@ -262,6 +281,7 @@ typedef struct DeepepInternodeCommon {
   uint32_t* op_epoch;         // workspace: bumped by the last block of every data kernel
   uint32_t* ticket;           // workspace: last-block detection, zero between launches
   uint64_t* totals;           // workspace: DEEPEP_INTERNODE_WORKSPACE_WORDS
+  uint64_t* traffic;          // workspace [DEEPEP_TRAFFIC_KINDS]: rows and bytes sent per leg, cumulative
   DeepepFaultRecord* fault;
   DeepepWaitContext wait;
   int32_t rank;

@@ -146,8 +146,9 @@ __device__ bool source_rows(const DeepepInternodeCombineParams& p, int src, int 
   return false;
 }
 
+// Returns the rows of fwd's ring (channel ch) its warps wrote, all members together.
 template <int kRemote>
-__device__ void combine_nvl_send(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch, int fwd,
+__device__ int64_t combine_nvl_send(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch, int fwd,
                                  int member, int warps, int lane, uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
   const int N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank, my_gpu = me % G;
@@ -158,14 +159,14 @@ __device__ void combine_nvl_send(const DeepepInternodeCombineParams& p, const Tr
   int64_t k = 0;
   for (int s = 0; s < N; ++s) {
     int64_t start, stop;
-    if (!source_rows(p, s * G + fwd, ch, lane, start, stop)) return;
+    if (!source_rows(p, s * G + fwd, ch, lane, start, stop)) return k;
     for (int64_t r = start; r < stop; ++r, ++k) {
       if (k % warps != member) continue;
       if (k >= nvl.ring) {
         const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + nvl.consumed_offset(C, ch, fwd, k % nvl.ring));
         if (!warp_wait_relaxed(consumed, make_flag(generation, k - nvl.ring), c.wait, (me / G) * G + fwd,
                                DEEPEP_WAIT_OP_NVL_CONSUMED, ch))
-          return;
+          return k;
       }
       uint8_t* slot = fwd_nvl + nvl.slot_offset(ch, my_gpu, k % nvl.ring);
       warp_copy<4, CopyLoad::kStream>(reinterpret_cast<int4*>(slot + kNvlHeaderBytes),
@@ -181,6 +182,7 @@ __device__ void combine_nvl_send(const DeepepInternodeCombineParams& p, const Tr
       }
     }
   }
+  return k;
 }
 
 template <int kRemote>
@@ -275,7 +277,10 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
     group.sync();
     if (ok && group.leader(lane)) tr.publish(dst, rdma, ch, q0, n, tail_counter(ch, my_node));
   }
-  if (group.leader(lane)) c.totals[sent_total(ch, src_node)] = sent + (end - begin);
+  if (group.leader(lane)) {
+    c.totals[sent_total(ch, src_node)] = sent + (end - begin);
+    if (src_node != my_node) count_traffic(c, DEEPEP_TRAFFIC_COMBINE_SCALEOUT_ROWS, end - begin, row.bytes());
+  }
 }
 
 // Final receiver warps (warp `w` of `num_warps`, named barrier 1 among them): source tokens of
@@ -362,7 +367,11 @@ __global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(n
       const int per_gpu = G > 1 ? max(1, kCombineWarps / 2 / (G - 1)) : 0, senders = (G - 1) * per_gpu;
       if (warp < senders) {
         const int r = warp / per_gpu;
-        combine_nvl_send(p, tr, blockIdx.x, r < my_gpu ? r : r + 1, warp % per_gpu, per_gpu, lane, generation);
+        const int64_t rows =
+            combine_nvl_send(p, tr, blockIdx.x, r < my_gpu ? r : r + 1, warp % per_gpu, per_gpu, lane, generation);
+        if (warp % per_gpu == 0 && lane == 0)
+          count_traffic(c, DEEPEP_TRAFFIC_COMBINE_NVL_ROWS, rows,
+                        kNvlHeaderBytes + CombineRow{p.hidden_bytes, p.num_topk}.bytes());
       } else {
         combine_receive(p, tr, blockIdx.x, warp - senders, kCombineWarps - senders, lane, consumed);
       }

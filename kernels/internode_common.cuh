@@ -258,6 +258,16 @@ __device__ __forceinline__ uint8_t* nvl_of(const Transport<kRemote>& tr, int loc
   return tr.lsa(c.nvl_offset, (c.rank / c.node_size) * c.node_size + local_gpu);
 }
 
+// Traffic statistics (enum DeepepTrafficKind): a warp's `rows` of `row_bytes` over one leg, added
+// once when its work is done (never per row: the data path stays as it is). One thread calls.
+__device__ __forceinline__ void count_traffic(const DeepepInternodeCommon& c, int rows_kind, int64_t rows,
+                                              int64_t row_bytes) {
+  if (rows <= 0) return;
+  atomicAdd(reinterpret_cast<unsigned long long*>(c.traffic + rows_kind), static_cast<unsigned long long>(rows));
+  atomicAdd(reinterpret_cast<unsigned long long*>(c.traffic + rows_kind + 1),
+            static_cast<unsigned long long>(rows * row_bytes));
+}
+
 // Tokens of channel c (DeepEP's split).
 __device__ __forceinline__ void channel_range(int64_t num_tokens, int num_channels, int ch, int64_t& begin,
                                               int64_t& end) {

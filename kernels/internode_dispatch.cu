@@ -86,7 +86,10 @@ __device__ void dispatch_send(const DeepepInternodeDispatchParams& p, const Tran
     if (ok && group.leader(lane)) tr.publish(dst, rdma, ch, k, __popc(in), tail_counter(ch, my_node));
     k += __popc(in);
   }
-  if (group.leader(lane)) c.totals[sent_total(ch, node)] = sent + k;
+  if (group.leader(lane)) {
+    c.totals[sent_total(ch, node)] = sent + k;
+    if (node != my_node) count_traffic(c, DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_ROWS, k, p.row_bytes);
+  }
 }
 
 // A dispatched row (`in`: DispatchRow without its x offset applied) of source rank `src` into
@@ -194,6 +197,9 @@ __device__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const T
     if (ok && group.leader(lane)) tr.add(src, head_counter(ch, my_node), uint64_t(n));
   }
   if (group.leader(lane)) c.totals[recv_total(ch, src_node)] = received + count;
+  // seq_base, lane j < G: the group's rows towards GPU j; other GPUs' took the NVLink leg.
+  const int nvl_rows = __reduce_add_sync(0xffffffffu, lane < G && lane != my_gpu ? int(seq_base) : 0);
+  if (group.leader(lane)) count_traffic(c, DEEPEP_TRAFFIC_DISPATCH_NVL_ROWS, nvl_rows, nvl_slot_bytes);
 }
 
 // Receiver group of local forwarder GPU `fwd` (not this GPU): the rows of sources (s, fwd) for

@@ -41,7 +41,10 @@ const WS_LL_CLEAN_EPOCH: usize = 524;
 const WS_NORMAL_PEER_GONE: usize = 1024;
 const WS_NORMAL_DROPPED: usize = 1088;
 const _: () = assert!(WS_NORMAL_PEER_GONE + 4 * kernels::MAX_NVL_RANKS as usize <= WS_NORMAL_DROPPED);
-const _: () = assert!(WS_NORMAL_DROPPED + 8 * kernels::DROPPED_KINDS <= WS_LAYOUT_ACCUMULATORS);
+/// Internode traffic counters, u64 [TRAFFIC_KINDS] (cumulative: never reset).
+const WS_INTERNODE_TRAFFIC: usize = 1152;
+const _: () = assert!(WS_NORMAL_DROPPED + 8 * kernels::DROPPED_KINDS <= WS_INTERNODE_TRAFFIC);
+const _: () = assert!(WS_INTERNODE_TRAFFIC + 8 * kernels::TRAFFIC_KINDS <= WS_LAYOUT_ACCUMULATORS);
 const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// Low-latency counters at the end of the workspace (see [`LlWorkspace`]).
 const WS_LL: usize = WORKSPACE_BYTES - (128 << 10);
@@ -215,6 +218,11 @@ impl Resources {
     pub fn normal_dropped(&self) -> *mut u64 {
         self.workspace_at(WS_NORMAL_DROPPED).cast()
     }
+    /// The internode kernels' cumulative traffic counters, u64 [TRAFFIC_KINDS] (enum
+    /// DeepepTrafficKind).
+    pub fn internode_traffic(&self) -> *mut u64 {
+        self.workspace_at(WS_INTERNODE_TRAFFIC).cast()
+    }
     /// Window geometry, device counters and topology of the internode kernels.
     pub fn internode_common(
         &self,
@@ -236,6 +244,7 @@ impl Resources {
             op_epoch: self.workspace_at(WS_OP_EPOCH).cast(),
             ticket: self.workspace_at(WS_DATA_TICKET).cast(),
             totals: self.workspace_at(WS_INTERNODE).cast(),
+            traffic: self.internode_traffic(),
             fault: self.fault.device_ptr(),
             wait,
             rank: layout.rank,

@@ -278,3 +278,21 @@ fn internode_combine_describes_its_outputs_and_checks_the_handle() {
     expect_err(deepep_internode_combine(buf, &bad, ptr::null_mut()), "src_meta must have shape [50, 8]");
     assert_eq!(deepep_buffer_free(buf), DEEPEP_SUCCESS);
 }
+
+#[test]
+fn traffic_query_checks_its_tensor_and_needs_a_buffer_across_nodes() {
+    let across = buffer(0, 4, 2, 1 << 30);
+    let s = ptr::null_mut();
+    let traffic = described(DEEPEP_DTYPE_INT64, &[8], at(0));
+    // Valid arguments reach the resources, which this buffer has none of.
+    assert_eq!(deepep_internode_query_traffic(across, &traffic, s), DEEPEP_ERROR_NOT_AVAILABLE, "{}", last_error());
+    expect_err(deepep_internode_query_traffic(across, ptr::null(), s), "traffic");
+    expect_err(deepep_internode_query_traffic(across, &described(DEEPEP_DTYPE_INT32, &[8], at(0)), s), "traffic");
+    expect_err(deepep_internode_query_traffic(across, &described(DEEPEP_DTYPE_INT64, &[4], at(0)), s), "traffic");
+    expect_err(deepep_internode_query_traffic(across, &described(DEEPEP_DTYPE_INT64, &[2, 4], at(0)), s), "traffic");
+    let within = buffer(0, 4, 4, 1 << 30);
+    expect_err(deepep_internode_query_traffic(within, &traffic, s), "only on a buffer across nodes");
+    expect_err(deepep_internode_query_traffic(ptr::null(), &traffic, s), "buffer");
+    assert_eq!(deepep_buffer_free(across), DEEPEP_SUCCESS);
+    assert_eq!(deepep_buffer_free(within), DEEPEP_SUCCESS);
+}

@@ -4,12 +4,16 @@
 pub mod combine;
 pub mod dispatch;
 
+use std::os::raw::c_void;
+
 use crate::buffer::{Buffer, BufferArgs};
 use crate::config::{DeepepConfig, RankLayout};
+use crate::cuda;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::normal::channel_plan;
+use crate::tensor::{check, check_shape, DeepepDtype::*, DeepepTensor};
 
 /// Channels and ring sizes of one internode op, from its `Config`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,6 +126,25 @@ pub fn plan_for_layout(
     Ok(plan)
 }
 
+/// Copies the internode kernels' cumulative traffic counters (enum DeepepTrafficKind: rows and
+/// bytes this rank sent over the scale-out and the NVLink leg, dispatch then combine) into
+/// `traffic`, an int64 [TRAFFIC_KINDS] device tensor, in `stream` order (no host sync: a CUDA
+/// graph can hold it). A call's traffic is the difference of two queries.
+pub fn query_traffic(buffer: &Buffer, traffic: &DeepepTensor, stream: *mut c_void) -> Result<()> {
+    ensure_arg!(
+        buffer.layout.spans_nodes(),
+        "traffic counters exist only on a buffer across nodes (internode mode); this one's {} ranks are one NVLink \
+         domain",
+        buffer.layout.num_ranks
+    );
+    let out = check("traffic", Some(traffic), &[DEEPEP_DTYPE_INT64], 1)?;
+    check_shape("traffic", &out, &[kernels::TRAFFIC_KINDS as i64])?;
+    buffer.with_resources(|res| {
+        let stream = res.stream_or_comm(stream);
+        cuda::copy_device_async(out.ptr(), res.internode_traffic().cast(), 8 * kernels::TRAFFIC_KINDS, stream)
+    })
+}
+
 fn plan_for(buffer: &Buffer, config: &DeepepConfig, op: &str, row_bytes: i64) -> Result<InternodePlan> {
     plan_for_layout(&buffer.layout, &buffer.args, buffer.num_device_sms(), config, op, row_bytes)
 }
@@ -202,6 +225,32 @@ mod tests {
         let huge = InternodePlan { num_channels: 64, rdma_ring_tokens: i32::MAX, nvl_ring_tokens: i32::MAX };
         assert!(rdma_bytes_needed(huge, 2, 2, i64::MAX / 2).is_none());
         assert!(nvl_bytes_needed(huge, 8, i64::MAX).is_none());
+    }
+
+    #[test]
+    fn traffic_counters_need_a_buffer_across_nodes_and_an_int64_vector_of_eight() {
+        use crate::error::DeepepStatus;
+        let across = Buffer::without_resources_in_nodes(args(2, 1 << 30, 1 << 30), 132, 1);
+        let within = Buffer::without_resources(args(2, 1 << 30, 0), 132);
+        let mut storage = [0i64; 8];
+        let data = storage.as_mut_ptr().cast();
+        let vector = |dtype: crate::tensor::DeepepDtype, n: i64| DeepepTensor {
+            data,
+            dtype: dtype as i32,
+            ndim: 1,
+            shape: [n, 0, 0, 0],
+            strides: [1, 0, 0, 0],
+        };
+        let null = std::ptr::null_mut();
+        let plain = query_traffic(&within, &vector(DEEPEP_DTYPE_INT64, 8), null).unwrap_err();
+        assert!(plain.message.contains("across nodes"), "{}", plain.message);
+        let dtype = query_traffic(&across, &vector(DEEPEP_DTYPE_INT32, 8), null).unwrap_err();
+        assert!(dtype.message.contains("traffic"), "{}", dtype.message);
+        let shape = query_traffic(&across, &vector(DEEPEP_DTYPE_INT64, 4), null).unwrap_err();
+        assert!(shape.message.contains("traffic"), "{}", shape.message);
+        // Valid arguments reach the resources, which this buffer has none of.
+        let valid = query_traffic(&across, &vector(DEEPEP_DTYPE_INT64, 8), null).unwrap_err();
+        assert_eq!(valid.status, DeepepStatus::DEEPEP_ERROR_NOT_AVAILABLE, "{}", valid.message);
     }
 
     #[test]

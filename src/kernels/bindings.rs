@@ -620,6 +620,16 @@ const _: () = {
         "Offset of field: DeepepCombineParams::reserved",
     ][::std::mem::offset_of!(DeepepCombineParams, reserved) - 236usize];
 };
+pub const DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_ROWS: DeepepTrafficKind = 0;
+pub const DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_BYTES: DeepepTrafficKind = 1;
+pub const DEEPEP_TRAFFIC_DISPATCH_NVL_ROWS: DeepepTrafficKind = 2;
+pub const DEEPEP_TRAFFIC_DISPATCH_NVL_BYTES: DeepepTrafficKind = 3;
+pub const DEEPEP_TRAFFIC_COMBINE_SCALEOUT_ROWS: DeepepTrafficKind = 4;
+pub const DEEPEP_TRAFFIC_COMBINE_SCALEOUT_BYTES: DeepepTrafficKind = 5;
+pub const DEEPEP_TRAFFIC_COMBINE_NVL_ROWS: DeepepTrafficKind = 6;
+pub const DEEPEP_TRAFFIC_COMBINE_NVL_BYTES: DeepepTrafficKind = 7;
+pub const DEEPEP_TRAFFIC_KINDS: DeepepTrafficKind = 8;
+pub type DeepepTrafficKind = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct DeepepInternodeCommon {
@@ -633,6 +643,7 @@ pub struct DeepepInternodeCommon {
     pub op_epoch: *mut u32,
     pub ticket: *mut u32,
     pub totals: *mut u64,
+    pub traffic: *mut u64,
     pub fault: *mut DeepepFaultRecord,
     pub wait: DeepepWaitContext,
     pub rank: i32,
@@ -648,7 +659,7 @@ pub struct DeepepInternodeCommon {
 const _: () = {
     [
         "Size of DeepepInternodeCommon",
-    ][::std::mem::size_of::<DeepepInternodeCommon>() - 152usize];
+    ][::std::mem::size_of::<DeepepInternodeCommon>() - 160usize];
     [
         "Alignment of DeepepInternodeCommon",
     ][::std::mem::align_of::<DeepepInternodeCommon>() - 8usize];
@@ -683,35 +694,38 @@ const _: () = {
         "Offset of field: DeepepInternodeCommon::totals",
     ][::std::mem::offset_of!(DeepepInternodeCommon, totals) - 72usize];
     [
+        "Offset of field: DeepepInternodeCommon::traffic",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, traffic) - 80usize];
+    [
         "Offset of field: DeepepInternodeCommon::fault",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, fault) - 80usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, fault) - 88usize];
     [
         "Offset of field: DeepepInternodeCommon::wait",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, wait) - 88usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, wait) - 96usize];
     [
         "Offset of field: DeepepInternodeCommon::rank",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 120usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 128usize];
     [
         "Offset of field: DeepepInternodeCommon::num_ranks",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 124usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 132usize];
     [
         "Offset of field: DeepepInternodeCommon::node_size",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 128usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 136usize];
     [
         "Offset of field: DeepepInternodeCommon::num_nodes",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 132usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 140usize];
     [
         "Offset of field: DeepepInternodeCommon::num_channels",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 136usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 144usize];
     [
         "Offset of field: DeepepInternodeCommon::rdma_ring_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 140usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 148usize];
     [
         "Offset of field: DeepepInternodeCommon::nvl_ring_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 144usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 152usize];
     [
         "Offset of field: DeepepInternodeCommon::gin_signal_base",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 148usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 156usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -745,7 +759,7 @@ pub struct DeepepInternodeNotifyParams {
 const _: () = {
     [
         "Size of DeepepInternodeNotifyParams",
-    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 312usize];
+    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 320usize];
     [
         "Alignment of DeepepInternodeNotifyParams",
     ][::std::mem::align_of::<DeepepInternodeNotifyParams>() - 8usize];
@@ -754,84 +768,84 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::is_token_in_rank",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 152usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 160usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rank",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rank)
-        - 160usize];
+        - 168usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rdma_rank",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rdma_rank)
-        - 168usize];
+        - 176usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_expert",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_expert)
-        - 176usize];
+        - 184usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 184usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 192usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, rdma_channel_prefix_matrix)
-        - 192usize];
+        - 200usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, gbl_channel_prefix_matrix)
-        - 200usize];
+        - 208usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeNotifyParams, recv_rdma_channel_prefix_matrix
-    ) - 208usize];
+    ) - 216usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_rdma_rank_prefix_sum)
-        - 216usize];
+        - 224usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_channel_prefix_matrix)
-        - 224usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_gbl_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_rank_prefix_sum)
-        - 232usize];
+        - 240usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_rdma_head)
-        - 240usize];
+        - 248usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::combined_nvl_head",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 256usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::counts",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 256usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 264usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 272usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_rdma_rows",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 280usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 280usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 288usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 284usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 292usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_experts",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 288usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 296usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::expert_alignment",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 292usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 300usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::cached",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 296usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 304usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_worst_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 300usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 308usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::dispatch",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 304usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 312usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -869,7 +883,7 @@ pub struct DeepepInternodeDispatchParams {
 const _: () = {
     [
         "Size of DeepepInternodeDispatchParams",
-    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 344usize];
+    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 352usize];
     [
         "Alignment of DeepepInternodeDispatchParams",
     ][::std::mem::align_of::<DeepepInternodeDispatchParams>() - 8usize];
@@ -878,97 +892,97 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::x",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 152usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 160usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::x_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 160usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 168usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 168usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 176usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 176usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 184usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::is_token_in_rank",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, is_token_in_rank)
-        - 184usize];
+        - 192usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeDispatchParams, recv_rdma_channel_prefix_matrix
-    ) - 192usize];
+    ) - 200usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_rdma_rank_prefix_sum)
-        - 200usize];
+        - 208usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeDispatchParams, recv_gbl_channel_prefix_matrix
-    ) - 208usize];
+    ) - 216usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_gbl_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_gbl_rank_prefix_sum)
-        - 216usize];
+        - 224usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_x",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 224usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 232usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_x_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 232usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 240usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 248usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_weights)
-        - 248usize];
+        - 256usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_src_meta",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 256usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 264usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::send_rdma_head",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 272usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::send_nvl_head",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 280usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 280usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 288usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 288usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 296usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_rdma_recv_rows)
-        - 296usize];
+        - 304usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::scale_stride_token",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_token)
-        - 304usize];
+        - 312usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::scale_stride_scale",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_scale)
-        - 312usize];
+        - 320usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 320usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 328usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 324usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 332usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 328usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 336usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_idx_is_int32",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx_is_int32)
-        - 332usize];
+        - 340usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_experts",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 336usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 344usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 340usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 348usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -997,7 +1011,7 @@ pub struct DeepepInternodeCombineParams {
 const _: () = {
     [
         "Size of DeepepInternodeCombineParams",
-    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 280usize];
+    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 288usize];
     [
         "Alignment of DeepepInternodeCombineParams",
     ][::std::mem::align_of::<DeepepInternodeCombineParams>() - 8usize];
@@ -1006,65 +1020,65 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeCombineParams::x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 152usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 160usize];
     [
         "Offset of field: DeepepInternodeCombineParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 160usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 168usize];
     [
         "Offset of field: DeepepInternodeCombineParams::bias_0",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 168usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 176usize];
     [
         "Offset of field: DeepepInternodeCombineParams::bias_1",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 176usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 184usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_channel_prefix_matrix)
-        - 184usize];
+        - 192usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_rank_prefix_sum)
-        - 192usize];
+        - 200usize];
     [
         "Offset of field: DeepepInternodeCombineParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, gbl_channel_prefix_matrix)
-        - 200usize];
+        - 208usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_rdma_head)
-        - 208usize];
+        - 216usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_nvl_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_nvl_head)
-        - 216usize];
+        - 224usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 224usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 232usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_topk_weights)
-        - 232usize];
+        - 240usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 248usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 256usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_rdma_recv_rows)
-        - 256usize];
+        - 264usize];
     [
         "Offset of field: DeepepInternodeCombineParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 272usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 268usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 276usize];
     [
         "Offset of field: DeepepInternodeCombineParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 280usize];
     [
         "Offset of field: DeepepInternodeCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 276usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 284usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]

@@ -41,6 +41,8 @@ pub(crate) const MAX_CHANNELS: i32 = DEEPEP_MAX_CHANNELS;
 pub(crate) const NOTIFY_SLOT_BYTES: usize = DEEPEP_NOTIFY_SLOT_INTS as usize * size_of::<i32>();
 /// Shrink mode: the normal kernels' dropped-row counters (enum DeepepDroppedKind).
 pub(crate) const DROPPED_KINDS: usize = DEEPEP_DROPPED_KINDS as usize;
+/// Internode mode: the traffic counters (enum DeepepTrafficKind).
+pub(crate) const TRAFFIC_KINDS: usize = DEEPEP_TRAFFIC_KINDS as usize;
 pub(crate) const LL_MAX_TOPK: i64 = DEEPEP_LL_MAX_TOPK as i64;
 pub(crate) const LL_PHASE_SEND: i32 = crate::capi::DEEPEP_LL_PHASE_SEND;
 pub(crate) const LL_MAX_BLOCKS: i32 = DEEPEP_LL_MAX_BLOCKS;

@@ -25,7 +25,7 @@ from ll_virtual import SkipCase  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_LIBRARY = os.path.join(ROOT, 'target', 'internode_virtual', 'libinternode_virtual_ranks.so')
-STATE_PARTS = ('op_epoch', 'ticket', 'stall_lock', 'totals', 'stall', 'fault', 'counts', 'bytes')
+STATE_PARTS = ('op_epoch', 'ticket', 'stall_lock', 'totals', 'stall', 'fault', 'counts', 'traffic', 'bytes')
 WAIT_OPS = {9: 'notify', 10: 'rdma tail', 11: 'rdma head', 12: 'nvl slot', 13: 'nvl consumed'}  # DeepepWaitOp
 
 
@@ -165,6 +165,12 @@ class InternodeWorld:
         """(num_recv_tokens, num_rdma_recv_tokens, per-expert list) of rank's last notify."""
         words = self.rank_state(rank, 'counts', 8 + 4 * local_experts).view(torch.int32).tolist()
         return words[0], words[1], words[2:]
+
+    def traffic(self, rank):
+        """Rank's traffic counters (enum DeepepTrafficKind, cumulative; as
+        Buffer.internode_query_traffic_buffer): dispatch scale-out rows, bytes, NVLink rows,
+        bytes, then the same four of combine."""
+        return self.rank_state(rank, 'traffic', 64).view(torch.int64).tolist()
 
     # ------------------------------------------------------------ dispatch
     def dispatch(self, xs, topks=None, weights=None, handles=None, expert_alignment=1, num_worst_tokens=0):

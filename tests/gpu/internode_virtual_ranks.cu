@@ -13,7 +13,7 @@
 //
 // What the product's host (src/buffer.rs, src/internode) keeps per rank, the harness keeps in a
 // per-rank state block (op epoch, ticket, running totals, stall lock and record, fault record,
-// receive counts), laid out here and read back by Python through inv_state_layout.
+// receive counts, traffic counters), laid out here and read back by Python through inv_state_layout.
 //
 // Built into a shared library (scripts/test.sh) that tests/gpu/internode_virtual.py drives
 // through ctypes; the argument vector is int64 slots named by inv_arg_name (Python takes the
@@ -88,12 +88,13 @@ Window window_layout(const int64_t* a) {
 }
 
 // Per-rank state, what the product keeps in its workspace and host-mapped records.
-enum StatePart { kOpEpoch, kTicket, kStallLock, kTotals, kStall, kFault, kCounts, kStateBytes, kStateParts };
+enum StatePart { kOpEpoch, kTicket, kStallLock, kTotals, kStall, kFault, kCounts, kTraffic, kStateBytes, kStateParts };
 int64_t state_offset(int part) {
   const int64_t totals = 64, stall = totals + align_up(8 * DEEPEP_INTERNODE_WORKSPACE_WORDS, 64);
   const int64_t fault = stall + align_up(sizeof(DeepepStallRecord), 64);
   const int64_t counts = fault + align_up(sizeof(DeepepFaultRecord), 64);
-  const int64_t at[kStateParts] = {0, 4, 8, totals, stall, fault, counts, counts + align_up(sizeof(DeepepRecvCounts), 64)};
+  const int64_t traffic = counts + align_up(sizeof(DeepepRecvCounts), 64);
+  const int64_t at[kStateParts] = {0, 4, 8, totals, stall, fault, counts, traffic, traffic + 8 * DEEPEP_TRAFFIC_KINDS};
   return at[part];
 }
 
@@ -119,6 +120,7 @@ DeepepInternodeCommon common_for(const int64_t* a) {
   c.op_epoch = reinterpret_cast<uint32_t*>(state + state_offset(kOpEpoch));
   c.ticket = reinterpret_cast<uint32_t*>(state + state_offset(kTicket));
   c.totals = reinterpret_cast<uint64_t*>(state + state_offset(kTotals));
+  c.traffic = reinterpret_cast<uint64_t*>(state + state_offset(kTraffic));
   c.fault = reinterpret_cast<DeepepFaultRecord*>(state + state_offset(kFault));
   c.wait.stall = reinterpret_cast<DeepepStallRecord*>(state + state_offset(kStall));
   c.wait.stall_lock = reinterpret_cast<uint32_t*>(state + state_offset(kStallLock));
@@ -173,7 +175,8 @@ __attribute__((visibility("default"))) const char* inv_arg_name(int i) {
 __attribute__((visibility("default"))) int64_t inv_window_bytes(const int64_t* a) { return window_layout(a).end; }
 // Per-rank state layout: offsets of op_epoch (u32), ticket (u32), stall_lock (u32), totals (u64
 // [DEEPEP_INTERNODE_WORKSPACE_WORDS]), the stall record, the fault record, the receive counts
-// (DeepepRecvCounts), and the bytes of one rank's block (8 values into `out`).
+// (DeepepRecvCounts), the traffic counters (u64 [DEEPEP_TRAFFIC_KINDS]), and the bytes of one
+// rank's block (9 values into `out`).
 __attribute__((visibility("default"))) void inv_state_layout(int64_t* out) {
   for (int part = 0; part < kStateParts; ++part) out[part] = state_offset(part);
 }

@@ -7,6 +7,8 @@ senders to the forwarder and its per-GPU sums), G > 1 in every handle entry (rec
 masks, send_nvl_head), many source nodes per forwarder, and DeepEP's shape of 2 nodes of 8. Every
 dispatch output and handle entry, the cached dispatch, combine's outputs and the heads it rewrites
 are compared exactly; every case runs two rounds (op epochs and running counters carry over).
+Each rank's traffic counters (both legs, rows and bytes) over a dispatch and over a combine are
+compared with internode_reference.traffic_rows.
 Shapes: 2x1 (the 2-GPU test's topology), 2x8, 3x4, 16x4 (64 ranks, one channel each: needs 128
 SMs); routing random, with -1 holes, skewed onto one rank, with one node receiving nothing; BF16
 and FP8 (column-major scales); small rings (credits wrap many times); num_worst_tokens.
@@ -92,6 +94,13 @@ def check_dispatch(refs, outs):
             check_equal(f'{what} handle[{i}] {name}', got[:rows], want[:rows])
 
 
+def check_traffic(world, op, before, want):
+    """Every rank's traffic counters moved by want[r] (8 values) since `before` (per rank)."""
+    for r in range(world.num_ranks):
+        got = [a - b for a, b in zip(world.traffic(r), before[r])]
+        assert got == want[r], f'rank {r} {op} traffic (DeepepTrafficKind order) {got}, expected {want[r]}'
+
+
 def round_trip(world, seed, tokens, num_topk=8, routing='random', fp8=False, topk_int32=False, num_worst_tokens=0,
                expert_alignment=1, bias=False, rounds=2):
     """`rounds` x (dispatch, cached dispatch, combine of random expert outputs with the received
@@ -105,8 +114,15 @@ def round_trip(world, seed, tokens, num_topk=8, routing='random', fp8=False, top
         refs = ir.internode_dispatch_all(xs, in_rank, [lay[3] for lay in layouts], topks, weights,
                                          num_nvl_ranks=g, num_channels=c, expert_alignment=expert_alignment,
                                          num_worst_tokens=num_worst_tokens)
+        before = [world.traffic(r) for r in range(world.num_ranks)]
         outs = world.dispatch(xs, topks, weights, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
         check_dispatch(refs, outs)
+        rows = [ir.traffic_rows(in_rank, r, g) for r in range(world.num_ranks)]
+        x0 = xs[0][0] if fp8 else xs[0]
+        dispatch_row = ir.dispatch_row_bytes(world.hidden * x0.element_size(), world.hidden // 128 if fp8 else 0,
+                                             num_topk)
+        combine_row = ir.combine_row_bytes(world.hidden * 2, num_topk)
+        check_traffic(world, 'dispatch', before, [ir.traffic(n[:2] + [0, 0], dispatch_row, combine_row) for n in rows])
         handles = [o['handle'] for o in outs]
 
         if num_worst_tokens == 0:  # a cached dispatch: the same rows, bit for bit
@@ -126,7 +142,10 @@ def round_trip(world, seed, tokens, num_topk=8, routing='random', fp8=False, top
             biases = [(rand(m.size(0)), rand(m.size(0)) if r % 2 == 0 else None) for r, m in enumerate(in_rank)]
         want = ir.internode_combine_all(in_rank, [y[:k] for y, k in zip(ys, n)], [w[:k] for w, k in zip(ws, n)], biases,
                                         num_nvl_ranks=g)
+        before = [world.traffic(r) for r in range(world.num_ranks)]
         got = world.combine(ys, handles, ws, biases)
+        check_traffic(world, 'combine', before,
+                      [ir.traffic([0, 0] + n[2:], dispatch_row, combine_row) for n in rows])
         for r, ((gx, gw), (wx, ww)) in enumerate(zip(got, want)):
             check_equal(f'rank {r} combined_x', gx, wx)
             check_equal(f'rank {r} combined_topk_weights', gw, ww)
