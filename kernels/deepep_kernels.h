@@ -223,26 +223,25 @@ typedef struct DeepepCombineParams {
 } DeepepCombineParams;
 
 // ---------------------------------------------------------------- internode normal mode
-// docs/internode.md. N nodes of G GPUs; rank r is GPU r % G of node r / G. Draft limits: the
-// data kernels give each source node a warp and each local GPU a warp (N + G <= 24).
-#define DEEPEP_INTERNODE_MAX_NODES 16
+// docs/internode.md. N nodes of G GPUs; rank r is GPU r % G of node r / G. Any N up to
+// DEEPEP_INTERNODE_MAX_NODES (combine's final receiver keeps two int32 per source node in shared
+// memory: 32 KiB at the limit); G <= 8 (the NVLink domain, DeepEP's NUM_MAX_NVL_PEERS: a lane per
+// local GPU in the masks and a receiver warp per other local GPU). A warp group takes several
+// source or destination nodes in turn when there are more nodes than groups.
+#define DEEPEP_INTERNODE_MAX_NODES 4096
 #define DEEPEP_INTERNODE_MAX_NODE_SIZE 8
-#define DEEPEP_INTERNODE_MAX_RANKS (DEEPEP_INTERNODE_MAX_NODES * DEEPEP_INTERNODE_MAX_NODE_SIZE)
-// Scale-out counters, uint64 words: tail [MAX_CHANNELS][MAX_NODES] (rows a node put into this
-// rank's ring (channel, node)), head [MAX_CHANNELS][MAX_NODES] (rows a node consumed of this
-// rank's rows to it), notify [MAX_RANKS] (notify rounds a rank sent here). Window words for
-// LSA-reached peers (DEEPEP_INTERNODE_CONTROL_BYTES at common.control_offset), GIN signals
-// (from common.gin_signal_base, same order) for the others. They only grow.
-#define DEEPEP_INTERNODE_COUNTERS \
-  (2 * DEEPEP_MAX_CHANNELS * DEEPEP_INTERNODE_MAX_NODES + DEEPEP_INTERNODE_MAX_RANKS)
-#define DEEPEP_INTERNODE_CONTROL_BYTES (8 * DEEPEP_INTERNODE_COUNTERS)
+// Scale-out counters, uint64 words, for the buffer's Cb = common.counter_channels (the most
+// channels an op of it can have: min(DEEPEP_MAX_CHANNELS, device SMs / 2)) and N nodes: tail
+// [Cb][N] (rows a node put into this rank's ring (channel, node)), head [Cb][N] (rows a node
+// consumed of this rank's rows to it), notify [R] (notify rounds a rank sent here): 2 Cb N + R
+// counters. Window words for LSA-reached peers (8 bytes each at common.control_offset), GIN
+// signals (from common.gin_signal_base, same order) for the others. They only grow.
+// Local running totals (common.totals, uint64): sent [Cb][N], received [Cb][N], then the
+// notify rounds done: 2 Cb N + 1 words.
 // One notify slot (int32, per source and parity): the source's gbl channel prefixes towards
 // this rank [C], its rdma channel prefixes towards this node [C] (from the same-GPU source
 // only), its token count for each local expert [E / R].
 #define DEEPEP_INTERNODE_NOTIFY_SLOT_INTS (2 * DEEPEP_MAX_CHANNELS + DEEPEP_MAX_LOCAL_EXPERTS)
-// Local running totals (workspace, uint64): sent [MAX_CHANNELS][MAX_NODES], received
-// [MAX_CHANNELS][MAX_NODES], then the notify rounds done.
-#define DEEPEP_INTERNODE_WORKSPACE_WORDS (2 * DEEPEP_MAX_CHANNELS * DEEPEP_INTERNODE_MAX_NODES + 1)
 // Bytes of a dispatch row's header (source token, destination-GPU mask) and of an NVLink slot's
 // header (flag, source rank, sequence) before its row.
 #define DEEPEP_INTERNODE_ROW_HEADER_BYTES 16
@@ -280,7 +279,7 @@ typedef struct DeepepInternodeCommon {
   uint64_t control_offset;    // the counters' window words
   uint32_t* op_epoch;         // workspace: bumped by the last block of every data kernel
   uint32_t* ticket;           // workspace: last-block detection, zero between launches
-  uint64_t* totals;           // workspace: DEEPEP_INTERNODE_WORKSPACE_WORDS
+  uint64_t* totals;           // 2 * counter_channels * num_nodes + 1 running totals (above)
   uint64_t* traffic;          // workspace [DEEPEP_TRAFFIC_KINDS]: rows and bytes sent per leg, cumulative
   DeepepFaultRecord* fault;
   DeepepWaitContext wait;
@@ -292,6 +291,8 @@ typedef struct DeepepInternodeCommon {
   int32_t rdma_ring_tokens;   // config.num_max_rdma_chunked_recv_tokens
   int32_t nvl_ring_tokens;    // config.num_max_nvl_chunked_recv_tokens
   int32_t gin_signal_base;    // first GIN signal of the counters (after the LL ones)
+  int32_t counter_channels;   // Cb >= num_channels: the channel stride of the counters and totals
+  int32_t reserved;
 } DeepepInternodeCommon;
 
 // Notify: counts and channel prefixes to every rank, which derives its receive side. Also a

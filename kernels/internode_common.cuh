@@ -35,10 +35,10 @@ using normal::warp_wait_relaxed;
 constexpr int kThreads = 768;
 constexpr int kWarps = kThreads / kWarp;
 constexpr int kNotifyThreads = 1024;
-constexpr int kMaxNodes = DEEPEP_INTERNODE_MAX_NODES;
 constexpr int kMaxNodeSize = DEEPEP_INTERNODE_MAX_NODE_SIZE;
 constexpr int kHeadNone = 1 << 25;  // DeepEP's "no later head in this segment"
-static_assert(kMaxNodes + kMaxNodeSize <= kWarps, "a warp per source node and per local GPU");
+static_assert(kMaxNodeSize <= kWarps, "a warp per other local GPU and at least one forwarder warp");
+static_assert(kMaxNodeSize <= kWarp, "a lane per local GPU");
 
 // Chunking of a scale-out ring of `ring` slots. The writer publishes its tail per chunk of at
 // most send_chunk rows (a group barrier each); the reader returns credits per round of at most
@@ -47,13 +47,16 @@ static_assert(kMaxNodes + kMaxNodeSize <= kWarps, "a warp per source node and pe
 __host__ __device__ constexpr int send_chunk(int ring) { return ring < 63 ? (ring + 1) / 2 : 32; }
 __host__ __device__ constexpr int recv_round(int ring) { return ring + 1 - send_chunk(ring); }
 
-// Warp groups: `warps` warps per role, roles in warp order, in a block of `block_warps` warps.
-// A group of several warps syncs on named barrier 1 + role (1..15; a block holds at most
-// kWarps / 2 such groups).
+// Warp groups: `warps` warps per role, roles in warp order, in a block of `block_warps` warps;
+// `groups` of them (min(num_roles, block_warps) when a role has one warp). With more roles than
+// groups, group g takes roles g, g + groups, ... in turn (see the kernels for why this order is
+// free of wait cycles). A group of several warps syncs on named barrier 1 + role (1..15; a block
+// holds at most kWarps / 2 such groups).
 struct WarpGroup {
-  int role, member, warps;
+  int role, member, warps, groups;
   __device__ WarpGroup(int warp, int num_roles, int block_warps = kWarps) {
     warps = max(1, block_warps / max(num_roles, 1));
+    groups = min(max(num_roles, 1), block_warps / warps);
     role = warp / warps;
     member = warp % warps;
   }
@@ -65,20 +68,28 @@ struct WarpGroup {
 };
 static_assert(kWarps / 2 + 1 <= 15, "named barriers of the warp groups");
 
-// Counter indices (window words and GIN signals alike).
-__host__ __device__ constexpr int tail_counter(int channel, int node) { return channel * kMaxNodes + node; }
-__host__ __device__ constexpr int head_counter(int channel, int node) {
-  return DEEPEP_MAX_CHANNELS * kMaxNodes + channel * kMaxNodes + node;
+// Counter indices (window words and GIN signals alike): tail [Cb][N], head [Cb][N], notify [R]
+// with Cb = c.counter_channels, the buffer's bound on channels (deepep_kernels.h). Strides come
+// from the buffer (N, Cb), not from the op (C), so the counters mean the same to every op.
+__device__ __forceinline__ int tail_counter(const DeepepInternodeCommon& c, int channel, int node) {
+  return channel * c.num_nodes + node;
 }
-__host__ __device__ constexpr int notify_counter(int rank) { return 2 * DEEPEP_MAX_CHANNELS * kMaxNodes + rank; }
-// Workspace running totals.
-__host__ __device__ constexpr int sent_total(int channel, int node) { return channel * kMaxNodes + node; }
-__host__ __device__ constexpr int recv_total(int channel, int node) {
-  return DEEPEP_MAX_CHANNELS * kMaxNodes + channel * kMaxNodes + node;
+__device__ __forceinline__ int head_counter(const DeepepInternodeCommon& c, int channel, int node) {
+  return (c.counter_channels + channel) * c.num_nodes + node;
 }
-constexpr int kNotifyRounds = 2 * DEEPEP_MAX_CHANNELS * kMaxNodes;
-static_assert(kNotifyRounds + 1 == DEEPEP_INTERNODE_WORKSPACE_WORDS, "workspace layout");
-static_assert(notify_counter(DEEPEP_INTERNODE_MAX_RANKS) == DEEPEP_INTERNODE_COUNTERS, "counter layout");
+__device__ __forceinline__ int notify_counter(const DeepepInternodeCommon& c, int rank) {
+  return 2 * c.counter_channels * c.num_nodes + rank;
+}
+// Workspace running totals: sent [Cb][N], received [Cb][N], the notify rounds done.
+__device__ __forceinline__ int sent_total(const DeepepInternodeCommon& c, int channel, int node) {
+  return channel * c.num_nodes + node;
+}
+__device__ __forceinline__ int recv_total(const DeepepInternodeCommon& c, int channel, int node) {
+  return (c.counter_channels + channel) * c.num_nodes + node;
+}
+__device__ __forceinline__ int notify_rounds(const DeepepInternodeCommon& c) {
+  return 2 * c.counter_channels * c.num_nodes;
+}
 
 constexpr int64_t kNotifySlotBytes = int64_t(DEEPEP_INTERNODE_NOTIFY_SLOT_INTS) * 4;
 

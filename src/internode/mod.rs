@@ -23,7 +23,12 @@ pub struct InternodePlan {
     pub nvl_ring_tokens: i32,
 }
 
-/// The topology the internode kernels take: across nodes, at most their nodes and node size.
+/// The topology the internode kernels take: across nodes, nodes of equal size up to
+/// INTERNODE_MAX_NODE_SIZE GPUs (the NVLink domain: a lane per local GPU in the kernels' masks,
+/// a receiver warp per other local GPU), at most INTERNODE_MAX_NODES of them (combine's final
+/// receiver keeps two int32 per node in shared memory). Warp groups take nodes in turn, so
+/// the number of nodes has no other bound; the counters grow the window and the GIN signals
+/// at Buffer creation.
 pub fn check_topology(layout: &RankLayout, args: &BufferArgs) -> Result<()> {
     ensure_arg!(
         layout.spans_nodes(),
@@ -38,15 +43,23 @@ pub fn check_topology(layout: &RankLayout, args: &BufferArgs) -> Result<()> {
     );
     let (nodes, node_size) = (layout.num_ranks / layout.node_size, layout.node_size);
     ensure_arg!(
-        nodes <= kernels::INTERNODE_MAX_NODES,
-        "internode dispatch/combine support up to {} nodes, the buffer has {nodes} ({} ranks in nodes of {node_size})",
-        kernels::INTERNODE_MAX_NODES,
+        layout.num_ranks % node_size == 0,
+        "internode dispatch/combine need nodes of equal size: {node_size} GPUs per node do not divide the buffer's {} \
+         ranks",
         layout.num_ranks
     );
     ensure_arg!(
         node_size <= kernels::INTERNODE_MAX_NODE_SIZE,
-        "internode dispatch/combine support nodes of up to {} GPUs, the buffer's have {node_size}",
+        "internode dispatch/combine support nodes of up to {} GPUs (an NVLink domain of DeepEP's size), the buffer's \
+         have {node_size}",
         kernels::INTERNODE_MAX_NODE_SIZE
+    );
+    ensure_arg!(
+        nodes <= kernels::INTERNODE_MAX_NODES,
+        "internode dispatch/combine support up to {} nodes (combine keeps 8 bytes of shared memory per node), the \
+         buffer has {nodes} ({} ranks in nodes of {node_size})",
+        kernels::INTERNODE_MAX_NODES,
+        layout.num_ranks
     );
     Ok(())
 }
@@ -177,22 +190,32 @@ mod tests {
         check_topology(&two, &BufferArgs { low_latency_mode: true, ..normal }).unwrap();
         let shrink = BufferArgs { enable_shrink: true, ..normal };
         assert!(check_topology(&two, &shrink).unwrap_err().message.contains("enable_shrink=False"));
-        let many = RankLayout { rank: 0, num_ranks: 34, node_size: 2 };
-        assert!(check_topology(&many, &normal).unwrap_err().message.contains("up to 16 nodes, the buffer has 17"));
+        // Past the old cap of 16 nodes (and DeepEP's 20): any node count up to the shared-memory bound.
+        for (n, g) in [(17, 2), (32, 1), (24, 2), (20, 3), (64, 8), (4096, 8), (4096, 1)] {
+            check_topology(&RankLayout { rank: 0, num_ranks: n * g, node_size: g }, &normal)
+                .unwrap_or_else(|e| panic!("{n}x{g}: {}", e.message));
+        }
+        let many = RankLayout { rank: 0, num_ranks: 4097 * 2, node_size: 2 };
+        let err = check_topology(&many, &normal).unwrap_err().message;
+        assert!(err.contains("up to 4096 nodes") && err.contains("the buffer has 4097 (8194 ranks in nodes of 2)"), "{err}");
         let wide = RankLayout { rank: 0, num_ranks: 32, node_size: 16 };
-        assert!(check_topology(&wide, &normal).unwrap_err().message.contains("nodes of up to 8 GPUs"));
+        let err = check_topology(&wide, &normal).unwrap_err().message;
+        assert!(err.contains("nodes of up to 8 GPUs") && err.contains("the buffer's have 16"), "{err}");
+        let uneven = RankLayout { rank: 0, num_ranks: 12, node_size: 8 };
+        let err = check_topology(&uneven, &normal).unwrap_err().message;
+        assert!(err.contains("8 GPUs per node do not divide the buffer's 12 ranks"), "{err}");
     }
 
     /// DeepEP's hints suffice: a buffer sized by get_{nvl,rdma}_buffer_size_hint fits every
     /// internode op of DeepEP's shape (hidden 7168, FP8 scales, top-8) with its default configs,
-    /// for 2 to 16 nodes of 8 (the hints count nodes of 8: with nodes of G the caller asks for
-    /// nodes x 8 ranks).
+    /// for 2 to 256 nodes of 8 (the hints count nodes of 8: with nodes of G the caller asks for
+    /// nodes x 8 ranks). Past DeepEP's tuned tables (160 ranks) the configs of 160 ranks.
     #[test]
     fn deepeps_hints_fit_the_rings() {
-        for nodes in [2, 4, 8, 16] {
+        for nodes in [2, 4, 8, 16, 20, 32, 64, 128, 256] {
             let r = nodes * 8;
             for kind in [ConfigKind::Dispatch, ConfigKind::Combine] {
-                let config = default_config(kind, r, 132).unwrap();
+                let config = default_config(kind, r.min(160), 132).unwrap();
                 let nvl = config.nvl_buffer_size_hint(7168 * 2, r).unwrap();
                 let rdma = config.rdma_buffer_size_hint(7168 * 2, r).unwrap();
                 let layout = RankLayout { rank: 0, num_ranks: r, node_size: 8 };

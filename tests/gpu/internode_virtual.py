@@ -44,18 +44,19 @@ def load_library(path=None):
     lib.inv_arg_name.argtypes = [ctypes.c_int]
     lib.inv_window_bytes.restype = ctypes.c_int64
     lib.inv_window_bytes.argtypes = [ctypes.c_void_p]
-    for fn in (lib.inv_state_layout, lib.inv_limits):
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p]
+    lib.inv_limits.restype = None
+    lib.inv_limits.argtypes = [ctypes.c_void_p]
+    lib.inv_state_layout.restype = None
+    lib.inv_state_layout.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     for fn in (lib.inv_dispatch_notify, lib.inv_dispatch, lib.inv_combine):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
-def _int64s(fn, n):
+def _int64s(fn, n, *args):
     out = (ctypes.c_int64 * n)()
-    fn(out)
+    fn(*args, out)
     return list(out)
 
 
@@ -110,7 +111,8 @@ class InternodeWorld:
                          nvl_ring_tokens=nvl_ring_tokens, timeout_ns=int(timeout_s * 1e9))
         self.stride = (self.lib.inv_window_bytes(self._vector(self.base)) + (1 << 20) - 1) >> 20 << 20
         self.window = torch.zeros(r * self.stride, dtype=torch.uint8, device='cuda')
-        self.at = dict(zip(STATE_PARTS, _int64s(self.lib.inv_state_layout, len(STATE_PARTS))))
+        layout = _int64s(self.lib.inv_state_layout, len(STATE_PARTS), self._vector(self.base))
+        self.at = dict(zip(STATE_PARTS, layout))
         self.state = torch.zeros(r * self.at['bytes'], dtype=torch.uint8, device='cuda')
         self.base.update(world_base=self.window.data_ptr(), world_stride=self.stride,
                          state_base=self.state.data_ptr())

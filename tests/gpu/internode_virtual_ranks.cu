@@ -65,6 +65,15 @@ const char* const kArgNames[] = {
 
 int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
+// The counters' channel stride Cb: one more than the world's channels, so that a kernel indexing
+// by C instead of Cb writes another channel's counter (the product's Cb is SMs / 2, usually > C).
+int64_t counter_channels(const int64_t* a) { return a[kArg_num_channels] + 1; }
+// Counters (window words) and running totals (words) of the world (kernels/deepep_kernels.h).
+int64_t num_counters(const int64_t* a) {
+  return 2 * counter_channels(a) * (a[kArg_num_ranks] / a[kArg_node_size]) + a[kArg_num_ranks];
+}
+int64_t num_totals(const int64_t* a) { return 2 * counter_channels(a) * (a[kArg_num_ranks] / a[kArg_node_size]) + 1; }
+
 // A rank's window: the counters' words, the NVL region, the RDMA region. Regions do not overlap
 // and are sized for the largest row of the world (a BF16 dispatch row with FP8-sized scales, or a
 // combine row); simpler than the product's packing, which the kernels do not depend on.
@@ -79,7 +88,7 @@ Window window_layout(const int64_t* a) {
                                deepep_internode_combine_row_bytes(int32_t(2 * H), int32_t(K)));
   Window w{};
   w.control = 0;
-  w.nvl = align_up(DEEPEP_INTERNODE_CONTROL_BYTES, 4096);
+  w.nvl = align_up(8 * num_counters(a), 4096);
   // C x G rings of nvl_ring slots (flag header + row), then a consumed word per slot.
   w.rdma = w.nvl + align_up(C * G * a[kArg_nvl_ring_tokens] * (row + DEEPEP_INTERNODE_NVL_HEADER_BYTES + 8), 4096);
   // Notify slots and staging [2][2][R], then receive and (GIN) send rings [2][C][N][ring].
@@ -87,10 +96,11 @@ Window window_layout(const int64_t* a) {
   return w;
 }
 
-// Per-rank state, what the product keeps in its workspace and host-mapped records.
+// Per-rank state, what the product keeps in its workspace and host-mapped records (world fields
+// of `a`: the totals' size).
 enum StatePart { kOpEpoch, kTicket, kStallLock, kTotals, kStall, kFault, kCounts, kTraffic, kStateBytes, kStateParts };
-int64_t state_offset(int part) {
-  const int64_t totals = 64, stall = totals + align_up(8 * DEEPEP_INTERNODE_WORKSPACE_WORDS, 64);
+int64_t state_offset(const int64_t* a, int part) {
+  const int64_t totals = 64, stall = totals + align_up(8 * num_totals(a), 64);
   const int64_t fault = stall + align_up(sizeof(DeepepStallRecord), 64);
   const int64_t counts = fault + align_up(sizeof(DeepepFaultRecord), 64);
   const int64_t traffic = counts + align_up(sizeof(DeepepRecvCounts), 64);
@@ -106,7 +116,7 @@ T* ptr(const int64_t* a, int i) {
 DeepepInternodeCommon common_for(const int64_t* a) {
   const int64_t rank = a[kArg_rank], stride = a[kArg_world_stride];
   auto* world = ptr<uint8_t>(a, kArg_world_base);
-  auto* state = ptr<uint8_t>(a, kArg_state_base) + rank * state_offset(kStateBytes);
+  auto* state = ptr<uint8_t>(a, kArg_state_base) + rank * state_offset(a, kStateBytes);
   const Window w = window_layout(a);
   DeepepInternodeCommon c;
   std::memset(&c, 0, sizeof(c));
@@ -117,13 +127,13 @@ DeepepInternodeCommon common_for(const int64_t* a) {
   c.nvl_offset = uint64_t(w.nvl);
   c.rdma_offset = uint64_t(w.rdma);
   c.control_offset = uint64_t(w.control);
-  c.op_epoch = reinterpret_cast<uint32_t*>(state + state_offset(kOpEpoch));
-  c.ticket = reinterpret_cast<uint32_t*>(state + state_offset(kTicket));
-  c.totals = reinterpret_cast<uint64_t*>(state + state_offset(kTotals));
-  c.traffic = reinterpret_cast<uint64_t*>(state + state_offset(kTraffic));
-  c.fault = reinterpret_cast<DeepepFaultRecord*>(state + state_offset(kFault));
-  c.wait.stall = reinterpret_cast<DeepepStallRecord*>(state + state_offset(kStall));
-  c.wait.stall_lock = reinterpret_cast<uint32_t*>(state + state_offset(kStallLock));
+  c.op_epoch = reinterpret_cast<uint32_t*>(state + state_offset(a, kOpEpoch));
+  c.ticket = reinterpret_cast<uint32_t*>(state + state_offset(a, kTicket));
+  c.totals = reinterpret_cast<uint64_t*>(state + state_offset(a, kTotals));
+  c.traffic = reinterpret_cast<uint64_t*>(state + state_offset(a, kTraffic));
+  c.fault = reinterpret_cast<DeepepFaultRecord*>(state + state_offset(a, kFault));
+  c.wait.stall = reinterpret_cast<DeepepStallRecord*>(state + state_offset(a, kStall));
+  c.wait.stall_lock = reinterpret_cast<uint32_t*>(state + state_offset(a, kStallLock));
   c.wait.timeout_ns = uint64_t(a[kArg_timeout_ns]);
   c.wait.world_rank = int32_t(rank);
   c.wait.lsa_base_rank = 0;  // one flat world: every rank is an LSA peer
@@ -135,6 +145,7 @@ DeepepInternodeCommon common_for(const int64_t* a) {
   c.rdma_ring_tokens = int32_t(a[kArg_rdma_ring_tokens]);
   c.nvl_ring_tokens = int32_t(a[kArg_nvl_ring_tokens]);
   c.gin_signal_base = 0;
+  c.counter_channels = int32_t(counter_channels(a));
   return c;
 }
 
@@ -173,12 +184,12 @@ __attribute__((visibility("default"))) const char* inv_arg_name(int i) {
 }
 // Bytes of one virtual rank's window (world fields only).
 __attribute__((visibility("default"))) int64_t inv_window_bytes(const int64_t* a) { return window_layout(a).end; }
-// Per-rank state layout: offsets of op_epoch (u32), ticket (u32), stall_lock (u32), totals (u64
-// [DEEPEP_INTERNODE_WORKSPACE_WORDS]), the stall record, the fault record, the receive counts
+// Per-rank state layout (world fields only): offsets of op_epoch (u32), ticket (u32), stall_lock
+// (u32), totals (u64 [2 Cb N + 1]), the stall record, the fault record, the receive counts
 // (DeepepRecvCounts), the traffic counters (u64 [DEEPEP_TRAFFIC_KINDS]), and the bytes of one
 // rank's block (9 values into `out`).
-__attribute__((visibility("default"))) void inv_state_layout(int64_t* out) {
-  for (int part = 0; part < kStateParts; ++part) out[part] = state_offset(part);
+__attribute__((visibility("default"))) void inv_state_layout(const int64_t* a, int64_t* out) {
+  for (int part = 0; part < kStateParts; ++part) out[part] = state_offset(a, part);
 }
 // Notify and data kernels' limits (DEEPEP_INTERNODE_MAX_NODES, _MAX_NODE_SIZE, DEEPEP_MAX_CHANNELS,
 // DEEPEP_MAX_LOCAL_EXPERTS: 4 values into `out`).
@@ -207,7 +218,7 @@ __attribute__((visibility("default"))) int inv_dispatch_notify(const int64_t* a,
   p.recv_gbl_rank_prefix_sum = ptr<int32_t>(a, kArg_recv_gbl_rank_prefix_sum);
   if (!cached && a[kArg_num_worst_tokens] == 0)
     p.counts = reinterpret_cast<DeepepRecvCounts*>(ptr<uint8_t>(a, kArg_state_base) +
-                                                   a[kArg_rank] * state_offset(kStateBytes) + state_offset(kCounts));
+                                                   a[kArg_rank] * state_offset(a, kStateBytes) + state_offset(a, kCounts));
   p.num_topk = int32_t(a[kArg_num_topk]);
   p.topk_idx_is_int32 = int32_t(a[kArg_topk_idx_is_int32]);
   p.num_experts = cached ? 0 : int32_t(a[kArg_num_experts]);

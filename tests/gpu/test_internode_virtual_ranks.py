@@ -10,7 +10,7 @@ are compared exactly; every case runs two rounds (op epochs and running counters
 Each rank's traffic counters (both legs, rows and bytes) over a dispatch and over a combine are
 compared with internode_reference.traffic_rows.
 Shapes: 2x1 (the 2-GPU test's topology), 2x8, 3x4, 16x4 (64 ranks, one channel each: needs 128
-SMs); routing random, with -1 holes, skewed onto one rank, with one node receiving nothing; BF16
+SMs), and past the old cap of 16 nodes 20x3, 24x2, 32x1 and 64x1 (one channel each); routing random, with -1 holes, skewed onto one rank, with one node receiving nothing; BF16
 and FP8 (column-major scales); small rings (credits wrap many times); num_worst_tokens.
 
 Usage: python tests/gpu/test_internode_virtual_ranks.py [-k REGEX]"""
@@ -193,6 +193,20 @@ def cases():
                         dict(seed=11, tokens=[24, 0, 5, 24] * 16)),
         '16x4_empty_node_fp8': (dict(num_nodes=16, node_size=4, hidden=256, num_experts=128, num_channels=1),
                                 dict(seed=12, tokens=16, routing='empty_node', fp8=True, rounds=1)),
+        # Past the old cap of 16 nodes, one channel each: warp groups take several nodes in turn
+        # (dispatch's 24 sender warps, its forwarders beside G - 1 receivers, combine's 16
+        # forwarder warps), the counters' strides from the world's N.
+        '20x3_random': (dict(num_nodes=20, node_size=3, hidden=256, num_experts=120, num_channels=1),
+                        dict(seed=13, tokens=[20, 0, 7] * 20, bias=True)),
+        '24x2_holes_small_rings': (dict(num_nodes=24, node_size=2, hidden=256, num_experts=96, num_channels=1,
+                                        rdma_ring_tokens=4, nvl_ring_tokens=4),
+                                   dict(seed=14, tokens=24, routing='holes')),
+        '32x1_random': (dict(num_nodes=32, node_size=1, hidden=256, num_experts=64, num_channels=1),
+                        dict(seed=15, tokens=[32, 3, 0, 17] * 8, bias=True)),
+        # More nodes than a warp's lanes: combine's receiver sums a token's rows in chunks of 32
+        # nodes (a token reaches up to 8 nodes with top-8, any of the 64).
+        '64x1_random_fp8': (dict(num_nodes=64, node_size=1, hidden=256, num_experts=128, num_channels=1),
+                            dict(seed=16, tokens=[16, 1, 0, 9] * 16, fp8=True, bias=True)),
     }
 
 
