@@ -426,8 +426,8 @@ __host__ __device__ constexpr int64_t combine_shared_bytes(int num_nodes) { retu
 static_assert(combine_shared_bytes(DEEPEP_INTERNODE_MAX_NODES) <= 48 << 10, "without the opt-in to more shared memory");
 
 template <int kRemote>
-__global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(ncclDevComm dev_comm,
-                                                                        DeepepInternodeCombineParams p) {
+__global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(
+    const __grid_constant__ ncclDevComm dev_comm, const __grid_constant__ DeepepInternodeCombineParams p) {
   const DeepepInternodeCommon& c = p.common;
   const Transport<kRemote> tr(c, dev_comm);
   const int C = c.num_channels, N = c.num_nodes, G = c.node_size, my_gpu = c.rank % G;

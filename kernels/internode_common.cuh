@@ -133,6 +133,30 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// DEEPEP_INTERNODE_OUTLINE (a kernel file defines it before including this header): Transport's
+// add, publish and wait spin out of line. It takes them out of dispatch's per-row loops; in
+// combine (128 registers a thread) ptxas spills more around the calls, so combine keeps them inline.
+#ifndef DEEPEP_INTERNODE_OUTLINE
+#define DEEPEP_INTERNODE_OUTLINE 0
+#endif
+template <int kRemote>
+struct Transport;
+// Out-of-line slow paths of Transport (not in the callers' per-row loops: a GIN put or signal,
+// the spin of a wait, each with its own registers). A wait's result and last value read.
+struct WaitResult {
+  uint64_t seen;
+  bool ok;
+};
+template <int kRemote>
+__device__ __noinline__ WaitResult transport_wait(const DeepepInternodeCommon& c, const ncclDevComm& dc, int src, int idx,
+                                                  uint64_t target, int op, int channel, bool alone);
+template <int kRemote>
+__device__ __noinline__ void transport_add(const DeepepInternodeCommon& c, const ncclDevComm& dc, int peer, int idx,
+                                           uint64_t delta);
+template <int kRemote>
+__device__ __noinline__ void transport_publish(const DeepepInternodeCommon& c, const ncclDevComm& dc, int peer,
+                                               RdmaLayout rdma, int ch, int64_t first, int count, int idx);
+
 // How this rank reaches a peer. Peers of the same node, and every peer under the emulation (one
 // physical node), take LSA loads and stores; kRemoteGin peers of other nodes take GIN.
 template <int kRemote>
@@ -160,6 +184,10 @@ struct Transport {
   // Adds `delta` to counter `idx` of `peer`, after the calling warp's earlier writes to it
   // (the warp synced; lane 0 calls).
   __device__ __forceinline__ void add(int peer, int idx, uint64_t delta) const {
+    if (DEEPEP_INTERNODE_OUTLINE) transport_add<kRemote>(c, dev_comm, peer, idx, delta);
+    else add_now(peer, idx, delta);
+  }
+  __device__ __forceinline__ void add_now(int peer, int idx, uint64_t delta) const {
     if (!direct(peer)) {
 #if DEEPEP_HAVE_GIN
       ncclGin gin(dev_comm, context(peer));
@@ -200,7 +228,7 @@ struct Transport {
 #endif
       return;
     }
-    add(peer, idx, 1);
+    add_now(peer, idx, 1);
   }
 
   // One thread, after its group wrote rows [first, first + count) of the scale-out ring (channel
@@ -209,6 +237,11 @@ struct Transport {
   __device__ __forceinline__ void publish(int peer, const RdmaLayout& rdma, int ch, int64_t first, int count,
                                           int idx) const {
     if (count == 0) return;
+    if (DEEPEP_INTERNODE_OUTLINE) transport_publish<kRemote>(c, dev_comm, peer, rdma, ch, first, count, idx);
+    else publish_now(peer, rdma, ch, first, count, idx);
+  }
+  __device__ __forceinline__ void publish_now(int peer, const RdmaLayout& rdma, int ch, int64_t first, int count,
+                                              int idx) const {
     if (!direct(peer)) {
 #if DEEPEP_HAVE_GIN
       __threadfence();  // the group's staging writes, before the NIC reads them
@@ -227,35 +260,59 @@ struct Transport {
 #endif
       return;
     }
-    add(peer, idx, uint64_t(count));
+    add_now(peer, idx, uint64_t(count));
   }
 
   // Bounded wait until counter `idx` (written by `src`) reaches `target`; the whole warp calls
   // (lane 0 records a stall), or one thread with `alone`.
-  __device__ bool wait_counter(int src, int idx, uint64_t target, int op, int channel, bool alone = false) const {
-    uint64_t seen = 0;
-    return wait_counter(src, idx, target, seen, op, channel, alone);
+  __device__ __forceinline__ bool wait_counter(int src, int idx, uint64_t target, int op, int channel,
+                                               bool alone = false) const {
+    if (DEEPEP_INTERNODE_OUTLINE) return transport_wait<kRemote>(c, dev_comm, src, idx, target, op, channel, alone).ok;
+    return wait_now(src, idx, target, op, channel, alone).ok;
   }
   // The same with `seen`, the counter's last value read (it only grows): no read while it
   // already covers `target`.
-  __device__ bool wait_counter(int src, int idx, uint64_t target, uint64_t& seen, int op, int channel,
-                               bool alone = false) const {
+  __device__ __forceinline__ bool wait_counter(int src, int idx, uint64_t target, uint64_t& seen, int op, int channel,
+                                               bool alone = false) const {
     if (seen >= target) return true;
-    seen = read(src, idx);
-    if (seen >= target) return true;
+    const WaitResult r = DEEPEP_INTERNODE_OUTLINE ? transport_wait<kRemote>(c, dev_comm, src, idx, target, op, channel, alone)
+                                                  : wait_now(src, idx, target, op, channel, alone);
+    seen = r.seen;
+    return r.ok;
+  }
+  __device__ __forceinline__ WaitResult wait_now(int src, int idx, uint64_t target, int op, int channel,
+                                                 bool alone) const {
+    uint64_t seen = read(src, idx);
+    if (seen >= target) return {seen, true};
     const uint64_t start = global_time_ns();
     for (int spin = 1;; ++spin) {
       if (spin > 4) __nanosleep(128);
       seen = read(src, idx);
-      if (seen >= target) return true;
+      if (seen >= target) return {seen, true};
       if ((spin & 15) == 15 && (normal::buffer_failed(c.wait) || global_time_ns() - start > c.wait.timeout_ns)) {
         if (!normal::buffer_failed(c.wait) && (alone || (threadIdx.x & 31) == 0))
           record_stall(c.wait, src, op, channel, int64_t(target), int64_t(seen));
-        return false;
+        return {seen, false};
       }
     }
   }
 };
+
+template <int kRemote>
+__device__ __noinline__ WaitResult transport_wait(const DeepepInternodeCommon& c, const ncclDevComm& dc, int src, int idx,
+                                                  uint64_t target, int op, int channel, bool alone) {
+  return Transport<kRemote>(c, dc).wait_now(src, idx, target, op, channel, alone);
+}
+template <int kRemote>
+__device__ __noinline__ void transport_add(const DeepepInternodeCommon& c, const ncclDevComm& dc, int peer, int idx,
+                                           uint64_t delta) {
+  Transport<kRemote>(c, dc).add_now(peer, idx, delta);
+}
+template <int kRemote>
+__device__ __noinline__ void transport_publish(const DeepepInternodeCommon& c, const ncclDevComm& dc, int peer,
+                                               RdmaLayout rdma, int ch, int64_t first, int count, int idx) {
+  Transport<kRemote>(c, dc).publish_now(peer, rdma, ch, first, count, idx);
+}
 
 // NVLink rings in the NVL region: [C][G writer-or-reader GPU][ring] slots, then a consumed word
 // per slot. Ring (c, w) at reader GPU r is written by local GPU w; its consumed words live at

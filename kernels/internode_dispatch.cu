@@ -22,6 +22,7 @@
 // holds a forwarder for good (a receiver drains its ring in slot order, and a slot is taken only
 // by a forwarder with its row in hand). By induction on s + X, every ring completes: the rings
 // a ring waits behind have a smaller s + X.
+#define DEEPEP_INTERNODE_OUTLINE 1  // Transport's slow paths out of line (internode_common.cuh)
 #include "internode_common.cuh"
 #include "launch.cuh"
 
@@ -36,10 +37,13 @@ __device__ __forceinline__ void store_topk(void* topk, bool is_int32, int64_t i,
   else static_cast<int64_t*>(topk)[i] = v;
 }
 
+// The roles take p and dc, the kernel's __grid_constant__ parameters, by reference (never
+// copied); Transport's slow paths are out of line (DEEPEP_INTERNODE_OUTLINE).
 template <int kRemote>
-__device__ void dispatch_send(const DeepepInternodeDispatchParams& p, const Transport<kRemote>& tr, int ch, int node,
-                              const WarpGroup& group, int lane) {
+__device__ __forceinline__ void dispatch_send(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
+                                           int node, const WarpGroup group, int lane) {
   const DeepepInternodeCommon& c = p.common;
+  const Transport<kRemote> tr(c, dc);
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
   const int my_node = me / G, dst = node * G + me % G;
   const DispatchRow row{p.hidden_bytes, p.num_scales, p.num_topk};
@@ -135,9 +139,11 @@ __device__ void write_recv_row(const DeepepInternodeDispatchParams& p, int64_t o
 // their masks. Every warp reads a round's masks (the sequence numbers); member m forwards the
 // round's rows m, m + warps, ...
 template <int kRemote>
-__device__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const Transport<kRemote>& tr, int ch,
-                                 int src_node, const WarpGroup& group, int lane, int* nvl_alloc, uint32_t generation) {
+__device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
+                                              int src_node, const WarpGroup group, int lane, int* nvl_alloc,
+                                              uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
+  const Transport<kRemote> tr(c, dc);
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
   const int my_node = me / G, my_gpu = me % G, src = src_node * G + my_gpu;
   const RdmaLayout rdma{p.row_bytes, c.rdma_ring_tokens, N, C, R};
@@ -170,9 +176,9 @@ __device__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const T
       const int64_t rdma_row = rdma_row0 + i0 + b;
       if (p.send_nvl_head != nullptr && lane < G && uint64_t(rdma_row) < uint64_t(p.num_rdma_recv_rows))
         p.send_nvl_head[rdma_row * G + lane] = (mask >> lane) & 1u ? int32_t(seq) : -1;
-#pragma unroll
-      for (int j = 0; j < kMaxNodeSize; ++j) {
-        if (j >= G || !((mask >> j) & 1u)) continue;
+      // The row's GPUs, ascending (not unrolled: one copy of the NVLink path).
+      for (uint32_t gpus = G < kWarp ? mask & ((1u << G) - 1u) : mask; gpus != 0; gpus &= gpus - 1) {
+        const int j = __ffs(gpus) - 1;
         const int64_t s = __shfl_sync(0xffffffffu, seq, j);
         if (j == my_gpu) {
           if (uint64_t(own_row0 + s) < uint64_t(p.num_recv_rows)) write_recv_row(p, own_row0 + s, in, src, lane);
@@ -217,9 +223,10 @@ __device__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const T
 // Receiver group of local forwarder GPU `fwd` (not this GPU): the rows of sources (s, fwd) for
 // every node s, channel ch; member m takes slots m, m + warps, ...
 template <int kRemote>
-__device__ void dispatch_receive(const DeepepInternodeDispatchParams& p, const Transport<kRemote>& tr, int ch, int fwd,
-                                 const WarpGroup& group, int lane, uint32_t generation) {
+__device__ __forceinline__ void dispatch_receive(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
+                                              int fwd, const WarpGroup group, int lane, uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
+  const Transport<kRemote> tr(c, dc);
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
   const int my_gpu = me % G;
   const normal::RingLayout nvl = nvl_rings(c, kNvlHeaderBytes + p.row_bytes);
@@ -245,10 +252,9 @@ __device__ void dispatch_receive(const DeepepInternodeDispatchParams& p, const T
 }
 
 template <int kRemote>
-__global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(ncclDevComm dev_comm,
-                                                                         DeepepInternodeDispatchParams p) {
+__global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(
+    const __grid_constant__ ncclDevComm dev_comm, const __grid_constant__ DeepepInternodeDispatchParams p) {
   const DeepepInternodeCommon& c = p.common;
-  const Transport<kRemote> tr(c, dev_comm);
   const int C = c.num_channels, N = c.num_nodes, G = c.node_size, my_gpu = c.rank % G;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   __shared__ int nvl_alloc[kMaxNodeSize];
@@ -259,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(ncclDev
     if (int(blockIdx.x) < C) {
       const WarpGroup group(warp, N);
       if (group.role < group.groups)
-        for (int node = group.role; node < N; node += group.groups) dispatch_send(p, tr, blockIdx.x, node, group, lane);
+        for (int node = group.role; node < N; node += group.groups) dispatch_send<kRemote>(p, dev_comm, blockIdx.x, node, group, lane);
     } else {
       // Roles: F forwarders (all N nodes when the block has the warps, else each in turn), then
       // a receiver per other local GPU.
@@ -267,10 +273,10 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(ncclDev
       const WarpGroup group(warp, F + G - 1);
       if (group.role < F) {
         for (int s = group.role; s < N; s += F)
-          dispatch_forward(p, tr, blockIdx.x - C, s, group, lane, nvl_alloc, generation);
+          dispatch_forward<kRemote>(p, dev_comm, blockIdx.x - C, s, group, lane, nvl_alloc, generation);
       } else if (group.role < F + G - 1) {
         const int r = group.role - F;
-        dispatch_receive(p, tr, blockIdx.x - C, r < my_gpu ? r : r + 1, group, lane, generation);
+        dispatch_receive<kRemote>(p, dev_comm, blockIdx.x - C, r < my_gpu ? r : r + 1, group, lane, generation);
       }
     }
   }
