@@ -12,7 +12,7 @@
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
 #                     steps: smoke_normal test_normal test_normal_ctypes test_normal_protocol
 #                     test_normal_shrink example_normal bench_normal test_internode test_internode_protocol
-#                     bench_internode
+#                     bench_internode test_internode_virtual
 #                     smoke_low_latency test_fast_build test_low_latency test_ll_ctypes
 #                     example_ll bench_ll test_ll_virtual test_ll_generations test_ll_generations_2gpu
 #                     bench_ll_virtual bench_ll_host test_buffer
@@ -34,12 +34,14 @@
 #                     (e.g. BENCH_LL_ARGS=--quick)
 #   EXAMPLE_NORMAL / EXAMPLE_LL        the C++ example binaries
 #   DEEPEP_LL_VIRTUAL_LIBRARY          the virtual-rank library (scripts/test.sh builds it)
+#   DEEPEP_INTERNODE_VIRTUAL_LIBRARY   the internode one (scripts/test.sh; test_internode_virtual is
+#                                      skipped without it)
 #   DEEPEP_NCCL_LIBRARY, PYTHON
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_normal_protocol test_normal_shrink example_normal bench_normal test_internode
-           test_internode_protocol bench_internode
+           test_internode_protocol bench_internode test_internode_virtual
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
            test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host
            test_buffer test_soak test_layout test_layout_ctypes test_python quickstart bench_layout
@@ -139,6 +141,17 @@ step test_internode 400 "$PYTHON" tests/gpu/test_internode.py
 # Internode handles corrupted on one rank: guards around every output untouched, the entry named.
 step test_internode_protocol 300 "$PYTHON" tests/gpu/test_internode_protocol.py
 step bench_internode 300 "$PYTHON" bench/bench_internode.py --sms 12 24 --json "$LOG_DIR/bench_internode.json"
+# Internode normal mode with 2x1, 2x8, 3x4 and 16x4 virtual ranks on one GPU (the NVLink leg of a
+# node too); skipped when scripts/test.sh has not built the harness library.
+INTERNODE_VIRTUAL_LIBRARY=${DEEPEP_INTERNODE_VIRTUAL_LIBRARY:-target/internode_virtual/libinternode_virtual_ranks.so}
+if wanted test_internode_virtual && [ ! -f "$INTERNODE_VIRTUAL_LIBRARY" ]; then
+    echo "=== test_internode_virtual: skipped: $INTERNODE_VIRTUAL_LIBRARY not built (bash scripts/test.sh builds it)" \
+        | tee "$STEP_DIR/test_internode_virtual.log"
+    names+=(test_internode_virtual) times+=(0) statuses+=("skipped (library not built)")
+else
+    step test_internode_virtual 400 env DEEPEP_INTERNODE_VIRTUAL_LIBRARY="$INTERNODE_VIRTUAL_LIBRARY" \
+        "$PYTHON" tests/gpu/test_internode_virtual_ranks.py
+fi
 step smoke_low_latency 120 "$PYTHON" tests/gpu/smoke_low_latency.py
 step test_fast_build 300 "$PYTHON" tests/gpu/test_fast_build.py
 step test_low_latency 600 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_low_latency.py

@@ -1010,6 +1010,23 @@ DeepepStatus deepep_internode_combine(const DeepepBuffer *buf,
                                       void *stream);
 
 /**
+ * Copies the internode kernels' cumulative traffic counters into `traffic`, an int64 [8] device
+ * tensor, in stream order (no host sync): rows and bytes this rank sent, enum DeepepTrafficKind:
+ * [0] dispatch scale-out rows, [1] their bytes, [2] dispatch NVLink rows, [3] their bytes, [4]
+ * combine scale-out rows, [5] their bytes, [6] combine NVLink rows, [7] their bytes. Scale-out
+ * rows go to another node (own-node rows are not counted); bytes = rows x the row size (NVLink:
+ * plus its 16-byte slot header). A call's traffic is the difference of two queries
+ * (docs/internode.md, "Statistics").
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor, or a
+ * buffer within one node); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a timeout);
+ * DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
+ */
+DeepepStatus deepep_internode_query_traffic(const DeepepBuffer *buf,
+                                            const DeepepTensor *traffic,
+                                            void *stream);
+
+/**
  * Checks a low-latency shape against the LL kernels' limits (M, hidden, experts per rank,
  * ranks) without a buffer, with the messages dispatch and combine give. Bindings that allocate
  * the outputs call it before allocating, so that an M of a million fails here, not in an

@@ -434,6 +434,11 @@ class Buffer {
   void normal_query_dropped(const DeepepTensor& dropped, void* stream = nullptr) const {
     check(deepep_normal_query_dropped(buf_, &dropped, stream));
   }
+  // Internode mode: copy the traffic counters (enum DeepepTrafficKind: rows and bytes sent over
+  // each leg, cumulative) into an int64 [8] device tensor (docs/internode.md), in stream order.
+  void internode_query_traffic(const DeepepTensor& traffic, void* stream = nullptr) const {
+    check(deepep_internode_query_traffic(buf_, &traffic, stream));
+  }
   DeepepBuffer* raw() const noexcept { return buf_; }
 
  private:

@@ -223,40 +223,64 @@ typedef struct DeepepCombineParams {
 } DeepepCombineParams;
 
 // ---------------------------------------------------------------- internode normal mode
-// docs/internode.md. N nodes of G GPUs; rank r is GPU r % G of node r / G. Draft limits: the
-// data kernels give each source node a warp and each local GPU a warp (N + G <= 24).
-#define DEEPEP_INTERNODE_MAX_NODES 16
+// docs/internode.md. N nodes of G GPUs; rank r is GPU r % G of node r / G. Any N up to
+// DEEPEP_INTERNODE_MAX_NODES (combine's final receiver keeps two int32 per source node in shared
+// memory: 32 KiB at the limit); G <= 8 (the NVLink domain, DeepEP's NUM_MAX_NVL_PEERS: a lane per
+// local GPU in the masks and a receiver warp per other local GPU). A warp group takes several
+// source or destination nodes in turn when there are more nodes than groups.
+#define DEEPEP_INTERNODE_MAX_NODES 4096
 #define DEEPEP_INTERNODE_MAX_NODE_SIZE 8
-#define DEEPEP_INTERNODE_MAX_RANKS (DEEPEP_INTERNODE_MAX_NODES * DEEPEP_INTERNODE_MAX_NODE_SIZE)
-// Scale-out counters, uint64 words: tail [MAX_CHANNELS][MAX_NODES] (rows a node put into this
-// rank's ring (channel, node)), head [MAX_CHANNELS][MAX_NODES] (rows a node consumed of this
-// rank's rows to it), notify [MAX_RANKS] (notify rounds a rank sent here). Window words for
-// LSA-reached peers (DEEPEP_INTERNODE_CONTROL_BYTES at common.control_offset), GIN signals
-// (from common.gin_signal_base, same order) for the others. They only grow.
-#define DEEPEP_INTERNODE_COUNTERS \
-  (2 * DEEPEP_MAX_CHANNELS * DEEPEP_INTERNODE_MAX_NODES + DEEPEP_INTERNODE_MAX_RANKS)
-#define DEEPEP_INTERNODE_CONTROL_BYTES (8 * DEEPEP_INTERNODE_COUNTERS)
+// Scale-out counters, uint64 words, for the buffer's Cb = common.counter_channels (the most
+// channels an op of it can have: min(DEEPEP_MAX_CHANNELS, device SMs / 2)) and N nodes: tail
+// [Cb][N] (rows a node put into this rank's ring (channel, node)), head [Cb][N] (rows a node
+// consumed of this rank's rows to it), notify [R] (notify rounds a rank sent here): 2 Cb N + R
+// counters. Window words for LSA-reached peers (8 bytes each at common.control_offset), GIN
+// signals (from common.gin_signal_base, same order) for the others. They only grow.
+// Local running totals (common.totals, uint64): sent [Cb][N], received [Cb][N], then the
+// notify rounds done: 2 Cb N + 1 words.
 // One notify slot (int32, per source and parity): the source's gbl channel prefixes towards
 // this rank [C], its rdma channel prefixes towards this node [C] (from the same-GPU source
 // only), its token count for each local expert [E / R].
 #define DEEPEP_INTERNODE_NOTIFY_SLOT_INTS (2 * DEEPEP_MAX_CHANNELS + DEEPEP_MAX_LOCAL_EXPERTS)
-// Local running totals (workspace, uint64): sent [MAX_CHANNELS][MAX_NODES], received
-// [MAX_CHANNELS][MAX_NODES], then the notify rounds done.
-#define DEEPEP_INTERNODE_WORKSPACE_WORDS (2 * DEEPEP_MAX_CHANNELS * DEEPEP_INTERNODE_MAX_NODES + 1)
 // Bytes of a dispatch row's header (source token, destination-GPU mask) and of an NVLink slot's
 // header (flag, source rank, sequence) before its row.
 #define DEEPEP_INTERNODE_ROW_HEADER_BYTES 16
 #define DEEPEP_INTERNODE_NVL_HEADER_BYTES 16
 
+// What the internode data kernels count in DeepepInternodeCommon.traffic, per sending rank and
+// cumulative over the buffer's life (read with deepep_internode_query_traffic; a call's traffic
+// is the difference of two reads). Scale-out: rows put into another node's scale-out ring (a
+// row for this rank's own node passes through its own ring and is not counted), bytes = rows x
+// the row (dispatch: header, x, scales, top-k ids and weights; combine: x and weights). NVLink:
+// rows written into another local GPU's NVLink ring (dispatch: by a forwarder; combine: by a
+// GPU, towards its local forwarder), bytes = rows x (the same row + the 16-byte slot header).
+enum DeepepTrafficKind {
+  DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_ROWS = 0,
+  DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_BYTES = 1,
+  DEEPEP_TRAFFIC_DISPATCH_NVL_ROWS = 2,
+  DEEPEP_TRAFFIC_DISPATCH_NVL_BYTES = 3,
+  DEEPEP_TRAFFIC_COMBINE_SCALEOUT_ROWS = 4,
+  DEEPEP_TRAFFIC_COMBINE_SCALEOUT_BYTES = 5,
+  DEEPEP_TRAFFIC_COMBINE_NVL_ROWS = 6,
+  DEEPEP_TRAFFIC_COMBINE_NVL_BYTES = 7,
+  DEEPEP_TRAFFIC_KINDS = 8,
+};
+
 typedef struct DeepepInternodeCommon {
-  void* window;               // ncclWindow_t
+  void* window;               // ncclWindow_t (only the GIN transport reads it)
+  // The window's LSA mapping, as in DeepepLlCommon: peer p's copy at lsa_base + (p -
+  // wait.lsa_base_rank) * lsa_stride, this rank's at local_base (no window-struct loads).
+  uint8_t* lsa_base;
+  uint64_t lsa_stride;
+  uint8_t* local_base;
   uint64_t nvl_offset;        // NVL region: NVLink rings, then their consumed words
   uint64_t rdma_offset;       // RDMA region: notify slots [2][R] and staging [2][R], then the
                               // scale-out rings [C][N] of rdma_ring_tokens slots (+ GIN send rings)
   uint64_t control_offset;    // the counters' window words
   uint32_t* op_epoch;         // workspace: bumped by the last block of every data kernel
   uint32_t* ticket;           // workspace: last-block detection, zero between launches
-  uint64_t* totals;           // workspace: DEEPEP_INTERNODE_WORKSPACE_WORDS
+  uint64_t* totals;           // 2 * counter_channels * num_nodes + 1 running totals (above)
+  uint64_t* traffic;          // workspace [DEEPEP_TRAFFIC_KINDS]: rows and bytes sent per leg, cumulative
   DeepepFaultRecord* fault;
   DeepepWaitContext wait;
   int32_t rank;
@@ -267,6 +291,8 @@ typedef struct DeepepInternodeCommon {
   int32_t rdma_ring_tokens;   // config.num_max_rdma_chunked_recv_tokens
   int32_t nvl_ring_tokens;    // config.num_max_nvl_chunked_recv_tokens
   int32_t gin_signal_base;    // first GIN signal of the counters (after the LL ones)
+  int32_t counter_channels;   // Cb >= num_channels: the channel stride of the counters and totals
+  int32_t reserved;
 } DeepepInternodeCommon;
 
 // Notify: counts and channel prefixes to every rank, which derives its receive side. Also a

@@ -4,11 +4,22 @@
 //   group-size-th row; the other warps are the final receiver: for each source token of channel
 //   c (in batches, warps striding over the batch's tokens) bias_0 + bias_1, then the nodes'
 //   partial rows in ascending node, one rounding.
-// * block C + c: forwarder groups (one per source node s) sum, per row of the scale-out receive
+// * block C + c: forwarder groups (one per source node s, or several in turn: g, g + groups, ...)
+//   sum, per row of the scale-out receive
 //   segment (s, c), the rows of the local GPUs in its mask (ascending GPU, fp32, from 0; this
 //   GPU's rows straight from x), round to bf16 and write the row into the source (s, my GPU)'s
 //   scale-out ring (c, my node), each warp every group-size-th row; one tail add per chunk.
 // Heads were rewritten by the combine notify; an entry >= 0 is a row's sequence number.
+//
+// No wait cycle when forwarder groups take source nodes in turn. Give every wait the node s whose
+// tokens it combines: a forwarder's segment (s, c), the final receiver of node s (it waits on the
+// forwarders of segments (s, c) on every node, they on its credits), an NVLink sender at its
+// current source node (its stream runs s ascending; it waits for slots of that s or an earlier
+// one to be consumed). Every wait is on work of the same or a smaller s, and a group reaches
+// segment s only after its smaller ones (the same ascending order on every rank). By induction on
+// s: once all work of smaller s completes, that of s is the one-group-per-node design's (the
+// ring's chunk + round <= ring + 1, the NVLink slots consumed in each GPU's stream order), which
+// completes.
 #include "internode_common.cuh"
 #include "launch.cuh"
 
@@ -28,6 +39,139 @@ __device__ __forceinline__ int4 pack_bf16(const float (&acc)[8]) {
   return packed;
 }
 
+// Row sums of combine. Time goes to load latency, not arithmetic: a warp that adds one 16-byte
+// word per lane at a time keeps 512 B in flight (docs/internode.md, "Combine's time"), so every
+// lane loads kSumLoads words before it adds any, within the 80 registers of a 768-thread block.
+constexpr int kSumLoads = 8;
+
+__device__ __forceinline__ const int4* shfl_row(const int4* row, int j) {
+  return reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), j));
+}
+
+// sum_rows without a start and with kRows rows (lanes a, b): kSumLoads words per lane in flight,
+// no accumulator kept across loads.
+template <int kRows>
+__device__ __forceinline__ void sum_few_rows(int4* out, const int4* row, int a, int b, int hidden_int4, int lane) {
+  constexpr int kUnroll = kSumLoads / kRows;
+  const int4* src[2] = {shfl_row(row, a), shfl_row(row, b)};
+  for (int i0 = lane; i0 < hidden_int4; i0 += kUnroll * kWarp) {
+    int4 v[kUnroll][kRows];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        if (i0 + u * kWarp < hidden_int4) v[u][r] = ld_ring(src[r] + i0 + u * kWarp);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (i0 + u * kWarp >= hidden_int4) break;
+      float acc[8] = {};
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) accumulate(acc, v[u][r]);
+      st_stream(out + i0 + u * kWarp, pack_bf16(acc));
+    }
+  }
+}
+
+// sum_rows' general path over `chunks` chunks of rows, ascending: rows_of(q, row, mask) gives
+// chunk q (lane j: row j's address; mask, warp-uniform: the rows to add). An accumulator per
+// word, two rows per pass (kUnroll x 2 loads in flight).
+template <typename RowsOf>
+__device__ __forceinline__ void sum_row_chunks(int4* out, RowsOf rows_of, int chunks, int hidden_int4,
+                                               const int4* bias_0, const int4* bias_1, int lane) {
+  constexpr int kUnroll = kSumLoads / 4;
+  for (int i0 = lane; i0 < hidden_int4 + lane; i0 += kUnroll * kWarp) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = i0 + u * kWarp;
+      const int4 zero = make_int4(0, 0, 0, 0);
+      const int4 b0 = bias_0 != nullptr && i < hidden_int4 ? ld_stream(bias_0 + i) : zero;
+      const int4 b1 = bias_1 != nullptr && i < hidden_int4 ? ld_stream(bias_1 + i) : zero;
+      const __nv_bfloat16* v0 = reinterpret_cast<const __nv_bfloat16*>(&b0);
+      const __nv_bfloat16* v1 = reinterpret_cast<const __nv_bfloat16*>(&b1);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[u][e] = __bfloat162float(v0[e]) + __bfloat162float(v1[e]);
+    }
+    for (int q = 0; q < chunks; ++q) {
+      const int4* row;
+      uint32_t mask;
+      rows_of(q, row, mask);
+      for (uint32_t rest = mask; rest != 0;) {
+        const int a = __ffs(rest) - 1;
+        rest &= rest - 1;
+        const bool two = rest != 0;
+        const int b = two ? __ffs(rest) - 1 : a;
+        if (two) rest &= rest - 1;
+        const int4 *ra = shfl_row(row, a), *rb = shfl_row(row, b);
+        int4 va[kUnroll], vb[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (i0 + u * kWarp < hidden_int4) va[u] = ld_ring(ra + i0 + u * kWarp);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (two && i0 + u * kWarp < hidden_int4) vb[u] = ld_ring(rb + i0 + u * kWarp);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          accumulate(acc[u], va[u]);
+          if (two) accumulate(acc[u], vb[u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * kWarp < hidden_int4) st_stream(out + i0 + u * kWarp, pack_bf16(acc[u]));
+  }
+}
+
+// out = bf16(start + rows in ascending lane order), in fp32 with one rounding; start is
+// bias_0 + bias_1 (each null reads as 0.0, both null: 0.0). Lane j holds row j's address, `mask`
+// (warp-uniform) the rows to add. Whole warps call; rows of hidden_int4 16-byte words.
+__device__ __forceinline__ void sum_rows(int4* out, const int4* row, uint32_t mask, int hidden_int4, const int4* bias_0,
+                                         const int4* bias_1, int lane) {
+  const int rows = __popc(mask);
+  if (bias_0 == nullptr && bias_1 == nullptr && rows <= 2) {  // start 0.0: DeepEP's shape, N = 2 or G <= 2
+    const int a = __ffs(mask) - 1, b = __ffs(mask & (mask - 1)) - 1;
+    if (rows == 1) sum_few_rows<1>(out, row, a, a, hidden_int4, lane);
+    else if (rows == 2) sum_few_rows<2>(out, row, a, b, hidden_int4, lane);
+    else for (int i = lane; i < hidden_int4; i += kWarp) st_stream(out + i, make_int4(0, 0, 0, 0));
+    return;
+  }
+  const auto one_chunk = [&](int, const int4*& r, uint32_t& m) {
+    r = row;
+    m = mask;
+  };
+  sum_row_chunks(out, one_chunk, 1, hidden_int4, bias_0, bias_1, lane);
+}
+
+// out[w] = 0.0 + the rows' weights w in ascending order, w < K, over `chunks` chunks of rows:
+// weights_of(q, weights, mask) gives chunk q (lane j: row j's weights, null: the row has none
+// and adds nothing). Whole warps call.
+template <typename WeightsOf>
+__device__ __forceinline__ void sum_weight_chunks(float* out, WeightsOf weights_of, int chunks, int K, int lane) {
+  for (int w0 = 0; w0 < K; w0 += kWarp) {
+    float acc = 0.0f;
+    for (int q = 0; q < chunks; ++q) {
+      const float* weights;
+      uint32_t mask;
+      weights_of(q, weights, mask);
+      for (uint32_t rest = mask; rest != 0; rest &= rest - 1) {
+        const float* w = reinterpret_cast<const float*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(weights), __ffs(rest) - 1));
+        if (w != nullptr && w0 + lane < K) acc += w[w0 + lane];
+      }
+    }
+    if (w0 + lane < K) out[w0 + lane] = acc;
+  }
+}
+// The same for one chunk: lane j holds row j's weights.
+__device__ __forceinline__ void sum_weights(float* out, const float* weights, uint32_t mask, int K, int lane) {
+  const auto one_chunk = [&](int, const float*& w, uint32_t& m) {
+    w = weights;
+    m = mask;
+  };
+  sum_weight_chunks(out, one_chunk, 1, K, lane);
+}
+
 // x's rows [start, stop) from source rank src in channel ch: the last channel of a source ends
 // where the next source starts, the last source at x's rows (DeepEP's: combine takes no
 // recv_gbl_rank_prefix_sum). False (a fault recorded) for a range outside x.
@@ -45,8 +189,9 @@ __device__ bool source_rows(const DeepepInternodeCombineParams& p, int src, int 
   return false;
 }
 
+// Returns the rows of fwd's ring (channel ch) its warps wrote, all members together.
 template <int kRemote>
-__device__ void combine_nvl_send(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch, int fwd,
+__device__ int64_t combine_nvl_send(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch, int fwd,
                                  int member, int warps, int lane, uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
   const int N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank, my_gpu = me % G;
@@ -57,14 +202,14 @@ __device__ void combine_nvl_send(const DeepepInternodeCombineParams& p, const Tr
   int64_t k = 0;
   for (int s = 0; s < N; ++s) {
     int64_t start, stop;
-    if (!source_rows(p, s * G + fwd, ch, lane, start, stop)) return;
+    if (!source_rows(p, s * G + fwd, ch, lane, start, stop)) return k;
     for (int64_t r = start; r < stop; ++r, ++k) {
       if (k % warps != member) continue;
       if (k >= nvl.ring) {
         const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + nvl.consumed_offset(C, ch, fwd, k % nvl.ring));
         if (!warp_wait_relaxed(consumed, make_flag(generation, k - nvl.ring), c.wait, (me / G) * G + fwd,
                                DEEPEP_WAIT_OP_NVL_CONSUMED, ch))
-          return;
+          return k;
       }
       uint8_t* slot = fwd_nvl + nvl.slot_offset(ch, my_gpu, k % nvl.ring);
       warp_copy<4, CopyLoad::kStream>(reinterpret_cast<int4*>(slot + kNvlHeaderBytes),
@@ -80,14 +225,15 @@ __device__ void combine_nvl_send(const DeepepInternodeCombineParams& p, const Tr
       }
     }
   }
+  return k;
 }
 
 template <int kRemote>
 __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch,
-                                const WarpGroup& group, int lane, uint32_t generation) {
+                                int src_node, const WarpGroup& group, int lane, uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
-  const int src_node = group.role, my_node = me / G, my_gpu = me % G, dst = src_node * G + my_gpu;
+  const int my_node = me / G, my_gpu = me % G, dst = src_node * G + my_gpu;
   const CombineRow row{p.hidden_bytes, p.num_topk};
   const RdmaLayout rdma{row.bytes(), c.rdma_ring_tokens, N, C, R};
   const normal::RingLayout nvl = nvl_rings(c, kNvlHeaderBytes + row.bytes());
@@ -122,7 +268,7 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
     if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, src_node * C + ch, end);
     return;  // the whole group returns (the range is the same for all its warps)
   }
-  const uint64_t sent = c.totals[sent_total(ch, src_node)];
+  const uint64_t sent = c.totals[sent_total(c, ch, src_node)];
   const int chunk = send_chunk(c.rdma_ring_tokens);
   uint64_t freed = 0;  // head counter, last read
   uint8_t* my_nvl = tr.local(c.nvl_offset);
@@ -131,73 +277,63 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
     for (int64_t i = q0 + group.member; ok && i < q0 + n; i += group.warps) {
       const int32_t head = lane < G ? p.combined_nvl_head[(begin + i) * G + lane] : -1;
       const uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
-      const uint8_t* source[kMaxNodeSize];  // row j: x (bf16), then weights at weights_off
-      const float* own_weights = nullptr;     // this GPU's weights (x's rows have none inline)
-#pragma unroll
-      for (int j = 0; j < kMaxNodeSize; ++j) {
-        source[j] = nullptr;
-        if (!((mask >> j) & 1u)) continue;
-        const int64_t h = __shfl_sync(0xffffffffu, head, j);
-        if (j == my_gpu) {
-          const int64_t r = own_start + h;
-          if (r >= own_stop) {
-            if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, dst * C + ch, r);
-            ok = false;
-            continue;
-          }
-          source[j] = static_cast<const uint8_t*>(p.x) + r * p.hidden_bytes;
-          if (p.topk_weights != nullptr) own_weights = p.topk_weights + r * K;
-          continue;
+      // Lane j in mask: GPU j's row (this GPU's from x, the others' NVLink slots) and weights.
+      const int64_t k = offset + head;  // lane j != my_gpu: the row's place in GPU j's stream
+      const uint8_t* slot = nullptr;
+      const int4* src = nullptr;
+      const float* weights = nullptr;
+      if (head >= 0 && lane != my_gpu) {
+        slot = my_nvl + nvl.slot_offset(ch, lane, k % nvl.ring);
+        src = reinterpret_cast<const int4*>(slot + kNvlHeaderBytes);
+        weights = reinterpret_cast<const float*>(slot + kNvlHeaderBytes + row.weights_off());
+      }
+      if ((mask >> my_gpu) & 1u) {
+        const int64_t r = own_start + __shfl_sync(0xffffffffu, head, my_gpu);
+        if (r >= own_stop) {
+          if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, dst * C + ch, r);
+          ok = false;
+        } else if (lane == my_gpu) {
+          src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + r * p.hidden_bytes);
+          weights = p.topk_weights != nullptr ? p.topk_weights + r * K : nullptr;
         }
-        const int64_t k = __shfl_sync(0xffffffffu, offset + head, j);
-        source[j] = my_nvl + nvl.slot_offset(ch, j, k % nvl.ring);
-        ok = ok && warp_wait(reinterpret_cast<const uint64_t*>(source[j]), make_flag(generation, k), c.wait,
-                             my_node * G + j, DEEPEP_WAIT_OP_NVL_SLOT, ch);
-        source[j] += kNvlHeaderBytes;
+      }
+      for (uint32_t rest = mask & ~(1u << my_gpu); ok && rest != 0; rest &= rest - 1) {
+        const int j = __ffs(rest) - 1;
+        const uint64_t* flag = reinterpret_cast<const uint64_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(slot), j));
+        ok = warp_wait(flag, make_flag(generation, __shfl_sync(0xffffffffu, k, j)), c.wait, my_node * G + j,
+                       DEEPEP_WAIT_OP_NVL_SLOT, ch);
       }
       ok = ok && (i < c.rdma_ring_tokens ||
-                  tr.wait_counter(dst, head_counter(ch, src_node), sent + i + 1 - c.rdma_ring_tokens, freed,
+                  tr.wait_counter(dst, head_counter(c, ch, src_node), sent + i + 1 - c.rdma_ring_tokens, freed,
                                   DEEPEP_WAIT_OP_RDMA_HEAD, ch));
       if (!ok) break;
       uint8_t* out = tr.row_target(dst, c.rdma_offset + rdma.recv_slot(ch, my_node, i),
                                    c.rdma_offset + rdma.send_slot(ch, src_node, i));
-      for (int v = lane; v < hidden_int4; v += kWarp) {
-        float acc[8] = {};
-#pragma unroll
-        for (int j = 0; j < kMaxNodeSize; ++j)
-          if (source[j] != nullptr) accumulate(acc, ld_ring(reinterpret_cast<const int4*>(source[j]) + v));
-        reinterpret_cast<int4*>(out)[v] = pack_bf16(acc);
-      }
-      for (int w = lane; w < K; w += kWarp) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kMaxNodeSize; ++j) {
-          if (source[j] == nullptr) continue;
-          const float* weights = j == my_gpu ? own_weights : reinterpret_cast<const float*>(source[j] + row.weights_off());
-          if (weights != nullptr) acc += weights[w];
-        }
-        reinterpret_cast<float*>(out + row.weights_off())[w] = acc;
-      }
+      sum_rows(reinterpret_cast<int4*>(out), src, mask, hidden_int4, nullptr, nullptr, lane);
+      sum_weights(reinterpret_cast<float*>(out + row.weights_off()), weights, mask, K, lane);
       // The NVLink slots back to their writers.
       __syncwarp();
-      if (head >= 0 && lane != my_gpu) {
-        const int64_t k = offset + head;
+      if (head >= 0 && lane != my_gpu)
         st_relaxed_sys(reinterpret_cast<uint64_t*>(nvl_of(tr, lane) + nvl.consumed_offset(C, ch, my_gpu, k % nvl.ring)),
                        make_flag(generation, k));
-      }
     }
     group.sync();
-    if (ok && group.leader(lane)) tr.publish(dst, rdma, ch, q0, n, tail_counter(ch, my_node));
+    if (ok && group.leader(lane)) tr.publish(dst, rdma, ch, q0, n, tail_counter(c, ch, my_node));
   }
-  if (group.leader(lane)) c.totals[sent_total(ch, src_node)] = sent + (end - begin);
+  if (group.leader(lane)) {
+    c.totals[sent_total(c, ch, src_node)] = sent + (end - begin);
+    if (src_node != my_node) count_traffic(c, DEEPEP_TRAFFIC_COMBINE_SCALEOUT_ROWS, end - begin, row.bytes());
+  }
 }
 
 // Final receiver warps (warp `w` of `num_warps`, named barrier 1 among them): source tokens of
-// channel ch in batches of recv_round tokens (at most that many rows per node), warp w taking
-// tokens w, w + num_warps, ...; credits go back once per batch.
+// channel ch in batches of at most recv_round tokens (at most that many rows per node), a whole
+// number of tokens per warp where the round allows (warp w takes tokens w, w + num_warps, ...);
+// credits go back once per batch. Source nodes in chunks of kWarp lanes (one chunk up to 32
+// nodes); `consumed` and `done` (shared, [N]): rows of each node read in this batch and op.
 template <int kRemote>
 __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch, int w,
-                                int num_warps, int lane, int* consumed) {
+                                int num_warps, int lane, int* consumed, int* done) {
   const DeepepInternodeCommon& c = p.common;
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
   const int my_node = me / G, my_gpu = me % G;
@@ -206,95 +342,118 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
   const int K = p.num_topk, hidden_int4 = p.hidden_bytes / 16;
   const int4* bias_0 = static_cast<const int4*>(p.bias_0);
   const int4* bias_1 = static_cast<const int4*>(p.bias_1);
-  const int batch = recv_round(c.rdma_ring_tokens);
+  const int round = recv_round(c.rdma_ring_tokens);
+  const int batch = round >= num_warps ? round / num_warps * num_warps : round;
+  const int chunks = (N + kWarp - 1) / kWarp;
   int64_t begin, end;
   channel_range(p.num_tokens, C, ch, begin, end);
-  // Rows consumed of each node's ring before this op (lane n); heads count from 0 per op.
-  const uint64_t base = lane < N ? c.totals[recv_total(ch, lane)] : 0;
-  uint64_t tail = 0;  // lane n: node n's tail counter, last read
-  int64_t done = 0;   // warp 0, lane n: rows of node n consumed in this op
+  // Rows consumed of each node's ring before this op (totals change only at the end); heads
+  // count from 0 per op. Lane n: node n's, and its tail counter last read (first chunk).
+  const uint64_t base0 = lane < N ? c.totals[recv_total(c, ch, lane)] : 0;
+  uint64_t tail = 0;
   bool ok = true;
   for (int64_t t0 = begin; t0 < end; t0 += batch) {
-    int used = 0;  // lane n: rows of node n this warp read in this batch
     for (int64_t t = t0 + w; ok && t < min(t0 + batch, end); t += num_warps) {
-      const int32_t head = lane < N ? p.combined_rdma_head[t * N + lane] : -1;
-      const uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
-      const uint8_t* source[kMaxNodes];
-#pragma unroll
-      for (int n = 0; n < kMaxNodes; ++n) {
-        source[n] = nullptr;
-        if (!((mask >> n) & 1u)) continue;
-        const int64_t k = __shfl_sync(0xffffffffu, head, n);
-        const uint64_t target = __shfl_sync(0xffffffffu, base, n) + k + 1;
-        uint64_t seen = __shfl_sync(0xffffffffu, tail, n);
-        ok = ok && tr.wait_counter(n * G + my_gpu, tail_counter(ch, n), target, seen, DEEPEP_WAIT_OP_RDMA_TAIL, ch);
-        if (lane == n) tail = seen;
-        source[n] = tr.local(c.rdma_offset + rdma.recv_slot(ch, n, k));
+      int32_t head0 = -1;  // lane n: node n's head (first chunk)
+      for (int q = 0; ok && q < chunks; ++q) {
+        const int n = q * kWarp + lane;
+        const int32_t head = n < N ? p.combined_rdma_head[t * N + n] : -1;
+        const uint64_t base = q == 0 ? base0 : n < N ? c.totals[recv_total(c, ch, n)] : 0;
+        const uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
+        for (uint32_t rest = mask; ok && rest != 0; rest &= rest - 1) {
+          const int j = __ffs(rest) - 1;
+          const uint64_t target = __shfl_sync(0xffffffffu, base + head + 1, j);
+          uint64_t seen = q == 0 ? __shfl_sync(0xffffffffu, tail, j) : 0;
+          ok = tr.wait_counter((q * kWarp + j) * G + my_gpu, tail_counter(c, ch, q * kWarp + j), target, seen,
+                               DEEPEP_WAIT_OP_RDMA_TAIL, ch);
+          if (q == 0 && lane == j) tail = seen;
+        }
+        if (head >= 0) atomicAdd(&consumed[n], 1);
+        if (q == 0) head0 = head;
       }
       if (!ok) break;
+      // DeepEP's order: bias_0 + bias_1, then nodes ascending; one rounding.
       int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.hidden_bytes);
-      for (int v = lane; v < hidden_int4; v += kWarp) {
-        // DeepEP's order: bias_0 + bias_1, then nodes ascending; one rounding.
-        const int4 b0 = bias_0 != nullptr ? ld_stream(bias_0 + t * hidden_int4 + v) : make_int4(0, 0, 0, 0);
-        const int4 b1 = bias_1 != nullptr ? ld_stream(bias_1 + t * hidden_int4 + v) : make_int4(0, 0, 0, 0);
-        const __nv_bfloat16* v0 = reinterpret_cast<const __nv_bfloat16*>(&b0);
-        const __nv_bfloat16* v1 = reinterpret_cast<const __nv_bfloat16*>(&b1);
-        float acc[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = __bfloat162float(v0[e]) + __bfloat162float(v1[e]);
-#pragma unroll
-        for (int n = 0; n < kMaxNodes; ++n)
-          if (source[n] != nullptr) accumulate(acc, ld_ring(reinterpret_cast<const int4*>(source[n]) + v));
-        out[v] = pack_bf16(acc);
+      const int4* b0 = bias_0 != nullptr ? bias_0 + t * hidden_int4 : nullptr;
+      const int4* b1 = bias_1 != nullptr ? bias_1 + t * hidden_int4 : nullptr;
+      float* out_weights = p.combined_topk_weights != nullptr ? p.combined_topk_weights + t * K : nullptr;
+      if (chunks == 1) {
+        // Lane n in mask: node n's row of token t.
+        const uint32_t mask = __ballot_sync(0xffffffffu, head0 >= 0);
+        const uint8_t* src = tr.local(c.rdma_offset + rdma.recv_slot(ch, lane < N ? lane : 0, max(head0, 0)));
+        sum_rows(out, reinterpret_cast<const int4*>(src), mask, hidden_int4, b0, b1, lane);
+        if (out_weights != nullptr)
+          sum_weights(out_weights, reinterpret_cast<const float*>(src + row.weights_off()), mask, K, lane);
+      } else {
+        // More nodes than lanes: chunk q's rows (lane j: node q * kWarp + j's), heads read again.
+        const auto slot_of = [&](int q, uint32_t& mask) {
+          const int n = q * kWarp + lane;
+          const int32_t head = n < N ? p.combined_rdma_head[t * N + n] : -1;
+          mask = __ballot_sync(0xffffffffu, head >= 0);
+          return tr.local(c.rdma_offset + rdma.recv_slot(ch, n < N ? n : 0, max(head, 0)));
+        };
+        const auto rows_of = [&](int q, const int4*& r, uint32_t& mask) {
+          r = reinterpret_cast<const int4*>(slot_of(q, mask));
+        };
+        const auto weights_of = [&](int q, const float*& wts, uint32_t& mask) {
+          wts = reinterpret_cast<const float*>(slot_of(q, mask) + row.weights_off());
+        };
+        sum_row_chunks(out, rows_of, chunks, hidden_int4, b0, b1, lane);
+        if (out_weights != nullptr) sum_weight_chunks(out_weights, weights_of, chunks, K, lane);
       }
-      if (p.combined_topk_weights != nullptr) {
-        for (int i = lane; i < K; i += kWarp) {
-          float acc = 0.0f;
-#pragma unroll
-          for (int n = 0; n < kMaxNodes; ++n)
-            if (source[n] != nullptr) acc += reinterpret_cast<const float*>(source[n] + row.weights_off())[i];
-          p.combined_topk_weights[t * K + i] = acc;
-        }
-      }
-      used += head >= 0;
     }
-    if (lane < N && used > 0) atomicAdd(&consumed[lane], used);
     asm volatile("bar.sync 1, %0;" ::"r"(num_warps * kWarp) : "memory");
     // Credits of the batch (one thread per node).
-    if (w == 0 && lane < N && consumed[lane] > 0) {
-      done += consumed[lane];
-      if (ok) tr.add(lane * G + my_gpu, head_counter(ch, my_node), uint64_t(consumed[lane]));
-      consumed[lane] = 0;
+    for (int n = w * kWarp + lane; n < N; n += num_warps * kWarp) {
+      if (consumed[n] == 0) continue;
+      done[n] += consumed[n];
+      if (ok) tr.add(n * G + my_gpu, head_counter(c, ch, my_node), uint64_t(consumed[n]));
+      consumed[n] = 0;
     }
     asm volatile("bar.sync 1, %0;" ::"r"(num_warps * kWarp) : "memory");
   }
-  if (w == 0 && lane < N) c.totals[recv_total(ch, lane)] = base + done;
+  for (int n = w * kWarp + lane; n < N; n += num_warps * kWarp) c.totals[recv_total(c, ch, n)] += uint64_t(done[n]);
 }
 
+// Fewer threads than the other internode kernels: 128 registers a thread hold the row sums'
+// loads in flight (kSumLoads) without spilling; 16 warps cover 16 forwarder groups (more nodes:
+// in turn), or 7 NVLink sender warps and 9 receiver warps.
+constexpr int kCombineThreads = 512;
+constexpr int kCombineWarps = kCombineThreads / kWarp;
+static_assert(kMaxNodeSize - 1 < kCombineWarps / 2, "a warp per NVLink sender role");
+// Dynamic shared memory: combine_receive's consumed [N] and done [N].
+__host__ __device__ constexpr int64_t combine_shared_bytes(int num_nodes) { return 2 * int64_t(num_nodes) * 4; }
+static_assert(combine_shared_bytes(DEEPEP_INTERNODE_MAX_NODES) <= 48 << 10, "without the opt-in to more shared memory");
+
 template <int kRemote>
-__global__ void __launch_bounds__(kThreads, 1) internode_combine_kernel(ncclDevComm dev_comm,
-                                                                        DeepepInternodeCombineParams p) {
+__global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(
+    const __grid_constant__ ncclDevComm dev_comm, const __grid_constant__ DeepepInternodeCombineParams p) {
   const DeepepInternodeCommon& c = p.common;
   const Transport<kRemote> tr(c, dev_comm);
   const int C = c.num_channels, N = c.num_nodes, G = c.node_size, my_gpu = c.rank % G;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  __shared__ int consumed[kMaxNodes];
-  if (threadIdx.x < kMaxNodes) consumed[threadIdx.x] = 0;
+  extern __shared__ int node_rows[];  // consumed [N], done [N]
+  for (int i = threadIdx.x; i < 2 * N; i += blockDim.x) node_rows[i] = 0;
   __syncthreads();
   const uint32_t generation = flag_generation(*c.op_epoch);
   if (!normal::buffer_failed(c.wait)) {
     if (int(blockIdx.x) < C) {
       // Half the block (at least a warp each) sends to the other local GPUs, the rest receives.
-      const int per_gpu = G > 1 ? max(1, kWarps / 2 / (G - 1)) : 0, senders = (G - 1) * per_gpu;
+      const int per_gpu = G > 1 ? max(1, kCombineWarps / 2 / (G - 1)) : 0, senders = (G - 1) * per_gpu;
       if (warp < senders) {
         const int r = warp / per_gpu;
-        combine_nvl_send(p, tr, blockIdx.x, r < my_gpu ? r : r + 1, warp % per_gpu, per_gpu, lane, generation);
+        const int64_t rows =
+            combine_nvl_send(p, tr, blockIdx.x, r < my_gpu ? r : r + 1, warp % per_gpu, per_gpu, lane, generation);
+        if (warp % per_gpu == 0 && lane == 0)
+          count_traffic(c, DEEPEP_TRAFFIC_COMBINE_NVL_ROWS, rows,
+                        kNvlHeaderBytes + CombineRow{p.hidden_bytes, p.num_topk}.bytes());
       } else {
-        combine_receive(p, tr, blockIdx.x, warp - senders, kWarps - senders, lane, consumed);
+        combine_receive(p, tr, blockIdx.x, warp - senders, kCombineWarps - senders, lane, node_rows, node_rows + N);
       }
     } else {
-      const WarpGroup group(warp, N);
-      if (group.role < N) combine_forward(p, tr, blockIdx.x - C, group, lane, generation);
+      const WarpGroup group(warp, N, kCombineWarps);
+      if (group.role < group.groups)
+        for (int s = group.role; s < N; s += group.groups) combine_forward(p, tr, blockIdx.x - C, s, group, lane, generation);
     }
   }
   if (normal::buffer_failed(c.wait)) {
@@ -313,10 +472,14 @@ extern "C" int deepep_launch_internode_combine(const void* dev_comm, const Deepe
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
   const auto s = static_cast<cudaStream_t>(stream);
   const int blocks = 2 * params->common.num_channels;
+  const int N = params->common.num_nodes;
+  if (N < 1 || N > DEEPEP_INTERNODE_MAX_NODES) return int(cudaErrorInvalidValue);
+  const size_t smem = size_t(combine_shared_bytes(N));
   if (remote_kind == DEEPEP_LL_REMOTE_EMULATED)
-    return deepep::launch_kernel(internode_combine_kernel<deepep::ll::kRemoteEmulated>, blocks, kThreads, 0, s, dc,
-                                 *params);
+    return deepep::launch_kernel(internode_combine_kernel<deepep::ll::kRemoteEmulated>, blocks, kCombineThreads, smem, s,
+                                 dc, *params);
   if (remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN)
-    return deepep::launch_kernel(internode_combine_kernel<deepep::ll::kRemoteGin>, blocks, kThreads, 0, s, dc, *params);
+    return deepep::launch_kernel(internode_combine_kernel<deepep::ll::kRemoteGin>, blocks, kCombineThreads, smem, s, dc,
+                                 *params);
   return int(cudaErrorInvalidValue);
 }

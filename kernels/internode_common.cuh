@@ -35,10 +35,10 @@ using normal::warp_wait_relaxed;
 constexpr int kThreads = 768;
 constexpr int kWarps = kThreads / kWarp;
 constexpr int kNotifyThreads = 1024;
-constexpr int kMaxNodes = DEEPEP_INTERNODE_MAX_NODES;
 constexpr int kMaxNodeSize = DEEPEP_INTERNODE_MAX_NODE_SIZE;
 constexpr int kHeadNone = 1 << 25;  // DeepEP's "no later head in this segment"
-static_assert(kMaxNodes + kMaxNodeSize <= kWarps, "a warp per source node and per local GPU");
+static_assert(kMaxNodeSize <= kWarps, "a warp per other local GPU and at least one forwarder warp");
+static_assert(kMaxNodeSize <= kWarp, "a lane per local GPU");
 
 // Chunking of a scale-out ring of `ring` slots. The writer publishes its tail per chunk of at
 // most send_chunk rows (a group barrier each); the reader returns credits per round of at most
@@ -47,12 +47,16 @@ static_assert(kMaxNodes + kMaxNodeSize <= kWarps, "a warp per source node and pe
 __host__ __device__ constexpr int send_chunk(int ring) { return ring < 63 ? (ring + 1) / 2 : 32; }
 __host__ __device__ constexpr int recv_round(int ring) { return ring + 1 - send_chunk(ring); }
 
-// Warp groups: `warps` warps per role, roles in warp order. A group of several warps syncs on
-// named barrier 1 + role (1..15; a block holds at most kWarps / 2 such groups).
+// Warp groups: `warps` warps per role, roles in warp order, in a block of `block_warps` warps;
+// `groups` of them (min(num_roles, block_warps) when a role has one warp). With more roles than
+// groups, group g takes roles g, g + groups, ... in turn (see the kernels for why this order is
+// free of wait cycles). A group of several warps syncs on named barrier 1 + role (1..15; a block
+// holds at most kWarps / 2 such groups).
 struct WarpGroup {
-  int role, member, warps;
-  __device__ WarpGroup(int warp, int num_roles) {
-    warps = max(1, kWarps / max(num_roles, 1));
+  int role, member, warps, groups;
+  __device__ WarpGroup(int warp, int num_roles, int block_warps = kWarps) {
+    warps = max(1, block_warps / max(num_roles, 1));
+    groups = min(max(num_roles, 1), block_warps / warps);
     role = warp / warps;
     member = warp % warps;
   }
@@ -64,20 +68,28 @@ struct WarpGroup {
 };
 static_assert(kWarps / 2 + 1 <= 15, "named barriers of the warp groups");
 
-// Counter indices (window words and GIN signals alike).
-__host__ __device__ constexpr int tail_counter(int channel, int node) { return channel * kMaxNodes + node; }
-__host__ __device__ constexpr int head_counter(int channel, int node) {
-  return DEEPEP_MAX_CHANNELS * kMaxNodes + channel * kMaxNodes + node;
+// Counter indices (window words and GIN signals alike): tail [Cb][N], head [Cb][N], notify [R]
+// with Cb = c.counter_channels, the buffer's bound on channels (deepep_kernels.h). Strides come
+// from the buffer (N, Cb), not from the op (C), so the counters mean the same to every op.
+__device__ __forceinline__ int tail_counter(const DeepepInternodeCommon& c, int channel, int node) {
+  return channel * c.num_nodes + node;
 }
-__host__ __device__ constexpr int notify_counter(int rank) { return 2 * DEEPEP_MAX_CHANNELS * kMaxNodes + rank; }
-// Workspace running totals.
-__host__ __device__ constexpr int sent_total(int channel, int node) { return channel * kMaxNodes + node; }
-__host__ __device__ constexpr int recv_total(int channel, int node) {
-  return DEEPEP_MAX_CHANNELS * kMaxNodes + channel * kMaxNodes + node;
+__device__ __forceinline__ int head_counter(const DeepepInternodeCommon& c, int channel, int node) {
+  return (c.counter_channels + channel) * c.num_nodes + node;
 }
-constexpr int kNotifyRounds = 2 * DEEPEP_MAX_CHANNELS * kMaxNodes;
-static_assert(kNotifyRounds + 1 == DEEPEP_INTERNODE_WORKSPACE_WORDS, "workspace layout");
-static_assert(notify_counter(DEEPEP_INTERNODE_MAX_RANKS) == DEEPEP_INTERNODE_COUNTERS, "counter layout");
+__device__ __forceinline__ int notify_counter(const DeepepInternodeCommon& c, int rank) {
+  return 2 * c.counter_channels * c.num_nodes + rank;
+}
+// Workspace running totals: sent [Cb][N], received [Cb][N], the notify rounds done.
+__device__ __forceinline__ int sent_total(const DeepepInternodeCommon& c, int channel, int node) {
+  return channel * c.num_nodes + node;
+}
+__device__ __forceinline__ int recv_total(const DeepepInternodeCommon& c, int channel, int node) {
+  return (c.counter_channels + channel) * c.num_nodes + node;
+}
+__device__ __forceinline__ int notify_rounds(const DeepepInternodeCommon& c) {
+  return 2 * c.counter_channels * c.num_nodes;
+}
 
 constexpr int64_t kNotifySlotBytes = int64_t(DEEPEP_INTERNODE_NOTIFY_SLOT_INTS) * 4;
 
@@ -121,6 +133,30 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// DEEPEP_INTERNODE_OUTLINE (a kernel file defines it before including this header): Transport's
+// add, publish and wait spin out of line. It takes them out of dispatch's per-row loops; in
+// combine (128 registers a thread) ptxas spills more around the calls, so combine keeps them inline.
+#ifndef DEEPEP_INTERNODE_OUTLINE
+#define DEEPEP_INTERNODE_OUTLINE 0
+#endif
+template <int kRemote>
+struct Transport;
+// Out-of-line slow paths of Transport (not in the callers' per-row loops: a GIN put or signal,
+// the spin of a wait, each with its own registers). A wait's result and last value read.
+struct WaitResult {
+  uint64_t seen;
+  bool ok;
+};
+template <int kRemote>
+__device__ __noinline__ WaitResult transport_wait(const DeepepInternodeCommon& c, const ncclDevComm& dc, int src, int idx,
+                                                  uint64_t target, int op, int channel, bool alone);
+template <int kRemote>
+__device__ __noinline__ void transport_add(const DeepepInternodeCommon& c, const ncclDevComm& dc, int peer, int idx,
+                                           uint64_t delta);
+template <int kRemote>
+__device__ __noinline__ void transport_publish(const DeepepInternodeCommon& c, const ncclDevComm& dc, int peer,
+                                               RdmaLayout rdma, int ch, int64_t first, int count, int idx);
+
 // How this rank reaches a peer. Peers of the same node, and every peer under the emulation (one
 // physical node), take LSA loads and stores; kRemoteGin peers of other nodes take GIN.
 template <int kRemote>
@@ -133,12 +169,12 @@ struct Transport {
   __device__ __forceinline__ bool direct(int peer) const {
     return kRemote != ll::kRemoteGin || peer / c.node_size == c.rank / c.node_size;
   }
+  // Pointers from the parameters' LSA mapping (as ll::Transport): no window-struct loads, and a
+  // harness can lay out virtual ranks' windows at a stride (tests/gpu/internode_virtual_ranks.cu).
   __device__ __forceinline__ uint8_t* lsa(uint64_t offset, int peer) const {
-    return static_cast<uint8_t*>(ncclGetLsaPointer(window(), offset, peer - c.wait.lsa_base_rank));
+    return c.lsa_base + uint64_t(peer - c.wait.lsa_base_rank) * c.lsa_stride + offset;
   }
-  __device__ __forceinline__ uint8_t* local(uint64_t offset) const {
-    return static_cast<uint8_t*>(ncclGetLocalPointer(window(), offset));
-  }
+  __device__ __forceinline__ uint8_t* local(uint64_t offset) const { return c.local_base + offset; }
 #if DEEPEP_HAVE_GIN
   __device__ __forceinline__ int context(int peer) const {
     return dev_comm.ginContextCount > 0 ? peer % dev_comm.ginContextCount : 0;
@@ -148,6 +184,10 @@ struct Transport {
   // Adds `delta` to counter `idx` of `peer`, after the calling warp's earlier writes to it
   // (the warp synced; lane 0 calls).
   __device__ __forceinline__ void add(int peer, int idx, uint64_t delta) const {
+    if (DEEPEP_INTERNODE_OUTLINE) transport_add<kRemote>(c, dev_comm, peer, idx, delta);
+    else add_now(peer, idx, delta);
+  }
+  __device__ __forceinline__ void add_now(int peer, int idx, uint64_t delta) const {
     if (!direct(peer)) {
 #if DEEPEP_HAVE_GIN
       ncclGin gin(dev_comm, context(peer));
@@ -188,7 +228,7 @@ struct Transport {
 #endif
       return;
     }
-    add(peer, idx, 1);
+    add_now(peer, idx, 1);
   }
 
   // One thread, after its group wrote rows [first, first + count) of the scale-out ring (channel
@@ -197,6 +237,11 @@ struct Transport {
   __device__ __forceinline__ void publish(int peer, const RdmaLayout& rdma, int ch, int64_t first, int count,
                                           int idx) const {
     if (count == 0) return;
+    if (DEEPEP_INTERNODE_OUTLINE) transport_publish<kRemote>(c, dev_comm, peer, rdma, ch, first, count, idx);
+    else publish_now(peer, rdma, ch, first, count, idx);
+  }
+  __device__ __forceinline__ void publish_now(int peer, const RdmaLayout& rdma, int ch, int64_t first, int count,
+                                              int idx) const {
     if (!direct(peer)) {
 #if DEEPEP_HAVE_GIN
       __threadfence();  // the group's staging writes, before the NIC reads them
@@ -215,35 +260,59 @@ struct Transport {
 #endif
       return;
     }
-    add(peer, idx, uint64_t(count));
+    add_now(peer, idx, uint64_t(count));
   }
 
   // Bounded wait until counter `idx` (written by `src`) reaches `target`; the whole warp calls
   // (lane 0 records a stall), or one thread with `alone`.
-  __device__ bool wait_counter(int src, int idx, uint64_t target, int op, int channel, bool alone = false) const {
-    uint64_t seen = 0;
-    return wait_counter(src, idx, target, seen, op, channel, alone);
+  __device__ __forceinline__ bool wait_counter(int src, int idx, uint64_t target, int op, int channel,
+                                               bool alone = false) const {
+    if (DEEPEP_INTERNODE_OUTLINE) return transport_wait<kRemote>(c, dev_comm, src, idx, target, op, channel, alone).ok;
+    return wait_now(src, idx, target, op, channel, alone).ok;
   }
   // The same with `seen`, the counter's last value read (it only grows): no read while it
   // already covers `target`.
-  __device__ bool wait_counter(int src, int idx, uint64_t target, uint64_t& seen, int op, int channel,
-                               bool alone = false) const {
+  __device__ __forceinline__ bool wait_counter(int src, int idx, uint64_t target, uint64_t& seen, int op, int channel,
+                                               bool alone = false) const {
     if (seen >= target) return true;
-    seen = read(src, idx);
-    if (seen >= target) return true;
+    const WaitResult r = DEEPEP_INTERNODE_OUTLINE ? transport_wait<kRemote>(c, dev_comm, src, idx, target, op, channel, alone)
+                                                  : wait_now(src, idx, target, op, channel, alone);
+    seen = r.seen;
+    return r.ok;
+  }
+  __device__ __forceinline__ WaitResult wait_now(int src, int idx, uint64_t target, int op, int channel,
+                                                 bool alone) const {
+    uint64_t seen = read(src, idx);
+    if (seen >= target) return {seen, true};
     const uint64_t start = global_time_ns();
     for (int spin = 1;; ++spin) {
       if (spin > 4) __nanosleep(128);
       seen = read(src, idx);
-      if (seen >= target) return true;
+      if (seen >= target) return {seen, true};
       if ((spin & 15) == 15 && (normal::buffer_failed(c.wait) || global_time_ns() - start > c.wait.timeout_ns)) {
         if (!normal::buffer_failed(c.wait) && (alone || (threadIdx.x & 31) == 0))
           record_stall(c.wait, src, op, channel, int64_t(target), int64_t(seen));
-        return false;
+        return {seen, false};
       }
     }
   }
 };
+
+template <int kRemote>
+__device__ __noinline__ WaitResult transport_wait(const DeepepInternodeCommon& c, const ncclDevComm& dc, int src, int idx,
+                                                  uint64_t target, int op, int channel, bool alone) {
+  return Transport<kRemote>(c, dc).wait_now(src, idx, target, op, channel, alone);
+}
+template <int kRemote>
+__device__ __noinline__ void transport_add(const DeepepInternodeCommon& c, const ncclDevComm& dc, int peer, int idx,
+                                           uint64_t delta) {
+  Transport<kRemote>(c, dc).add_now(peer, idx, delta);
+}
+template <int kRemote>
+__device__ __noinline__ void transport_publish(const DeepepInternodeCommon& c, const ncclDevComm& dc, int peer,
+                                               RdmaLayout rdma, int ch, int64_t first, int count, int idx) {
+  Transport<kRemote>(c, dc).publish_now(peer, rdma, ch, first, count, idx);
+}
 
 // NVLink rings in the NVL region: [C][G writer-or-reader GPU][ring] slots, then a consumed word
 // per slot. Ring (c, w) at reader GPU r is written by local GPU w; its consumed words live at
@@ -255,6 +324,16 @@ template <int kRemote>
 __device__ __forceinline__ uint8_t* nvl_of(const Transport<kRemote>& tr, int local_gpu) {
   const DeepepInternodeCommon& c = tr.c;
   return tr.lsa(c.nvl_offset, (c.rank / c.node_size) * c.node_size + local_gpu);
+}
+
+// Traffic statistics (enum DeepepTrafficKind): a warp's `rows` of `row_bytes` over one leg, added
+// once when its work is done (never per row: the data path stays as it is). One thread calls.
+__device__ __forceinline__ void count_traffic(const DeepepInternodeCommon& c, int rows_kind, int64_t rows,
+                                              int64_t row_bytes) {
+  if (rows <= 0) return;
+  atomicAdd(reinterpret_cast<unsigned long long*>(c.traffic + rows_kind), static_cast<unsigned long long>(rows));
+  atomicAdd(reinterpret_cast<unsigned long long*>(c.traffic + rows_kind + 1),
+            static_cast<unsigned long long>(rows * row_bytes));
 }
 
 // Tokens of channel c (DeepEP's split).

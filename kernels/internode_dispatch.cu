@@ -1,15 +1,28 @@
 // Internode dispatch data kernel (docs/internode.md, "Dispatch"). 2C blocks:
-// * block c < C, the sender: a warp group per destination node n walks channel c's tokens in
+// * block c < C, the sender: a warp group per destination node n (with more nodes than groups,
+//   a group takes nodes g, g + groups, ... in turn) walks channel c's tokens in
 //   tiles and writes every token bound for node n into the scale-out ring (c, my node) of the
 //   forwarder (n, my GPU), each warp every group-size-th row; after each tile the group syncs
 //   and one thread publishes the tile's rows (tail += rows). Own-node tokens take the same ring
 //   of this rank (LSA, local).
-// * block C + c: forwarder groups (one per source node s) drain ring (c, s) in rounds; each row
+// * block C + c: forwarder groups (one per source node s, or several in turn as the senders)
+//   drain ring (c, s) in rounds; each row
 //   goes to every local GPU in its mask with its sequence number in its (source rank, channel)
 //   stream towards that GPU (send_nvl_head): straight into recv_x for this GPU, else into the
 //   NVLink ring (c, my GPU) of that GPU. After each round the group returns its slots (one head
 //   add). Receiver groups (one per other local GPU) drain this rank's NVLink rings into the
 //   outputs at recv_gbl_channel_prefix_matrix[source][c] + sequence.
+//
+// No wait cycle when groups take nodes in turn. Name the scale-out ring of channel c from node
+// s to forwarder rank (X, g) by (s, X). Its writer, a sender group of (s, g), reaches it after
+// its rings (s, X') with X' < X are complete; its reader, a forwarder group of (X, g), after its
+// rings (s', X) with s' < s; every rank takes its nodes in the same ascending order. Within one
+// ring the writer waits only for the reader's credits and the reader only for the writer's
+// rows (a chunk + a round <= ring + 1: both cannot hold out at once), and the NVLink leg never
+// holds a forwarder for good (a receiver drains its ring in slot order, and a slot is taken only
+// by a forwarder with its row in hand). By induction on s + X, every ring completes: the rings
+// a ring waits behind have a smaller s + X.
+#define DEEPEP_INTERNODE_OUTLINE 1  // Transport's slow paths out of line (internode_common.cuh)
 #include "internode_common.cuh"
 #include "launch.cuh"
 
@@ -24,18 +37,21 @@ __device__ __forceinline__ void store_topk(void* topk, bool is_int32, int64_t i,
   else static_cast<int64_t*>(topk)[i] = v;
 }
 
+// The roles take p and dc, the kernel's __grid_constant__ parameters, by reference (never
+// copied); Transport's slow paths are out of line (DEEPEP_INTERNODE_OUTLINE).
 template <int kRemote>
-__device__ void dispatch_send(const DeepepInternodeDispatchParams& p, const Transport<kRemote>& tr, int ch,
-                              const WarpGroup& group, int lane) {
+__device__ __forceinline__ void dispatch_send(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
+                                           int node, const WarpGroup group, int lane) {
   const DeepepInternodeCommon& c = p.common;
+  const Transport<kRemote> tr(c, dc);
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
-  const int node = group.role, my_node = me / G, dst = node * G + me % G;
+  const int my_node = me / G, dst = node * G + me % G;
   const DispatchRow row{p.hidden_bytes, p.num_scales, p.num_topk};
   const RdmaLayout rdma{p.row_bytes, c.rdma_ring_tokens, N, C, R};
   const int K = p.num_topk, S = p.num_scales;
   // A tile's tokens bound for the node are a chunk of at most send_chunk rows.
   const int tile_tokens = send_chunk(c.rdma_ring_tokens);
-  const uint64_t sent = c.totals[sent_total(ch, node)];
+  const uint64_t sent = c.totals[sent_total(c, ch, node)];
   uint64_t freed = 0;  // head counter, last read
   bool ok = true;      // false after a wait expired: the warp still meets its group's barriers
   int64_t begin, end;
@@ -58,7 +74,7 @@ __device__ void dispatch_send(const DeepepInternodeDispatchParams& p, const Tran
       const uint32_t mask = __shfl_sync(0xffffffffu, gpu_mask, bit);
       // Credits: slot `slot % ring` is free once the forwarder returned row slot - ring.
       if (slot >= c.rdma_ring_tokens &&
-          !tr.wait_counter(dst, head_counter(ch, node), sent + slot + 1 - c.rdma_ring_tokens, freed,
+          !tr.wait_counter(dst, head_counter(c, ch, node), sent + slot + 1 - c.rdma_ring_tokens, freed,
                            DEEPEP_WAIT_OP_RDMA_HEAD, ch)) {
         ok = false;
         continue;
@@ -83,10 +99,13 @@ __device__ void dispatch_send(const DeepepInternodeDispatchParams& p, const Tran
       }
     }
     group.sync();
-    if (ok && group.leader(lane)) tr.publish(dst, rdma, ch, k, __popc(in), tail_counter(ch, my_node));
+    if (ok && group.leader(lane)) tr.publish(dst, rdma, ch, k, __popc(in), tail_counter(c, ch, my_node));
     k += __popc(in);
   }
-  if (group.leader(lane)) c.totals[sent_total(ch, node)] = sent + k;
+  if (group.leader(lane)) {
+    c.totals[sent_total(c, ch, node)] = sent + k;
+    if (node != my_node) count_traffic(c, DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_ROWS, k, p.row_bytes);
+  }
 }
 
 // A dispatched row (`in`: DispatchRow without its x offset applied) of source rank `src` into
@@ -116,15 +135,17 @@ __device__ void write_recv_row(const DeepepInternodeDispatchParams& p, int64_t o
     reinterpret_cast<int32_t*>(p.recv_src_meta + out * 8)[lane] = lane == 0 ? src / c.node_size : reinterpret_cast<const int32_t*>(in)[1];
 }
 
-// Forwarder group of source node `group.role`: its rows of channel ch, to the local GPUs in
+// Forwarder group of source node `src_node`: its rows of channel ch, to the local GPUs in
 // their masks. Every warp reads a round's masks (the sequence numbers); member m forwards the
 // round's rows m, m + warps, ...
 template <int kRemote>
-__device__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const Transport<kRemote>& tr, int ch,
-                                 const WarpGroup& group, int lane, int* nvl_alloc, uint32_t generation) {
+__device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
+                                              int src_node, const WarpGroup group, int lane, int* nvl_alloc,
+                                              uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
+  const Transport<kRemote> tr(c, dc);
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
-  const int src_node = group.role, my_node = me / G, my_gpu = me % G, src = src_node * G + my_gpu;
+  const int my_node = me / G, my_gpu = me % G, src = src_node * G + my_gpu;
   const RdmaLayout rdma{p.row_bytes, c.rdma_ring_tokens, N, C, R};
   const int64_t nvl_slot_bytes = kNvlHeaderBytes + p.row_bytes;
   const normal::RingLayout nvl = nvl_rings(c, nvl_slot_bytes);
@@ -133,14 +154,14 @@ __device__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const T
   const int64_t rdma_row0 = (src_node > 0 ? p.recv_rdma_rank_prefix_sum[src_node - 1] : 0) + first;
   const int64_t own_row0 = p.recv_gbl_channel_prefix_matrix[src * C + ch];
   const int round = min(kWarp, recv_round(c.rdma_ring_tokens));
-  const uint64_t received = c.totals[recv_total(ch, src_node)];
+  const uint64_t received = c.totals[recv_total(c, ch, src_node)];
   uint8_t* my_nvl = tr.local(c.nvl_offset);
   uint64_t tail = 0;  // tail counter, last read
   int64_t seq_base = 0;  // lane j < G: rows of earlier rounds towards GPU j
   bool ok = true;
   for (int64_t i0 = 0; i0 < count; i0 += round) {
     const int n = int(min(int64_t(round), count - i0));
-    ok = ok && tr.wait_counter(src, tail_counter(ch, src_node), received + i0 + n, tail, DEEPEP_WAIT_OP_RDMA_TAIL, ch);
+    ok = ok && tr.wait_counter(src, tail_counter(c, ch, src_node), received + i0 + n, tail, DEEPEP_WAIT_OP_RDMA_TAIL, ch);
     const uint32_t lane_mask =
         ok && lane < n ? uint32_t(reinterpret_cast<const int32_t*>(tr.local(c.rdma_offset + rdma.recv_slot(ch, src_node, i0 + lane)))[1]) : 0u;
     uint32_t towards = 0;  // lane j < G: which of the round's rows go to GPU j
@@ -155,9 +176,9 @@ __device__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const T
       const int64_t rdma_row = rdma_row0 + i0 + b;
       if (p.send_nvl_head != nullptr && lane < G && uint64_t(rdma_row) < uint64_t(p.num_rdma_recv_rows))
         p.send_nvl_head[rdma_row * G + lane] = (mask >> lane) & 1u ? int32_t(seq) : -1;
-#pragma unroll
-      for (int j = 0; j < kMaxNodeSize; ++j) {
-        if (j >= G || !((mask >> j) & 1u)) continue;
+      // The row's GPUs, ascending (not unrolled: one copy of the NVLink path).
+      for (uint32_t gpus = G < kWarp ? mask & ((1u << G) - 1u) : mask; gpus != 0; gpus &= gpus - 1) {
+        const int j = __ffs(gpus) - 1;
         const int64_t s = __shfl_sync(0xffffffffu, seq, j);
         if (j == my_gpu) {
           if (uint64_t(own_row0 + s) < uint64_t(p.num_recv_rows)) write_recv_row(p, own_row0 + s, in, src, lane);
@@ -191,17 +212,21 @@ __device__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const T
     seq_base += __popc(towards);
     // The round's slots read: credits to the source.
     group.sync();
-    if (ok && group.leader(lane)) tr.add(src, head_counter(ch, my_node), uint64_t(n));
+    if (ok && group.leader(lane)) tr.add(src, head_counter(c, ch, my_node), uint64_t(n));
   }
-  if (group.leader(lane)) c.totals[recv_total(ch, src_node)] = received + count;
+  if (group.leader(lane)) c.totals[recv_total(c, ch, src_node)] = received + count;
+  // seq_base, lane j < G: the group's rows towards GPU j; other GPUs' took the NVLink leg.
+  const int nvl_rows = __reduce_add_sync(0xffffffffu, lane < G && lane != my_gpu ? int(seq_base) : 0);
+  if (group.leader(lane)) count_traffic(c, DEEPEP_TRAFFIC_DISPATCH_NVL_ROWS, nvl_rows, nvl_slot_bytes);
 }
 
 // Receiver group of local forwarder GPU `fwd` (not this GPU): the rows of sources (s, fwd) for
 // every node s, channel ch; member m takes slots m, m + warps, ...
 template <int kRemote>
-__device__ void dispatch_receive(const DeepepInternodeDispatchParams& p, const Transport<kRemote>& tr, int ch, int fwd,
-                                 const WarpGroup& group, int lane, uint32_t generation) {
+__device__ __forceinline__ void dispatch_receive(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
+                                              int fwd, const WarpGroup group, int lane, uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
+  const Transport<kRemote> tr(c, dc);
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
   const int my_gpu = me % G;
   const normal::RingLayout nvl = nvl_rings(c, kNvlHeaderBytes + p.row_bytes);
@@ -227,10 +252,9 @@ __device__ void dispatch_receive(const DeepepInternodeDispatchParams& p, const T
 }
 
 template <int kRemote>
-__global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(ncclDevComm dev_comm,
-                                                                         DeepepInternodeDispatchParams p) {
+__global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(
+    const __grid_constant__ ncclDevComm dev_comm, const __grid_constant__ DeepepInternodeDispatchParams p) {
   const DeepepInternodeCommon& c = p.common;
-  const Transport<kRemote> tr(c, dev_comm);
   const int C = c.num_channels, N = c.num_nodes, G = c.node_size, my_gpu = c.rank % G;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   __shared__ int nvl_alloc[kMaxNodeSize];
@@ -240,15 +264,19 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(ncclDev
   if (!normal::buffer_failed(c.wait)) {
     if (int(blockIdx.x) < C) {
       const WarpGroup group(warp, N);
-      if (group.role < N) dispatch_send(p, tr, blockIdx.x, group, lane);
+      if (group.role < group.groups)
+        for (int node = group.role; node < N; node += group.groups) dispatch_send<kRemote>(p, dev_comm, blockIdx.x, node, group, lane);
     } else {
-      // Roles: N forwarders, then a receiver per other local GPU.
-      const WarpGroup group(warp, N + G - 1);
-      if (group.role < N) {
-        dispatch_forward(p, tr, blockIdx.x - C, group, lane, nvl_alloc, generation);
-      } else if (group.role < N + G - 1) {
-        const int r = group.role - N;
-        dispatch_receive(p, tr, blockIdx.x - C, r < my_gpu ? r : r + 1, group, lane, generation);
+      // Roles: F forwarders (all N nodes when the block has the warps, else each in turn), then
+      // a receiver per other local GPU.
+      const int F = min(N, kWarps - (G - 1));
+      const WarpGroup group(warp, F + G - 1);
+      if (group.role < F) {
+        for (int s = group.role; s < N; s += F)
+          dispatch_forward<kRemote>(p, dev_comm, blockIdx.x - C, s, group, lane, nvl_alloc, generation);
+      } else if (group.role < F + G - 1) {
+        const int r = group.role - F;
+        dispatch_receive<kRemote>(p, dev_comm, blockIdx.x - C, r < my_gpu ? r : r + 1, group, lane, generation);
       }
     }
   }

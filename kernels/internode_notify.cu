@@ -36,10 +36,9 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   const int local_experts = (with_data && !p.cached) ? p.num_experts / R : 0;
   const RdmaLayout rdma{0, 0, N, C, R};
   __shared__ int failed;
-  __shared__ int32_t rank_prefix[DEEPEP_INTERNODE_MAX_RANKS];
   if (normal::buffer_failed(c.wait)) return;
   if (threadIdx.x == 0) failed = 0;
-  const uint64_t round = c.totals[kNotifyRounds];
+  const uint64_t round = c.totals[notify_rounds(c)];
   const int parity = int(round & 1);
 
   // 1. The sender's prefix matrices (inclusive over channels).
@@ -97,20 +96,20 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
       slot[i] = v;
     }
     if (ints > 0) {
-      tr.put_add(dst, recv_off, send_off, align16(int64_t(ints) * 4), notify_counter(me), lane);
+      tr.put_add(dst, recv_off, send_off, align16(int64_t(ints) * 4), notify_counter(c, me), lane);
     } else {
       __syncwarp();
-      if (lane == 0) tr.add(dst, notify_counter(me), 1);
+      if (lane == 0) tr.add(dst, notify_counter(c, me), 1);
     }
   }
 
   // 3. Every rank's slot of this round.
   for (int src = threadIdx.x; src < R; src += blockDim.x) {
-    if (!tr.wait_counter(src, notify_counter(src), round + 1, DEEPEP_WAIT_OP_INTERNODE_NOTIFY, src, true)) failed = 1;
+    if (!tr.wait_counter(src, notify_counter(c, src), round + 1, DEEPEP_WAIT_OP_INTERNODE_NOTIFY, src, true)) failed = 1;
   }
   __syncthreads();
   if (failed) return;
-  if (threadIdx.x == 0) c.totals[kNotifyRounds] = round + 1;
+  if (threadIdx.x == 0) c.totals[notify_rounds(c)] = round + 1;
 
   if (!with_data) {
     // Combine: DeepEP's rewrite of the heads it reads (segments: source channels; (node, channel)
@@ -134,12 +133,14 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   // 4. The receive side.
   const int32_t* slots = reinterpret_cast<const int32_t*>(tr.local(c.rdma_offset + rdma.notify_recv(parity, 0)));
   const int stride = DEEPEP_INTERNODE_NOTIFY_SLOT_INTS;
+  // The rank prefix sums go to their output and are read back from it after the barrier (no
+  // per-rank shared array: any R).
+  int32_t* rank_prefix = p.recv_gbl_rank_prefix_sum;
   if (threadIdx.x == 0) {
     int32_t acc = 0;
     for (int s = 0; s < R; ++s) {
       acc += C > 0 ? max(slots[s * stride + C - 1], 0) : 0;
       rank_prefix[s] = acc;
-      p.recv_gbl_rank_prefix_sum[s] = acc;
     }
     acc = 0;
     for (int n = 0; n < N; ++n) {

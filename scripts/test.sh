@@ -52,6 +52,12 @@ mkdir -p target/ll_virtual
   tests/gpu/ll_virtual_ranks.cu "$kernels_lib" -L"$CUDA_HOME/lib" -cudart static -Xlinker --no-undefined \
   -o target/ll_virtual/libll_virtual_ranks.so
 
+echo "== virtual-rank library of the internode kernels (tests/gpu/test_internode_virtual_ranks.py runs it on a GPU)"
+mkdir -p target/internode_virtual
+"$CUDA_HOME/bin/nvcc" -std=c++17 -O2 -shared -Xcompiler -fPIC -Ikernels -isystem "$NCCL_HOME/include" \
+  tests/gpu/internode_virtual_ranks.cu "$kernels_lib" -L"$CUDA_HOME/lib" -cudart static -Xlinker --no-undefined \
+  -o target/internode_virtual/libinternode_virtual_ranks.so
+
 echo "== host tests of kernel helpers (the LL receives' work items)"
 mkdir -p target/host_tests
 "$CUDA_HOME/bin/nvcc" -std=c++17 -O2 -Ikernels tests/host/ll_work_items_test.cu -L"$CUDA_HOME/lib" \

@@ -22,10 +22,11 @@ const LL_CLEAN_BARRIER_OFFSET: usize = 32 << 10;
 const NOTIFY_OFFSET: usize = 64 << 10;
 const _: () = assert!(LL_CLEAN_BARRIER_OFFSET + 4 * LL_MAX_RANKS as usize <= NOTIFY_OFFSET);
 const _: () = assert!(NOTIFY_OFFSET + 2 * kernels::MAX_NVL_RANKS as usize * kernels::NOTIFY_SLOT_BYTES <= CONTROL_BYTES);
-/// The internode counters' window words (kernels/deepep_kernels.h DEEPEP_INTERNODE_COUNTERS).
+/// The internode counters' window words (kernels::internode_counters of them, 8 bytes each);
+/// a buffer across many nodes grows its control region past CONTROL_BYTES for them
+/// ([`control_bytes`]).
 const INTERNODE_CONTROL_OFFSET: usize = 256 << 10;
 const _: () = assert!(NOTIFY_OFFSET + 2 * kernels::MAX_NVL_RANKS as usize * kernels::NOTIFY_SLOT_BYTES <= INTERNODE_CONTROL_OFFSET);
-const _: () = assert!(INTERNODE_CONTROL_OFFSET + kernels::INTERNODE_CONTROL_BYTES <= CONTROL_BYTES);
 const WINDOW_ALIGN: usize = nccl_sys::NCCL_WIN_REQUIRED_ALIGNMENT;
 /// Zeroed device scratch, as DeepEP's NUM_WORKSPACE_BYTES.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -41,13 +42,16 @@ const WS_LL_CLEAN_EPOCH: usize = 524;
 const WS_NORMAL_PEER_GONE: usize = 1024;
 const WS_NORMAL_DROPPED: usize = 1088;
 const _: () = assert!(WS_NORMAL_PEER_GONE + 4 * kernels::MAX_NVL_RANKS as usize <= WS_NORMAL_DROPPED);
-const _: () = assert!(WS_NORMAL_DROPPED + 8 * kernels::DROPPED_KINDS <= WS_LAYOUT_ACCUMULATORS);
+/// Internode traffic counters, u64 [TRAFFIC_KINDS] (cumulative: never reset).
+const WS_INTERNODE_TRAFFIC: usize = 1152;
+const _: () = assert!(WS_NORMAL_DROPPED + 8 * kernels::DROPPED_KINDS <= WS_INTERNODE_TRAFFIC);
+const _: () = assert!(WS_INTERNODE_TRAFFIC + 8 * kernels::TRAFFIC_KINDS <= WS_LAYOUT_ACCUMULATORS);
 const WS_LAYOUT_ACCUMULATORS: usize = 4096;
 /// Low-latency counters at the end of the workspace (see [`LlWorkspace`]).
 const WS_LL: usize = WORKSPACE_BYTES - (128 << 10);
-/// Internode running totals (DEEPEP_INTERNODE_WORKSPACE_WORDS), below the LL counters.
-const WS_INTERNODE: usize = WS_LL - (64 << 10);
-const _: () = assert!(WS_INTERNODE + kernels::INTERNODE_WORKSPACE_BYTES <= WS_LL);
+/// End of the layout accumulators (the internode running totals have an allocation of their
+/// own, sized by the buffer's nodes: [`Resources::internode_totals`]).
+const WS_LAYOUT_END: usize = WS_LL - (64 << 10);
 /// Largest rank count the LL workspace arrays hold.
 pub(crate) const LL_MAX_RANKS: i32 = 1024;
 /// Bytes of an LL workspace array of `per` bytes per (op kind, half, `n`).
@@ -78,6 +82,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn align_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
+}
+
+/// Bytes of the window's control region for `layout` on a GPU of `num_device_sms` SMs: 1 MiB,
+/// or more across nodes when the internode counters (2 Cb N + R words) need it. The NVL region
+/// starts here.
+pub(crate) fn control_bytes(layout: &RankLayout, num_device_sms: i32) -> usize {
+    if !layout.spans_nodes() {
+        return CONTROL_BYTES;
+    }
+    let (cb, n) = (kernels::internode_counter_channels(num_device_sms), layout.num_ranks / layout.node_size);
+    let counters = kernels::internode_counters(cb, n, layout.num_ranks) as usize;
+    CONTROL_BYTES.max(align_up(INTERNODE_CONTROL_OFFSET + 8 * counters, WINDOW_ALIGN))
 }
 
 /// Which normal-mode kernel a [`Resources::normal_common`] is for.
@@ -126,13 +142,17 @@ pub struct BufferArgs {
 pub(crate) struct Resources {
     pub stream: Stream,
     pub workspace: DeviceMemory,
+    /// Internode running totals, u64 [kernels::internode_totals_words] (one word within a node).
+    pub internode_totals: DeviceMemory,
+    /// The control region's bytes ([`control_bytes`]): where the NVL region starts.
+    pub control_bytes: usize,
     pub stall: HostMapped<StallRecord>,
     pub fault: HostMapped<kernels::FaultRecord>,
     pub recv_counts: HostMapped<kernels::RecvCounts>,
     pub dev_comm: DevComm,
     pub comm: Communicator,
     pub window: SymmetricWindow,
-    /// Where each LSA rank's copy of the window lies (the LL kernels' pointers).
+    /// Where each LSA rank's copy of the window lies (the LL and internode kernels' pointers).
     pub lsa_geometry: LsaGeometry,
     pub lsa_base_rank: i32,
     pub lsa_size: i32,
@@ -152,7 +172,7 @@ impl Resources {
         self.workspace_at(WS_LAYOUT_TICKET).cast()
     }
     pub fn layout_accumulators(&self) -> (*mut i32, i64) {
-        (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WS_INTERNODE - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
+        (self.workspace_at(WS_LAYOUT_ACCUMULATORS).cast(), ((WS_LAYOUT_END - WS_LAYOUT_ACCUMULATORS) / 4) as i64)
     }
     /// The LL state, per (op kind, half): done [R], source_state [R], ticket (then the sends per
     /// half), op_seq [LL_MAX_BLOCKS], gin_sent [R]; then mask [R] (kernels/deepep_kernels.h).
@@ -192,7 +212,7 @@ impl Resources {
     ) -> kernels::NormalCommon {
         kernels::NormalCommon {
             window: self.window.handle().cast(),
-            nvl_offset: CONTROL_BYTES as u64,
+            nvl_offset: self.control_bytes as u64,
             notify_offset: NOTIFY_OFFSET as u64,
             op_epoch: self.workspace_at(WS_OP_EPOCH).cast(),
             notify_epoch: self.workspace_at(WS_NOTIFY_EPOCH).cast(),
@@ -215,6 +235,11 @@ impl Resources {
     pub fn normal_dropped(&self) -> *mut u64 {
         self.workspace_at(WS_NORMAL_DROPPED).cast()
     }
+    /// The internode kernels' cumulative traffic counters, u64 [TRAFFIC_KINDS] (enum
+    /// DeepepTrafficKind).
+    pub fn internode_traffic(&self) -> *mut u64 {
+        self.workspace_at(WS_INTERNODE_TRAFFIC).cast()
+    }
     /// Window geometry, device counters and topology of the internode kernels.
     pub fn internode_common(
         &self,
@@ -227,12 +252,16 @@ impl Resources {
     ) -> kernels::InternodeCommon {
         kernels::InternodeCommon {
             window: self.window.handle().cast(),
-            nvl_offset: CONTROL_BYTES as u64,
+            lsa_base: self.lsa_geometry.base as *mut u8,
+            lsa_stride: self.lsa_geometry.stride,
+            local_base: self.lsa_geometry.local() as *mut u8,
+            nvl_offset: self.control_bytes as u64,
             rdma_offset: rdma_offset as u64,
             control_offset: INTERNODE_CONTROL_OFFSET as u64,
             op_epoch: self.workspace_at(WS_OP_EPOCH).cast(),
             ticket: self.workspace_at(WS_DATA_TICKET).cast(),
-            totals: self.workspace_at(WS_INTERNODE).cast(),
+            totals: self.internode_totals.ptr().cast(),
+            traffic: self.internode_traffic(),
             fault: self.fault.device_ptr(),
             wait,
             rank: layout.rank,
@@ -243,6 +272,8 @@ impl Resources {
             rdma_ring_tokens,
             nvl_ring_tokens,
             gin_signal_base: kernels::LL_GIN_SIGNALS_PER_RANK * layout.num_ranks,
+            counter_channels: kernels::internode_counter_channels(self.num_sms),
+            reserved: 0,
         }
     }
     /// The stream an op launches on: the caller's, or the comm stream for NULL.
@@ -326,15 +357,37 @@ impl Buffer {
         let team = comm.lsa_team();
         let multi_node = team.nRanks != args.num_ranks;
         let virtual_node = settings.virtual_node_size;
-        let nvl_offset = CONTROL_BYTES;
+        let (node_size, remote_kind) = if multi_node {
+            (team.nRanks, kernels::LL_REMOTE_GIN)
+        } else if virtual_node < args.num_ranks {
+            (virtual_node, kernels::LL_REMOTE_EMULATED)
+        } else {
+            (args.num_ranks, kernels::LL_REMOTE_NONE)
+        };
+        let layout = RankLayout { rank: args.rank, num_ranks: args.num_ranks, node_size };
+        let control_bytes = control_bytes(&layout, num_sms);
+        let counter_channels = kernels::internode_counter_channels(num_sms);
+        let nodes = args.num_ranks / node_size;
+        let nvl_offset = control_bytes;
         let rdma_offset = nvl_offset + align_up(args.num_nvl_bytes as usize, WINDOW_ALIGN);
         let window_bytes = rdma_offset + align_up(args.num_rdma_bytes as usize, WINDOW_ALIGN);
         let window = SymmetricWindow::new(&comm, window_bytes)?;
         cuda::memset_zero(window.ptr(), window.bytes())?;
         // Control and notify slots, then one per SM so per-CTA barriers never share one.
         // The LL signals, then the internode counters (one buffer may serve both kinds of op).
-        let gin_signals =
-            if multi_node { kernels::LL_GIN_SIGNALS_PER_RANK * args.num_ranks + kernels::INTERNODE_COUNTERS } else { 0 };
+        let gin_signals = if multi_node {
+            let counters = kernels::internode_counters(counter_channels, nodes, args.num_ranks);
+            let total = kernels::LL_GIN_SIGNALS_PER_RANK as i64 * args.num_ranks as i64 + counters;
+            i32::try_from(total).map_err(|_| {
+                Error::invalid(format!(
+                    "{} ranks in {nodes} nodes need {total} GIN signals (low-latency and internode counters), more \
+                     than NCCL's 32-bit signal count",
+                    args.num_ranks
+                ))
+            })?
+        } else {
+            0
+        };
         let dev_comm = DevComm::new(&comm, build, DATA_BARRIER_BASE + num_sms, gin_signals).map_err(|e| {
             if multi_node {
                 Error::unsupported(format!(
@@ -348,13 +401,6 @@ impl Buffer {
         })?;
         let info = dev_comm.info();
         let lsa_geometry = window.lsa_geometry(build, info.lsa_rank, info.lsa_size)?;
-        let (node_size, remote_kind) = if multi_node {
-            (info.lsa_size, kernels::LL_REMOTE_GIN)
-        } else if virtual_node < args.num_ranks {
-            (virtual_node, kernels::LL_REMOTE_EMULATED)
-        } else {
-            (args.num_ranks, kernels::LL_REMOTE_NONE)
-        };
         if crate::log::enabled(Level::Info) {
             let report = CreationReport {
                 args: *args,
@@ -367,6 +413,7 @@ impl Buffer {
                 remote_kind,
                 virtual_node_env: crate::env::read(VIRTUAL_NODE_ENV).is_some(),
                 num_sms,
+                control_bytes,
                 gpu_timeout_secs: settings.gpu_timeout_secs,
             };
             for (level, line) in report.lines() {
@@ -376,6 +423,12 @@ impl Buffer {
         Ok(Resources {
             stream: Stream::new_high_priority()?,
             workspace: DeviceMemory::zeroed(WORKSPACE_BYTES)?,
+            internode_totals: DeviceMemory::zeroed(if layout.spans_nodes() {
+                8 * kernels::internode_totals_words(counter_channels, nodes) as usize
+            } else {
+                8
+            })?,
+            control_bytes,
             stall: HostMapped::new()?,
             fault: HostMapped::new()?,
             recv_counts: HostMapped::new()?,
@@ -439,7 +492,7 @@ impl Buffer {
 
     /// Window offset of the RDMA region (where the LL halves live).
     pub(crate) fn rdma_offset(&self) -> usize {
-        CONTROL_BYTES + align_up(self.args.num_nvl_bytes as usize, WINDOW_ALIGN)
+        control_bytes(&self.layout, self.num_device_sms) + align_up(self.args.num_nvl_bytes as usize, WINDOW_ALIGN)
     }
 
     pub fn num_device_sms(&self) -> i32 {
@@ -558,7 +611,7 @@ impl Buffer {
             let (offset, bytes) = if use_rdma_buffer {
                 (self.rdma_offset(), self.args.num_rdma_bytes)
             } else {
-                (CONTROL_BYTES, nvl)
+                (res.control_bytes, nvl)
             };
             // SAFETY: the offset lies inside the window allocation (sized from the same args).
             Ok((unsafe { res.window.ptr().cast::<u8>().add(offset).cast() }, bytes))
@@ -621,6 +674,7 @@ pub(crate) struct CreationReport {
     pub remote_kind: i32,
     pub virtual_node_env: bool,
     pub num_sms: i32,
+    pub control_bytes: usize,
     pub gpu_timeout_secs: f64,
 }
 
@@ -640,7 +694,7 @@ impl CreationReport {
     pub fn lines(&self) -> Vec<(Level, String)> {
         let a = &self.args;
         let v = nccl::format_version;
-        let nvl_offset = CONTROL_BYTES;
+        let nvl_offset = self.control_bytes;
         let rdma_offset = nvl_offset + align_up(a.num_nvl_bytes as usize, WINDOW_ALIGN);
         let window = rdma_offset + align_up(a.num_rdma_bytes as usize, WINDOW_ALIGN);
         let mut lines = vec![
@@ -716,6 +770,7 @@ mod tests {
             remote_kind: kernels::LL_REMOTE_EMULATED,
             virtual_node_env: true,
             num_sms: 132,
+            control_bytes: CONTROL_BYTES,
             gpu_timeout_secs: 100.0,
         };
         let lines: Vec<String> = report
@@ -735,5 +790,24 @@ mod tests {
         assert!(text.contains("nodes of 2 ranks (from DEEPEP_VIRTUAL_NODE_SIZE)"));
         assert!(text.contains("NVL [1048576, +1073741824), RDMA [1074790400, +536870912)"));
         assert!(text.contains("normal-mode transport: LSA to all 4 ranks"));
+    }
+
+    /// The control region grows with the nodes only where the internode counters need it: 1 MiB
+    /// up to about 700 nodes on 132 SMs (66 channels), then 8 bytes a counter.
+    #[test]
+    fn control_region_holds_the_internode_counters() {
+        let nodes = |n: i32, g: i32| RankLayout { rank: 0, num_ranks: n * g, node_size: g };
+        assert_eq!(control_bytes(&RankLayout::one_node(0, 8), 132), CONTROL_BYTES);
+        assert_eq!(control_bytes(&nodes(16, 8), 132), CONTROL_BYTES);
+        assert_eq!(control_bytes(&nodes(64, 8), 132), CONTROL_BYTES);
+        for (n, g) in [(2, 1), (64, 8), (1000, 8), (4096, 8), (4096, 1)] {
+            let bytes = control_bytes(&nodes(n, g), 132);
+            let counters = kernels::internode_counters(66, n, n * g) as usize;
+            assert!(bytes >= INTERNODE_CONTROL_OFFSET + 8 * counters && bytes % WINDOW_ALIGN == 0, "{n}x{g}: {bytes}");
+        }
+        assert!(control_bytes(&nodes(4096, 8), 132) > CONTROL_BYTES);
+        // The counters' channel stride: every op's channels (config.num_sms / 2 <= SMs / 2).
+        assert_eq!(kernels::internode_counter_channels(132), 66);
+        assert_eq!(kernels::internode_counter_channels(1024), kernels::MAX_CHANNELS);
     }
 }

@@ -146,9 +146,9 @@ impl SymmetricWindow {
     }
 
     /// Where the window's LSA mapping puts each LSA rank's copy, read from the device API
-    /// itself (once, synchronously) so that the LL kernels can form pointers without loading
-    /// the window struct. NCCL maps the team's copies at a fixed stride; anything else is an
-    /// error here rather than a wrong address in a kernel.
+    /// itself (once, synchronously) so that the LL and internode kernels can form pointers
+    /// without loading the window struct. NCCL maps the team's copies at a fixed stride;
+    /// anything else is an error here rather than a wrong address in a kernel.
     pub fn lsa_geometry(&self, build: kernels::NcclBuild, lsa_rank: i32, lsa_size: i32) -> Result<LsaGeometry> {
         let n = lsa_size as usize;
         let out = DeviceMemory::zeroed(8 * (n + 1))?;
@@ -188,7 +188,7 @@ impl LsaGeometry {
             if ptr != want {
                 return Err(Error::internal(format!(
                     "NCCL's LSA window mapping is not evenly strided: LSA rank {p} at {ptr:#x}, expected {want:#x} \
-                     (base {base:#x}, stride {stride:#x}); the LL kernels need NCCL's flat mapping"
+                     (base {base:#x}, stride {stride:#x}); the LL and internode kernels need NCCL's flat mapping"
                 )));
             }
         }

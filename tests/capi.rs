@@ -446,6 +446,7 @@ fn every_buffer_entry(buf: *mut DeepepBuffer) -> Vec<(&'static str, DeepepStatus
         call!("internode_dispatch_handle_outputs", deepep_internode_dispatch_handle_outputs(buf, &dispatch, &mut o));
         call!("internode_dispatch_outputs", deepep_internode_dispatch_outputs(buf, &dispatch, 5, 3, &mut o));
         call!("internode_combine_outputs", deepep_internode_combine_outputs(buf, &combine, &mut o));
+        call!("internode_query_traffic", deepep_internode_query_traffic(buf, &t, s));
     }
     calls
 }

@@ -278,3 +278,47 @@ fn internode_combine_describes_its_outputs_and_checks_the_handle() {
     expect_err(deepep_internode_combine(buf, &bad, ptr::null_mut()), "src_meta must have shape [50, 8]");
     assert_eq!(deepep_buffer_free(buf), DEEPEP_SUCCESS);
 }
+
+#[test]
+fn traffic_query_checks_its_tensor_and_needs_a_buffer_across_nodes() {
+    let across = buffer(0, 4, 2, 1 << 30);
+    let s = ptr::null_mut();
+    let traffic = described(DEEPEP_DTYPE_INT64, &[8], at(0));
+    // Valid arguments reach the resources, which this buffer has none of.
+    assert_eq!(deepep_internode_query_traffic(across, &traffic, s), DEEPEP_ERROR_NOT_AVAILABLE, "{}", last_error());
+    expect_err(deepep_internode_query_traffic(across, ptr::null(), s), "traffic");
+    expect_err(deepep_internode_query_traffic(across, &described(DEEPEP_DTYPE_INT32, &[8], at(0)), s), "traffic");
+    expect_err(deepep_internode_query_traffic(across, &described(DEEPEP_DTYPE_INT64, &[4], at(0)), s), "traffic");
+    expect_err(deepep_internode_query_traffic(across, &described(DEEPEP_DTYPE_INT64, &[2, 4], at(0)), s), "traffic");
+    let within = buffer(0, 4, 4, 1 << 30);
+    expect_err(deepep_internode_query_traffic(within, &traffic, s), "only on a buffer across nodes");
+    expect_err(deepep_internode_query_traffic(ptr::null(), &traffic, s), "buffer");
+    assert_eq!(deepep_buffer_free(across), DEEPEP_SUCCESS);
+    assert_eq!(deepep_buffer_free(within), DEEPEP_SUCCESS);
+}
+
+#[test]
+fn internode_topology_limits_past_the_old_cap_and_errors_naming_the_limit() {
+    // Past the old cap of 16 nodes (DeepEP's 20): nodes of 1 to 8 GPUs, as many as divide the world.
+    for (n, g) in [(32, 1), (24, 2), (20, 3), (17, 8), (64, 8)] {
+        let buf = buffer(0, n * g, g, 1 << 30);
+        let a = dispatch_args_unchecked(16);
+        let mut o = DeepepOutputs::default();
+        assert_eq!(deepep_internode_dispatch_handle_outputs(buf, &a, &mut o), DEEPEP_SUCCESS, "{n}x{g}: {}", last_error());
+        assert_eq!(dims(&o.tensors[0]), vec![n as i64, 12], "{n}x{g}: rdma_channel_prefix_matrix [N, C]");
+        assert_eq!(deepep_buffer_free(buf), DEEPEP_SUCCESS);
+    }
+    let mut o = DeepepOutputs::default();
+    let wide = buffer(0, 18, 9, 1 << 30);
+    expect_err(
+        deepep_internode_dispatch_handle_outputs(wide, &dispatch_args_unchecked(16), &mut o),
+        "support nodes of up to 8 GPUs (an NVLink domain of DeepEP's size), the buffer's have 9",
+    );
+    assert_eq!(deepep_buffer_free(wide), DEEPEP_SUCCESS);
+    let many = buffer(0, 4097, 1, 1 << 30);
+    expect_err(
+        deepep_internode_dispatch_handle_outputs(many, &dispatch_args_unchecked(16), &mut o),
+        "support up to 4096 nodes (combine keeps 8 bytes of shared memory per node), the buffer has 4097",
+    );
+    assert_eq!(deepep_buffer_free(many), DEEPEP_SUCCESS);
+}

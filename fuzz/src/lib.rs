@@ -92,7 +92,7 @@ pub mod entries {
     use super::{bool_, i32_edge, i64_edge, Unstructured};
 
     /// Entries [`call`] knows: `which` in 0..COUNT; 1 is deepep_buffer_free.
-    pub const COUNT: u8 = 39;
+    pub const COUNT: u8 = 40;
     pub const FREE: u8 = 1;
 
     /// A plain-old-data value (ints and descriptor pointers only) with every byte from the fuzz input.
@@ -380,6 +380,11 @@ pub mod entries {
                 } else {
                     ("internode_combine_outputs", deepep_internode_combine_outputs(b, ap, ctx.out(u, &mut outs)))
                 }
+            }
+            39 => {
+                let t = ctx.tensor(u);
+                let tp = if bool_(u) && ctx.nullable { null() } else { &t as *const _ };
+                ("internode_query_traffic", deepep_internode_query_traffic(b, tp, s))
             }
             _ => {
                 let mut a: DeepepIntranodeCombineArgs = pod(u);

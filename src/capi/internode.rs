@@ -128,3 +128,26 @@ pub extern "C" fn deepep_internode_combine(
 ) -> crate::error::DeepepStatus {
     ffi(|| combine::combine(buffer_ref(buf)?.buffer(), args_ref("args", args)?, stream))
 }
+
+/// Copies the internode kernels' cumulative traffic counters into `traffic`, an int64 [8] device
+/// tensor, in stream order (no host sync): rows and bytes this rank sent, enum DeepepTrafficKind:
+/// [0] dispatch scale-out rows, [1] their bytes, [2] dispatch NVLink rows, [3] their bytes, [4]
+/// combine scale-out rows, [5] their bytes, [6] combine NVLink rows, [7] their bytes. Scale-out
+/// rows go to another node (own-node rows are not counted); bytes = rows x the row size (NVLink:
+/// plus its 16-byte slot header). A call's traffic is the difference of two queries
+/// (docs/internode.md, "Statistics").
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor, or a
+/// buffer within one node); DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a timeout);
+/// DEEPEP_ERROR_TIMEOUT (a GPU wait expired in an earlier op); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn deepep_internode_query_traffic(
+    buf: *const super::DeepepBuffer,
+    traffic: *const crate::tensor::DeepepTensor,
+    stream: *mut c_void,
+) -> crate::error::DeepepStatus {
+    ffi(|| {
+        let t = args_ref("traffic", traffic)?;
+        crate::internode::query_traffic(buffer_ref(buf)?.buffer(), t, stream)
+    })
+}

@@ -4,12 +4,16 @@
 pub mod combine;
 pub mod dispatch;
 
+use std::os::raw::c_void;
+
 use crate::buffer::{Buffer, BufferArgs, Resources};
 use crate::config::{DeepepConfig, RankLayout};
+use crate::cuda;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::normal::channel_plan;
+use crate::tensor::{check, check_shape, DeepepDtype::*, DeepepTensor};
 
 /// Channels and ring sizes of one internode op, from its `Config`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,7 +25,7 @@ pub struct InternodePlan {
 
 impl InternodePlan {
     /// The kernels' common parameters for an op of this plan on `buffer`.
-    pub fn common(&self, buffer: &Buffer, res: &Resources) -> kernels::InternodeCommon {
+    pub(crate) fn common(&self, buffer: &Buffer, res: &Resources) -> kernels::InternodeCommon {
         res.internode_common(
             buffer.wait_context(res),
             &buffer.layout,
@@ -33,7 +37,12 @@ impl InternodePlan {
     }
 }
 
-/// The topology the internode kernels take: across nodes, at most their nodes and node size.
+/// The topology the internode kernels take: across nodes, nodes of equal size up to
+/// INTERNODE_MAX_NODE_SIZE GPUs (the NVLink domain: a lane per local GPU in the kernels' masks,
+/// a receiver warp per other local GPU), at most INTERNODE_MAX_NODES of them (combine's final
+/// receiver keeps two int32 per node in shared memory). Warp groups take nodes in turn, so
+/// the number of nodes has no other bound; the counters grow the window and the GIN signals
+/// at Buffer creation.
 pub fn check_topology(layout: &RankLayout, args: &BufferArgs) -> Result<()> {
     ensure_arg!(
         layout.spans_nodes(),
@@ -48,15 +57,23 @@ pub fn check_topology(layout: &RankLayout, args: &BufferArgs) -> Result<()> {
     );
     let (nodes, node_size) = (layout.num_ranks / layout.node_size, layout.node_size);
     ensure_arg!(
-        nodes <= kernels::INTERNODE_MAX_NODES,
-        "internode dispatch/combine support up to {} nodes, the buffer has {nodes} ({} ranks in nodes of {node_size})",
-        kernels::INTERNODE_MAX_NODES,
+        layout.num_ranks % node_size == 0,
+        "internode dispatch/combine need nodes of equal size: {node_size} GPUs per node do not divide the buffer's {} \
+         ranks",
         layout.num_ranks
     );
     ensure_arg!(
         node_size <= kernels::INTERNODE_MAX_NODE_SIZE,
-        "internode dispatch/combine support nodes of up to {} GPUs, the buffer's have {node_size}",
+        "internode dispatch/combine support nodes of up to {} GPUs (an NVLink domain of DeepEP's size), the buffer's \
+         have {node_size}",
         kernels::INTERNODE_MAX_NODE_SIZE
+    );
+    ensure_arg!(
+        nodes <= kernels::INTERNODE_MAX_NODES,
+        "internode dispatch/combine support up to {} nodes (combine keeps 8 bytes of shared memory per node), the \
+         buffer has {nodes} ({} ranks in nodes of {node_size})",
+        kernels::INTERNODE_MAX_NODES,
+        layout.num_ranks
     );
     Ok(())
 }
@@ -136,6 +153,25 @@ pub fn plan_for_layout(
     Ok(plan)
 }
 
+/// Copies the internode kernels' cumulative traffic counters (enum DeepepTrafficKind: rows and
+/// bytes this rank sent over the scale-out and the NVLink leg, dispatch then combine) into
+/// `traffic`, an int64 [TRAFFIC_KINDS] device tensor, in `stream` order (no host sync: a CUDA
+/// graph can hold it). A call's traffic is the difference of two queries.
+pub fn query_traffic(buffer: &Buffer, traffic: &DeepepTensor, stream: *mut c_void) -> Result<()> {
+    ensure_arg!(
+        buffer.layout.spans_nodes(),
+        "traffic counters exist only on a buffer across nodes (internode mode); this one's {} ranks are one NVLink \
+         domain",
+        buffer.layout.num_ranks
+    );
+    let out = check("traffic", Some(traffic), &[DEEPEP_DTYPE_INT64], 1)?;
+    check_shape("traffic", &out, &[kernels::TRAFFIC_KINDS as i64])?;
+    buffer.with_resources(|res| {
+        let stream = res.stream_or_comm(stream);
+        cuda::copy_device_async(out.ptr(), res.internode_traffic().cast(), 8 * kernels::TRAFFIC_KINDS, stream)
+    })
+}
+
 fn plan_for(buffer: &Buffer, config: &DeepepConfig, op: &str, row_bytes: i64) -> Result<InternodePlan> {
     plan_for_layout(&buffer.layout, &buffer.args, buffer.num_device_sms(), config, op, row_bytes)
 }
@@ -168,22 +204,32 @@ mod tests {
         check_topology(&two, &BufferArgs { low_latency_mode: true, ..normal }).unwrap();
         let shrink = BufferArgs { enable_shrink: true, ..normal };
         assert!(check_topology(&two, &shrink).unwrap_err().message.contains("enable_shrink=False"));
-        let many = RankLayout { rank: 0, num_ranks: 34, node_size: 2 };
-        assert!(check_topology(&many, &normal).unwrap_err().message.contains("up to 16 nodes, the buffer has 17"));
+        // Past the old cap of 16 nodes (and DeepEP's 20): any node count up to the shared-memory bound.
+        for (n, g) in [(17, 2), (32, 1), (24, 2), (20, 3), (64, 8), (4096, 8), (4096, 1)] {
+            check_topology(&RankLayout { rank: 0, num_ranks: n * g, node_size: g }, &normal)
+                .unwrap_or_else(|e| panic!("{n}x{g}: {}", e.message));
+        }
+        let many = RankLayout { rank: 0, num_ranks: 4097 * 2, node_size: 2 };
+        let err = check_topology(&many, &normal).unwrap_err().message;
+        assert!(err.contains("up to 4096 nodes") && err.contains("the buffer has 4097 (8194 ranks in nodes of 2)"), "{err}");
         let wide = RankLayout { rank: 0, num_ranks: 32, node_size: 16 };
-        assert!(check_topology(&wide, &normal).unwrap_err().message.contains("nodes of up to 8 GPUs"));
+        let err = check_topology(&wide, &normal).unwrap_err().message;
+        assert!(err.contains("nodes of up to 8 GPUs") && err.contains("the buffer's have 16"), "{err}");
+        let uneven = RankLayout { rank: 0, num_ranks: 12, node_size: 8 };
+        let err = check_topology(&uneven, &normal).unwrap_err().message;
+        assert!(err.contains("8 GPUs per node do not divide the buffer's 12 ranks"), "{err}");
     }
 
     /// DeepEP's hints suffice: a buffer sized by get_{nvl,rdma}_buffer_size_hint fits every
     /// internode op of DeepEP's shape (hidden 7168, FP8 scales, top-8) with its default configs,
-    /// for 2 to 16 nodes of 8 (the hints count nodes of 8: with nodes of G the caller asks for
-    /// nodes x 8 ranks).
+    /// for 2 to 256 nodes of 8 (the hints count nodes of 8: with nodes of G the caller asks for
+    /// nodes x 8 ranks). Past DeepEP's tuned tables (160 ranks) the configs of 160 ranks.
     #[test]
     fn deepeps_hints_fit_the_rings() {
-        for nodes in [2, 4, 8, 16] {
+        for nodes in [2, 4, 8, 16, 20, 32, 64, 128, 256] {
             let r = nodes * 8;
             for kind in [ConfigKind::Dispatch, ConfigKind::Combine] {
-                let config = default_config(kind, r, 132).unwrap();
+                let config = default_config(kind, r.min(160), 132).unwrap();
                 let nvl = config.nvl_buffer_size_hint(7168 * 2, r).unwrap();
                 let rdma = config.rdma_buffer_size_hint(7168 * 2, r).unwrap();
                 let layout = RankLayout { rank: 0, num_ranks: r, node_size: 8 };
@@ -216,6 +262,32 @@ mod tests {
         let huge = InternodePlan { num_channels: 64, rdma_ring_tokens: i32::MAX, nvl_ring_tokens: i32::MAX };
         assert!(rdma_bytes_needed(huge, 2, 2, i64::MAX / 2).is_none());
         assert!(nvl_bytes_needed(huge, 8, i64::MAX).is_none());
+    }
+
+    #[test]
+    fn traffic_counters_need_a_buffer_across_nodes_and_an_int64_vector_of_eight() {
+        use crate::error::DeepepStatus;
+        let across = Buffer::without_resources_in_nodes(args(2, 1 << 30, 1 << 30), 132, 1);
+        let within = Buffer::without_resources(args(2, 1 << 30, 0), 132);
+        let mut storage = [0i64; 8];
+        let data = storage.as_mut_ptr().cast();
+        let vector = |dtype: crate::tensor::DeepepDtype, n: i64| DeepepTensor {
+            data,
+            dtype: dtype as i32,
+            ndim: 1,
+            shape: [n, 0, 0, 0],
+            strides: [1, 0, 0, 0],
+        };
+        let null = std::ptr::null_mut();
+        let plain = query_traffic(&within, &vector(DEEPEP_DTYPE_INT64, 8), null).unwrap_err();
+        assert!(plain.message.contains("across nodes"), "{}", plain.message);
+        let dtype = query_traffic(&across, &vector(DEEPEP_DTYPE_INT32, 8), null).unwrap_err();
+        assert!(dtype.message.contains("traffic"), "{}", dtype.message);
+        let shape = query_traffic(&across, &vector(DEEPEP_DTYPE_INT64, 4), null).unwrap_err();
+        assert!(shape.message.contains("traffic"), "{}", shape.message);
+        // Valid arguments reach the resources, which this buffer has none of.
+        let valid = query_traffic(&across, &vector(DEEPEP_DTYPE_INT64, 8), null).unwrap_err();
+        assert_eq!(valid.status, DeepepStatus::DEEPEP_ERROR_NOT_AVAILABLE, "{}", valid.message);
     }
 
     #[test]

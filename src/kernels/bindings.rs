@@ -6,13 +6,9 @@
 pub const DEEPEP_MAX_NVL_RANKS: i32 = 8;
 pub const DEEPEP_MAX_CHANNELS: i32 = 128;
 pub const DEEPEP_NOTIFY_SLOT_INTS: i32 = 1161;
-pub const DEEPEP_INTERNODE_MAX_NODES: i32 = 16;
+pub const DEEPEP_INTERNODE_MAX_NODES: i32 = 4096;
 pub const DEEPEP_INTERNODE_MAX_NODE_SIZE: i32 = 8;
-pub const DEEPEP_INTERNODE_MAX_RANKS: i32 = 128;
-pub const DEEPEP_INTERNODE_COUNTERS: i32 = 4224;
-pub const DEEPEP_INTERNODE_CONTROL_BYTES: i32 = 33792;
 pub const DEEPEP_INTERNODE_NOTIFY_SLOT_INTS: i32 = 1280;
-pub const DEEPEP_INTERNODE_WORKSPACE_WORDS: i32 = 4097;
 pub const DEEPEP_INTERNODE_ROW_HEADER_BYTES: i32 = 16;
 pub const DEEPEP_INTERNODE_NVL_HEADER_BYTES: i32 = 16;
 pub const DEEPEP_LL_MAX_TOPK: i32 = 16;
@@ -620,16 +616,30 @@ const _: () = {
         "Offset of field: DeepepCombineParams::reserved",
     ][::std::mem::offset_of!(DeepepCombineParams, reserved) - 236usize];
 };
+pub const DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_ROWS: DeepepTrafficKind = 0;
+pub const DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_BYTES: DeepepTrafficKind = 1;
+pub const DEEPEP_TRAFFIC_DISPATCH_NVL_ROWS: DeepepTrafficKind = 2;
+pub const DEEPEP_TRAFFIC_DISPATCH_NVL_BYTES: DeepepTrafficKind = 3;
+pub const DEEPEP_TRAFFIC_COMBINE_SCALEOUT_ROWS: DeepepTrafficKind = 4;
+pub const DEEPEP_TRAFFIC_COMBINE_SCALEOUT_BYTES: DeepepTrafficKind = 5;
+pub const DEEPEP_TRAFFIC_COMBINE_NVL_ROWS: DeepepTrafficKind = 6;
+pub const DEEPEP_TRAFFIC_COMBINE_NVL_BYTES: DeepepTrafficKind = 7;
+pub const DEEPEP_TRAFFIC_KINDS: DeepepTrafficKind = 8;
+pub type DeepepTrafficKind = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct DeepepInternodeCommon {
     pub window: *mut ::std::os::raw::c_void,
+    pub lsa_base: *mut u8,
+    pub lsa_stride: u64,
+    pub local_base: *mut u8,
     pub nvl_offset: u64,
     pub rdma_offset: u64,
     pub control_offset: u64,
     pub op_epoch: *mut u32,
     pub ticket: *mut u32,
     pub totals: *mut u64,
+    pub traffic: *mut u64,
     pub fault: *mut DeepepFaultRecord,
     pub wait: DeepepWaitContext,
     pub rank: i32,
@@ -640,12 +650,14 @@ pub struct DeepepInternodeCommon {
     pub rdma_ring_tokens: i32,
     pub nvl_ring_tokens: i32,
     pub gin_signal_base: i32,
+    pub counter_channels: i32,
+    pub reserved: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     [
         "Size of DeepepInternodeCommon",
-    ][::std::mem::size_of::<DeepepInternodeCommon>() - 128usize];
+    ][::std::mem::size_of::<DeepepInternodeCommon>() - 168usize];
     [
         "Alignment of DeepepInternodeCommon",
     ][::std::mem::align_of::<DeepepInternodeCommon>() - 8usize];
@@ -653,53 +665,71 @@ const _: () = {
         "Offset of field: DeepepInternodeCommon::window",
     ][::std::mem::offset_of!(DeepepInternodeCommon, window) - 0usize];
     [
+        "Offset of field: DeepepInternodeCommon::lsa_base",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, lsa_base) - 8usize];
+    [
+        "Offset of field: DeepepInternodeCommon::lsa_stride",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, lsa_stride) - 16usize];
+    [
+        "Offset of field: DeepepInternodeCommon::local_base",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, local_base) - 24usize];
+    [
         "Offset of field: DeepepInternodeCommon::nvl_offset",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_offset) - 8usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_offset) - 32usize];
     [
         "Offset of field: DeepepInternodeCommon::rdma_offset",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_offset) - 16usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_offset) - 40usize];
     [
         "Offset of field: DeepepInternodeCommon::control_offset",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, control_offset) - 24usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, control_offset) - 48usize];
     [
         "Offset of field: DeepepInternodeCommon::op_epoch",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, op_epoch) - 32usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, op_epoch) - 56usize];
     [
         "Offset of field: DeepepInternodeCommon::ticket",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, ticket) - 40usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, ticket) - 64usize];
     [
         "Offset of field: DeepepInternodeCommon::totals",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, totals) - 48usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, totals) - 72usize];
+    [
+        "Offset of field: DeepepInternodeCommon::traffic",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, traffic) - 80usize];
     [
         "Offset of field: DeepepInternodeCommon::fault",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, fault) - 56usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, fault) - 88usize];
     [
         "Offset of field: DeepepInternodeCommon::wait",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, wait) - 64usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, wait) - 96usize];
     [
         "Offset of field: DeepepInternodeCommon::rank",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 96usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 128usize];
     [
         "Offset of field: DeepepInternodeCommon::num_ranks",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 100usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 132usize];
     [
         "Offset of field: DeepepInternodeCommon::node_size",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 104usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 136usize];
     [
         "Offset of field: DeepepInternodeCommon::num_nodes",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 108usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 140usize];
     [
         "Offset of field: DeepepInternodeCommon::num_channels",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 112usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 144usize];
     [
         "Offset of field: DeepepInternodeCommon::rdma_ring_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 116usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 148usize];
     [
         "Offset of field: DeepepInternodeCommon::nvl_ring_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 120usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 152usize];
     [
         "Offset of field: DeepepInternodeCommon::gin_signal_base",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 124usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 156usize];
+    [
+        "Offset of field: DeepepInternodeCommon::counter_channels",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, counter_channels) - 160usize];
+    [
+        "Offset of field: DeepepInternodeCommon::reserved",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, reserved) - 164usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -733,7 +763,7 @@ pub struct DeepepInternodeNotifyParams {
 const _: () = {
     [
         "Size of DeepepInternodeNotifyParams",
-    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 288usize];
+    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 328usize];
     [
         "Alignment of DeepepInternodeNotifyParams",
     ][::std::mem::align_of::<DeepepInternodeNotifyParams>() - 8usize];
@@ -742,84 +772,84 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::is_token_in_rank",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 128usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 168usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rank",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rank)
-        - 136usize];
+        - 176usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rdma_rank",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rdma_rank)
-        - 144usize];
+        - 184usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_expert",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_expert)
-        - 152usize];
+        - 192usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 160usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 200usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, rdma_channel_prefix_matrix)
-        - 168usize];
+        - 208usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, gbl_channel_prefix_matrix)
-        - 176usize];
+        - 216usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeNotifyParams, recv_rdma_channel_prefix_matrix
-    ) - 184usize];
+    ) - 224usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_rdma_rank_prefix_sum)
-        - 192usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_channel_prefix_matrix)
-        - 200usize];
+        - 240usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_gbl_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_rank_prefix_sum)
-        - 208usize];
+        - 248usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_rdma_head)
-        - 216usize];
+        - 256usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::combined_nvl_head",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 224usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 264usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::counts",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 232usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 272usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 280usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_rdma_rows",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 288usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 256usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 296usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 260usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 300usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_experts",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 304usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::expert_alignment",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 268usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 308usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::cached",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 312usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_worst_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 276usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 316usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::dispatch",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 280usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 320usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -857,7 +887,7 @@ pub struct DeepepInternodeDispatchParams {
 const _: () = {
     [
         "Size of DeepepInternodeDispatchParams",
-    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 320usize];
+    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 360usize];
     [
         "Alignment of DeepepInternodeDispatchParams",
     ][::std::mem::align_of::<DeepepInternodeDispatchParams>() - 8usize];
@@ -866,97 +896,97 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::x",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 128usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 168usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::x_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 136usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 176usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 144usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 184usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 152usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 192usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::is_token_in_rank",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, is_token_in_rank)
-        - 160usize];
+        - 200usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeDispatchParams, recv_rdma_channel_prefix_matrix
-    ) - 168usize];
+    ) - 208usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_rdma_rank_prefix_sum)
-        - 176usize];
+        - 216usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeDispatchParams, recv_gbl_channel_prefix_matrix
-    ) - 184usize];
+    ) - 224usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_gbl_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_gbl_rank_prefix_sum)
-        - 192usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_x",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 200usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 240usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_x_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 208usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 248usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 216usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 256usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_weights)
-        - 224usize];
+        - 264usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_src_meta",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 232usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 272usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::send_rdma_head",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 280usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::send_nvl_head",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 288usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 256usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 296usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 304usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_rdma_recv_rows)
-        - 272usize];
+        - 312usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::scale_stride_token",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_token)
-        - 280usize];
+        - 320usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::scale_stride_scale",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_scale)
-        - 288usize];
+        - 328usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 296usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 336usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 300usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 340usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 304usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 344usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_idx_is_int32",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx_is_int32)
-        - 308usize];
+        - 348usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_experts",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 312usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 352usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 316usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 356usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -985,7 +1015,7 @@ pub struct DeepepInternodeCombineParams {
 const _: () = {
     [
         "Size of DeepepInternodeCombineParams",
-    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 256usize];
+    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 296usize];
     [
         "Alignment of DeepepInternodeCombineParams",
     ][::std::mem::align_of::<DeepepInternodeCombineParams>() - 8usize];
@@ -994,65 +1024,65 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeCombineParams::x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 128usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 168usize];
     [
         "Offset of field: DeepepInternodeCombineParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 136usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 176usize];
     [
         "Offset of field: DeepepInternodeCombineParams::bias_0",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 144usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 184usize];
     [
         "Offset of field: DeepepInternodeCombineParams::bias_1",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 152usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 192usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_channel_prefix_matrix)
-        - 160usize];
+        - 200usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_rank_prefix_sum)
-        - 168usize];
+        - 208usize];
     [
         "Offset of field: DeepepInternodeCombineParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, gbl_channel_prefix_matrix)
-        - 176usize];
+        - 216usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_rdma_head)
-        - 184usize];
+        - 224usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_nvl_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_nvl_head)
-        - 192usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 200usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 240usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_topk_weights)
-        - 208usize];
+        - 248usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 216usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 256usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 224usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 264usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_rdma_recv_rows)
-        - 232usize];
+        - 272usize];
     [
         "Offset of field: DeepepInternodeCombineParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 280usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 244usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 284usize];
     [
         "Offset of field: DeepepInternodeCombineParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 288usize];
     [
         "Offset of field: DeepepInternodeCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 252usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 292usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]

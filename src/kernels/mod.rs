@@ -41,6 +41,8 @@ pub(crate) const MAX_CHANNELS: i32 = DEEPEP_MAX_CHANNELS;
 pub(crate) const NOTIFY_SLOT_BYTES: usize = DEEPEP_NOTIFY_SLOT_INTS as usize * size_of::<i32>();
 /// Shrink mode: the normal kernels' dropped-row counters (enum DeepepDroppedKind).
 pub(crate) const DROPPED_KINDS: usize = DEEPEP_DROPPED_KINDS as usize;
+/// Internode mode: the traffic counters (enum DeepepTrafficKind).
+pub(crate) const TRAFFIC_KINDS: usize = DEEPEP_TRAFFIC_KINDS as usize;
 pub(crate) const LL_MAX_TOPK: i64 = DEEPEP_LL_MAX_TOPK as i64;
 pub(crate) const LL_PHASE_SEND: i32 = crate::capi::DEEPEP_LL_PHASE_SEND;
 pub(crate) const LL_MAX_BLOCKS: i32 = DEEPEP_LL_MAX_BLOCKS;
@@ -54,10 +56,21 @@ pub(crate) const LL_SIGNAL_BYTES_PER_RANK: u64 = LL_SIGNAL_KINDS as u64 * size_o
 pub(crate) const LL_GIN_SIGNALS_PER_RANK: i32 = DEEPEP_LL_GIN_SIGNALS_PER_RANK;
 pub(crate) const INTERNODE_MAX_NODES: i32 = DEEPEP_INTERNODE_MAX_NODES;
 pub(crate) const INTERNODE_MAX_NODE_SIZE: i32 = DEEPEP_INTERNODE_MAX_NODE_SIZE;
-/// GIN signals (and window words) of the internode counters.
-pub(crate) const INTERNODE_COUNTERS: i32 = DEEPEP_INTERNODE_COUNTERS as i32;
-pub(crate) const INTERNODE_CONTROL_BYTES: usize = DEEPEP_INTERNODE_CONTROL_BYTES as usize;
-pub(crate) const INTERNODE_WORKSPACE_BYTES: usize = DEEPEP_INTERNODE_WORKSPACE_WORDS as usize * size_of::<u64>();
+
+/// The channel bound Cb of the internode counters of a buffer on a GPU of `num_device_sms` SMs:
+/// no op of it has more channels (config.num_sms <= the GPU's SMs, channels = num_sms / 2).
+pub(crate) fn internode_counter_channels(num_device_sms: i32) -> i32 {
+    (num_device_sms / 2).clamp(1, MAX_CHANNELS)
+}
+/// GIN signals (and window words) of the internode counters (kernels/deepep_kernels.h): tail and
+/// head [Cb][N], notify [R].
+pub(crate) fn internode_counters(counter_channels: i32, num_nodes: i32, num_ranks: i32) -> i64 {
+    2 * counter_channels as i64 * num_nodes as i64 + num_ranks as i64
+}
+/// Words of the internode running totals: sent and received [Cb][N], the notify rounds done.
+pub(crate) fn internode_totals_words(counter_channels: i32, num_nodes: i32) -> i64 {
+    2 * counter_channels as i64 * num_nodes as i64 + 1
+}
 /// Bytes of one internode notify slot (per source rank and parity).
 pub(crate) const INTERNODE_NOTIFY_SLOT_BYTES: i64 = DEEPEP_INTERNODE_NOTIFY_SLOT_INTS as i64 * 4;
 pub(crate) const INTERNODE_NVL_HEADER_BYTES: i64 = DEEPEP_INTERNODE_NVL_HEADER_BYTES as i64;

@@ -333,6 +333,51 @@ def deepep_row_bytes(hidden_bytes: int, num_scales: int = 0, num_topk: int = 0) 
     return -(-raw // 16) * 16
 
 
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+# This implementation's rows (kernels/internode_common.cuh DispatchRow and CombineRow, pinned by
+# src/internode/mod.rs's row_sizes test): each part padded to 16 bytes.
+ROW_HEADER_BYTES = 16  # DEEPEP_INTERNODE_ROW_HEADER_BYTES: source token, destination-GPU mask
+NVL_HEADER_BYTES = 16  # DEEPEP_INTERNODE_NVL_HEADER_BYTES: an NVLink slot's flag header
+
+
+def dispatch_row_bytes(hidden_bytes: int, num_scales: int = 0, num_topk: int = 0) -> int:
+    """A dispatch row: header, x, scales (4 B each), top-k ids (int32) and weights (fp32)."""
+    return ROW_HEADER_BYTES + _align16(hidden_bytes) + _align16(4 * num_scales) + 2 * _align16(4 * num_topk)
+
+
+def combine_row_bytes(hidden_bytes: int, num_topk: int = 0) -> int:
+    """A combine row: x (BF16), then the top-k weights (fp32)."""
+    return _align16(hidden_bytes) + _align16(4 * num_topk)
+
+
+def traffic_rows(is_token_in_rank: Sequence[torch.Tensor], rank: int, num_nvl_ranks: int) -> List[int]:
+    """Rows rank `rank` sends in one dispatch and one combine, as the traffic counters count them
+    (docs/internode.md, "Statistics"), from every rank's is_token_in_rank: [dispatch scale-out
+    (its tokens' distinct other destination nodes), dispatch NVLink (rows it forwards from sources
+    (s, my GPU) to the other GPUs of my node), combine scale-out (rows of its scale-out receive
+    space from other nodes, sent back), combine NVLink (rows it received from sources (s, j), j
+    another GPU of my node, sent to forwarder j)]."""
+    g = num_nvl_ranks
+    node, gpu = divmod(rank, g)
+    sources = [s * g + gpu for s in range(len(is_token_in_rank) // g)]
+    others = [node * g + j for j in range(g) if j != gpu]
+    dispatch_nvl = sum(int(is_token_in_rank[src][:, others].sum()) for src in sources)
+    combine_out = sum(int(in_node(is_token_in_rank[src], g)[:, node].sum()) for src in sources if src // g != node)
+    combine_nvl = sum(int(is_token_in_rank[s * g + j][:, rank].sum())
+                      for s in range(len(is_token_in_rank) // g) for j in range(g) if j != gpu)
+    return [scale_out_rows(is_token_in_rank[rank], rank, g), dispatch_nvl, combine_out, combine_nvl]
+
+
+def traffic(rows: Sequence[int], dispatch_row: int, combine_row: int) -> List[int]:
+    """The 8 counters (enum DeepepTrafficKind) of traffic_rows' rows: rows and bytes per leg, an
+    NVLink slot's bytes the row's plus its header."""
+    sizes = (dispatch_row, dispatch_row + NVL_HEADER_BYTES, combine_row, combine_row + NVL_HEADER_BYTES)
+    return [v for n, size in zip(rows, sizes) for v in (n, n * size)]
+
+
 # ---------------------------------------------------------------- collective wrappers
 def ref_internode_dispatch(group, x, is_token_in_rank, num_tokens_per_expert, topk_idx=None, topk_weights=None, *,
                            num_nvl_ranks: int, num_channels: int, expert_alignment: int = 1,

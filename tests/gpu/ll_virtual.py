@@ -265,10 +265,15 @@ class VirtualWorld:
         self.stall_lock.zero_()
 
 
-def run_cases(title, description, checks):
-    """The command line of a virtual-rank test: every case of `checks` ({name: (VirtualWorld
-    kwargs, check(world, **kwargs), kwargs)}) whose name matches -k, each on a fresh world, every
-    failure reported; returns the exit status."""
+class SkipCase(Exception):
+    """Raised by a world that this GPU cannot hold (run_cases reports the case as skipped)."""
+
+
+def run_cases(title, description, checks, make_world=None):
+    """The command line of a virtual-rank test: every case of `checks` ({name: (world kwargs,
+    check(world, **kwargs), kwargs)}) whose name matches -k, each on a fresh world
+    (make_world(**world kwargs), default VirtualWorld), every failure reported; returns the exit
+    status."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument('-k', dest='pattern', default='', help='run only the cases whose name matches this regex')
     args = parser.parse_args()
@@ -276,22 +281,26 @@ def run_cases(title, description, checks):
         print(f'{title} needs a GPU, found none')
         return 1
     torch.cuda.set_device(0)
-    passed, failed = 0, []
+    passed, failed, skipped = 0, [], 0
     for name, (world_kw, check, check_kw) in checks.items():
         if not re.search(args.pattern, name):
             continue
         start = time.monotonic()
         try:
-            world = VirtualWorld(**world_kw)
+            world = (make_world or VirtualWorld)(**world_kw)
             check(world, **check_kw)
             torch.cuda.synchronize()
             del world
             passed += 1
             print(f'PASS {name} ({time.monotonic() - start:.1f} s)', flush=True)
+        except SkipCase as e:
+            skipped += 1
+            print(f'SKIP {name}: {e}', flush=True)
         except Exception as e:  # report every case
             failed.append(name)
             print(f'FAIL {name}: {e}', flush=True)
             traceback.print_exc()
             torch.cuda.synchronize()
-    print(f'{title}: {passed} passed, {len(failed)} failed' + (f' ({", ".join(failed)})' if failed else ''))
+    print(f'{title}: {passed} passed, {len(failed)} failed' + (f' ({", ".join(failed)})' if failed else '')
+          + (f', {skipped} skipped' if skipped else ''))
     return 1 if failed or passed == 0 else 0

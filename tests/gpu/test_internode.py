@@ -7,9 +7,12 @@ dist.new_group(all ranks), sized by DeepEP's hints (the RDMA hint asked for node
 hints count nodes of 8). Cases: T in {0, 1, 4096}, hidden 2048/7168, top-k 1/8, random, skewed
 and -1-heavy routing, BF16 and FP8 (column-major float32 scales); each checks the layout's
 per-node counts, every dispatch output and all 10 handle entries exactly, a cached dispatch
-bit-identical to the first, combine (with the received weights and a bias tuple) bit for bit, and
-the two heads as combine rewrote them. Then num_worst_tokens (defined rows only), and one
-low_latency_mode buffer serving internode and LL ops (DeepEP's --test-ll-compatibility).
+bit-identical to the first, combine (with the received weights and a bias tuple) bit for bit, the
+two heads as combine rewrote them, and the traffic counters of the dispatch and of the combine
+(Buffer.internode_query_traffic_buffer: scale-out rows = distinct other destination nodes per
+token, bytes = rows x the row; no NVLink leg with nodes of 1). Then num_worst_tokens (defined
+rows only), and one low_latency_mode buffer serving internode and LL ops (DeepEP's
+--test-ll-compatibility).
 
 Run: python tests/gpu/test_internode.py (needs 2 GPUs; more are left idle)."""
 import os
@@ -82,6 +85,18 @@ def layout(ctx, buffer, topk_idx, chk):
     return per_rank, per_rdma, per_expert, in_rank
 
 
+def query_traffic(buffer):
+    """The buffer's traffic counters (enum DeepepTrafficKind), read in stream order."""
+    out = torch.full((8,), -1, dtype=torch.int64)
+    buffer.internode_query_traffic_buffer(out)
+    return out.tolist()
+
+
+def check_traffic(chk, op, before, after, want):
+    got = [a - b for a, b in zip(after, before)]
+    chk.expect(got == want, f'{op} traffic (DeepepTrafficKind order) {got}, expected {want}')
+
+
 def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False, num_worst_tokens=0):
     buffer, chk = ctx.buffer, Checks()
     topk_idx = route(routing, tokens, topk, ctx.world)
@@ -99,11 +114,22 @@ def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False
     num_channels = config.num_sms // 2
     ref = ir.ref_internode_dispatch(ctx.group, x_in, in_rank, per_expert, topk_idx, weights, num_nvl_ranks=NODE_SIZE,
                                     num_channels=num_channels, num_worst_tokens=num_worst_tokens)
+    traffic_before = query_traffic(buffer)
     recv, recv_topk, recv_weights, per_expert_list, handle, _ = buffer.dispatch(
         x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights, num_worst_tokens=num_worst_tokens,
         config=config)
+    traffic_after = query_traffic(buffer)
     recv_x, recv_scales = recv if fp8 else (recv, None)
+    # Rows of the scale-out leg each way: this rank's tokens' other destination nodes (dispatch),
+    # the rows of its scale-out receive space from other nodes (combine sends them back).
+    dispatch_row = ir.dispatch_row_bytes(hidden * (1 if fp8 else 2), hidden // 128 if fp8 else 0, topk)
+    combine_row = ir.combine_row_bytes(hidden * 2, topk)
+    assert NODE_SIZE == 1, 'the NVLink leg is checked by test_internode_virtual_ranks.py'
+    prefix, my_node = ref.handle[4].tolist(), ctx.rank // NODE_SIZE
+    own = prefix[my_node] - (prefix[my_node - 1] if my_node else 0)
+    legs = [ir.scale_out_rows(in_rank, ctx.rank, NODE_SIZE), 0, prefix[-1] - own, 0]
+    check_traffic(chk, 'dispatch', traffic_before, traffic_after, ir.traffic(legs[:2] + [0, 0], dispatch_row, combine_row))
     n, nr = ref.num_recv, ref.num_rdma_recv
     rows = slice(0, n)
     chk(assert_same, 'recv_x', recv_x[rows], ref.recv_x[rows])
@@ -140,8 +166,11 @@ def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False
     bias = (torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.randn(tokens, hidden, dtype=torch.bfloat16))
     want_x, want_w = ir.ref_internode_combine(ctx.group, in_rank, y[rows], n, recv_weights[rows], bias,
                                               num_nvl_ranks=NODE_SIZE)
+    traffic_before = query_traffic(buffer)
     combined_x, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_weights, bias=bias,
                                                config=deep_ep.Buffer.get_combine_config(ctx.world))
+    check_traffic(chk, 'combine', traffic_before, query_traffic(buffer),
+                  ir.traffic([0, 0] + legs[2:], dispatch_row, combine_row))
     chk(assert_same, 'combined_x', combined_x, want_x)
     chk(assert_same, 'combined_topk_weights', combined_w, want_w)
     after = ref.combined_handle(num_channels)

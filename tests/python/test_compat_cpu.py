@@ -440,6 +440,7 @@ def test_ipc_handle_is_stable_and_other_ranks_carry_none():
         ("set_gpu_timeout_ms", (1000,)),
         ("get_num_device_sms", ()),
         ("normal_query_dropped_buffer", (None,)),
+        ("internode_query_traffic_buffer", (None,)),
     ],
 )
 def test_methods_need_a_synced_buffer(method, args):

@@ -196,6 +196,7 @@ def combine_rows(inp, C, side, rdma_head, nvl_head, recv):
     (3, 4, [23, 0, 5, 40, 1, 17, 9, 30, 2, 11, 0, 8], 2, "random", True),
     (4, 2, 31, 5, "skewed", False),
     (2, 8, 16, 1, "empty_node", True),
+    (33, 1, 12, 2, "random", True),  # past the old cap of 16 nodes, and more nodes than lanes
 ])
 def test_kernel_index_arithmetic_matches_the_oracle(nodes, gpus, tokens, channels, routing, holes):
     inp = Inputs(nodes, gpus, tokens, topk=4, routing=routing, seed=nodes * 10 + gpus, holes=holes)

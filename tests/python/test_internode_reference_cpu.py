@@ -136,6 +136,7 @@ def simulate(inp, C, with_topk=True, alignment=1, seed=0):
     # Forwarders: drain the source nodes' rings in a random interleaving, fan out over NVLink.
     send_nvl_head = [[[-1] * G for _ in range(recv_rdma_prefix[f][-1])] for f in range(R)]
     nvl_ring = {}  # (receiver, channel, forwarder's local rank) -> [(source, token, mask)] in arrival order
+    nvl_out = [0] * R  # rows a forwarder wrote into other local GPUs' NVLink rings
     for f in range(R):
         m, l = divmod(f, G)
         for c in range(C):
@@ -151,6 +152,7 @@ def simulate(inp, C, with_topk=True, alignment=1, seed=0):
                         send_nvl_head[f][row][g] = nvl_count.get((n, g), 0)
                         nvl_count[(n, g)] = send_nvl_head[f][row][g] + 1
                         nvl_ring.setdefault((m * G + g, c, l), []).append((s, t, mask))
+                        nvl_out[f] += g != l
 
     # NVL receivers: place each arriving row by its source's running offset.
     out = []
@@ -179,6 +181,7 @@ def simulate(inp, C, with_topk=True, alignment=1, seed=0):
             recv_rdma_rank_prefix_sum=recv_rdma_prefix[d], recv_gbl_channel_prefix_matrix=recv_gbl_cpm,
             recv_gbl_rank_prefix_sum=recv_gbl_prefix[d], recv_src_meta=meta,
             send_rdma_head=send_rdma_head[d], send_nvl_head=send_nvl_head[d], scale_out_rows=scale_out[d],
+            nvl_out_rows=nvl_out[d],
             per_expert=[-(-sum(int(inp.per_expert[s][d * E_l + e]) for s in range(R)) // alignment) * alignment
                         for e in range(E_l)])
         if with_topk:
@@ -507,6 +510,28 @@ def test_scale_out_statistic():
         assert ir.scale_out_bytes(inp.in_rank[s], s, inp.G, 144) == 144 * sim[s]["scale_out_rows"]
     # DeepEP's row: 7168 BF16 + SourceMeta + 8 ids + 8 weights = 14,416 B; FP8 with 56 scales 7,472 B.
     assert ir.deepep_row_bytes(14336, 0, 8) == 14416 and ir.deepep_row_bytes(7168, 56, 8) == 7472
+
+
+def test_traffic_rows_follow_the_simulated_legs():
+    """traffic_rows against the per-token walk: dispatch as walked; combine sends back each row
+    of the scale-out receive space from another node, and over NVLink each received row whose
+    source is another GPU of the node."""
+    for nodes, gpus, seed in ((3, 4, 12), (2, 1, 13), (2, 8, 14)):
+        inp = Inputs(nodes, gpus, 25, topk=8, seed=seed)
+        sim = simulate(inp, 2, seed=0)
+        for d in range(inp.R):
+            prefix, node = sim[d]["recv_rdma_rank_prefix_sum"], d // inp.G
+            own = prefix[node] - (prefix[node - 1] if node else 0)
+            combine_nvl = sum(s % inp.G != d % inp.G for s, _, _ in sim[d]["rows"])
+            want = [sim[d]["scale_out_rows"], sim[d]["nvl_out_rows"], prefix[-1] - own, combine_nvl]
+            assert ir.traffic_rows(inp.in_rank, d, inp.G) == want, (nodes, gpus, d)
+            if inp.G == 1:
+                assert want[1] == want[3] == 0
+    assert ir.traffic([1, 2, 3, 4], 100, 10) == [1, 100, 2, 232, 3, 30, 4, 104]
+    # The implementation's rows (src/internode/mod.rs pins the same sizes).
+    assert ir.dispatch_row_bytes(7168 * 2, 0, 8) == 16 + 14336 + 32 + 32
+    assert ir.dispatch_row_bytes(7168, 56, 8) == 16 + 7168 + 224 + 32 + 32
+    assert ir.combine_row_bytes(4096, 9) == 4096 + 48
 
 
 def _collective_worker(rank, world, store, out_dir):

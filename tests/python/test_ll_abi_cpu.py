@@ -45,9 +45,12 @@ def _last_error():
 # Struct layouts: tests/python/test_abi_layouts_cpu.py checks every struct deep_ep_cpp lays out.
 
 
-def test_low_latency_and_shrink_prototypes_match_the_header():
+COUNTER_QUERIES = ("deepep_normal_query_dropped", "deepep_internode_query_traffic")
+
+
+def test_low_latency_and_counter_query_prototypes_match_the_header():
     header = (HEADER_DIR / "deepep_nccl.h").read_text()
-    names = [n for n in _lib._PROTOTYPES if "low_latency" in n or n == "deepep_normal_query_dropped"]
+    names = [n for n in _lib._PROTOTYPES if "low_latency" in n or n in COUNTER_QUERIES]
     assert {"deepep_low_latency_dispatch_outputs", "deepep_low_latency_combine_outputs"} <= set(names)
     for name in names:
         found = re.search(rf"\b{name}\(([^)]*)\);", header)
@@ -60,6 +63,16 @@ def test_low_latency_and_shrink_prototypes_match_the_header():
 
 
 # --- the output queries without a buffer ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", COUNTER_QUERIES)
+def test_counter_queries_name_a_null_buffer_and_a_null_tensor(name):
+    query = getattr(lib, name)
+    out = DeepepTensor(data=0x1000, dtype=7, ndim=1)
+    assert (query(None, ctypes.byref(out), None), _last_error()) == (INVALID_ARGUMENT, "buffer must not be NULL")
+    status = query(0xdeadbeef, None, None)
+    argument = "dropped" if "dropped" in name else "traffic"
+    assert (status, _last_error()) == (INVALID_ARGUMENT, f"{argument} must not be NULL")
 
 
 def test_output_queries_reject_a_null_buffer_and_describe_nothing():

@@ -491,3 +491,11 @@ class Buffer:
         rows left empty, tokens not sent, combine contributions left out, combine rows not sent
         (docs/normal_shrink.md). The mask (low_latency_*_mask_buffer) is the same in both modes."""
         self.runtime.normal_query_dropped_buffer(dropped)
+
+    def internode_query_traffic_buffer(self, traffic: torch.Tensor) -> None:
+        """Internode mode (not in DeepEP): writes this rank's traffic counters, cumulative since the
+        buffer was created, into traffic (int64 [8], CUDA), in stream order (no host sync): rows
+        and bytes sent over the scale-out leg (rows to other nodes), then over the NVLink leg
+        (rows into other local GPUs' rings), for dispatch ([0:4]) and combine ([4:8]). A call's
+        traffic is the difference of two queries (docs/internode.md, "Statistics")."""
+        self.runtime.internode_query_traffic_buffer(traffic)

@@ -8,7 +8,7 @@ import struct
 from ._lib import (MAX_LOCAL_EXPERTS, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, OutputPlans, check_int32_fields,
                    int_arg, lib, raise_status, tensor_fields)
 from ._normal import _config_fields
-from ._streams import StreamProtocol, without_torch_function
+from ._streams import StreamProtocol, stream_handle, without_torch_function
 
 _T = "tensor"
 _DISPATCH = ArgsLayout("DeepepInternodeDispatchArgs", (
@@ -195,3 +195,12 @@ class InternodeMode(StreamProtocol):
             rdma_rank_prefix_sum, gbl_channel_prefix_matrix, combined_rdma_head, combined_nvl_head, combined_x,
             combined_topk_weights), order)
         return combined_x, combined_topk_weights, event
+
+    @without_torch_function
+    def internode_query_traffic_buffer(self, traffic):
+        desc = ctypes.create_string_buffer(_DESC_BYTES)
+        struct.pack_into("@" + TENSOR_FIELDS, desc, 0, *_desc("traffic", traffic))
+        status = lib.deepep_internode_query_traffic(self._live_handle(), ctypes.addressof(desc),
+                                                    stream_handle(self._current_stream()))
+        if status:
+            raise_status(status)

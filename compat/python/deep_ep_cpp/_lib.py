@@ -392,6 +392,7 @@ _PROTOTYPES = {
     "deepep_internode_dispatch_prepare": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]),
     "deepep_internode_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_internode_combine": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_internode_query_traffic": (c_int, [c_void_p, c_void_p, c_void_p]),
     "deepep_low_latency_check_shape": (c_int, [c_int64, c_int64, c_int, c_int]),
     "deepep_low_latency_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_low_latency_combine": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
