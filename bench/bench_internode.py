@@ -1,11 +1,11 @@
-"""Internode normal-mode benchmark on 2 GPUs as 2 nodes of 1 (DEEPEP_VIRTUAL_NODE_SIZE=1: both
-legs over NVLink, the forwarder is the receiver), against the intranode op of the same shape
-and SMs in the same processes: docs/internode.md's check on these machines is internode >= 80%
+"""Internode normal-mode benchmark as 2 virtual nodes (DEEPEP_VIRTUAL_NODE_SIZE): 2 GPUs as 2 nodes
+of 1 (both legs over NVLink, the forwarder is the receiver), 4 GPUs as 2 of 2 and 8 as 2 of 4
+where visible, against the intranode op of the same ranks, shape and SMs in the same processes: docs/internode.md's check on these machines is internode >= 80%
 of intranode. DeepEP's shape: 4096 tokens/rank, hidden 7168, top-8 of 256 experts, random
 routing; BF16 dispatch through the cached handle (DeepEP's tuning loop) and BF16 combine, timed
 as DeepEP's tests/utils.bench. GB/s = received bytes / time (DeepEP's counting, all rows).
 
-Run: python bench/bench_internode.py [--json PATH] [--sms 24 ...] [--tokens 4096]
+Run: python bench/bench_internode.py [--json PATH] [--sms 24 ...] [--tokens 4096] [--worlds 2 4 ...]
 """
 import argparse
 import json
@@ -28,18 +28,19 @@ def config(num_sms):
 
 
 def make_buffers(group, world, max_sms):
-    """(intranode buffer, internode buffer over virtual nodes of 1), both sized by DeepEP's hints
-    for the largest SM count measured."""
+    """(intranode buffer, internode buffer over 2 virtual nodes), both sized by DeepEP's hints for
+    the largest SM count measured."""
+    nodes = 2
     configs = (config(max_sms),)
     nvl = max(c.get_nvl_buffer_size_hint(HIDDEN * 2, world) for c in configs)
-    rdma = max(c.get_rdma_buffer_size_hint(HIDDEN * 2, world * 8) for c in configs)  # nodes of 8 in the hint
+    rdma = max(c.get_rdma_buffer_size_hint(HIDDEN * 2, nodes * 8) for c in configs)  # nodes of 8 in the hint
     intra = deep_ep.Buffer(group, num_nvl_bytes=nvl, explicitly_destroy=True)
-    os.environ['DEEPEP_VIRTUAL_NODE_SIZE'] = '1'
+    os.environ['DEEPEP_VIRTUAL_NODE_SIZE'] = str(world // nodes)
     try:
         inter = deep_ep.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, explicitly_destroy=True)
     finally:
         del os.environ['DEEPEP_VIRTUAL_NODE_SIZE']
-    assert inter.runtime.get_num_rdma_ranks() == world
+    assert inter.runtime.get_num_rdma_ranks() == nodes
     return intra, inter
 
 
@@ -78,7 +79,7 @@ def worker(rank, world, port, args):
                              'combine_gbps': gb / (c_us / 1e6)}
             row['internode_vs_intranode'] = {op: row['intranode'][f'{op}_us'] / row['internode'][f'{op}_us']
                                              for op in ('dispatch', 'combine')}
-            say(f"SMs {num_sms}: dispatch {row['internode']['dispatch_us']:.0f} us internode vs "
+            say(f"{world} ranks as 2x{world // 2}, SMs {num_sms}: dispatch {row['internode']['dispatch_us']:.0f} us internode vs "
                 f"{row['intranode']['dispatch_us']:.0f} us intranode ({row['internode_vs_intranode']['dispatch']:.2f}x), "
                 f"combine {row['internode']['combine_us']:.0f} vs {row['intranode']['combine_us']:.0f} us "
                 f"({row['internode_vs_intranode']['combine']:.2f}x); check >= 0.80")
@@ -87,9 +88,13 @@ def worker(rank, world, port, args):
         intra.destroy()
         inter.destroy()
     if rank == 0 and args.json:
+        runs = []
+        if os.path.exists(args.json):  # one file for every world size of this run
+            with open(args.json) as f:
+                runs = json.load(f)['runs']
+        runs.append({'world': world, 'nodes': 2, 'node_size': world // 2, 'results': results})
         with open(args.json, 'w') as f:
-            json.dump({'world': world, 'shape': {'hidden': HIDDEN, 'experts': NUM_EXPERTS, 'topk': NUM_TOPK},
-                       'results': results}, f, indent=1)
+            json.dump({'shape': {'hidden': HIDDEN, 'experts': NUM_EXPERTS, 'topk': NUM_TOPK}, 'runs': runs}, f, indent=1)
 
 
 if __name__ == '__main__':
@@ -97,8 +102,13 @@ if __name__ == '__main__':
     parser.add_argument('--json')
     parser.add_argument('--sms', type=int, nargs='+', default=[24])
     parser.add_argument('--tokens', type=int, default=4096)
+    parser.add_argument('--worlds', type=int, nargs='+', help='ranks, as 2 nodes of half (default: 2, 4, 8 as GPUs allow)')
     args = parser.parse_args()
-    if torch.cuda.device_count() < 2:
-        print('bench_internode needs 2 GPUs')
-        sys.exit(1)
-    spawn_workers(worker, 2, args)
+    gpus = torch.cuda.device_count()
+    worlds = args.worlds or [w for w in (2, 4, 8) if w <= gpus]
+    if not worlds or any(w < 2 or w % 2 or w > gpus for w in worlds):
+        sys.exit(f'bench_internode: --worlds {worlds}: each even, at least 2 and at most the {gpus} GPUs visible')
+    if args.json and os.path.exists(args.json):
+        os.remove(args.json)
+    for world in worlds:
+        spawn_workers(worker, world, args)

@@ -193,8 +193,8 @@ deepep_test() {
     step "$name" 600 env -C "$DEEPEP_V1_SRC/tests" PYTHONPATH="$shim:$(realpath "$DEEPEP_V1_SRC")" \
         "$PYTHON" "$script" "$@"
 }
-deepep_test deepep_test_intranode test_intranode.py --num-processes 2
-deepep_test deepep_test_low_latency test_low_latency.py --num-processes 2
+deepep_test deepep_test_intranode test_intranode.py --num-processes "${DEEPEP_TEST_PROCESSES:-2}"
+deepep_test deepep_test_low_latency test_low_latency.py --num-processes "${DEEPEP_TEST_PROCESSES:-2}"
 # compute-sanitizer over the 2-GPU smoke tests (every rank): 0 memcheck errors, 0 racecheck hazards.
 step memcheck_smoke "${SANITIZER_STEP_SECS:-560}" env PYTHON="$PYTHON" bash tests/gpu/sanitize_smoke.sh memcheck
 step racecheck_smoke "${SANITIZER_STEP_SECS:-560}" env PYTHON="$PYTHON" bash tests/gpu/sanitize_smoke.sh racecheck

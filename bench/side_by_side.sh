@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ours and DeepEP V1 side by side in one GPU call on 2 GPUs: `bash bench/side_by_side.sh` from the
+# Ours and DeepEP V1 side by side in one GPU call on PROCESSES GPUs (default 2): `bash bench/side_by_side.sh` from the
 # repo root, after `cargo build --release`. Under 9 minutes (DEADLINE_S, default 520 s, bounds every
 # step's timeout; a step that would start with under 20 s left is skipped).
 #
@@ -9,6 +9,7 @@
 #                     machine); default .gpu/deepep_v1.sh
 #   A2A_BASELINE      optional: a copy of shared/bench/torch_alltoall_baseline.py, run last
 #   DEEPEP_NCCL_LIBRARY (default target/release/libdeepep_nccl.so), PYTHON
+#   PROCESSES         ranks of every step (default 2; 4 on a 4-GPU machine for the 4-rank tables)
 #
 # Steps: DeepEP V1 builds in the background (~100 s, all cores) while our compiled host path is
 # built and DeepEP's tests/test_intranode.py runs over our deep_ep_cpp (its printed numbers are
@@ -16,7 +17,7 @@
 # machine, each measurement for ours and then DeepEP V1: bench_normal.py (24 SMs, T=128 and 4096:
 # host time per call, e2e, kernels), bench_ll_host.py (T=1 and 128), eager_profile.py (T=128), then
 # DeepEP's test_intranode.py (V1) and test_low_latency.py (ours, V1), then the all-to-all baseline.
-# Everything runs on 2 GPUs.
+# Everything runs on PROCESSES GPUs.
 #
 # $OUT (or ./side_by_side_out) ends with 7 files (8 come back): summary.txt (step table, ours vs V1
 # tables, lines of DeepEP's tests), side_by_side.json (the tables), logs.tgz (each step's log and
@@ -28,6 +29,7 @@ OUT_DIR=${OUT:-./side_by_side_out}
 WORK="$OUT_DIR/logs"
 mkdir -p "$WORK"
 DEADLINE_S=${DEADLINE_S:-520}
+P=${PROCESSES:-2}
 : "${DEEPEP_V1_SRC:?set DEEPEP_V1_SRC to a DeepEP source tree at 567632d}"
 DEEPEP_V1_SRC=$(realpath "$DEEPEP_V1_SRC")
 DEEPEP_V1_SCRIPT=$(realpath "${DEEPEP_V1_SCRIPT:-.gpu/deepep_v1.sh}")
@@ -85,7 +87,7 @@ timeout -k 10 300 bash "$DEEPEP_V1_SCRIPT" build "$DEEPEP_V1_SRC" > "$WORK/v1_bu
 build_pid=$!
 step ours_fast_build 150 "${OURS[@]}" "$PYTHON" -m deep_ep_cpp._fast
 step ours_test_intranode 200 env -C "$DEEPEP_V1_SRC/tests" PYTHONPATH="$SHIM:$DEEPEP_V1_SRC" \
-    "$PYTHON" test_intranode.py --num-processes 2
+    "$PYTHON" test_intranode.py --num-processes "$P"
 wait "$build_pid"
 build_rc=$?
 printf 'v1_build\t%s\t%s\n' "$((SECONDS - build_start))" \
@@ -103,21 +105,21 @@ measure() {
     [ "$have_v1" = 1 ] && step "${tool}_v1" "$limit" "${V1[@]}" "$PYTHON" "bench/$tool.py" --package deepep_v1 \
         --json "$WORK/${tool}_deepep_v1.json" "$@"
 }
-measure bench_normal 150 --world 2 --sms 24 --tokens 128 4096
-measure bench_ll_host 90 --num-processes 2 --tokens 1 128
-measure eager_profile 90 --num-processes 2 --tokens 128 --trace-dir "$WORK"
+measure bench_normal 150 --world "$P" --sms 24 --tokens 128 4096
+measure bench_ll_host 90 --num-processes "$P" --tokens 1 128
+measure eager_profile 90 --num-processes "$P" --tokens 128 --trace-dir "$WORK"
 
-[ "$have_v1" = 1 ] && step v1_test_intranode 200 bash "$DEEPEP_V1_SCRIPT" test "$DEEPEP_V1_SRC" test_intranode --num-processes 2
+[ "$have_v1" = 1 ] && step v1_test_intranode 200 bash "$DEEPEP_V1_SCRIPT" test "$DEEPEP_V1_SRC" test_intranode --num-processes "$P"
 step ours_test_low_latency 150 env -C "$DEEPEP_V1_SRC/tests" PYTHONPATH="$SHIM:$DEEPEP_V1_SRC" \
-    "$PYTHON" test_low_latency.py --num-processes 2
-[ "$have_v1" = 1 ] && step v1_test_low_latency 150 bash "$DEEPEP_V1_SCRIPT" test "$DEEPEP_V1_SRC" test_low_latency --num-processes 2
+    "$PYTHON" test_low_latency.py --num-processes "$P"
+[ "$have_v1" = 1 ] && step v1_test_low_latency 150 bash "$DEEPEP_V1_SCRIPT" test "$DEEPEP_V1_SRC" test_low_latency --num-processes "$P"
 if [ -n "${A2A_BASELINE:-}" ]; then
-    step torch_alltoall_baseline 90 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0,1}" "$PYTHON" "$A2A_BASELINE"
+    step torch_alltoall_baseline 90 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((P - 1)))}" "$PYTHON" "$A2A_BASELINE"
 fi
 
 # --- summary
 {
-    echo "ours vs DeepEP V1, 2 GPUs ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)), ${SECONDS}s in all"
+    echo "ours vs DeepEP V1, $P GPUs ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)), ${SECONDS}s in all"
     "$PYTHON" bench/side_by_side_summary.py "$WORK" --json "$OUT_DIR/side_by_side.json"
     # DeepEP's tests print their own tuning and bandwidth lines (rank 0 where per rank).
     for t in ours_test_intranode v1_test_intranode ours_test_low_latency v1_test_low_latency; do

@@ -1,5 +1,6 @@
-"""Internode normal-mode dispatch and combine (docs/internode.md) on 2 GPUs as 2 nodes of 1
-(DEEPEP_VIRTUAL_NODE_SIZE=1: the scale-out leg is the LSA emulation, kRemoteEmulated), against
+"""Internode normal-mode dispatch and combine (docs/internode.md) as 2 virtual nodes: 2 GPUs as 2
+nodes of 1, and where visible 4 GPUs as 2 of 2 and 8 as 2 of 4 (DEEPEP_VIRTUAL_NODE_SIZE: the
+scale-out leg is the LSA emulation, kRemoteEmulated; the NVLink leg is real), against
 the pure-torch oracle internode_reference.py (DeepEP V1's values of every output and handle entry).
 
 Workers run as DeepEP's tests: default dtype BF16, default device CUDA, a deep_ep.Buffer over
@@ -9,12 +10,13 @@ and -1-heavy routing, BF16 and FP8 (column-major float32 scales); each checks th
 per-node counts, every dispatch output and all 10 handle entries exactly, a cached dispatch
 bit-identical to the first, combine (with the received weights and a bias tuple) bit for bit, the
 two heads as combine rewrote them, and the traffic counters of the dispatch and of the combine
-(Buffer.internode_query_traffic_buffer: scale-out rows = distinct other destination nodes per
-token, bytes = rows x the row; no NVLink leg with nodes of 1). Then num_worst_tokens (defined
+(Buffer.internode_query_traffic_buffer against internode_reference.traffic_rows: scale-out rows =
+distinct other destination nodes per token, bytes = rows x the row; the NVLink leg's rows where a
+node has more than one GPU). Then num_worst_tokens (defined
 rows only), and one low_latency_mode buffer serving internode and LL ops (DeepEP's
 --test-ll-compatibility).
 
-Run: python tests/gpu/test_internode.py (needs 2 GPUs; more are left idle)."""
+Run: python tests/gpu/test_internode.py (needs 2 GPUs; runs 2, 4 and 8 ranks as far as GPUs allow)."""
 import os
 import sys
 from types import SimpleNamespace
@@ -25,24 +27,26 @@ import torch.distributed as dist
 import deep_ep
 from common import Checks, assert_same, finish, random_topk, skip, spawn
 import internode_reference as ir
+from normal_reference import gather_rows
 from ll_reference import bf16_ulp_distance, ref_ll_combine, ref_ll_dispatch
 
 E = 64
-NODE_SIZE = 1  # GPUs per virtual node
 MAX_HIDDEN = 7168
 
 
 def make_ctx(group, rep):
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device('cuda')
-    return SimpleNamespace(group=group, rank=group.rank(), world=group.size(), rep=rep, buffer=None)
+    world = group.size()
+    # Two virtual nodes, as DeepEP's smallest internode shape: 2 GPUs as 2x1, 4 as 2x2, 8 as 2x4.
+    return SimpleNamespace(group=group, rank=group.rank(), world=world, node_size=world // 2, rep=rep, buffer=None)
 
 
 def make_buffer(ctx, ll_shape=None):
-    """A buffer across ctx.world / NODE_SIZE virtual nodes, sized by DeepEP's hints for BF16 rows of
+    """A buffer across ctx.world / ctx.node_size virtual nodes, sized by DeepEP's hints for BF16 rows of
     MAX_HIDDEN with the default dispatch and combine configs; with ll_shape (M, H, E) also a
     low_latency_mode buffer for LL ops of that shape (DeepEP's --test-ll-compatibility)."""
-    world, nodes = ctx.world, ctx.world // NODE_SIZE
+    world, nodes = ctx.world, ctx.world // ctx.node_size
     configs = (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world))
     nvl = max(c.get_nvl_buffer_size_hint(MAX_HIDDEN * 2, world) for c in configs)
     rdma = max(c.get_rdma_buffer_size_hint(MAX_HIDDEN * 2, nodes * 8) for c in configs)
@@ -51,13 +55,13 @@ def make_buffer(ctx, ll_shape=None):
         m, h, e = ll_shape
         rdma = max(rdma, deep_ep.Buffer.get_low_latency_rdma_size_hint(m, h, world, e))
         ll = dict(low_latency_mode=True, num_qps_per_rank=max(1, e // world))
-    os.environ['DEEPEP_VIRTUAL_NODE_SIZE'] = str(NODE_SIZE)
+    os.environ['DEEPEP_VIRTUAL_NODE_SIZE'] = str(ctx.node_size)
     try:
         buffer = deep_ep.Buffer(ctx.group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, explicitly_destroy=True, **ll)
     finally:
         del os.environ['DEEPEP_VIRTUAL_NODE_SIZE']
     assert buffer.runtime.get_num_rdma_ranks() == nodes, buffer.runtime.get_num_rdma_ranks()
-    assert buffer.runtime.get_rdma_rank() == ctx.rank // NODE_SIZE
+    assert buffer.runtime.get_rdma_rank() == ctx.rank // ctx.node_size
     return buffer
 
 
@@ -80,7 +84,7 @@ def layout(ctx, buffer, topk_idx, chk):
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
     chk.expect(per_rdma is not None, 'get_dispatch_layout: num_tokens_per_rdma_rank is None across nodes')
     if per_rdma is not None:
-        want = ir.in_node(in_rank, NODE_SIZE).sum(0, dtype=torch.int32)
+        want = ir.in_node(in_rank, ctx.node_size).sum(0, dtype=torch.int32)
         chk(assert_same, 'num_tokens_per_rdma_rank', per_rdma, want)
     return per_rank, per_rdma, per_expert, in_rank
 
@@ -99,6 +103,8 @@ def check_traffic(chk, op, before, after, want):
 
 def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False, num_worst_tokens=0):
     buffer, chk = ctx.buffer, Checks()
+    if num_worst_tokens == 'all':  # DeepEP's test: every rank's tokens could land here
+        num_worst_tokens = tokens * ctx.world
     topk_idx = route(routing, tokens, topk, ctx.world)
     weights = torch.rand(tokens, topk, dtype=torch.float32)
     per_rank, per_rdma, per_expert, in_rank = layout(ctx, buffer, topk_idx, chk)
@@ -112,7 +118,7 @@ def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False
         x_in = x
     config = deep_ep.Buffer.get_dispatch_config(ctx.world)
     num_channels = config.num_sms // 2
-    ref = ir.ref_internode_dispatch(ctx.group, x_in, in_rank, per_expert, topk_idx, weights, num_nvl_ranks=NODE_SIZE,
+    ref = ir.ref_internode_dispatch(ctx.group, x_in, in_rank, per_expert, topk_idx, weights, num_nvl_ranks=ctx.node_size,
                                     num_channels=num_channels, num_worst_tokens=num_worst_tokens)
     traffic_before = query_traffic(buffer)
     recv, recv_topk, recv_weights, per_expert_list, handle, _ = buffer.dispatch(
@@ -121,14 +127,12 @@ def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False
         config=config)
     traffic_after = query_traffic(buffer)
     recv_x, recv_scales = recv if fp8 else (recv, None)
-    # Rows of the scale-out leg each way: this rank's tokens' other destination nodes (dispatch),
-    # the rows of its scale-out receive space from other nodes (combine sends them back).
+    # Rows per leg each way (internode_reference.traffic_rows): scale-out, this rank's tokens' other
+    # destination nodes (dispatch) and the rows of its scale-out receive space from other nodes
+    # (combine sends them back); NVLink, the rows forwarded to and reduced from the node's GPUs.
     dispatch_row = ir.dispatch_row_bytes(hidden * (1 if fp8 else 2), hidden // 128 if fp8 else 0, topk)
     combine_row = ir.combine_row_bytes(hidden * 2, topk)
-    assert NODE_SIZE == 1, 'the NVLink leg is checked by test_internode_virtual_ranks.py'
-    prefix, my_node = ref.handle[4].tolist(), ctx.rank // NODE_SIZE
-    own = prefix[my_node] - (prefix[my_node - 1] if my_node else 0)
-    legs = [ir.scale_out_rows(in_rank, ctx.rank, NODE_SIZE), 0, prefix[-1] - own, 0]
+    legs = ir.traffic_rows(gather_rows(in_rank, ctx.group), ctx.rank, ctx.node_size)
     check_traffic(chk, 'dispatch', traffic_before, traffic_after, ir.traffic(legs[:2] + [0, 0], dispatch_row, combine_row))
     n, nr = ref.num_recv, ref.num_rdma_recv
     rows = slice(0, n)
@@ -165,7 +169,7 @@ def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False
     y = torch.randn(recv_x.size(0), hidden, dtype=torch.bfloat16)
     bias = (torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.randn(tokens, hidden, dtype=torch.bfloat16))
     want_x, want_w = ir.ref_internode_combine(ctx.group, in_rank, y[rows], n, recv_weights[rows], bias,
-                                              num_nvl_ranks=NODE_SIZE)
+                                              num_nvl_ranks=ctx.node_size)
     traffic_before = query_traffic(buffer)
     combined_x, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_weights, bias=bias,
                                                config=deep_ep.Buffer.get_combine_config(ctx.world))
@@ -242,7 +246,7 @@ CASES = {
     'minus_one_heavy_T4096_H7168': dict(routing='minus_one_heavy', hidden=7168),
     'fp8_col_scales_T4096_H7168': dict(fp8=True, hidden=7168),
     'fp8_col_scales_T1_H2048_skewed': dict(fp8=True, tokens=1, routing='skewed'),
-    'num_worst_tokens_T4096_H2048': dict(num_worst_tokens=4096 * 2),
+    'num_worst_tokens_T4096_H2048': dict(num_worst_tokens='all'),
 }
 
 
@@ -261,7 +265,9 @@ if __name__ == '__main__':
     if num_gpus < 2:
         print(f'test_internode needs at least 2 GPUs, found {num_gpus}')
         sys.exit(1)
-    spawn(worker, 2, timeout=300)
-    if num_gpus < 4:
-        skip('w4', f'only {num_gpus} GPUs visible (4 would run 2 nodes of 2)')
+    for world in (2, 4, 8):
+        if world > num_gpus:
+            skip(f'w{world}', f'only {num_gpus} GPUs visible ({world} would run 2 nodes of {world // 2})')
+            continue
+        spawn(worker, world, timeout=300)
     finish()
