@@ -48,6 +48,9 @@ def load_library(path=None):
     lib.inv_limits.argtypes = [ctypes.c_void_p]
     lib.inv_state_layout.restype = None
     lib.inv_state_layout.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.inv_stream_create.restype = ctypes.c_void_p
+    lib.inv_stream_destroy.restype = None
+    lib.inv_stream_destroy.argtypes = [ctypes.c_void_p]
     for fn in (lib.inv_dispatch_notify, lib.inv_dispatch, lib.inv_combine):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -116,7 +119,17 @@ class InternodeWorld:
         self.state = torch.zeros(r * self.at['bytes'], dtype=torch.uint8, device='cuda')
         self.base.update(world_base=self.window.data_ptr(), world_stride=self.stride,
                          state_base=self.state.data_ptr())
-        self.streams = [torch.cuda.Stream() for _ in range(r)]
+        # A CUDA stream per rank from the library (torch's pool repeats after 32 streams).
+        self._raw_streams = [self.lib.inv_stream_create() for _ in range(r)]
+        if not all(self._raw_streams):
+            raise RuntimeError(f'cudaStreamCreate failed for one of {r} virtual ranks')
+        self.streams = [torch.cuda.ExternalStream(s) for s in self._raw_streams]
+
+    def __del__(self):
+        if getattr(self, '_raw_streams', None):
+            torch.cuda.synchronize()
+            for s in self._raw_streams:
+                self.lib.inv_stream_destroy(s)
 
     def _vector(self, fields):
         unknown = set(fields) - set(self.index)

@@ -200,6 +200,14 @@ __attribute__((visibility("default"))) void inv_limits(int64_t* out) {
   out[3] = DEEPEP_MAX_LOCAL_EXPERTS;
 }
 
+// A stream of its own for one virtual rank. Not torch's: its pool has 32 streams per device, so a
+// 33rd rank would share rank 0's stream and wait behind rank 0's kernel, which waits on it.
+__attribute__((visibility("default"))) void* inv_stream_create() {
+  cudaStream_t s = nullptr;
+  return cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess ? s : nullptr;
+}
+__attribute__((visibility("default"))) void inv_stream_destroy(void* s) { cudaStreamDestroy(static_cast<cudaStream_t>(s)); }
+
 // One rank's dispatch notify on `stream` (src/internode/dispatch.rs prepare): writes the handle's
 // prefix matrices (non-cached) and the receive side; non-cached without num_worst_tokens, also
 // the rank's receive counts (state's DeepepRecvCounts; set num_recv_tokens to -1 before).
