@@ -233,7 +233,10 @@ typedef struct {
    */
   DeepepTensor gbl_channel_prefix_matrix;
   /**
-   * [N, C], [N], [R, C], [R] int32, written.
+   * [N, C], [N], [R, C], [R] int32, written. Cached: the two prefix sums ([N], [R]) are the
+   * handle's, checked against the counts the peers send (a fault names an entry that differs,
+   * which is then rewritten); the handle's two matrices are checked against is_token_in_rank
+   * the same way.
    */
   DeepepTensor recv_rdma_channel_prefix_matrix;
   DeepepTensor recv_rdma_rank_prefix_sum;

@@ -98,6 +98,16 @@ enum DeepepHandleEntry {
   DEEPEP_HANDLE_PEER_COUNTS = 4,          // counts a peer sent in notify: [R] totals, then [C] channel prefixes
   DEEPEP_HANDLE_LL_LAYOUT_RANGE = 5,      // LL handle's layout_range [E_l, R]: (first row << 32) | rows
   DEEPEP_HANDLE_LL_SRC_INFO = 6,          // LL handle's src_info [E_l, R*M]: source token index
+  // Internode handle entries (DeepEP's handle index in brackets).
+  DEEPEP_HANDLE_RDMA_CHANNEL_PREFIX = 7,       // [1] rdma_channel_prefix_matrix [N, C]
+  DEEPEP_HANDLE_GBL_CHANNEL_PREFIX = 8,        // [2] gbl_channel_prefix_matrix [R, C]
+  DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX = 9,  // [3] recv_rdma_channel_prefix_matrix [N, C]
+  DEEPEP_HANDLE_RECV_RDMA_RANK_PREFIX = 10,    // [4] recv_rdma_rank_prefix_sum [N]
+  DEEPEP_HANDLE_RECV_GBL_CHANNEL_PREFIX = 11,  // [5] recv_gbl_channel_prefix_matrix [R, C]
+  DEEPEP_HANDLE_RECV_GBL_RANK_PREFIX = 12,     // [6] recv_gbl_rank_prefix_sum [R]
+  DEEPEP_HANDLE_SRC_META = 13,                 // [7] recv_src_meta as int32 [rows, 2]: source node, NVLink mask
+  DEEPEP_HANDLE_SEND_RDMA_HEAD = 14,           // [8] send_rdma_head [T, N]
+  DEEPEP_HANDLE_SEND_NVL_HEAD = 15,            // [9] send_nvl_head [rows, G]
 };
 
 // Host-mapped: the first fault of a launch wins; the host clears it after reporting.
@@ -305,12 +315,13 @@ typedef struct DeepepInternodeNotifyParams {
   const int32_t* num_tokens_per_rdma_rank;    // [N] or NULL
   const int32_t* num_tokens_per_expert;       // [E] or NULL
   const void* topk_idx;                       // [T, K] for range checks, or NULL
-  int32_t* rdma_channel_prefix_matrix;        // [N, C]: written (non-cached) or read (cached)
-  int32_t* gbl_channel_prefix_matrix;         // [R, C]: written (non-cached) or read (cached)
+  // Cached: the handle's, checked against is_token_in_rank (rewritten from it, after a fault, when not)
+  int32_t* rdma_channel_prefix_matrix;        // [N, C]: written (non-cached) or the handle's (cached)
+  int32_t* gbl_channel_prefix_matrix;         // [R, C]: written (non-cached) or the handle's (cached)
   int32_t* recv_rdma_channel_prefix_matrix;   // [N, C] written (combine: read, the heads' segments)
-  int32_t* recv_rdma_rank_prefix_sum;         // [N] written (combine: read)
+  int32_t* recv_rdma_rank_prefix_sum;         // [N] written (cached: the handle's, checked as above; combine: read)
   int32_t* recv_gbl_channel_prefix_matrix;    // [R, C] written
-  int32_t* recv_gbl_rank_prefix_sum;          // [R] written
+  int32_t* recv_gbl_rank_prefix_sum;          // [R] written (cached: the handle's, checked as above)
   int32_t* combined_rdma_head;                // combine: [T, N], rewritten in place, or NULL
   int32_t* combined_nvl_head;                 // combine: [num_rdma_rows, G], rewritten in place
   DeepepRecvCounts* counts;                   // host-mapped, or NULL (no host wait)
@@ -367,6 +378,7 @@ typedef struct DeepepInternodeCombineParams {
   const int32_t* gbl_channel_prefix_matrix;   // [R, C]: dispatch's recv_gbl_channel_prefix_matrix
   int32_t* combined_rdma_head;                // [T, N]: dispatch's send_rdma_head (read)
   int32_t* combined_nvl_head;                 // [Nrdma, G]: dispatch's send_nvl_head (read)
+  const int32_t* src_meta;                    // [Nr, 2]: dispatch's recv_src_meta (checked only)
   void* combined_x;                           // [T, H] bf16
   float* combined_topk_weights;               // [T, K] or NULL
   int64_t num_tokens;                         // T

@@ -184,9 +184,19 @@ __device__ bool source_rows(const DeepepInternodeCombineParams& p, int src, int 
                                         : p.num_recv_rows;
   if (start >= 0 && stop >= start && stop <= p.num_recv_rows) return true;
   if (lane == 0)
-    record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, src * C + ch,
+    record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_GBL_CHANNEL_PREFIX, src * C + ch,
                  start < 0 ? start : stop);
   return false;
+}
+
+// Out of line: one load in combine_forward's loop, the rest off its registers.
+__device__ __noinline__ void check_src_meta(const DeepepInternodeCombineParams& p, int64_t r, int node, int gpu) {
+  const int32_t* m = p.src_meta + 2 * r;
+  const uint32_t mask = uint32_t(m[1]);
+  if (m[0] != node)
+    record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SRC_META, 2 * r, m[0]);
+  else if ((mask >> p.common.node_size) != 0 || !((mask >> gpu) & 1u))
+    record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SRC_META, 2 * r + 1, m[1]);
 }
 
 // Returns the rows of fwd's ring (channel ch) its warps wrote, all members together.
@@ -265,7 +275,7 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
   int64_t own_start, own_stop;
   bool ok = source_rows(p, dst, ch, lane, own_start, own_stop);
   if (begin < 0 || end > p.num_rdma_recv_rows || end < begin) {
-    if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, src_node * C + ch, end);
+    if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX, src_node * C + ch, end);
     return;  // the whole group returns (the range is the same for all its warps)
   }
   const uint64_t sent = c.totals[sent_total(c, ch, src_node)];
@@ -290,9 +300,13 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
       if ((mask >> my_gpu) & 1u) {
         const int64_t r = own_start + __shfl_sync(0xffffffffu, head, my_gpu);
         if (r >= own_stop) {
-          if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, dst * C + ch, r);
+          if (lane == 0)
+            record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_NVL_HEAD, (begin + i) * G + my_gpu, r - own_start);
           ok = false;
         } else if (lane == my_gpu) {
+          // recv_src_meta is DeepEP's (this combine goes by the heads), checked on the rows it reads
+          // anyway: the row's source node and this GPU in its NVLink mask.
+          if (p.src_meta != nullptr) check_src_meta(p, r, src_node, my_gpu);
           src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + r * p.hidden_bytes);
           weights = p.topk_weights != nullptr ? p.topk_weights + r * K : nullptr;
         }

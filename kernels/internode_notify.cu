@@ -7,6 +7,8 @@
 // The round is an all-to-all, so after it every rank has finished its previous data kernel:
 // the data kernel that follows may start its rings empty. Slots are double-buffered by the
 // round's parity (a rank can be one round ahead of another, never two: each round waits for all).
+#include <climits>
+
 #include "internode_common.cuh"
 #include "launch.cuh"
 
@@ -14,8 +16,23 @@ namespace deepep {
 namespace internode {
 
 // DeepEP's in-place head rewrite, over one segment [begin, end) of a column: a negative entry
-// becomes -(the next non-negative entry below it) - 1, or -kHeadNone - 1. Idempotent.
-__device__ __forceinline__ void rewrite_segment(int32_t* head, int64_t stride, int64_t begin, int64_t end) {
+// becomes -(the next non-negative entry below it) - 1, or -kHeadNone - 1. Idempotent. The
+// non-negative entries must count 0, 1, 2, ... (each is a row's place in its ring or stream):
+// the first that does not is a fault naming `entry` (flat index into `head`). Not repaired: a
+// wait for a row that never comes expires (bounded).
+__device__ __forceinline__ void rewrite_segment(DeepepFaultRecord* fault,
+                                                int entry, int32_t* head, int64_t stride, int64_t begin, int64_t end,
+                                                int64_t column) {
+  int32_t expect = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const int32_t h = head[i * stride];
+    if (h < 0) continue;
+    if (h != expect) {
+      record_fault(fault, DEEPEP_FAULT_COMBINE_HANDLE, entry, i * stride + column, h);
+      break;
+    }
+    ++expect;
+  }
   int32_t next = kHeadNone;
   for (int64_t i = end - 1; i >= begin; --i) {
     const int32_t h = head[i * stride];
@@ -41,26 +58,54 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   const uint64_t round = c.totals[notify_rounds(c)];
   const int parity = int(round & 1);
 
-  // 1. The sender's prefix matrices (inclusive over channels).
-  if (with_data && !p.cached) {
-    for (int i = threadIdx.x; i < (R + N) * C; i += blockDim.x) {
-      const bool per_rank = i < R * C;
-      const int row = per_rank ? i / C : (i - R * C) / C, ch = i % C;
-      int64_t begin, end;
-      channel_range(p.num_tokens, C, ch, begin, end);
-      int count = 0;
-      for (int64_t t = begin; t < end; ++t) {
-        const uint8_t* in = p.is_token_in_rank + t * R;
-        if (per_rank) {
-          count += in[row] != 0;
-        } else {
-          bool any = false;
-          for (int g = 0; g < G; ++g) any |= in[row * G + g] != 0;
-          count += any;
-        }
+  // 1. The sender's prefix matrices (inclusive over channels). Item i < R * C is rank i / C's
+  // channel i % C, the others node (i - R * C) / C's.
+  const auto matrix = [&](int i) {
+    return i < R * C ? p.gbl_channel_prefix_matrix + i : p.rdma_channel_prefix_matrix + (i - R * C);
+  };
+  const auto count_of = [&](int i) {  // item i's tokens (is_token_in_rank)
+    const bool per_rank = i < R * C;
+    const int row = per_rank ? i / C : (i - R * C) / C, ch = i % C;
+    int64_t begin, end;
+    channel_range(p.num_tokens, C, ch, begin, end);
+    int count = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* in = p.is_token_in_rank + t * R;
+      if (per_rank) {
+        count += in[row] != 0;
+      } else {
+        bool any = false;
+        for (int g = 0; g < G; ++g) any |= in[row * G + g] != 0;
+        count += any;
       }
-      (per_rank ? p.gbl_channel_prefix_matrix : p.rdma_channel_prefix_matrix)[row * C + ch] = count;
     }
+    return count;
+  };
+  bool build = with_data && !p.cached;
+  if (with_data && p.cached) {
+    // The handle's matrices tell the peers how many rows this rank sends, and the data kernel
+    // sends is_token_in_rank's: the first entry that disagrees is a fault, and the matrices are
+    // rebuilt from is_token_in_rank so that peers expect what is sent (no stall, no ring out of step).
+    __shared__ int bad_item;
+    if (threadIdx.x == 0) bad_item = INT_MAX;
+    __syncthreads();
+    for (int i = threadIdx.x; i < (R + N) * C; i += blockDim.x) {
+      const int32_t* m = matrix(i);
+      const int64_t v = *m, prev = i % C > 0 ? m[-1] : 0;
+      if (v < 0 || v > p.num_tokens || v - prev != count_of(i)) atomicMin(&bad_item, i);
+    }
+    __syncthreads();
+    build = bad_item != INT_MAX;
+    if (build && threadIdx.x == 0) {
+      const int i = bad_item;
+      record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE,
+                   i < R * C ? DEEPEP_HANDLE_GBL_CHANNEL_PREFIX : DEEPEP_HANDLE_RDMA_CHANNEL_PREFIX,
+                   i < R * C ? i : i - R * C, *matrix(i));
+    }
+    __syncthreads();
+  }
+  if (build) {
+    for (int i = threadIdx.x; i < (R + N) * C; i += blockDim.x) *matrix(i) = count_of(i);
     if (p.topk_idx != nullptr) {
       const int64_t n = p.num_tokens * p.num_topk;
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -71,7 +116,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
     }
     __syncthreads();
     for (int row = threadIdx.x; row < R + N; row += blockDim.x) {
-      int32_t* m = row < R ? p.gbl_channel_prefix_matrix + row * C : p.rdma_channel_prefix_matrix + (row - R) * C;
+      int32_t* m = matrix(row * C);
       for (int ch = 1; ch < C; ++ch) m[ch] += m[ch - 1];
       if (row < R && p.num_tokens_per_rank != nullptr && C > 0 && p.num_tokens_per_rank[row] != m[C - 1])
         record_fault(c.fault, DEEPEP_FAULT_RANK_COUNT, row, p.num_tokens_per_rank[row], m[C - 1]);
@@ -115,17 +160,37 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
     // Combine: DeepEP's rewrite of the heads it reads (segments: source channels; (node, channel)
     // blocks of the scale-out receive space).
     if (p.combined_rdma_head == nullptr) return;
+    // The blocks first: recv_rdma_rank_prefix_sum non-decreasing in [0, rows], each node's channel
+    // prefixes non-decreasing from 0 up to its rank prefix sum's step (the combine kernel bounds
+    // every segment again; these checks name the entry).
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+      const int64_t base = n > 0 ? p.recv_rdma_rank_prefix_sum[n - 1] : 0, top = p.recv_rdma_rank_prefix_sum[n];
+      const bool base_ok = 0 <= base && base <= p.num_rdma_rows;  // else entry n - 1 is blamed
+      if (top < 0 || top > p.num_rdma_rows || (base_ok && top < base)) {
+        record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_RANK_PREFIX, n, top);
+        continue;
+      }
+      if (!base_ok) continue;
+      const int32_t* m = p.recv_rdma_channel_prefix_matrix + n * C;
+      for (int ch = 0; ch < C; ++ch) {
+        if (m[ch] < (ch > 0 ? m[ch - 1] : 0) || (ch + 1 == C ? m[ch] != top - base : m[ch] > top - base)) {
+          record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX, n * C + ch, m[ch]);
+          break;
+        }
+      }
+    }
     for (int i = threadIdx.x; i < C * N; i += blockDim.x) {
       int64_t begin, end;
       channel_range(p.num_tokens, C, i / N, begin, end);
-      rewrite_segment(p.combined_rdma_head + i % N, N, begin, end);
+      rewrite_segment(c.fault, DEEPEP_HANDLE_SEND_RDMA_HEAD, p.combined_rdma_head + i % N, N, begin, end, i % N);
     }
     for (int i = threadIdx.x; i < N * C * G; i += blockDim.x) {
       const int n = i / (C * G), ch = (i / G) % C, g = i % G;
       const int64_t base = n > 0 ? p.recv_rdma_rank_prefix_sum[n - 1] : 0;
       const int64_t begin = base + (ch > 0 ? p.recv_rdma_channel_prefix_matrix[n * C + ch - 1] : 0);
       const int64_t end = base + p.recv_rdma_channel_prefix_matrix[n * C + ch];
-      if (0 <= begin && begin <= end && end <= p.num_rdma_rows) rewrite_segment(p.combined_nvl_head + g, G, begin, end);
+      if (0 <= begin && begin <= end && end <= p.num_rdma_rows)
+        rewrite_segment(c.fault, DEEPEP_HANDLE_SEND_NVL_HEAD, p.combined_nvl_head + g, G, begin, end, g);
     }
     return;
   }
@@ -136,26 +201,40 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   // The rank prefix sums go to their output and are read back from it after the barrier (no
   // per-rank shared array: any R).
   int32_t* rank_prefix = p.recv_gbl_rank_prefix_sum;
+  // Cached: the handle's rank prefix sums must be what the peers' counts give; an entry that is
+  // not is a fault, then rewritten (the data kernel reads them).
+  const auto settle = [&](int32_t* out, int entry, int i, int32_t v) {
+    if (out[i] == v) return;
+    if (p.cached) record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, entry, i, out[i]);
+    out[i] = v;
+  };
   if (threadIdx.x == 0) {
     int32_t acc = 0;
     for (int s = 0; s < R; ++s) {
       acc += C > 0 ? max(slots[s * stride + C - 1], 0) : 0;
-      rank_prefix[s] = acc;
+      settle(rank_prefix, DEEPEP_HANDLE_RECV_GBL_RANK_PREFIX, s, acc);
     }
     acc = 0;
     for (int n = 0; n < N; ++n) {
       acc += C > 0 ? max(slots[(n * G + my_gpu) * stride + 2 * C - 1], 0) : 0;
-      p.recv_rdma_rank_prefix_sum[n] = acc;
+      settle(p.recv_rdma_rank_prefix_sum, DEEPEP_HANDLE_RECV_RDMA_RANK_PREFIX, n, acc);
     }
   }
   __syncthreads();
+  // A peer's prefixes are non-decreasing from 0 (the data kernel bounds every row it writes).
+  const auto peer_prefix = [&](int src, int i) {
+    const int32_t v = slots[src * stride + i], before = i % C > 0 ? slots[src * stride + i - 1] : 0;
+    if (v < before) record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, src * stride + i, v);
+    return v;
+  };
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
     const int s = i / C, ch = i % C;
+    peer_prefix(s, ch);
     p.recv_gbl_channel_prefix_matrix[i] = (s > 0 ? rank_prefix[s - 1] : 0) + (ch > 0 ? slots[s * stride + ch - 1] : 0);
   }
   for (int i = threadIdx.x; i < N * C; i += blockDim.x) {
     const int n = i / C, ch = i % C;
-    p.recv_rdma_channel_prefix_matrix[i] = slots[(n * G + my_gpu) * stride + C + ch];
+    p.recv_rdma_channel_prefix_matrix[i] = peer_prefix(n * G + my_gpu, C + ch);
   }
   __syncthreads();
   const int num_recv = R > 0 ? rank_prefix[R - 1] : 0;

@@ -44,6 +44,9 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
 /// would have addressed, so nothing outside the outputs was written.
 fn bad_entry(op: &str, f: &FaultRecord) -> String {
     const PREFIX: &str = "prefixes must be non-decreasing from 0 and within the rows";
+    const SENT: &str = "a cached dispatch's matrix must hold is_token_in_rank's token counts, inclusive over channels";
+    const SUMS: &str = "a cached dispatch's sums must be what the counts the peers send add up to; combine's within the rows";
+    const HEADS: &str = "non-negative heads must count 0, 1, 2, ... in each channel's (or block's) tokens";
     // A negative entry wraps to no known entry.
     let (entry, rule) = match f.a as kernels::DeepepHandleEntry {
         kernels::DEEPEP_HANDLE_RANK_PREFIX => ("the handle's rank_prefix_matrix", PREFIX),
@@ -62,11 +65,41 @@ fn bad_entry(op: &str, f: &FaultRecord) -> String {
         kernels::DEEPEP_HANDLE_LL_SRC_INFO => {
             ("the handle's src_info (handle[0])", "token indices are below num_max_dispatch_tokens_per_rank")
         }
+        kernels::DEEPEP_HANDLE_RDMA_CHANNEL_PREFIX => ("the handle's rdma_channel_prefix_matrix (handle[1])", SENT),
+        kernels::DEEPEP_HANDLE_GBL_CHANNEL_PREFIX => ("the handle's gbl_channel_prefix_matrix (handle[2])", SENT),
+        kernels::DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX => (
+            "the handle's recv_rdma_channel_prefix_matrix (handle[3])",
+            "prefixes must be non-decreasing from 0, each row ending at its step of recv_rdma_rank_prefix_sum",
+        ),
+        kernels::DEEPEP_HANDLE_RECV_RDMA_RANK_PREFIX => ("the handle's recv_rdma_rank_prefix_sum (handle[4])", SUMS),
+        kernels::DEEPEP_HANDLE_RECV_GBL_CHANNEL_PREFIX => ("the handle's recv_gbl_channel_prefix_matrix (handle[5])", PREFIX),
+        kernels::DEEPEP_HANDLE_RECV_GBL_RANK_PREFIX => ("the handle's recv_gbl_rank_prefix_sum (handle[6])", SUMS),
+        kernels::DEEPEP_HANDLE_SRC_META => (
+            "the handle's recv_src_meta (handle[7], read as int32 pairs: source node, NVLink mask)",
+            "a row holds its source node and a mask of that node's GPUs that includes this one",
+        ),
+        kernels::DEEPEP_HANDLE_SEND_RDMA_HEAD => ("the handle's send_rdma_head (handle[8])", HEADS),
+        kernels::DEEPEP_HANDLE_SEND_NVL_HEAD => ("the handle's send_nvl_head (handle[9])", HEADS),
         _ => ("an index entry", PREFIX),
+    };
+    // A cached dispatch does not skip: it sends what is_token_in_rank selects and goes by the
+    // counts the peers sent, having rewritten the entry from them.
+    let rewritten = f.code as kernels::DeepepFaultCode == kernels::DEEPEP_FAULT_DISPATCH_HANDLE
+        && matches!(
+            f.a as kernels::DeepepHandleEntry,
+            kernels::DEEPEP_HANDLE_RDMA_CHANNEL_PREFIX
+                | kernels::DEEPEP_HANDLE_GBL_CHANNEL_PREFIX
+                | kernels::DEEPEP_HANDLE_RECV_RDMA_RANK_PREFIX
+                | kernels::DEEPEP_HANDLE_RECV_GBL_RANK_PREFIX
+        );
+    let after = if rewritten {
+        "The dispatch went by is_token_in_rank and the counts the peers sent, and rewrote the handle's entries from them"
+    } else {
+        "Rows it addressed were skipped"
     };
     format!(
         "{op}: {entry} holds {} at flat index {}, out of range ({rule}); the handle is corrupted or from another \
-         buffer or config. Rows it addressed were skipped",
+         buffer or config. {after}",
         f.c, f.b
     )
 }
@@ -145,6 +178,36 @@ mod tests {
         let f = FaultRecord { code: kernels::DEEPEP_FAULT_COMBINE_HANDLE as i32, a: kernels::DEEPEP_HANDLE_SEND_HEAD as i64, ..f };
         assert!(fault_error(&f).message.starts_with("combine: the handle's send_head holds -1"));
         assert!(fault_error(&FaultRecord { a: -3, ..f }).message.starts_with("combine: an index entry holds"));
+        // Internode entries name DeepEP's handle index; a cached dispatch rewrites what it checked.
+        let f = FaultRecord { a: kernels::DEEPEP_HANDLE_SEND_RDMA_HEAD as i64, b: 6, c: 1 << 20, ..f };
+        let m = fault_error(&f).message;
+        assert!(m.starts_with("combine: the handle's send_rdma_head (handle[8]) holds 1048576 at flat index 6"), "{m}");
+        assert!(m.ends_with("Rows it addressed were skipped"), "{m}");
+        let f = FaultRecord { a: kernels::DEEPEP_HANDLE_SRC_META as i64, b: 0, c: 127, ..f };
+        assert!(fault_error(&f).message.starts_with("combine: the handle's recv_src_meta (handle[7]"));
+        let f = FaultRecord {
+            code: kernels::DEEPEP_FAULT_DISPATCH_HANDLE as i32,
+            a: kernels::DEEPEP_HANDLE_RECV_GBL_RANK_PREFIX as i64,
+            b: 0,
+            c: 1 << 20,
+            ..f
+        };
+        let m = fault_error(&f).message;
+        assert!(m.starts_with("dispatch: the handle's recv_gbl_rank_prefix_sum (handle[6]) holds 1048576"), "{m}");
+        assert!(m.ends_with("rewrote the handle's entries from them"), "{m}");
+        for entry in [kernels::DEEPEP_HANDLE_RDMA_CHANNEL_PREFIX, kernels::DEEPEP_HANDLE_GBL_CHANNEL_PREFIX] {
+            let m = fault_error(&FaultRecord { a: entry as i64, ..f }).message;
+            assert!(m.contains("_channel_prefix_matrix (handle[") && m.contains("is_token_in_rank's token counts"), "{m}");
+        }
+        for entry in [
+            kernels::DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX,
+            kernels::DEEPEP_HANDLE_RECV_RDMA_RANK_PREFIX,
+            kernels::DEEPEP_HANDLE_RECV_GBL_CHANNEL_PREFIX,
+            kernels::DEEPEP_HANDLE_SEND_NVL_HEAD,
+        ] {
+            let m = fault_error(&FaultRecord { code: kernels::DEEPEP_FAULT_COMBINE_HANDLE as i32, a: entry as i64, ..f }).message;
+            assert!(m.starts_with("combine: the handle's ") && m.contains("(handle["), "{m}");
+        }
         let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_LL_SAME_HALF as i32, a: 1, b: 3, c: 0 };
         assert!(fault_error(&f).message.starts_with("rank 3: two low-latency sends in a row used buffer half 1"));
         let f = FaultRecord {

@@ -192,12 +192,13 @@ fn internode_dispatch_arguments_are_named() {
     let cached = DeepepInternodeDispatchArgs { cached: 1, topk_idx: ABSENT, topk_weights: ABSENT, ..a };
     let mut c = DeepepOutputs::default();
     assert_eq!(deepep_internode_dispatch_handle_outputs(buf, &cached, &mut c), DEEPEP_SUCCESS, "{}", last_error());
-    assert_eq!((c.tensors[0].dtype, c.tensors[1].dtype, c.tensors[6].dtype), (0, 0, 0));
+    let absent: Vec<i32> = [0, 1, 3, 5, 6].iter().map(|&i| c.tensors[i].dtype).collect();
+    assert_eq!(absent, [0; 5], "cached: the handle's prefix matrices and sums are passed, not allocated");
     let cached = DeepepInternodeDispatchArgs {
         recv_rdma_channel_prefix_matrix: c.tensors[2],
-        recv_rdma_rank_prefix_sum: c.tensors[3],
+        recv_rdma_rank_prefix_sum: described(DEEPEP_DTYPE_INT32, &[2], 0),
         recv_gbl_channel_prefix_matrix: c.tensors[4],
-        recv_gbl_rank_prefix_sum: c.tensors[5],
+        recv_gbl_rank_prefix_sum: described(DEEPEP_DTYPE_INT32, &[2], 0),
         send_rdma_head: ABSENT,
         ..cached
     };

@@ -41,7 +41,10 @@ pub struct DeepepInternodeDispatchArgs {
     pub rdma_channel_prefix_matrix: DeepepTensor,
     /// [R, C] int32: written (non-cached) or the handle's (cached).
     pub gbl_channel_prefix_matrix: DeepepTensor,
-    /// [N, C], [N], [R, C], [R] int32, written.
+    /// [N, C], [N], [R, C], [R] int32, written. Cached: the two prefix sums ([N], [R]) are the
+    /// handle's, checked against the counts the peers send (a fault names an entry that differs,
+    /// which is then rewritten); the handle's two matrices are checked against is_token_in_rank
+    /// the same way.
     pub recv_rdma_channel_prefix_matrix: DeepepTensor,
     pub recv_rdma_rank_prefix_sum: DeepepTensor,
     pub recv_gbl_channel_prefix_matrix: DeepepTensor,
@@ -91,10 +94,11 @@ pub const RECV_OUTPUTS: [&str; 6] =
     ["recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_meta", "send_nvl_head"];
 
 /// What a dispatch caller allocates for the handle ([`HANDLE_OUTPUTS`] order), int32 in one
-/// allocation: rdma_channel_prefix_matrix [N, C] and gbl_channel_prefix_matrix [R, C] (absent
-/// when cached: the handle's are passed), recv_rdma_channel_prefix_matrix [N, C],
-/// recv_rdma_rank_prefix_sum [N], recv_gbl_channel_prefix_matrix [R, C], recv_gbl_rank_prefix_sum
-/// [R] (recomputed by a cached dispatch too), send_rdma_head [T, N] (absent when cached).
+/// allocation: rdma_channel_prefix_matrix [N, C] and gbl_channel_prefix_matrix [R, C],
+/// recv_rdma_channel_prefix_matrix [N, C] (recomputed by a cached dispatch too),
+/// recv_rdma_rank_prefix_sum [N], recv_gbl_channel_prefix_matrix [R, C] (recomputed too),
+/// recv_gbl_rank_prefix_sum [R], send_rdma_head [T, N]. Cached: only the two recomputed ones; the
+/// handle's are passed for the others but send_rdma_head (absent).
 pub fn handle_outputs(num_ranks: i64, num_nodes: i64, num_tokens: i64, num_channels: i64, cached: bool) -> Result<DeepepOutputs> {
     ensure_arg!(num_tokens >= 0, "num_tokens must be >= 0, got {num_tokens}");
     let (r, n, c) = (num_ranks, num_nodes, num_channels);
@@ -109,12 +113,15 @@ pub fn handle_outputs(num_ranks: i64, num_nodes: i64, num_tokens: i64, num_chann
         o.push_after(first, &[n, c]);
         first
     };
-    o.push_after(first, &[n]);
-    o.push_after(first, &[r, c]);
-    o.push_after(first, &[r]);
     if cached {
         o.push_absent();
+        o.push_after(first, &[r, c]);
+        o.push_absent();
+        o.push_absent();
     } else {
+        o.push_after(first, &[n]);
+        o.push_after(first, &[r, c]);
+        o.push_after(first, &[r]);
         o.push_after(first, &[num_tokens, n]);
     }
     o.checked(&HANDLE_OUTPUTS)
@@ -266,13 +273,14 @@ fn validate(buffer: &Buffer, a: &DeepepInternodeDispatchArgs) -> Result<Plan> {
     let mut handle = [std::ptr::null_mut(); 7];
     for (i, tensor) in given.iter().enumerate() {
         let name = HANDLE_OUTPUTS[i];
-        handle[i] = if cached && i < 2 {
-            // The handle's own matrices: inputs of the routing the handle was made with.
-            let (rows, what) = if i == 0 { (n, "nodes") } else { (r, "ranks") };
-            let m = check(name, Some(tensor), &[DEEPEP_DTYPE_INT32], 2)?;
+        handle[i] = if cached && matches!(i, 0 | 1 | 3 | 5) {
+            // The handle's own: the routing the handle was made with, checked by the notify kernel.
+            let (rows, what) = if i % 2 == 0 { (n, "nodes") } else { (r, "ranks") };
+            let shape: &[i64] = if i < 2 { &[rows, c] } else { &[rows] };
+            let m = check(name, Some(tensor), &[DEEPEP_DTYPE_INT32], shape.len())?;
             ensure_arg!(
-                m.dims() == [rows, c],
-                "{name} must have shape [{rows}, {c}] ({rows} {what}, config.num_sms / 2 = {c} channels), got {:?}; a \
+                m.dims() == shape,
+                "{name} must have shape {shape:?} ({rows} {what}, config.num_sms / 2 = {c} channels), got {:?}; a \
                  cached dispatch needs the config the handle was made with",
                 m.dims()
             );
@@ -449,8 +457,9 @@ mod tests {
         assert_eq!(shapes, [vec![n, c], vec![r, c], vec![n, c], vec![n], vec![r, c], vec![r], vec![t, n]]);
         assert_eq!(o.allocation_elems[0], 2 * n * c + 2 * r * c + n + r + t * n);
         let cached = handle_outputs(r, n, t, c, true).unwrap();
-        assert_eq!((cached.get(0).dtype, cached.get(1).dtype, cached.get(6).dtype), (0, 0, 0));
-        assert_eq!(cached.allocation_elems[0], n * c + n + r * c + r, "the receive side, recomputed");
+        let absent: Vec<i32> = [0, 1, 3, 5, 6].iter().map(|&i| cached.get(i).dtype).collect();
+        assert_eq!(absent, [0; 5], "the handle's are passed");
+        assert_eq!(cached.allocation_elems[0], n * c + r * c, "the receive matrices, recomputed");
         assert!(handle_outputs(r, n, -1, c, false).unwrap_err().message.contains("num_tokens must be >= 0"));
     }
 

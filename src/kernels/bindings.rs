@@ -205,6 +205,15 @@ pub const DEEPEP_HANDLE_SEND_HEAD: DeepepHandleEntry = 3;
 pub const DEEPEP_HANDLE_PEER_COUNTS: DeepepHandleEntry = 4;
 pub const DEEPEP_HANDLE_LL_LAYOUT_RANGE: DeepepHandleEntry = 5;
 pub const DEEPEP_HANDLE_LL_SRC_INFO: DeepepHandleEntry = 6;
+pub const DEEPEP_HANDLE_RDMA_CHANNEL_PREFIX: DeepepHandleEntry = 7;
+pub const DEEPEP_HANDLE_GBL_CHANNEL_PREFIX: DeepepHandleEntry = 8;
+pub const DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX: DeepepHandleEntry = 9;
+pub const DEEPEP_HANDLE_RECV_RDMA_RANK_PREFIX: DeepepHandleEntry = 10;
+pub const DEEPEP_HANDLE_RECV_GBL_CHANNEL_PREFIX: DeepepHandleEntry = 11;
+pub const DEEPEP_HANDLE_RECV_GBL_RANK_PREFIX: DeepepHandleEntry = 12;
+pub const DEEPEP_HANDLE_SRC_META: DeepepHandleEntry = 13;
+pub const DEEPEP_HANDLE_SEND_RDMA_HEAD: DeepepHandleEntry = 14;
+pub const DEEPEP_HANDLE_SEND_NVL_HEAD: DeepepHandleEntry = 15;
 pub type DeepepHandleEntry = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Default)]
@@ -1001,6 +1010,7 @@ pub struct DeepepInternodeCombineParams {
     pub gbl_channel_prefix_matrix: *const i32,
     pub combined_rdma_head: *mut i32,
     pub combined_nvl_head: *mut i32,
+    pub src_meta: *const i32,
     pub combined_x: *mut ::std::os::raw::c_void,
     pub combined_topk_weights: *mut f32,
     pub num_tokens: i64,
@@ -1015,7 +1025,7 @@ pub struct DeepepInternodeCombineParams {
 const _: () = {
     [
         "Size of DeepepInternodeCombineParams",
-    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 296usize];
+    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 304usize];
     [
         "Alignment of DeepepInternodeCombineParams",
     ][::std::mem::align_of::<DeepepInternodeCombineParams>() - 8usize];
@@ -1055,34 +1065,37 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_nvl_head)
         - 232usize];
     [
+        "Offset of field: DeepepInternodeCombineParams::src_meta",
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, src_meta) - 240usize];
+    [
         "Offset of field: DeepepInternodeCombineParams::combined_x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 248usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_topk_weights)
-        - 248usize];
+        - 256usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 256usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 264usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 272usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_rdma_recv_rows)
-        - 272usize];
+        - 280usize];
     [
         "Offset of field: DeepepInternodeCombineParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 280usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 288usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 284usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 292usize];
     [
         "Offset of field: DeepepInternodeCombineParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 288usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 296usize];
     [
         "Offset of field: DeepepInternodeCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 292usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 300usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]

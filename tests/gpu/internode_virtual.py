@@ -208,7 +208,8 @@ class InternodeWorld:
             call = dict(x=x, scales=scales, fields=f)
             if cached:
                 h = handles[r]
-                call['handle'] = [h[0], h[1], h[2], _zeros(n_, c_), _zeros(n_), _zeros(r_, c_), _zeros(r_)]
+                # The handle's prefix sums, as DeepEP passes them (notify checks them).
+                call['handle'] = [h[0], h[1], h[2], _zeros(n_, c_), h[4].clone(), _zeros(r_, c_), h[6].clone()]
             else:
                 topk, w = topks[r], weights[r]
                 assert topk.size(1) <= self.base['max_topk'], 'the windows are sized for max_topk columns'

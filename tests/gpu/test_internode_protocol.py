@@ -6,7 +6,8 @@ produces, then a cached dispatch or a combine over that handle. Every output the
 allocates lies between two guard regions (test_normal_protocol.GuardedTorch: the internode ops
 allocate through deep_ep_cpp._lib's torch, which this test points at guarded memory); the guards
 must stay untouched on every rank, and some rank must report an error naming a handle entry or
-the op's bad input (a peer waiting for rows that were skipped may also stall, bounded).
+the op's bad input (a peer waiting for rows that were skipped may also stall, bounded). An
+entry the op does not read ('unread') must change nothing.
 
 Handle entries (DeepEP's order): 0 is_token_in_rank, 1 rdma_channel_prefix_matrix,
 2 gbl_channel_prefix_matrix, 3 recv_rdma_channel_prefix_matrix, 4 recv_rdma_rank_prefix_sum,
@@ -51,7 +52,8 @@ CASES = {
     'gbl_channel_prefix_cached_dispatch': ('dispatch', set_at((0, 0), 2, -3)),
     'rdma_channel_prefix_cached_dispatch': ('dispatch', set_at((0, 0), 1, 1 << 20)),
     'recv_rdma_rank_prefix_cached_dispatch': ('dispatch', set_at(0, 4, -5)),
-    'recv_gbl_channel_prefix_cached_dispatch': ('dispatch', set_at((0, 1), 5, -2)),
+    # Entry 5 is no input of a cached dispatch (DeepEP's nor this one's): no error, the right rows.
+    'recv_gbl_channel_prefix_cached_dispatch': ('unread', set_at((0, 1), 5, -2)),
     'recv_gbl_rank_prefix_cached_dispatch': ('dispatch', set_at(0, 6, 1 << 20)),
     'recv_rdma_channel_prefix_combine': ('combine', set_at((0, 0), 3, -2)),
     'recv_rdma_rank_prefix_combine': ('combine', set_at(0, 4, 1 << 20)),
@@ -82,11 +84,19 @@ def corrupted_handle(ctx, name, op, corrupt):
             corrupt(handle)
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
-        if op == 'dispatch':
-            call = lambda: buf.dispatch(x, handle=handle)  # noqa: E731
+        if op == 'unread':
+            again = buf.dispatch(x, handle=handle)[0]
+            torch.cuda.synchronize()
+            bad = GUARDS.violations()
+            chk.expect(not bad, f'{name}: rank {ctx.rank} has writes outside the outputs: {bad[:3]}')
+            chk.expect(torch.equal(again, recv_x), f'{name}: the cached dispatch changed the received rows')
         else:
-            call = lambda: buf.combine(recv_x, handle, topk_weights=recv_weights)  # noqa: E731
-        check_corrupted_call(ctx, chk, name, GUARDS, ENTRY_NAMED, call, lambda: buf.get_dispatch_layout(topk_idx, E))
+            if op == 'dispatch':
+                call = lambda: buf.dispatch(x, handle=handle)  # noqa: E731
+            else:
+                call = lambda: buf.combine(recv_x, handle, topk_weights=recv_weights)  # noqa: E731
+            check_corrupted_call(ctx, chk, name, GUARDS, ENTRY_NAMED, call,
+                                 lambda: buf.get_dispatch_layout(topk_idx, E))
     finally:
         destroy_after(ctx, buf, name, GUARDS)
     chk.done()

@@ -65,8 +65,8 @@ class InternodeMode(StreamProtocol):
             result = self._internode_dispatch_ctypes(
                 handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
                 is_token_in_rank, num_tokens_per_expert, cached_num_recv_tokens, cached_num_rdma_recv_tokens,
-                cached_rdma_channel_prefix_matrix, cached_gbl_channel_prefix_matrix, expert_alignment,
-                num_worst_tokens, config)
+                cached_rdma_channel_prefix_matrix, cached_recv_rdma_rank_prefix_sum, cached_gbl_channel_prefix_matrix,
+                cached_recv_gbl_rank_prefix_sum, expert_alignment, num_worst_tokens, config)
         finally:
             self._op_allocated(compute, allocate_on_comm_stream)
         event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (
@@ -83,16 +83,18 @@ class InternodeMode(StreamProtocol):
     def _internode_dispatch_ctypes(
         self, handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
         is_token_in_rank, num_tokens_per_expert, cached_num_recv_tokens, cached_num_rdma_recv_tokens,
-        cached_rdma_channel_prefix_matrix, cached_gbl_channel_prefix_matrix, expert_alignment, num_worst_tokens,
-        config,
+        cached_rdma_channel_prefix_matrix, cached_recv_rdma_rank_prefix_sum, cached_gbl_channel_prefix_matrix,
+        cached_recv_gbl_rank_prefix_sum, expert_alignment, num_worst_tokens, config,
     ):
         self._check_device("x", x)
         cached = cached_rdma_channel_prefix_matrix is not None
         if cached:
             int_arg("cached_num_recv_tokens", cached_num_recv_tokens)
             int_arg("cached_num_rdma_recv_tokens", cached_num_rdma_recv_tokens)
-            if cached_gbl_channel_prefix_matrix is None:
-                raise RuntimeError("deepep-nccl: a cached dispatch needs cached_gbl_channel_prefix_matrix too")
+            if (cached_gbl_channel_prefix_matrix is None or cached_recv_rdma_rank_prefix_sum is None
+                    or cached_recv_gbl_rank_prefix_sum is None):
+                raise RuntimeError("deepep-nccl: a cached dispatch needs the handle's cached_gbl_channel_prefix_matrix, "
+                                   "cached_recv_rdma_rank_prefix_sum and cached_recv_gbl_rank_prefix_sum too")
         device = self._device
         args = self._inter_dispatch_args
         args_addr, stream = ctypes.addressof(args), self._comm_stream_ptr
@@ -108,7 +110,10 @@ class InternodeMode(StreamProtocol):
                 *_desc("num_tokens_per_expert", None if cached else num_tokens_per_expert),
                 *_desc("rdma_channel_prefix_matrix", cached_rdma_channel_prefix_matrix if cached else None),
                 *_desc("gbl_channel_prefix_matrix", cached_gbl_channel_prefix_matrix if cached else None),
-                *(_ABSENT * 5), *config_fields, int(cached), expert_alignment, num_worst_tokens, 0,
+                # Cached: the handle's prefix sums (the kernel checks them); the rest comes from the plan.
+                *_ABSENT, *_desc("recv_rdma_rank_prefix_sum", cached_recv_rdma_rank_prefix_sum if cached else None),
+                *_ABSENT, *_desc("recv_gbl_rank_prefix_sum", cached_recv_gbl_rank_prefix_sum if cached else None),
+                *_ABSENT, *config_fields, int(cached), expert_alignment, num_worst_tokens, 0,
             )
         except struct.error:  # an int32 field out of range: name it
             check_int32_fields(expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
@@ -121,7 +126,9 @@ class InternodeMode(StreamProtocol):
         handle_tensors = list(allocate(device))
         if cached:
             handle_tensors[0], handle_tensors[1] = cached_rdma_channel_prefix_matrix, cached_gbl_channel_prefix_matrix
-            _memmove(args_addr + _HANDLE_AT + 2 * _DESC_BYTES, addresses[2], 4 * _DESC_BYTES)
+            handle_tensors[3], handle_tensors[5] = cached_recv_rdma_rank_prefix_sum, cached_recv_gbl_rank_prefix_sum
+            for i in (2, 4):  # the receive matrices, recomputed
+                _memmove(args_addr + _HANDLE_AT + i * _DESC_BYTES, addresses[i], _DESC_BYTES)
         else:
             _memmove(args_addr + _HANDLE_AT, addresses[0], 7 * _DESC_BYTES)
         status = lib.deepep_internode_dispatch_prepare(
