@@ -172,17 +172,34 @@ __device__ __forceinline__ void sum_weights(float* out, const float* weights, ui
   sum_weight_chunks(out, one_chunk, 1, K, lane);
 }
 
+// The first of x's rows [start, stop) that is num_worst_tokens padding (dispatch marked its
+// SourceMeta; padding is a suffix), else stop.
+__device__ __noinline__ int64_t padding_start(const int32_t* src_meta, int64_t start, int64_t stop) {
+  while (start < stop) {
+    const int64_t mid = start + (stop - start) / 2;
+    const bool padding = src_meta[2 * mid] == kPaddingMeta && src_meta[2 * mid + 1] == 0;
+    if (padding) stop = mid;
+    else start = mid + 1;
+  }
+  return start;
+}
+
 // x's rows [start, stop) from source rank src in channel ch: the last channel of a source ends
 // where the next source starts, the last source at x's rows (DeepEP's: combine takes no
-// recv_gbl_rank_prefix_sum). False (a fault recorded) for a range outside x.
+// recv_gbl_rank_prefix_sum) less num_worst_tokens padding. False (a fault recorded) for a range
+// outside x.
 __device__ bool source_rows(const DeepepInternodeCombineParams& p, int src, int ch, int lane, int64_t& start,
                             int64_t& stop) {
   const int C = p.common.num_channels;
+  const bool last = ch + 1 == C && src + 1 == p.common.num_ranks;
   start = p.gbl_channel_prefix_matrix[src * C + ch];
-  stop = ch + 1 < C                     ? p.gbl_channel_prefix_matrix[src * C + ch + 1]
-         : src + 1 < p.common.num_ranks ? p.gbl_channel_prefix_matrix[(src + 1) * C]
-                                        : p.num_recv_rows;
-  if (start >= 0 && stop >= start && stop <= p.num_recv_rows) return true;
+  stop = ch + 1 < C ? p.gbl_channel_prefix_matrix[src * C + ch + 1]
+         : !last    ? p.gbl_channel_prefix_matrix[(src + 1) * C]
+                    : p.num_recv_rows;
+  if (start >= 0 && stop >= start && stop <= p.num_recv_rows) {
+    if (last && p.src_meta != nullptr) stop = padding_start(p.src_meta, start, stop);
+    return true;
+  }
   if (lane == 0)
     record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_GBL_CHANNEL_PREFIX, src * C + ch,
                  start < 0 ? start : stop);

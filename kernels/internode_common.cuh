@@ -37,6 +37,9 @@ constexpr int kWarps = kThreads / kWarp;
 constexpr int kNotifyThreads = 1024;
 constexpr int kMaxNodeSize = DEEPEP_INTERNODE_MAX_NODE_SIZE;
 constexpr int kHeadNone = 1 << 25;  // DeepEP's "no later head in this segment"
+// SourceMeta {source node, NVLink mask} of a num_worst_tokens padding row (dispatch writes it past
+// the received rows): combine's last source range ends at the first such row, not at x's end.
+constexpr int kPaddingMeta = -1;
 static_assert(kMaxNodeSize <= kWarps, "a warp per other local GPU and at least one forwarder warp");
 static_assert(kMaxNodeSize <= kWarp, "a lane per local GPU");
 

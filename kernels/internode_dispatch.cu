@@ -280,13 +280,17 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(
       }
     }
   }
-  // num_worst_tokens: rows past the received ones carry no expert.
+  // num_worst_tokens: rows past the received ones carry no expert, and their SourceMeta is the
+  // padding mark combine stops at (kPaddingMeta).
   if (p.recv_topk_idx != nullptr) {
     const int R = c.num_ranks;
     const int64_t num_recv = min(max(int64_t(p.recv_gbl_rank_prefix_sum[R - 1]), int64_t(0)), p.num_recv_rows);
-    for (int64_t i = num_recv * p.num_topk + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.num_recv_rows * p.num_topk;
-         i += int64_t(gridDim.x) * blockDim.x)
+    const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+    for (int64_t i = num_recv * p.num_topk + first; i < p.num_recv_rows * p.num_topk; i += step)
       store_topk(p.recv_topk_idx, p.topk_idx_is_int32, i, -1);
+    if (p.recv_src_meta != nullptr)
+      for (int64_t i = num_recv + first; i < p.num_recv_rows; i += step)
+        reinterpret_cast<int2*>(p.recv_src_meta)[i] = make_int2(kPaddingMeta, 0);
   }
   if (normal::buffer_failed(c.wait)) {
     const int64_t n = p.num_recv_rows, k = p.num_topk;

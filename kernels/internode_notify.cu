@@ -63,13 +63,13 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   const auto matrix = [&](int i) {
     return i < R * C ? p.gbl_channel_prefix_matrix + i : p.rdma_channel_prefix_matrix + (i - R * C);
   };
-  const auto count_of = [&](int i) {  // item i's tokens (is_token_in_rank)
+  const auto count_of = [&](int i) {  // item i's tokens (is_token_in_rank); the whole warp calls
     const bool per_rank = i < R * C;
     const int row = per_rank ? i / C : (i - R * C) / C, ch = i % C;
     int64_t begin, end;
     channel_range(p.num_tokens, C, ch, begin, end);
     int count = 0;
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = begin + lane; t < end; t += kWarp) {
       const uint8_t* in = p.is_token_in_rank + t * R;
       if (per_rank) {
         count += in[row] != 0;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
         count += any;
       }
     }
-    return count;
+    return __reduce_add_sync(0xffffffffu, count);
   };
   bool build = with_data && !p.cached;
   if (with_data && p.cached) {
@@ -89,10 +89,11 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
     __shared__ int bad_item;
     if (threadIdx.x == 0) bad_item = INT_MAX;
     __syncthreads();
-    for (int i = threadIdx.x; i < (R + N) * C; i += blockDim.x) {
+    for (int i = warp; i < (R + N) * C; i += num_warps) {
       const int32_t* m = matrix(i);
       const int64_t v = *m, prev = i % C > 0 ? m[-1] : 0;
-      if (v < 0 || v > p.num_tokens || v - prev != count_of(i)) atomicMin(&bad_item, i);
+      const int count = count_of(i);
+      if (lane == 0 && (v < 0 || v > p.num_tokens || v - prev != count)) atomicMin(&bad_item, i);
     }
     __syncthreads();
     build = bad_item != INT_MAX;
@@ -105,7 +106,10 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
     __syncthreads();
   }
   if (build) {
-    for (int i = threadIdx.x; i < (R + N) * C; i += blockDim.x) *matrix(i) = count_of(i);
+    for (int i = warp; i < (R + N) * C; i += num_warps) {
+      const int count = count_of(i);
+      if (lane == 0) *matrix(i) = count;
+    }
     if (p.topk_idx != nullptr) {
       const int64_t n = p.num_tokens * p.num_topk;
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -159,7 +163,8 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   if (!with_data) {
     // Combine: DeepEP's rewrite of the heads it reads (segments: source channels; (node, channel)
     // blocks of the scale-out receive space).
-    if (p.combined_rdma_head == nullptr) return;
+    // Either head may be empty (NULL): a rank without tokens still rewrites the rows it received.
+    if (p.combined_rdma_head == nullptr && p.combined_nvl_head == nullptr) return;
     // The blocks first: recv_rdma_rank_prefix_sum non-decreasing in [0, rows], each node's channel
     // prefixes non-decreasing from 0 up to its rank prefix sum's step (the combine kernel bounds
     // every segment again; these checks name the entry).
@@ -179,12 +184,12 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
         }
       }
     }
-    for (int i = threadIdx.x; i < C * N; i += blockDim.x) {
+    for (int i = threadIdx.x; p.combined_rdma_head != nullptr && i < C * N; i += blockDim.x) {
       int64_t begin, end;
       channel_range(p.num_tokens, C, i / N, begin, end);
       rewrite_segment(c.fault, DEEPEP_HANDLE_SEND_RDMA_HEAD, p.combined_rdma_head + i % N, N, begin, end, i % N);
     }
-    for (int i = threadIdx.x; i < N * C * G; i += blockDim.x) {
+    for (int i = threadIdx.x; p.combined_nvl_head != nullptr && i < N * C * G; i += blockDim.x) {
       const int n = i / (C * G), ch = (i / G) % C, g = i % G;
       const int64_t base = n > 0 ? p.recv_rdma_rank_prefix_sum[n - 1] : 0;
       const int64_t begin = base + (ch > 0 ? p.recv_rdma_channel_prefix_matrix[n * C + ch - 1] : 0);

@@ -275,7 +275,8 @@ fn validate(buffer: &Buffer, a: &DeepepInternodeDispatchArgs) -> Result<Plan> {
         let name = HANDLE_OUTPUTS[i];
         handle[i] = if cached && matches!(i, 0 | 1 | 3 | 5) {
             // The handle's own: the routing the handle was made with, checked by the notify kernel.
-            let (rows, what) = if i % 2 == 0 { (n, "nodes") } else { (r, "ranks") };
+            // Per node: rdma_channel_prefix_matrix (0), recv_rdma_rank_prefix_sum (3); else per rank.
+            let (rows, what) = if matches!(i, 0 | 3) { (n, "nodes") } else { (r, "ranks") };
             let shape: &[i64] = if i < 2 { &[rows, c] } else { &[rows] };
             let m = check(name, Some(tensor), &[DEEPEP_DTYPE_INT32], shape.len())?;
             ensure_arg!(

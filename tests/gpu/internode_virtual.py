@@ -18,6 +18,9 @@ import os
 # More hardware queues than the default 8 for the per-rank streams (read when CUDA starts; the
 # steps are issued rank by rank, so fewer queues still make progress, only with less overlap).
 os.environ.setdefault('CUDA_DEVICE_MAX_CONNECTIONS', '32')
+# Every kernel loaded at start: a kernel loaded lazily on its first launch can wait for the
+# running kernels, which wait on it (a rank's first combine after its peers' notify).
+os.environ.setdefault('CUDA_MODULE_LOADING', 'EAGER')
 
 import torch  # noqa: E402
 
@@ -51,7 +54,7 @@ def load_library(path=None):
     lib.inv_stream_create.restype = ctypes.c_void_p
     lib.inv_stream_destroy.restype = None
     lib.inv_stream_destroy.argtypes = [ctypes.c_void_p]
-    for fn in (lib.inv_dispatch_notify, lib.inv_dispatch, lib.inv_combine):
+    for fn in (lib.inv_dispatch_notify, lib.inv_dispatch, lib.inv_combine_notify, lib.inv_combine):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
@@ -282,8 +285,9 @@ class InternodeWorld:
             calls.append(dict(num_tokens=t, num_topk=0 if w is None else w.size(1), x=_ptr(x), topk_weights=_ptr(w),
                               bias_0=_ptr(b0), bias_1=_ptr(b1), recv_rdma_channel_prefix_matrix=_ptr(h[3]),
                               recv_rdma_rank_prefix_sum=_ptr(h[4]), recv_gbl_channel_prefix_matrix=_ptr(h[5]),
-                              send_rdma_head=_ptr(h[8]), send_nvl_head=_ptr(h[9]), combined_x=_ptr(combined),
+                              recv_src_meta=_ptr(h[7]), send_rdma_head=_ptr(h[8]), send_nvl_head=_ptr(h[9]), combined_x=_ptr(combined),
                               combined_topk_weights=_ptr(combined_w), num_recv_rows=x.size(0),
                               num_rdma_recv_rows=h[9].size(0)))
+        self._step(self.lib.inv_combine_notify, calls)
         self._step(self.lib.inv_combine, calls)
         return out

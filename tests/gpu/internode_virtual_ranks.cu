@@ -272,18 +272,24 @@ __attribute__((visibility("default"))) int inv_dispatch(const int64_t* a, void* 
   return kernels().launch_internode_dispatch(null_dev_comm(), &p, DEEPEP_LL_REMOTE_EMULATED, stream);
 }
 
-// One rank's combine on `stream` (src/internode/combine.rs): the notify round (a barrier, then
-// the heads' rewrite in place), then the data kernel. x: [num_recv_rows, H] bf16.
-__attribute__((visibility("default"))) int inv_combine(const int64_t* a, void* stream) {
+// One rank's combine notify on `stream` (src/internode/combine.rs launches it and the data kernel
+// back to back): a barrier, then the heads' rewrite in place. The harness launches every rank's
+// notify before any data kernel: with more ranks than hardware queues (32), two ranks' streams
+// share one, and a rank's data kernel queued before the other's notify would wait for its own
+// notify, which waits for the other's.
+__attribute__((visibility("default"))) int inv_combine_notify(const int64_t* a, void* stream) {
   DeepepInternodeNotifyParams n = notify_for(a);
   n.combined_rdma_head = ptr<int32_t>(a, kArg_send_rdma_head);
   n.combined_nvl_head = ptr<int32_t>(a, kArg_send_nvl_head);
   n.num_rdma_rows = a[kArg_num_rdma_recv_rows];
-  const int rc = kernels().launch_internode_notify(null_dev_comm(), &n, DEEPEP_LL_REMOTE_EMULATED, stream);
-  if (rc != 0) return rc;
+  return kernels().launch_internode_notify(null_dev_comm(), &n, DEEPEP_LL_REMOTE_EMULATED, stream);
+}
+
+// One rank's combine data kernel on `stream`, after its combine notify. x: [num_recv_rows, H] bf16.
+__attribute__((visibility("default"))) int inv_combine(const int64_t* a, void* stream) {
   DeepepInternodeCombineParams p;
   std::memset(&p, 0, sizeof(p));
-  p.common = n.common;
+  p.common = common_for(a);
   p.x = ptr<const void>(a, kArg_x);
   p.topk_weights = ptr<const float>(a, kArg_topk_weights);
   p.bias_0 = ptr<const void>(a, kArg_bias_0);
@@ -293,6 +299,7 @@ __attribute__((visibility("default"))) int inv_combine(const int64_t* a, void* s
   p.gbl_channel_prefix_matrix = ptr<const int32_t>(a, kArg_recv_gbl_channel_prefix_matrix);
   p.combined_rdma_head = ptr<int32_t>(a, kArg_send_rdma_head);
   p.combined_nvl_head = ptr<int32_t>(a, kArg_send_nvl_head);
+  p.src_meta = ptr<const int32_t>(a, kArg_recv_src_meta);
   p.combined_x = ptr<void>(a, kArg_combined_x);
   p.combined_topk_weights = ptr<float>(a, kArg_combined_topk_weights);
   p.num_tokens = a[kArg_num_tokens];

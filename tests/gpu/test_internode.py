@@ -103,6 +103,8 @@ def check_traffic(chk, op, before, after, want):
 
 def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False, num_worst_tokens=0):
     buffer, chk = ctx.buffer, Checks()
+    if isinstance(tokens, tuple):  # per rank, cycled: ranks without tokens still receive and combine
+        tokens = tokens[ctx.rank % len(tokens)]
     if num_worst_tokens == 'all':  # DeepEP's test: every rank's tokens could land here
         num_worst_tokens = tokens * ctx.world
     topk_idx = route(routing, tokens, topk, ctx.world)
@@ -242,6 +244,7 @@ CASES = {
     'random_T4096_H2048_top1': dict(topk=1),
     'random_T1_H2048': dict(tokens=1),
     'random_T0_H2048': dict(tokens=0),
+    'even_ranks_T0_H2048': dict(tokens=(0, 4096)),
     'skewed_T4096_H2048': dict(routing='skewed'),
     'minus_one_heavy_T4096_H7168': dict(routing='minus_one_heavy', hidden=7168),
     'fp8_col_scales_T4096_H7168': dict(fp8=True, hidden=7168),
