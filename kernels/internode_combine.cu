@@ -206,14 +206,20 @@ __device__ bool source_rows(const DeepepInternodeCombineParams& p, int src, int 
   return false;
 }
 
-// Out of line: one load in combine_forward's loop, the rest off its registers.
-__device__ __noinline__ void check_src_meta(const DeepepInternodeCombineParams& p, int64_t r, int node, int gpu) {
-  const int32_t* m = p.src_meta + 2 * r;
-  const uint32_t mask = uint32_t(m[1]);
-  if (m[0] != node)
-    record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SRC_META, 2 * r, m[0]);
-  else if ((mask >> p.common.node_size) != 0 || !((mask >> gpu) & 1u))
-    record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SRC_META, 2 * r + 1, m[1]);
+// recv_src_meta (DeepEP's; this combine goes by the heads), checked once per call off the row
+// loops, grid-strided: each row's source node within the world, its NVLink mask within the node's
+// GPUs and holding this GPU (the row came here); num_worst_tokens padding skipped.
+__device__ __noinline__ void check_src_meta(const DeepepInternodeCombineParams& p) {
+  const int N = p.common.num_nodes, G = p.common.node_size, my_gpu = p.common.rank % G;
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < p.num_recv_rows; r += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t node = p.src_meta[2 * r];
+    const uint32_t mask = uint32_t(p.src_meta[2 * r + 1]);
+    if (node == kPaddingMeta && mask == 0) continue;
+    if (node < 0 || node >= N)
+      record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SRC_META, 2 * r, node);
+    else if ((G < 32 && (mask >> G) != 0) || !((mask >> my_gpu) & 1u))
+      record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SRC_META, 2 * r + 1, int64_t(mask));
+  }
 }
 
 // Returns the rows of fwd's ring (channel ch) its warps wrote, all members together.
@@ -321,9 +327,6 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
             record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_NVL_HEAD, (begin + i) * G + my_gpu, r - own_start);
           ok = false;
         } else if (lane == my_gpu) {
-          // recv_src_meta is DeepEP's (this combine goes by the heads), checked on the rows it reads
-          // anyway: the row's source node and this GPU in its NVLink mask.
-          if (p.src_meta != nullptr) check_src_meta(p, r, src_node, my_gpu);
           src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + r * p.hidden_bytes);
           weights = p.topk_weights != nullptr ? p.topk_weights + r * K : nullptr;
         }
@@ -467,6 +470,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(
   for (int i = threadIdx.x; i < 2 * N; i += blockDim.x) node_rows[i] = 0;
   __syncthreads();
   const uint32_t generation = flag_generation(*c.op_epoch);
+  if (p.src_meta != nullptr) check_src_meta(p);
   if (!normal::buffer_failed(c.wait)) {
     if (int(blockIdx.x) < C) {
       // Half the block (at least a warp each) sends to the other local GPUs, the rest receives.

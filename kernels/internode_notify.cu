@@ -15,29 +15,36 @@
 namespace deepep {
 namespace internode {
 
-// DeepEP's in-place head rewrite, over one segment [begin, end) of a column: a negative entry
-// becomes -(the next non-negative entry below it) - 1, or -kHeadNone - 1. Idempotent. The
-// non-negative entries must count 0, 1, 2, ... (each is a row's place in its ring or stream):
-// the first that does not is a fault naming `entry` (flat index into `head`). Not repaired: a
-// wait for a row that never comes expires (bounded).
-__device__ __forceinline__ void rewrite_segment(DeepepFaultRecord* fault,
-                                                int entry, int32_t* head, int64_t stride, int64_t begin, int64_t end,
-                                                int64_t column) {
+// DeepEP's in-place head rewrite, over one segment [begin, end) of a column, by one warp (32
+// rows at a time: the segments are long and few): a negative entry becomes -(the next
+// non-negative entry below it) - 1, or -kHeadNone - 1. Idempotent. The non-negative entries must
+// count 0, 1, 2, ... (each is a row's place in its ring or stream): the first that does not is a
+// fault naming `entry` (flat index into `head`). Not repaired: a wait for a row that never comes
+// expires (bounded).
+__device__ __forceinline__ void rewrite_segment(DeepepFaultRecord* fault, int entry, int32_t* head, int64_t stride,
+                                                int64_t begin, int64_t end, int64_t column, int lane) {
+  const uint32_t below = (1u << lane) - 1u;  // lanes before this one
   int32_t expect = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    const int32_t h = head[i * stride];
-    if (h < 0) continue;
-    if (h != expect) {
-      record_fault(fault, DEEPEP_FAULT_COMBINE_HANDLE, entry, i * stride + column, h);
+  for (int64_t base = begin; base < end; base += kWarp) {
+    const int64_t i = base + lane;
+    const int32_t h = i < end ? head[i * stride] : -1;
+    const uint32_t kept = __ballot_sync(0xffffffffu, h >= 0);
+    const uint32_t wrong = __ballot_sync(0xffffffffu, h >= 0 && h != expect + __popc(kept & below));
+    if (wrong != 0) {
+      if (lane == __ffs(wrong) - 1) record_fault(fault, DEEPEP_FAULT_COMBINE_HANDLE, entry, i * stride + column, h);
       break;
     }
-    ++expect;
+    expect += __popc(kept);
   }
-  int32_t next = kHeadNone;
-  for (int64_t i = end - 1; i >= begin; --i) {
-    const int32_t h = head[i * stride];
-    if (h >= 0) next = h;
-    else head[i * stride] = -next - 1;
+  int32_t next = kHeadNone;  // the first non-negative entry below the rows done
+  for (int64_t top = end; top > begin; top -= kWarp) {
+    const int64_t i = top - kWarp + lane;  // lanes below begin take no part
+    const int32_t h = i >= begin ? head[i * stride] : -1;
+    const uint32_t kept = __ballot_sync(0xffffffffu, h >= 0);
+    const uint32_t after = kept & ~(below | (1u << lane));  // kept lanes past this one
+    const int32_t from = __shfl_sync(0xffffffffu, h, after != 0 ? __ffs(after) - 1 : lane);
+    if (i >= begin && h < 0) head[i * stride] = -(after != 0 ? from : next) - 1;
+    if (kept != 0) next = __shfl_sync(0xffffffffu, h, __ffs(kept) - 1);
   }
 }
 
@@ -184,18 +191,18 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
         }
       }
     }
-    for (int i = threadIdx.x; p.combined_rdma_head != nullptr && i < C * N; i += blockDim.x) {
+    for (int i = warp; p.combined_rdma_head != nullptr && i < C * N; i += num_warps) {
       int64_t begin, end;
       channel_range(p.num_tokens, C, i / N, begin, end);
-      rewrite_segment(c.fault, DEEPEP_HANDLE_SEND_RDMA_HEAD, p.combined_rdma_head + i % N, N, begin, end, i % N);
+      rewrite_segment(c.fault, DEEPEP_HANDLE_SEND_RDMA_HEAD, p.combined_rdma_head + i % N, N, begin, end, i % N, lane);
     }
-    for (int i = threadIdx.x; p.combined_nvl_head != nullptr && i < N * C * G; i += blockDim.x) {
+    for (int i = warp; p.combined_nvl_head != nullptr && i < N * C * G; i += num_warps) {
       const int n = i / (C * G), ch = (i / G) % C, g = i % G;
       const int64_t base = n > 0 ? p.recv_rdma_rank_prefix_sum[n - 1] : 0;
       const int64_t begin = base + (ch > 0 ? p.recv_rdma_channel_prefix_matrix[n * C + ch - 1] : 0);
       const int64_t end = base + p.recv_rdma_channel_prefix_matrix[n * C + ch];
       if (0 <= begin && begin <= end && end <= p.num_rdma_rows)
-        rewrite_segment(c.fault, DEEPEP_HANDLE_SEND_NVL_HEAD, p.combined_nvl_head + g, G, begin, end, g);
+        rewrite_segment(c.fault, DEEPEP_HANDLE_SEND_NVL_HEAD, p.combined_nvl_head + g, G, begin, end, g, lane);
     }
     return;
   }
