@@ -225,6 +225,12 @@ pub fn check_shape(name: &str, view: &TensorView<'_>, expected: &[i64]) -> Resul
     Ok(())
 }
 
+/// A contiguous 1-D tensor of `n` elements of `dtype` at `data` (unit tests of the query entries).
+#[cfg(test)]
+pub(crate) fn vector_at(data: *mut std::os::raw::c_void, dtype: DeepepDtype, n: i64) -> DeepepTensor {
+    DeepepTensor { data, dtype: dtype as i32, ndim: 1, shape: [n, 0, 0, 0], strides: [1, 0, 0, 0] }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

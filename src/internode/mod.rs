@@ -271,13 +271,7 @@ mod tests {
         let within = Buffer::without_resources(args(2, 1 << 30, 0), 132);
         let mut storage = [0i64; 8];
         let data = storage.as_mut_ptr().cast();
-        let vector = |dtype: crate::tensor::DeepepDtype, n: i64| DeepepTensor {
-            data,
-            dtype: dtype as i32,
-            ndim: 1,
-            shape: [n, 0, 0, 0],
-            strides: [1, 0, 0, 0],
-        };
+        let vector = |dtype, n| crate::tensor::vector_at(data, dtype, n);
         let null = std::ptr::null_mut();
         let plain = query_traffic(&within, &vector(DEEPEP_DTYPE_INT64, 8), null).unwrap_err();
         assert!(plain.message.contains("across nodes"), "{}", plain.message);

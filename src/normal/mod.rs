@@ -176,13 +176,7 @@ mod tests {
         };
         let mut storage = [0i64; 4];
         let data = storage.as_mut_ptr().cast();
-        let vector = |dtype: crate::tensor::DeepepDtype, n: i64| DeepepTensor {
-            data,
-            dtype: dtype as i32,
-            ndim: 1,
-            shape: [n, 0, 0, 0],
-            strides: [1, 0, 0, 0],
-        };
+        let vector = |dtype, n| crate::tensor::vector_at(data, dtype, n);
         let null = std::ptr::null_mut();
         let plain = query_dropped(&buffer(false), &vector(DEEPEP_DTYPE_INT64, 4), null).unwrap_err();
         assert!(plain.message.contains("enable_shrink=True"), "{}", plain.message);
