@@ -3,7 +3,9 @@ of 1 (both legs over NVLink, the forwarder is the receiver), 4 GPUs as 2 of 2 an
 where visible, against the intranode op of the same ranks, shape and SMs in the same processes: docs/internode.md's check on these machines is internode >= 80%
 of intranode. DeepEP's shape: 4096 tokens/rank, hidden 7168, top-8 of 256 experts, random
 routing; BF16 dispatch through the cached handle (DeepEP's tuning loop) and BF16 combine, timed
-as DeepEP's tests/utils.bench. GB/s = received bytes / time (DeepEP's counting, all rows).
+as DeepEP's tests/utils.bench. GB/s = received bytes / time (DeepEP's counting, all rows), and DeepEP's two internode
+bandwidths: the bytes each leg carried (the buffer's traffic counters) / time. Plot:
+bench/plot_internode.py.
 
 Run: python bench/bench_internode.py [--json PATH] [--sms 24 ...] [--tokens 4096] [--worlds 2 4 ...]
 """
@@ -45,7 +47,9 @@ def make_buffers(group, world, max_sms):
 
 
 def measure(buffer, tokens, num_sms):
-    """(dispatch us, combine us, received rows) of one buffer."""
+    """(dispatch us, combine us, received rows, leg bytes) of one buffer; leg bytes (internode
+    only, else zeros): this rank's scale-out and NVLink bytes of one dispatch, then of one combine
+    (the traffic counters around one more call of each)."""
     scores = torch.randn(tokens, NUM_EXPERTS, device='cuda').abs() + 1
     topk_idx = torch.topk(scores, NUM_TOPK, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t)
     weights = torch.rand(tokens, NUM_TOPK, dtype=torch.float32, device='cuda')
@@ -57,7 +61,22 @@ def measure(buffer, tokens, num_sms):
         num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights, config=dispatch_config)
     dispatch_us = bench(lambda: buffer.dispatch(x, handle=handle, config=dispatch_config))[0]
     combine_us = bench(lambda: buffer.combine(recv_x, handle, config=combine_config))[0]
-    return dispatch_us, combine_us, recv_x.size(0)
+    legs = [0, 0, 0, 0]
+    if buffer.runtime.get_num_rdma_ranks() > 1:
+        before = traffic(buffer)
+        buffer.dispatch(x, handle=handle, config=dispatch_config)
+        between = traffic(buffer)
+        buffer.combine(recv_x, handle, config=combine_config)
+        after = traffic(buffer)
+        # DeepepTrafficKind: dispatch scale-out rows, bytes, NVLink rows, bytes; combine's four.
+        legs = [between[1] - before[1], between[3] - before[3], after[5] - between[5], after[7] - between[7]]
+    return dispatch_us, combine_us, recv_x.size(0), legs
+
+
+def traffic(buffer):
+    out = torch.zeros(8, dtype=torch.int64, device='cuda')
+    buffer.internode_query_traffic_buffer(out)
+    return out.tolist()
 
 
 def worker(rank, world, port, args):
@@ -70,19 +89,25 @@ def worker(rank, world, port, args):
         for num_sms in args.sms:
             row = {'num_sms': num_sms, 'num_tokens': args.tokens}
             for name, buffer in (('intranode', intra), ('internode', inter)):
-                d_us, c_us, rows = measure(buffer, args.tokens, num_sms)
-                stats = torch.tensor([d_us, c_us, rows], dtype=torch.float64, device='cuda')
+                d_us, c_us, rows, legs = measure(buffer, args.tokens, num_sms)
+                stats = torch.tensor([d_us, c_us, rows, *legs], dtype=torch.float64, device='cuda')
                 dist.all_reduce(stats, group=group)
-                d_us, c_us, rows = (stats / world).tolist()
+                d_us, c_us, rows, *legs = (stats / world).tolist()
                 gb = rows * HIDDEN * 2 / 1e9
                 row[name] = {'dispatch_us': d_us, 'combine_us': c_us, 'dispatch_gbps': gb / (d_us / 1e6),
                              'combine_gbps': gb / (c_us / 1e6)}
+                if name == 'internode':  # DeepEP's two bandwidths: bytes each leg carried / time
+                    for key, b, us in (('dispatch_scaleout', legs[0], d_us), ('dispatch_nvl', legs[1], d_us),
+                                       ('combine_scaleout', legs[2], c_us), ('combine_nvl', legs[3], c_us)):
+                        row[name][f'{key}_gbps'] = b / 1e9 / (us / 1e6)
             row['internode_vs_intranode'] = {op: row['intranode'][f'{op}_us'] / row['internode'][f'{op}_us']
                                              for op in ('dispatch', 'combine')}
             say(f"{world} ranks as 2x{world // 2}, SMs {num_sms}: dispatch {row['internode']['dispatch_us']:.0f} us internode vs "
                 f"{row['intranode']['dispatch_us']:.0f} us intranode ({row['internode_vs_intranode']['dispatch']:.2f}x), "
                 f"combine {row['internode']['combine_us']:.0f} vs {row['intranode']['combine_us']:.0f} us "
-                f"({row['internode_vs_intranode']['combine']:.2f}x); check >= 0.80")
+                f"({row['internode_vs_intranode']['combine']:.2f}x); check >= 0.80; scale-out / NVLink GB/s: dispatch "
+                f"{row['internode']['dispatch_scaleout_gbps']:.0f} / {row['internode']['dispatch_nvl_gbps']:.0f}, combine "
+                f"{row['internode']['combine_scaleout_gbps']:.0f} / {row['internode']['combine_nvl_gbps']:.0f}")
             results.append(row)
     finally:
         intra.destroy()
@@ -100,7 +125,7 @@ def worker(rank, world, port, args):
 if __name__ == '__main__':
     parser = argparse.ArgumentParser()
     parser.add_argument('--json')
-    parser.add_argument('--sms', type=int, nargs='+', default=[24])
+    parser.add_argument('--sms', type=int, nargs='+', default=[8, 12, 16, 20, 24])
     parser.add_argument('--tokens', type=int, default=4096)
     parser.add_argument('--worlds', type=int, nargs='+', help='ranks, as 2 nodes of half (default: 2, 4, 8 as GPUs allow)')
     args = parser.parse_args()

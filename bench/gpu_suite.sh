@@ -140,7 +140,7 @@ step bench_normal 420 "$PYTHON" bench/bench_normal.py ${BENCH_NORMAL_ARGS:-} --j
 step test_internode 400 "$PYTHON" tests/gpu/test_internode.py
 # Internode handles corrupted on one rank: guards around every output untouched, the entry named.
 step test_internode_protocol 300 "$PYTHON" tests/gpu/test_internode_protocol.py
-step bench_internode 300 "$PYTHON" bench/bench_internode.py --sms 12 24 --json "$LOG_DIR/bench_internode.json"
+step bench_internode 300 "$PYTHON" bench/bench_internode.py --sms 8 12 16 20 24 --json "$LOG_DIR/bench_internode.json"
 # Internode normal mode with 2x1, 2x8, 3x4 and 16x4 virtual ranks on one GPU (the NVLink leg of a
 # node too); skipped when scripts/test.sh has not built the harness library.
 INTERNODE_VIRTUAL_LIBRARY=${DEEPEP_INTERNODE_VIRTUAL_LIBRARY:-target/internode_virtual/libinternode_virtual_ranks.so}
