@@ -5,8 +5,9 @@ the pure-torch oracle internode_reference.py (DeepEP V1's values of every output
 
 Workers run as DeepEP's tests: default dtype BF16, default device CUDA, a deep_ep.Buffer over
 dist.new_group(all ranks), sized by DeepEP's hints (the RDMA hint asked for nodes x 8 ranks: the
-hints count nodes of 8). Cases: T in {0, 1, 4096}, hidden 2048/7168, top-k 1/8, random, skewed
-and -1-heavy routing, BF16 and FP8 (column-major float32 scales); each checks the layout's
+hints count nodes of 8). Cases: T in {0, 1, 4096}, hidden 2048/7168, top-k 1/8/16, random, skewed
+(to one rank; every token to one expert), DeepEP's grouped (one node per token), an empty node
+and -1-heavy routing, token-less ranks, BF16 and FP8 (column-major float32 scales); each checks the layout's
 per-node counts, every dispatch output and all 10 handle entries exactly, a cached dispatch
 bit-identical to the first, combine (with the received weights and a bias tuple) bit for bit, the
 two heads as combine rewrote them, and the traffic counters of the dispatch and of the combine
@@ -72,6 +73,20 @@ def route(kind, num_tokens, num_topk, world):
         per_rank = E // world
         local = torch.rand(num_tokens, per_rank, dtype=torch.float32).argsort(1)[:, :num_topk]
         return (local + (world - 1) * per_rank).to(deep_ep.topk_idx_t)
+    if kind == 'one_expert':  # every slot of every token to the last expert (top-1)
+        return torch.full((num_tokens, num_topk), E - 1, dtype=torch.int64).to(deep_ep.topk_idx_t)
+    if kind in ('grouped', 'empty_node'):
+        # DeepEP's grouped routing: each token's experts within its num_topk_groups best nodes (by
+        # their best expert's score), here 1 of the 2 nodes; 'empty_node': node 1 receives nothing.
+        nodes = 2
+        scores = torch.randn(num_tokens, E, dtype=torch.float32).abs() + 1
+        if kind == 'empty_node':
+            scores[:, E // nodes:] = -1
+        else:
+            best = scores.view(num_tokens, nodes, -1).amax(-1).topk(1, dim=-1).indices
+            keep = torch.zeros(num_tokens, nodes, dtype=torch.bool).scatter_(1, best, True)
+            scores = scores.masked_fill(~keep.repeat_interleave(E // nodes, dim=1), -1)
+        return scores.topk(num_topk, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t)
     if kind == 'minus_one_heavy':
         t = random_topk(num_tokens, E, num_topk)
         t[torch.rand(t.shape, dtype=torch.float32) < 0.9] = -1
@@ -246,6 +261,10 @@ CASES = {
     'random_T0_H2048': dict(tokens=0),
     'even_ranks_T0_H2048': dict(tokens=(0, 4096)),
     'skewed_T4096_H2048': dict(routing='skewed'),
+    'one_expert_T4096_H2048_top1': dict(routing='one_expert', topk=1),
+    'grouped_T4096_H7168_top8': dict(routing='grouped', hidden=7168),
+    'empty_node_T4096_H2048': dict(routing='empty_node'),
+    'random_T4096_H2048_top16': dict(topk=16),
     'minus_one_heavy_T4096_H7168': dict(routing='minus_one_heavy', hidden=7168),
     'fp8_col_scales_T4096_H7168': dict(fp8=True, hidden=7168),
     'fp8_col_scales_T1_H2048_skewed': dict(fp8=True, tokens=1, routing='skewed'),
