@@ -392,7 +392,9 @@ impl Buffer {
             if multi_node {
                 Error::unsupported(format!(
                     "rank {} reaches only {} of {} ranks over NVLink/P2P; the others need NCCL GIN (GPU-initiated \
-                     networking over an RDMA NIC), which NCCL cannot provide here: {}",
+                     networking over an RDMA NIC), which NCCL cannot provide here ({}); ranks that all share one \
+                     NVLink domain can emulate the scale-out leg instead with DEEPEP_VIRTUAL_NODE_SIZE=<GPUs per \
+                     virtual node>",
                     args.rank, team.nRanks, args.num_ranks, e.message
                 ))
             } else {
