@@ -1,11 +1,13 @@
 """Internode normal-mode benchmark as 2 virtual nodes (DEEPEP_VIRTUAL_NODE_SIZE): 2 GPUs as 2 nodes
 of 1 (both legs over NVLink, the forwarder is the receiver), 4 GPUs as 2 of 2 and 8 as 2 of 4
-where visible, against the intranode op of the same ranks, shape and SMs in the same processes: docs/internode.md's check on these machines is internode >= 80%
-of intranode. DeepEP's shape: 4096 tokens/rank, hidden 7168, top-8 of 256 experts, random
-routing; BF16 dispatch through the cached handle (DeepEP's tuning loop) and BF16 combine, timed
-as DeepEP's tests/utils.bench. GB/s = received bytes / time (DeepEP's counting, all rows), and DeepEP's two internode
-bandwidths: the bytes each leg carried (the buffer's traffic counters) / time. Plot:
-bench/plot_internode.py.
+where visible, against the intranode op of the same ranks, shape and SMs in the same processes
+(docs/internode.md's check on these machines: internode >= 80% of intranode). DeepEP's shape:
+4096 tokens/rank, hidden 7168, top-8 of 256 experts, DeepEP's grouped routing (each token within
+its min(nodes, 4) best nodes); BF16 dispatch through the cached handle (DeepEP's tuning loop) and
+BF16 combine, timed as DeepEP's tests/utils.bench. Reported: GB/s = received bytes / time
+(DeepEP's counting, all rows); DeepEP's two internode bandwidths, the bytes each leg carried (the
+buffer's traffic counters) / time; each op's kernels by stage (notify, data kernel; kineto, rank
+0). Plot: bench/plot_internode.py.
 
 Run: python bench/bench_internode.py [--json PATH] [--sms 24 ...] [--tokens 4096] [--worlds 2 4 ...]
 """
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from bench_common import bench, init_worker, spawn_workers
+from bench_common import bench, init_worker, spawn_workers, trace_events
 
 HIDDEN = 7168
 NUM_EXPERTS = 256
@@ -50,8 +52,7 @@ def measure(buffer, tokens, num_sms):
     """(dispatch us, combine us, received rows, leg bytes) of one buffer; leg bytes (internode
     only, else zeros): this rank's scale-out and NVLink bytes of one dispatch, then of one combine
     (the traffic counters around one more call of each)."""
-    scores = torch.randn(tokens, NUM_EXPERTS, device='cuda').abs() + 1
-    topk_idx = torch.topk(scores, NUM_TOPK, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t)
+    topk_idx = grouped_topk(tokens, nodes=2)
     weights = torch.rand(tokens, NUM_TOPK, dtype=torch.float32, device='cuda')
     x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device='cuda')
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
@@ -61,6 +62,8 @@ def measure(buffer, tokens, num_sms):
         num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights, config=dispatch_config)
     dispatch_us = bench(lambda: buffer.dispatch(x, handle=handle, config=dispatch_config))[0]
     combine_us = bench(lambda: buffer.combine(recv_x, handle, config=combine_config))[0]
+    stages = {'dispatch': kernel_times(lambda: buffer.dispatch(x, handle=handle, config=dispatch_config)),
+              'combine': kernel_times(lambda: buffer.combine(recv_x, handle, config=combine_config))}
     legs = [0, 0, 0, 0]
     if buffer.runtime.get_num_rdma_ranks() > 1:
         before = traffic(buffer)
@@ -70,7 +73,40 @@ def measure(buffer, tokens, num_sms):
         after = traffic(buffer)
         # DeepepTrafficKind: dispatch scale-out rows, bytes, NVLink rows, bytes; combine's four.
         legs = [between[1] - before[1], between[3] - before[3], after[5] - between[5], after[7] - between[7]]
-    return dispatch_us, combine_us, recv_x.size(0), legs
+    return dispatch_us, combine_us, recv_x.size(0), legs, stages
+
+
+def grouped_topk(tokens, nodes):
+    """DeepEP's test routing: top-k of |randn| + 1 scores within each token's num_topk_groups =
+    min(nodes, 4) best nodes (by their best expert's score)."""
+    scores = torch.randn(tokens, NUM_EXPERTS, device='cuda').abs() + 1
+    best = scores.view(tokens, nodes, -1).amax(-1).topk(min(nodes, 4), dim=-1).indices
+    keep = torch.zeros(tokens, nodes, dtype=torch.bool, device='cuda').scatter_(1, best, True)
+    scores = scores.masked_fill(~keep.repeat_interleave(NUM_EXPERTS // nodes, dim=1), 0)
+    return torch.topk(scores, NUM_TOPK, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t)
+
+
+def kernel_times(fn, calls=20):
+    """Per-stage GPU time of one call, us: the op's kernels by stage (notify, the data kernel,
+    anything else), from kineto over `calls` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    stages = {}
+    for e in trace_events(prof):
+        if e.get('ph') != 'X' or e.get('cat') != 'kernel':
+            continue
+        name = e['name']
+        stage = 'notify' if 'notify' in name else 'data' if ('dispatch' in name or 'combine' in name) else 'other'
+        stages[stage] = stages.get(stage, 0.0) + float(e['dur']) / calls
+    return stages
+
+
+def fmt(stages):
+    return ' + '.join(f'{k} {v:.0f}' for k, v in sorted(stages.items()))
 
 
 def traffic(buffer):
@@ -89,13 +125,13 @@ def worker(rank, world, port, args):
         for num_sms in args.sms:
             row = {'num_sms': num_sms, 'num_tokens': args.tokens}
             for name, buffer in (('intranode', intra), ('internode', inter)):
-                d_us, c_us, rows, legs = measure(buffer, args.tokens, num_sms)
+                d_us, c_us, rows, legs, stages = measure(buffer, args.tokens, num_sms)
                 stats = torch.tensor([d_us, c_us, rows, *legs], dtype=torch.float64, device='cuda')
                 dist.all_reduce(stats, group=group)
                 d_us, c_us, rows, *legs = (stats / world).tolist()
                 gb = rows * HIDDEN * 2 / 1e9
                 row[name] = {'dispatch_us': d_us, 'combine_us': c_us, 'dispatch_gbps': gb / (d_us / 1e6),
-                             'combine_gbps': gb / (c_us / 1e6)}
+                             'combine_gbps': gb / (c_us / 1e6), 'stages_us_rank0': stages}
                 if name == 'internode':  # DeepEP's two bandwidths: bytes each leg carried / time
                     for key, b, us in (('dispatch_scaleout', legs[0], d_us), ('dispatch_nvl', legs[1], d_us),
                                        ('combine_scaleout', legs[2], c_us), ('combine_nvl', legs[3], c_us)):
@@ -107,7 +143,9 @@ def worker(rank, world, port, args):
                 f"combine {row['internode']['combine_us']:.0f} vs {row['intranode']['combine_us']:.0f} us "
                 f"({row['internode_vs_intranode']['combine']:.2f}x); check >= 0.80; scale-out / NVLink GB/s: dispatch "
                 f"{row['internode']['dispatch_scaleout_gbps']:.0f} / {row['internode']['dispatch_nvl_gbps']:.0f}, combine "
-                f"{row['internode']['combine_scaleout_gbps']:.0f} / {row['internode']['combine_nvl_gbps']:.0f}")
+                f"{row['internode']['combine_scaleout_gbps']:.0f} / {row['internode']['combine_nvl_gbps']:.0f}; "
+                f"rank 0 kernels, us: dispatch {fmt(row['internode']['stages_us_rank0']['dispatch'])}, "
+                f"combine {fmt(row['internode']['stages_us_rank0']['combine'])}")
             results.append(row)
     finally:
         intra.destroy()
