@@ -219,6 +219,35 @@ fn internode_dispatch_arguments_are_named() {
 }
 
 #[test]
+fn cached_internode_dispatch_takes_the_handles_per_node_and_per_rank_entries() {
+    // 4 ranks in 2 nodes of 2, where the handle's per-node entries ([N, C], [N]) and per-rank
+    // ones ([R, C], [R]) differ in shape.
+    let buf = buffer(1, 4, 2, 1 << 30);
+    // SAFETY: plain old data; all-zero descriptors are absent.
+    let mut a: DeepepInternodeDispatchArgs = unsafe { std::mem::zeroed() };
+    a.x = described(DEEPEP_DTYPE_BFLOAT16, &[64, 2048], at(0));
+    a.is_token_in_rank = described(DEEPEP_DTYPE_BOOL, &[64, 4], at(1));
+    a.config = config();
+    a.expert_alignment = 1;
+    a.cached = 1;
+    let c = (config().num_sms / 2) as i64;
+    let mut o = DeepepOutputs::default();
+    assert_eq!(deepep_internode_dispatch_handle_outputs(buf, &a, &mut o), DEEPEP_SUCCESS, "{}", last_error());
+    a.rdma_channel_prefix_matrix = described(DEEPEP_DTYPE_INT32, &[2, c], at(2));
+    a.gbl_channel_prefix_matrix = described(DEEPEP_DTYPE_INT32, &[4, c], at(3));
+    a.recv_rdma_channel_prefix_matrix = DeepepTensor { data: at(4) as *mut _, ..o.tensors[2] };
+    a.recv_rdma_rank_prefix_sum = described(DEEPEP_DTYPE_INT32, &[2], at(5));
+    a.recv_gbl_channel_prefix_matrix = DeepepTensor { data: at(6) as *mut _, ..o.tensors[4] };
+    a.recv_gbl_rank_prefix_sum = described(DEEPEP_DTYPE_INT32, &[4], at(7));
+    assert_eq!(deepep_internode_dispatch_outputs(buf, &a, 10, 7, &mut o), DEEPEP_SUCCESS, "{}", last_error());
+    let per_rank = DeepepInternodeDispatchArgs { recv_rdma_rank_prefix_sum: described(DEEPEP_DTYPE_INT32, &[4], at(5)), ..a };
+    expect_err(deepep_internode_dispatch_outputs(buf, &per_rank, 10, 7, &mut o), "recv_rdma_rank_prefix_sum must have shape [2]");
+    let per_node = DeepepInternodeDispatchArgs { gbl_channel_prefix_matrix: described(DEEPEP_DTYPE_INT32, &[2, c], at(3)), ..a };
+    expect_err(deepep_internode_dispatch_outputs(buf, &per_node, 10, 7, &mut o), "gbl_channel_prefix_matrix must have shape [4, 12]");
+    assert_eq!(deepep_buffer_free(buf), DEEPEP_SUCCESS);
+}
+
+#[test]
 fn internode_ops_refuse_buffers_within_one_node_and_small_regions() {
     let one = buffer(0, 2, 2, 1 << 30);
     let a = dispatch_args_unchecked(2);

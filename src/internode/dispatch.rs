@@ -261,6 +261,8 @@ fn validate(buffer: &Buffer, a: &DeepepInternodeDispatchArgs) -> Result<Plan> {
     };
 
     let want = handle_outputs(r, n, t, c, cached)?;
+    // The handle a non-cached dispatch makes: the shapes a cached one's handle entries must have.
+    let made = handle_outputs(r, n, t, c, false)?;
     let given = [
         &a.rdma_channel_prefix_matrix,
         &a.gbl_channel_prefix_matrix,
@@ -275,14 +277,13 @@ fn validate(buffer: &Buffer, a: &DeepepInternodeDispatchArgs) -> Result<Plan> {
         let name = HANDLE_OUTPUTS[i];
         handle[i] = if cached && matches!(i, 0 | 1 | 3 | 5) {
             // The handle's own: the routing the handle was made with, checked by the notify kernel.
-            // Per node: rdma_channel_prefix_matrix (0), recv_rdma_rank_prefix_sum (3); else per rank.
-            let (rows, what) = if matches!(i, 0 | 3) { (n, "nodes") } else { (r, "ranks") };
-            let shape: &[i64] = if i < 2 { &[rows, c] } else { &[rows] };
+            let spec = made.get(i);
+            let shape = &spec.shape[..spec.ndim as usize];
             let m = check(name, Some(tensor), &[DEEPEP_DTYPE_INT32], shape.len())?;
             ensure_arg!(
                 m.dims() == shape,
-                "{name} must have shape {shape:?} ({rows} {what}, config.num_sms / 2 = {c} channels), got {:?}; a \
-                 cached dispatch needs the config the handle was made with",
+                "{name} must have shape {shape:?} (the handle of {r} ranks in {n} nodes, config.num_sms / 2 = {c} \
+                 channels), got {:?}; a cached dispatch needs the config the handle was made with",
                 m.dims()
             );
             m.ptr().cast()
