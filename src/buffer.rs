@@ -325,7 +325,8 @@ impl Buffer {
         let id = read_unique_id()?;
         let device_id = cuda::current_device()?;
         let build = nccl::kernel_build()?;
-        let resources = Self::create_resources(&args, device_id, &id, &settings, build)?;
+        let mut times = crate::log::PhaseTimes::start("Buffer creation");
+        let resources = Self::create_resources(&args, device_id, &id, &settings, build, &mut times)?;
         let buffer = Self {
             args,
             layout: RankLayout { rank: args.rank, num_ranks: args.num_ranks, node_size: resources.node_size },
@@ -341,6 +342,8 @@ impl Buffer {
         };
         // Every rank has its window and devComm: prove LSA loads/stores reach all peers.
         buffer.check_peers()?;
+        times.mark("peer check");
+        times.report(args.rank);
         Ok(buffer)
     }
 
@@ -350,10 +353,12 @@ impl Buffer {
         id: &[u8; 128],
         settings: &Settings,
         build: kernels::NcclBuild,
+        times: &mut crate::log::PhaseTimes,
     ) -> Result<Resources> {
         let ctx = PrimaryContext::retain(device_id)?;
         let num_sms = ctx.sm_count()?;
         let comm = Communicator::init_rank(args.num_ranks, id, args.rank)?;
+        times.mark("ncclCommInitRank");
         let team = comm.lsa_team();
         let multi_node = team.nRanks != args.num_ranks;
         let virtual_node = settings.virtual_node_size;
@@ -372,6 +377,7 @@ impl Buffer {
         let rdma_offset = nvl_offset + align_up(args.num_nvl_bytes as usize, WINDOW_ALIGN);
         let window_bytes = rdma_offset + align_up(args.num_rdma_bytes as usize, WINDOW_ALIGN);
         let window = SymmetricWindow::new(&comm, window_bytes)?;
+        times.mark("window alloc+register");
         cuda::memset_zero(window.ptr(), window.bytes())?;
         // Control and notify slots, then one per SM so per-CTA barriers never share one.
         // The LL signals, then the internode counters (one buffer may serve both kinds of op).
@@ -401,6 +407,7 @@ impl Buffer {
                 e
             }
         })?;
+        times.mark("memset+devComm");
         let info = dev_comm.info();
         let lsa_geometry = window.lsa_geometry(build, info.lsa_rank, info.lsa_size)?;
         if crate::log::enabled(Level::Info) {
@@ -422,7 +429,7 @@ impl Buffer {
                 crate::log::log_at!(level, Some(args.rank), "{line}");
             }
         }
-        Ok(Resources {
+        let resources = Resources {
             stream: Stream::new_high_priority()?,
             workspace: DeviceMemory::zeroed(WORKSPACE_BYTES)?,
             internode_totals: DeviceMemory::zeroed(if layout.spans_nodes() {
@@ -444,7 +451,9 @@ impl Buffer {
             comm,
             window,
             ctx,
-        })
+        };
+        times.mark("stream+workspace+host memory");
+        Ok(resources)
     }
 
     /// A Buffer with no GPU resources, as after destroy(): its queries answer from `args`, its
@@ -631,16 +640,23 @@ impl Buffer {
             return Err(Error::not_available("destroy() was already called on this buffer"));
         };
         res.ctx.make_current()?;
+        let mut times = crate::log::PhaseTimes::start("Buffer destroy");
         // Peers may still be reading our window: barrier before releasing it,
         // unless the barriers are already out of step after a timeout.
         if lock(&self.failure).is_none() {
             self.control_barrier(&res)?;
         }
+        times.mark("barrier");
         let Resources { stream, workspace, stall, fault, recv_counts, dev_comm, comm, window, ctx, .. } = res;
         dev_comm.destroy(&comm)?;
+        times.mark("devComm");
         window.destroy(&comm)?;
+        times.mark("window");
         comm.destroy()?;
+        times.mark("ncclCommFinalize+Destroy");
         drop((stream, workspace, stall, fault, recv_counts, ctx));
+        times.mark("stream+memory");
+        times.report(self.args.rank);
         Ok(())
     }
 

@@ -63,6 +63,35 @@ macro_rules! log_at {
 macro_rules! log_error { ($rank:expr, $($fmt:tt)+) => { $crate::log::log_at!($crate::log::Level::Error, Some($rank), $($fmt)+) }; }
 macro_rules! log_warn { ($rank:expr, $($fmt:tt)+) => { $crate::log::log_at!($crate::log::Level::Warn, Some($rank), $($fmt)+) }; }
 
+/// Wall time of named phases (Buffer creation and teardown), one DEEPEP_LOG=debug line: where
+/// a create/destroy cycle's time goes (NCCL init, window registration, devComm, checks).
+pub(crate) struct PhaseTimes {
+    what: &'static str,
+    last: std::time::Instant,
+    phases: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl PhaseTimes {
+    pub(crate) fn start(what: &'static str) -> Self {
+        Self { what, last: std::time::Instant::now(), phases: Vec::new() }
+    }
+    /// Ends the phase `name` now (the next one starts).
+    pub(crate) fn mark(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.phases.push((name, now - self.last));
+        self.last = now;
+    }
+    pub(crate) fn line(&self) -> String {
+        let total: std::time::Duration = self.phases.iter().map(|(_, d)| *d).sum();
+        let parts: Vec<String> =
+            self.phases.iter().map(|(n, d)| format!("{n} {:.1}", d.as_secs_f64() * 1e3)).collect();
+        format!("{} took {:.1} ms: {} (ms)", self.what, total.as_secs_f64() * 1e3, parts.join(", "))
+    }
+    pub(crate) fn report(&self, rank: i32) {
+        log_at!(Level::Debug, Some(rank), "{}", self.line());
+    }
+}
+
 // Crate-internal: the macros name pub(crate) items.
 pub(crate) use {log_at, log_error, log_warn};
 
@@ -75,5 +104,14 @@ mod tests {
         assert_eq!(format_line(Level::Warn, Some(3), format_args!("x {}", 1)), "[deepep-nccl rank 3] warn: x 1");
         assert_eq!(format_line(Level::Error, None, format_args!("y")), "[deepep-nccl] error: y");
         assert!(Level::Error < Level::Warn && Level::Warn < Level::Info && Level::Info < Level::Debug);
+    }
+
+    #[test]
+    fn phase_times_name_every_phase_and_the_total() {
+        let mut t = PhaseTimes::start("create");
+        t.mark("nccl init");
+        t.mark("window");
+        let line = t.line();
+        assert!(line.starts_with("create took ") && line.contains("nccl init ") && line.contains(", window "), "{line}");
     }
 }
