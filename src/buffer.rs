@@ -653,7 +653,7 @@ impl Buffer {
         window.destroy(&comm)?;
         times.mark("window");
         comm.destroy()?;
-        times.mark("ncclCommFinalize+Destroy");
+        times.mark("ncclCommFinalize");
         drop((stream, workspace, stall, fault, recv_counts, ctx));
         times.mark("stream+memory");
         times.report(self.args.rank);

@@ -83,12 +83,19 @@ impl Communicator {
         unsafe { sys::ncclTeamLsa(self.comm) }
     }
 
-    /// Collective, orderly teardown.
+    /// Orderly teardown: ncclCommFinalize here (its errors are this call's), then
+    /// ncclCommDestroy on a background thread. Destroy is local after finalize, and it joins
+    /// NCCL's proxy threads, one of which notices the stop only when its 500 ms poll ends: done
+    /// inline, that made every Buffer destroy take half a second.
     pub fn destroy(mut self) -> Result<()> {
         let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
-        // SAFETY: comm is live and is not used after this.
-        check("ncclCommFinalize", unsafe { sys::ncclCommFinalize(comm) }, comm)?;
-        check("ncclCommDestroy", unsafe { sys::ncclCommDestroy(comm) }, std::ptr::null_mut())
+        // SAFETY: comm is live; it is used only by the destroy below after this.
+        if let Err(e) = check("ncclCommFinalize", unsafe { sys::ncclCommFinalize(comm) }, comm) {
+            self.comm = comm; // Drop aborts it.
+            return Err(e);
+        }
+        background_destroy::spawn(Finalized(comm));
+        Ok(())
     }
 }
 
@@ -97,6 +104,58 @@ impl Drop for Communicator {
         if !self.comm.is_null() {
             // SAFETY: error path only; abort is local and frees the communicator.
             unsafe { sys::ncclCommAbort(self.comm) };
+        }
+    }
+}
+
+/// A finalized communicator, handed to the thread that destroys it.
+struct Finalized(sys::ncclComm_t);
+// SAFETY: a finalized communicator is touched by one thread only: the one destroying it.
+unsafe impl Send for Finalized {}
+
+/// ncclCommDestroy off the caller's thread. Pending destroys are joined at process exit (an
+/// atexit hook, so NCCL's threads never outlive the process's CUDA teardown) and reaped as new
+/// ones start.
+/// cbindgen:ignore
+mod background_destroy {
+    use super::{sys, Finalized};
+    use std::sync::{Mutex, Once};
+    use std::thread::JoinHandle;
+
+    static PENDING: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
+    static AT_EXIT: Once = Once::new();
+
+    extern "C" {
+        fn atexit(hook: extern "C" fn()) -> std::os::raw::c_int;
+    }
+
+    extern "C" fn join_all_at_exit() {
+        let pending = std::mem::take(&mut *PENDING.lock().unwrap_or_else(|e| e.into_inner()));
+        for handle in pending {
+            let _ = handle.join();
+        }
+    }
+
+    fn destroy_now(comm: Finalized) {
+        // SAFETY: finalized, and this is its only user.
+        let rc = unsafe { sys::ncclCommDestroy(comm.0) };
+        if rc != sys::ncclSuccess {
+            crate::log::log_at!(crate::log::Level::Error, None, "ncclCommDestroy after ncclCommFinalize returned {rc}");
+        }
+    }
+
+    pub(super) fn spawn(comm: Finalized) {
+        // SAFETY: registers a plain function once; it only joins threads.
+        AT_EXIT.call_once(|| unsafe {
+            atexit(join_all_at_exit);
+        });
+        let mut pending = PENDING.lock().unwrap_or_else(|e| e.into_inner());
+        pending.retain(|h| !h.is_finished());
+        let raw = comm.0;
+        match std::thread::Builder::new().name("deepep-nccl destroy".into()).spawn(move || destroy_now(comm)) {
+            Ok(handle) => pending.push(handle),
+            // No thread to be had (the closure was dropped unrun): destroy inline.
+            Err(_) => destroy_now(Finalized(raw)),
         }
     }
 }
