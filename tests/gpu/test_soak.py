@@ -74,17 +74,36 @@ def device_memory():
     return torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
 
 
+def settled_device_memory(max_wait_s=5.0):
+    """device_memory() once it stops changing: Buffer.destroy() returns before NCCL's own
+    teardown of the buffer's communicator ends (a background thread, about 0.5 s), so a sample
+    right after a destroy would count memory that is on its way back. A leak stays."""
+    deadline = time.monotonic() + max_wait_s
+    last = device_memory()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = device_memory()
+        if abs(now[0] - last[0]) < MiB and now[1] == last[1]:
+            return now
+        last = now
+    return last
+
+
 class Drift:
     """Largest loss of free device memory (and growth of torch-allocated bytes) since a baseline."""
 
-    def __init__(self):
+    def __init__(self, settle=False):
+        self.settle = settle
+        self.seconds = 0.0  # spent sampling
         self.base = None
         self.samples = 0
         self.max_free_drop = 0
         self.max_alloc_growth = 0
 
     def sample(self):
-        free, allocated = device_memory()
+        start = time.monotonic()
+        free, allocated = settled_device_memory() if self.settle else device_memory()
+        self.seconds += time.monotonic() - start
         if self.base is None:
             self.base = (free, allocated)
             return
@@ -474,7 +493,7 @@ def cycles(ctx, args):
     world = ctx.world
     m, hidden, num_experts = CYCLE_LL
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(m, hidden, world, num_experts)
-    stats, drift = new_stats(), Drift()
+    stats, drift = new_stats(), Drift(settle=True)
     warm_up = 3
     start = None
     for c in range(warm_up + args.cycles):
@@ -494,15 +513,16 @@ def cycles(ctx, args):
         done = c + 1 - warm_up
         if done == 0:
             drift.sample()
-            start = time.monotonic()
+            start, drift.seconds = time.monotonic(), 0.0  # the timed cycles start here
         elif done > 0 and (done % 25 == 0 or done == args.cycles):
             drift.sample()
             if ctx.rank == 0 and done % 100 == 0:
                 ctx.rep.info(f'cycles: {done}, {drift.max_free_drop / MiB:.1f} MiB max drift')
-    seconds = time.monotonic() - start if start is not None else 0.0
+    seconds = time.monotonic() - start - drift.seconds if start is not None else 0.0
     per = seconds / args.cycles * 1e3 if args.cycles else 0.0
     ctx.rep.info(f'cycles summary: {args.cycles} create/destroy cycles after {warm_up} warm-up ones, {per:.0f} ms '
-                 f'per cycle, {stats.ops} checked ops; {drift.text()} (tolerance {args.cycle_tolerance_mib} MiB)')
+                 f'per cycle (memory sampling left out), {stats.ops} checked ops; {drift.text()} (tolerance '
+                 f'{args.cycle_tolerance_mib} MiB)')
     drift.check('create/destroy', args.cycle_tolerance_mib * MiB)
 
 
