@@ -96,7 +96,7 @@ def low_latency_buffer(rank, world, group):
 
 def normal_needs_room(rank, world, group):
     """Normal mode on a buffer too small for its rings is a clear error naming num_nvl_bytes
-    (and the buffer stays usable); the internode paths are not built yet."""
+    (and the buffer stays usable); the internode path is an error naming the single NVLink domain."""
     with make_buffer(group, num_nvl_bytes=NVL) as buf:
         num_tokens, hidden = 128, 7168
         x = torch.randn(num_tokens, hidden, dtype=torch.bfloat16, device='cuda')
@@ -106,7 +106,10 @@ def normal_needs_room(rank, world, group):
         args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                     topk_idx=topk, topk_weights=weights)
         expect_raises('dispatch', RuntimeError, lambda: buf.dispatch(x, **args), 'num_nvl_bytes', 'too small')
-        expect_raises('internode_dispatch', NotImplementedError, lambda: buf.internode_dispatch(x, **args))
+        # DeepEP's internode path on a buffer within one NVLink domain: an error saying so.
+        cfg = deep_ep.Buffer.get_dispatch_config(world)
+        expect_raises('internode_dispatch', RuntimeError, lambda: buf.internode_dispatch(x, config=cfg, **args),
+                      'one NVLink domain')
         small = deep_ep.Config(deep_ep.Buffer.num_sms, 6, 32)  # 32-token rings fit 64 MiB
         recv_x, *_ = buf.dispatch(x, config=small, **args)
         assert recv_x.shape[1] == hidden, f'recv_x {tuple(recv_x.shape)}'

@@ -343,7 +343,7 @@ class Buffer:
         returns; the handle is DeepEP's 10-tuple (is_token_in_rank, rdma_channel_prefix_matrix,
         gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
         recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head,
-        send_nvl_head). Draft: not yet run on GPUs."""
+        send_nvl_head)."""
         assert config is not None
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         previous = getattr(previous_event, "event", None)
@@ -389,7 +389,7 @@ class Buffer:
     ):
         """combine() on a buffer across nodes: DeepEP's order (bias_0 + bias_1, then the nodes'
         partial sums in ascending node, each a sum over the node's GPUs rounded to BF16). Rewrites
-        the handle's two heads in place, as DeepEP does. Draft: not yet run on GPUs."""
+        the handle's two heads in place, as DeepEP does."""
         assert config is not None
         (is_combined_token_in_rank, _, _, rdma_channel_prefix_matrix, rdma_rank_prefix_sum, gbl_channel_prefix_matrix,
          _, src_meta, send_rdma_head, send_nvl_head) = handle

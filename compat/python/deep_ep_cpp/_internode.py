@@ -1,7 +1,7 @@
 """deep_ep_cpp.Buffer's internode normal-mode ops (a buffer across nodes): internode_dispatch /
 internode_combine with DeepEP's positional signatures and tuples, through ctypes (the compiled
 host path does not take them yet). As _normal.py: the library says what to allocate
-(deepep_internode_*_outputs), torch allocates it. Draft: not yet run on GPUs."""
+(deepep_internode_*_outputs), torch allocates it."""
 import ctypes
 import struct
 
