@@ -21,7 +21,7 @@
 #                     need DEEPEP_V1_SRC, a DeepEP source tree at 567632d, and are skipped without)
 #                     memcheck_smoke racecheck_smoke soak_long
 #                     soak_long (tests/gpu/test_soak.py with its defaults: 1000 create/destroy
-#                     cycles + a 10-minute mixed normal/LL soak, about 22 minutes) runs only when
+#                     cycles + a 10-minute mixed normal/LL soak, about 14 minutes) runs only when
 #                     SUITE_STEPS names it or SOAK_LONG=1; an empty SUITE_STEPS runs every other step
 #   SOAK_LONG=1       add soak_long to an empty SUITE_STEPS
 #   TEST_SOAK_ARGS    arguments of the short test_soak step (default --cycles 200 --minutes 1, ~5 min);

@@ -572,7 +572,7 @@ def soak_deadline(args, start):
 
 
 def driver_timeout(args):
-    """The driver's bound: the cycles (about 0.6 s each, 3 s allowed), the soak (its minutes, or
+    """The driver's bound: the cycles (about 0.2 s each, 3 s allowed), the soak (its minutes, or
     30 s an iteration), set-up and the warm-up ops."""
     seconds = 240 + args.cycles * 3
     if soak_wanted(args):
