@@ -358,7 +358,7 @@ impl Buffer {
         let ctx = PrimaryContext::retain(device_id)?;
         let num_sms = ctx.sm_count()?;
         let comm = Communicator::init_rank(args.num_ranks, id, args.rank)?;
-        times.mark("ncclCommInitRank");
+        times.mark("context+ncclCommInitRank");
         let team = comm.lsa_team();
         let multi_node = team.nRanks != args.num_ranks;
         let virtual_node = settings.virtual_node_size;
