@@ -4,7 +4,10 @@
 //   tiles and writes every token bound for node n into the scale-out ring (c, my node) of the
 //   forwarder (n, my GPU), each warp every group-size-th row; after each tile the group syncs
 //   and one thread publishes the tile's rows (tail += rows). Own-node tokens take the same ring
-//   of this rank (LSA, local).
+//   of this rank (LSA, local), except with one GPU per node (G == 1): then the group of this
+//   rank's own node writes its tokens straight into the outputs (dispatch_own: what the
+//   forwarder would write from that ring, with no ring, counter or wait), as intranode dispatch
+//   does for its own rank.
 // * block C + c: forwarder groups (one per source node s, or several in turn as the senders)
 //   drain ring (c, s) in rounds; each row
 //   goes to every local GPU in its mask with its sequence number in its (source rank, channel)
@@ -21,7 +24,9 @@
 // rows (a chunk + a round <= ring + 1: both cannot hold out at once), and the NVLink leg never
 // holds a forwarder for good (a receiver drains its ring in slot order, and a slot is taken only
 // by a forwarder with its row in hand). By induction on s + X, every ring completes: the rings
-// a ring waits behind have a smaller s + X.
+// a ring waits behind have a smaller s + X. With G == 1 the rings (X, X) do not exist (no sender
+// writes them, no forwarder group reads them: forwarder groups take the other nodes, ascending);
+// dispatch_own waits for nothing, so the order of the remaining rings and the induction stand.
 #define DEEPEP_INTERNODE_OUTLINE 1  // Transport's slow paths out of line (internode_common.cuh)
 #include "internode_common.cuh"
 #include "launch.cuh"
@@ -37,6 +42,67 @@ __device__ __forceinline__ void store_topk(void* topk, bool is_int32, int64_t i,
   else static_cast<int64_t*>(topk)[i] = v;
 }
 
+// G == 1, this rank's own node (its only GPU is this one): the channel's tokens for this rank,
+// straight from the inputs into the outputs, exactly what dispatch_forward and write_recv_row
+// would write from this rank's own scale-out ring (the ring is not used: its counters and
+// running totals stay as they are on both sides, which are this rank). A token's place in the
+// stream is its sequence number k among the channel's tokens for this rank (send_rdma_head),
+// its send_nvl_head entry the same k (every row of the stream goes to GPU 0), its output row
+// recv_gbl_channel_prefix_matrix[me][ch] + k. Member m of the group takes the rows with
+// k % warps == m (no group barrier: nothing is published). The rows the forwarder would have
+// taken are the first recv_rdma_channel_prefix_matrix's count of them (notify made it equal
+// to the tokens sent); every index is bounded as there.
+__device__ __forceinline__ void dispatch_own(const DeepepInternodeDispatchParams& p, int ch, const WarpGroup group,
+                                             int lane) {
+  const DeepepInternodeCommon& c = p.common;
+  const int R = c.num_ranks, N = c.num_nodes, C = c.num_channels, me = c.rank;  // G == 1: node me
+  const int K = p.num_topk, S = p.num_scales, epr = p.num_experts > 0 ? p.num_experts / R : 0;
+  const int32_t* cpm = p.recv_rdma_channel_prefix_matrix + me * C;
+  const int64_t first = ch > 0 ? cpm[ch - 1] : 0, count = cpm[ch] - first;
+  const int64_t rdma_row0 = (me > 0 ? p.recv_rdma_rank_prefix_sum[me - 1] : 0) + first;
+  const int64_t own_row0 = p.recv_gbl_channel_prefix_matrix[me * C + ch];
+  int64_t begin, end;
+  channel_range(p.num_tokens, C, ch, begin, end);
+  int64_t k = 0;
+  for (int64_t tile = begin, tile_idx = 0; tile < end; tile += kWarp, ++tile_idx) {
+    const int64_t t_lane = tile + lane;
+    const bool in = t_lane < end && p.is_token_in_rank[t_lane * R + me] != 0;
+    const uint32_t mask = __ballot_sync(0xffffffffu, in);
+    if (p.send_rdma_head != nullptr && t_lane < end && tile_idx % group.warps == group.member)
+      p.send_rdma_head[t_lane * N + me] = in ? int32_t(k + __popc(mask & ((1u << lane) - 1u))) : -1;
+    int i = 0;
+    for (uint32_t rest = mask; rest; rest &= rest - 1, ++i) {
+      const int64_t s = k + i;
+      if (s % group.warps != group.member || s >= count) continue;
+      const int64_t t = tile + __ffs(rest) - 1, rdma_row = rdma_row0 + s, out = own_row0 + s;
+      if (p.send_nvl_head != nullptr && lane == 0 && uint64_t(rdma_row) < uint64_t(p.num_rdma_recv_rows))
+        p.send_nvl_head[rdma_row] = int32_t(s);
+      if (uint64_t(out) >= uint64_t(p.num_recv_rows)) continue;
+      warp_copy<4, CopyLoad::kStream>(reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + out * p.hidden_bytes),
+                                      reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + t * p.hidden_bytes),
+                                      p.hidden_bytes / 16, lane);
+      if (p.recv_x_scales != nullptr)
+        for (int j = lane; j < S; j += kWarp)
+          static_cast<int32_t*>(p.recv_x_scales)[out * S + j] =
+              static_cast<const int32_t*>(p.x_scales)[t * p.scale_stride_token + j * p.scale_stride_scale];
+      if (p.recv_topk_idx != nullptr) {
+        for (int j = lane; j < K; j += kWarp) {
+          // As the ring carries them: ids as int32, weights 0.0 without topk_weights.
+          const int64_t e = p.topk_idx != nullptr ? int64_t(int32_t(load_topk(p.topk_idx, p.topk_idx_is_int32, t * K + j))) : -1;
+          const int64_t first_expert = int64_t(me) * epr;
+          const int64_t local = (e >= first_expert && e < first_expert + epr) ? e - first_expert : -1;
+          store_topk(p.recv_topk_idx, p.topk_idx_is_int32, out * K + j, local);
+          if (p.recv_topk_weights != nullptr)
+            p.recv_topk_weights[out * K + j] = local >= 0 && p.topk_weights != nullptr ? p.topk_weights[t * K + j] : 0.0f;
+        }
+      }
+      // SourceMeta {source node (me), destination-GPU mask (GPU 0)}.
+      if (p.recv_src_meta != nullptr && lane < 2) reinterpret_cast<int32_t*>(p.recv_src_meta + out * 8)[lane] = lane == 0 ? me : 1;
+    }
+    k += __popc(mask);
+  }
+}
+
 // The roles take p and dc, the kernel's __grid_constant__ parameters, by reference (never
 // copied); Transport's slow paths are out of line (DEEPEP_INTERNODE_OUTLINE).
 template <int kRemote>
@@ -46,6 +112,7 @@ __device__ __forceinline__ void dispatch_send(const DeepepInternodeDispatchParam
   const Transport<kRemote> tr(c, dc);
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
   const int my_node = me / G, dst = node * G + me % G;
+  if (G == 1 && node == my_node) return dispatch_own(p, ch, group, lane);
   const DispatchRow row{p.hidden_bytes, p.num_scales, p.num_topk};
   const RdmaLayout rdma{p.row_bytes, c.rdma_ring_tokens, N, C, R};
   const int K = p.num_topk, S = p.num_scales;
@@ -267,13 +334,16 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(
       if (group.role < group.groups)
         for (int node = group.role; node < N; node += group.groups) dispatch_send<kRemote>(p, dev_comm, blockIdx.x, node, group, lane);
     } else {
-      // Roles: F forwarders (all N nodes when the block has the warps, else each in turn), then
-      // a receiver per other local GPU.
-      const int F = min(N, kWarps - (G - 1));
+      // Roles: F forwarders (all source nodes when the block has the warps, else each in turn),
+      // then a receiver per other local GPU. With G == 1 this rank's own node has no ring
+      // (dispatch_own): the forwarders take the other N - 1 nodes, ascending, with all the warps.
+      const int own = G == 1 ? 1 : 0, nodes = N - own, my_node = c.rank / G;
+      const int F = min(nodes, kWarps - (G - 1));
       const WarpGroup group(warp, F + G - 1);
       if (group.role < F) {
-        for (int s = group.role; s < N; s += F)
-          dispatch_forward<kRemote>(p, dev_comm, blockIdx.x - C, s, group, lane, nvl_alloc, generation);
+        for (int i = group.role; i < nodes; i += F)
+          dispatch_forward<kRemote>(p, dev_comm, blockIdx.x - C, own && i >= my_node ? i + 1 : i, group, lane, nvl_alloc,
+                                    generation);
       } else if (group.role < F + G - 1) {
         const int r = group.role - F;
         dispatch_receive<kRemote>(p, dev_comm, blockIdx.x - C, r < my_gpu ? r : r + 1, group, lane, generation);
