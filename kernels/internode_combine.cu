@@ -9,6 +9,10 @@
 //   segment (s, c), the rows of the local GPUs in its mask (ascending GPU, fp32, from 0; this
 //   GPU's rows straight from x), round to bf16 and write the row into the source (s, my GPU)'s
 //   scale-out ring (c, my node), each warp every group-size-th row; one tail add per chunk.
+// With one GPU per node (G == 1) this rank's own node has no ring: its forwarder's row of a token
+// would be the one x row the heads name, rounded through fp32 (as_forwarded), so the final
+// receiver reads that row from x and applies the same rounding (the same bits), and the
+// forwarder groups take the other N - 1 nodes (at N = 2 all 16 warps send to the one peer).
 // Heads were rewritten by the combine notify; an entry >= 0 is a row's sequence number.
 //
 // No wait cycle when forwarder groups take source nodes in turn. Give every wait the node s whose
@@ -19,7 +23,8 @@
 // segment s only after its smaller ones (the same ascending order on every rank). By induction on
 // s: once all work of smaller s completes, that of s is the one-group-per-node design's (the
 // ring's chunk + round <= ring + 1, the NVLink slots consumed in each GPU's stream order), which
-// completes.
+// completes. G == 1 removes the own node's segments and its waits (the receiver reads x, which
+// waits for nothing; the own ring's counters and totals stay as they are, on both sides this rank).
 #include "internode_common.cuh"
 #include "launch.cuh"
 
@@ -44,14 +49,24 @@ __device__ __forceinline__ int4 pack_bf16(const float (&acc)[8]) {
 // lane loads kSumLoads words before it adds any, within the 80 registers of a 768-thread block.
 constexpr int kSumLoads = 8;
 
+// The forwarder's row for a token with one source row v and no bias (sum_few_rows<1>): bf16(0.0f +
+// v), in fp32. The receiver applies it to a row it reads from x in place of that forwarder's ring
+// copy (G == 1, own node), so that the bits match (-0.0 becomes +0.0, NaN the canonical one).
+__device__ __forceinline__ int4 as_forwarded(const int4& v) {
+  float acc[8] = {};
+  accumulate(acc, v);
+  return pack_bf16(acc);
+}
+
 __device__ __forceinline__ const int4* shfl_row(const int4* row, int j) {
   return reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), j));
 }
 
 // sum_rows without a start and with kRows rows (lanes a, b): kSumLoads words per lane in flight,
-// no accumulator kept across loads.
+// no accumulator kept across loads. Lane `lone`'s row (-1: none) is taken as_forwarded.
 template <int kRows>
-__device__ __forceinline__ void sum_few_rows(int4* out, const int4* row, int a, int b, int hidden_int4, int lane) {
+__device__ __forceinline__ void sum_few_rows(int4* out, const int4* row, int a, int b, int hidden_int4, int lane,
+                                             int lone) {
   constexpr int kUnroll = kSumLoads / kRows;
   const int4* src[2] = {shfl_row(row, a), shfl_row(row, b)};
   for (int i0 = lane; i0 < hidden_int4; i0 += kUnroll * kWarp) {
@@ -66,7 +81,7 @@ __device__ __forceinline__ void sum_few_rows(int4* out, const int4* row, int a, 
       if (i0 + u * kWarp >= hidden_int4) break;
       float acc[8] = {};
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) accumulate(acc, v[u][r]);
+      for (int r = 0; r < kRows; ++r) accumulate(acc, (r == 0 ? a : b) == lone ? as_forwarded(v[u][r]) : v[u][r]);
       st_stream(out + i0 + u * kWarp, pack_bf16(acc));
     }
   }
@@ -74,10 +89,11 @@ __device__ __forceinline__ void sum_few_rows(int4* out, const int4* row, int a, 
 
 // sum_rows' general path over `chunks` chunks of rows, ascending: rows_of(q, row, mask) gives
 // chunk q (lane j: row j's address; mask, warp-uniform: the rows to add). An accumulator per
-// word, two rows per pass (kUnroll x 2 loads in flight).
+// word, two rows per pass (kUnroll x 2 loads in flight). Row `lone` (q * kWarp + j; -1: none)
+// is taken as_forwarded.
 template <typename RowsOf>
 __device__ __forceinline__ void sum_row_chunks(int4* out, RowsOf rows_of, int chunks, int hidden_int4,
-                                               const int4* bias_0, const int4* bias_1, int lane) {
+                                               const int4* bias_0, const int4* bias_1, int lane, int lone) {
   constexpr int kUnroll = kSumLoads / 4;
   for (int i0 = lane; i0 < hidden_int4 + lane; i0 += kUnroll * kWarp) {
     float acc[kUnroll][8];
@@ -96,6 +112,7 @@ __device__ __forceinline__ void sum_row_chunks(int4* out, RowsOf rows_of, int ch
       const int4* row;
       uint32_t mask;
       rows_of(q, row, mask);
+      const int lone_lane = lone - q * kWarp;  // in [0, kWarp) only in lone's chunk
       for (uint32_t rest = mask; rest != 0;) {
         const int a = __ffs(rest) - 1;
         rest &= rest - 1;
@@ -112,8 +129,8 @@ __device__ __forceinline__ void sum_row_chunks(int4* out, RowsOf rows_of, int ch
           if (two && i0 + u * kWarp < hidden_int4) vb[u] = ld_ring(rb + i0 + u * kWarp);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          accumulate(acc[u], va[u]);
-          if (two) accumulate(acc[u], vb[u]);
+          accumulate(acc[u], a == lone_lane ? as_forwarded(va[u]) : va[u]);
+          if (two) accumulate(acc[u], b == lone_lane ? as_forwarded(vb[u]) : vb[u]);
         }
       }
     }
@@ -125,14 +142,15 @@ __device__ __forceinline__ void sum_row_chunks(int4* out, RowsOf rows_of, int ch
 
 // out = bf16(start + rows in ascending lane order), in fp32 with one rounding; start is
 // bias_0 + bias_1 (each null reads as 0.0, both null: 0.0). Lane j holds row j's address, `mask`
-// (warp-uniform) the rows to add. Whole warps call; rows of hidden_int4 16-byte words.
+// (warp-uniform) the rows to add; lane `lone`'s row (-1: none) is taken as_forwarded. Whole
+// warps call; rows of hidden_int4 16-byte words.
 __device__ __forceinline__ void sum_rows(int4* out, const int4* row, uint32_t mask, int hidden_int4, const int4* bias_0,
-                                         const int4* bias_1, int lane) {
+                                         const int4* bias_1, int lane, int lone = -1) {
   const int rows = __popc(mask);
   if (bias_0 == nullptr && bias_1 == nullptr && rows <= 2) {  // start 0.0: DeepEP's shape, N = 2 or G <= 2
     const int a = __ffs(mask) - 1, b = __ffs(mask & (mask - 1)) - 1;
-    if (rows == 1) sum_few_rows<1>(out, row, a, a, hidden_int4, lane);
-    else if (rows == 2) sum_few_rows<2>(out, row, a, b, hidden_int4, lane);
+    if (rows == 1) sum_few_rows<1>(out, row, a, a, hidden_int4, lane, lone);
+    else if (rows == 2) sum_few_rows<2>(out, row, a, b, hidden_int4, lane, lone);
     else for (int i = lane; i < hidden_int4; i += kWarp) st_stream(out + i, make_int4(0, 0, 0, 0));
     return;
   }
@@ -140,14 +158,16 @@ __device__ __forceinline__ void sum_rows(int4* out, const int4* row, uint32_t ma
     r = row;
     m = mask;
   };
-  sum_row_chunks(out, one_chunk, 1, hidden_int4, bias_0, bias_1, lane);
+  sum_row_chunks(out, one_chunk, 1, hidden_int4, bias_0, bias_1, lane, lone);
 }
 
 // out[w] = 0.0 + the rows' weights w in ascending order, w < K, over `chunks` chunks of rows:
 // weights_of(q, weights, mask) gives chunk q (lane j: row j's weights, null: the row has none
-// and adds nothing). Whole warps call.
+// and adds nothing). Row `lone` (q * kWarp + j; -1: none) adds what its forwarder would have
+// sent: 0.0 + its weight, 0.0 when null. Whole warps call.
 template <typename WeightsOf>
-__device__ __forceinline__ void sum_weight_chunks(float* out, WeightsOf weights_of, int chunks, int K, int lane) {
+__device__ __forceinline__ void sum_weight_chunks(float* out, WeightsOf weights_of, int chunks, int K, int lane,
+                                                  int lone) {
   for (int w0 = 0; w0 < K; w0 += kWarp) {
     float acc = 0.0f;
     for (int q = 0; q < chunks; ++q) {
@@ -155,21 +175,25 @@ __device__ __forceinline__ void sum_weight_chunks(float* out, WeightsOf weights_
       uint32_t mask;
       weights_of(q, weights, mask);
       for (uint32_t rest = mask; rest != 0; rest &= rest - 1) {
-        const float* w = reinterpret_cast<const float*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(weights), __ffs(rest) - 1));
-        if (w != nullptr && w0 + lane < K) acc += w[w0 + lane];
+        const int j = __ffs(rest) - 1;
+        const float* w = reinterpret_cast<const float*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(weights), j));
+        if (w0 + lane < K) {
+          if (q * kWarp + j == lone) acc += w != nullptr ? 0.0f + w[w0 + lane] : 0.0f;
+          else if (w != nullptr) acc += w[w0 + lane];
+        }
       }
     }
     if (w0 + lane < K) out[w0 + lane] = acc;
   }
 }
 // The same for one chunk: lane j holds row j's weights.
-__device__ __forceinline__ void sum_weights(float* out, const float* weights, uint32_t mask, int K, int lane) {
+__device__ __forceinline__ void sum_weights(float* out, const float* weights, uint32_t mask, int K, int lane,
+                                            int lone = -1) {
   const auto one_chunk = [&](int, const float*& w, uint32_t& m) {
     w = weights;
     m = mask;
   };
-  sum_weight_chunks(out, one_chunk, 1, K, lane);
+  sum_weight_chunks(out, one_chunk, 1, K, lane, lone);
 }
 
 // The first of x's rows [start, stop) that is num_worst_tokens padding (dispatch marked its
@@ -365,6 +389,9 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
 // number of tokens per warp where the round allows (warp w takes tokens w, w + num_warps, ...);
 // credits go back once per batch. Source nodes in chunks of kWarp lanes (one chunk up to 32
 // nodes); `consumed` and `done` (shared, [N]): rows of each node read in this batch and op.
+// G == 1: this node's row of a token is x's row the heads name (the forwarder's: segment
+// (my node, ch) of combined_nvl_head, x's rows of this rank's channel ch), bounded and checked as
+// combine_forward does, taken as_forwarded; no wait, no credit, no total for this node.
 template <int kRemote>
 __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch, int w,
                                 int num_warps, int lane, int* consumed, int* done) {
@@ -386,14 +413,38 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
   const uint64_t base0 = lane < N ? c.totals[recv_total(c, ch, lane)] : 0;
   uint64_t tail = 0;
   bool ok = true;
+  // G == 1: this node's segment of the scale-out receive space and x's rows of this rank's
+  // channel ch (own_ok false: a fault was recorded; a token with a row here then stops the warp,
+  // as a forwarder that gave up would have left it waiting).
+  const bool own_direct = G == 1;
+  const int lone = own_direct ? my_node : -1;  // the row taken as_forwarded
+  int64_t own_begin = 0, own_len = 0, own_start = 0, own_stop = 0;
+  bool own_ok = true;
+  if (own_direct) {
+    const int64_t base = my_node > 0 ? p.rdma_rank_prefix_sum[my_node - 1] : 0;
+    own_begin = base + (ch > 0 ? p.rdma_channel_prefix_matrix[my_node * C + ch - 1] : 0);
+    const int64_t own_end = base + p.rdma_channel_prefix_matrix[my_node * C + ch];
+    own_len = own_end - own_begin;
+    own_ok = source_rows(p, me, ch, lane, own_start, own_stop);
+    if (own_begin < 0 || own_end > p.num_rdma_recv_rows || own_end < own_begin) {
+      if (lane == 0)
+        record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX, my_node * C + ch, own_end);
+      own_ok = false;
+    }
+  }
   for (int64_t t0 = begin; t0 < end; t0 += batch) {
     for (int64_t t = t0 + w; ok && t < min(t0 + batch, end); t += num_warps) {
       int32_t head0 = -1;  // lane n: node n's head (first chunk)
+      int32_t own_head = -1;  // G == 1: this node's head (all lanes)
       for (int q = 0; ok && q < chunks; ++q) {
         const int n = q * kWarp + lane;
         const int32_t head = n < N ? p.combined_rdma_head[t * N + n] : -1;
         const uint64_t base = q == 0 ? base0 : n < N ? c.totals[recv_total(c, ch, n)] : 0;
-        const uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
+        uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
+        if (own_direct && q == my_node / kWarp) {
+          own_head = __shfl_sync(0xffffffffu, head, my_node % kWarp);
+          mask &= ~(1u << (my_node % kWarp));  // no ring, nothing to wait for or to credit
+        }
         for (uint32_t rest = mask; ok && rest != 0; rest &= rest - 1) {
           const int j = __ffs(rest) - 1;
           const uint64_t target = __shfl_sync(0xffffffffu, base + head + 1, j);
@@ -402,8 +453,28 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
                                DEEPEP_WAIT_OP_RDMA_TAIL, ch);
           if (q == 0 && lane == j) tail = seen;
         }
-        if (head >= 0) atomicAdd(&consumed[n], 1);
+        if ((mask >> lane) & 1u) atomicAdd(&consumed[n], 1);
         if (q == 0) head0 = head;
+      }
+      // G == 1: this rank's own row of token t (as combine_forward finds it), or none.
+      const int4* own_x = nullptr;
+      const float* own_weights = nullptr;
+      if (ok && own_head >= 0) {
+        const int32_t nvl = own_ok && own_head < own_len ? p.combined_nvl_head[own_begin + own_head] : -1;
+        const int64_t r = own_start + nvl;
+        if (!own_ok) {
+          ok = false;  // the fault is recorded
+        } else if (own_head >= own_len) {
+          if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_RDMA_HEAD, t * N + my_node, own_head);
+          ok = false;
+        } else if (nvl < 0 || r >= own_stop) {
+          if (lane == 0)
+            record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_NVL_HEAD, (own_begin + own_head) * G + my_gpu, nvl);
+          ok = false;
+        } else {
+          own_x = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + r * p.hidden_bytes);
+          own_weights = p.topk_weights != nullptr ? p.topk_weights + r * K : nullptr;
+        }
       }
       if (!ok) break;
       // DeepEP's order: bias_0 + bias_1, then nodes ascending; one rounding.
@@ -412,12 +483,14 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
       const int4* b1 = bias_1 != nullptr ? bias_1 + t * hidden_int4 : nullptr;
       float* out_weights = p.combined_topk_weights != nullptr ? p.combined_topk_weights + t * K : nullptr;
       if (chunks == 1) {
-        // Lane n in mask: node n's row of token t.
+        // Lane n in mask: node n's row of token t (G == 1, n = my node: x's).
         const uint32_t mask = __ballot_sync(0xffffffffu, head0 >= 0);
         const uint8_t* src = tr.local(c.rdma_offset + rdma.recv_slot(ch, lane < N ? lane : 0, max(head0, 0)));
-        sum_rows(out, reinterpret_cast<const int4*>(src), mask, hidden_int4, b0, b1, lane);
+        const bool mine = lane == lone;
+        sum_rows(out, mine ? own_x : reinterpret_cast<const int4*>(src), mask, hidden_int4, b0, b1, lane, lone);
         if (out_weights != nullptr)
-          sum_weights(out_weights, reinterpret_cast<const float*>(src + row.weights_off()), mask, K, lane);
+          sum_weights(out_weights, mine ? own_weights : reinterpret_cast<const float*>(src + row.weights_off()), mask, K,
+                      lane, lone);
       } else {
         // More nodes than lanes: chunk q's rows (lane j: node q * kWarp + j's), heads read again.
         const auto slot_of = [&](int q, uint32_t& mask) {
@@ -427,13 +500,15 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
           return tr.local(c.rdma_offset + rdma.recv_slot(ch, n < N ? n : 0, max(head, 0)));
         };
         const auto rows_of = [&](int q, const int4*& r, uint32_t& mask) {
-          r = reinterpret_cast<const int4*>(slot_of(q, mask));
+          r = reinterpret_cast<const int4*>(slot_of(q, mask));  // the whole warp (a ballot)
+          if (q * kWarp + lane == lone) r = own_x;
         };
         const auto weights_of = [&](int q, const float*& wts, uint32_t& mask) {
           wts = reinterpret_cast<const float*>(slot_of(q, mask) + row.weights_off());
+          if (q * kWarp + lane == lone) wts = own_weights;
         };
-        sum_row_chunks(out, rows_of, chunks, hidden_int4, b0, b1, lane);
-        if (out_weights != nullptr) sum_weight_chunks(out_weights, weights_of, chunks, K, lane);
+        sum_row_chunks(out, rows_of, chunks, hidden_int4, b0, b1, lane, lone);
+        if (out_weights != nullptr) sum_weight_chunks(out_weights, weights_of, chunks, K, lane, lone);
       }
     }
     asm volatile("bar.sync 1, %0;" ::"r"(num_warps * kWarp) : "memory");
@@ -486,9 +561,13 @@ __global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(
         combine_receive(p, tr, blockIdx.x, warp - senders, kCombineWarps - senders, lane, node_rows, node_rows + N);
       }
     } else {
-      const WarpGroup group(warp, N, kCombineWarps);
+      // Forwarder groups per source node; G == 1: the other N - 1 nodes, ascending (the final
+      // receiver reads this node's rows from x).
+      const int own = G == 1 ? 1 : 0, nodes = N - own, my_node = c.rank / G;
+      const WarpGroup group(warp, nodes, kCombineWarps);
       if (group.role < group.groups)
-        for (int s = group.role; s < N; s += group.groups) combine_forward(p, tr, blockIdx.x - C, s, group, lane, generation);
+        for (int i = group.role; i < nodes; i += group.groups)
+          combine_forward(p, tr, blockIdx.x - C, own && i >= my_node ? i + 1 : i, group, lane, generation);
     }
   }
   if (normal::buffer_failed(c.wait)) {
