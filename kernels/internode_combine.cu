@@ -62,20 +62,22 @@ __device__ __forceinline__ const int4* shfl_row(const int4* row, int j) {
   return reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), j));
 }
 
-// sum_rows without a start and with kRows rows (lanes a, b): kSumLoads words per lane in flight,
+// sum_rows without a start and with kRows rows (lanes a, b): kLoads words per lane in flight,
 // no accumulator kept across loads. Lane `lone`'s row (-1: none) is taken as_forwarded.
-template <int kRows>
+template <int kRows, int kLoads>
 __device__ __forceinline__ void sum_few_rows(int4* out, const int4* row, int a, int b, int hidden_int4, int lane,
                                              int lone) {
-  constexpr int kUnroll = kSumLoads / kRows;
+  constexpr int kUnroll = kLoads / kRows;
   const int4* src[2] = {shfl_row(row, a), shfl_row(row, b)};
   for (int i0 = lane; i0 < hidden_int4; i0 += kUnroll * kWarp) {
+    // Every word defined on every path (zero past the row): an undefined one would carry the
+    // previous pass's register into this one, live across the loop, and ptxas spilled such words.
     int4 v[kUnroll][kRows];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
-        if (i0 + u * kWarp < hidden_int4) v[u][r] = ld_ring(src[r] + i0 + u * kWarp);
+        v[u][r] = i0 + u * kWarp < hidden_int4 ? ld_ring(src[r] + i0 + u * kWarp) : make_int4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (i0 + u * kWarp >= hidden_int4) break;
@@ -143,14 +145,16 @@ __device__ __forceinline__ void sum_row_chunks(int4* out, RowsOf rows_of, int ch
 // out = bf16(start + rows in ascending lane order), in fp32 with one rounding; start is
 // bias_0 + bias_1 (each null reads as 0.0, both null: 0.0). Lane j holds row j's address, `mask`
 // (warp-uniform) the rows to add; lane `lone`'s row (-1: none) is taken as_forwarded. Whole
-// warps call; rows of hidden_int4 16-byte words.
+// warps call; rows of hidden_int4 16-byte words. kPairLoads: words per lane in flight for two
+// rows without a start (the final receiver's case at N = 2 takes 16: see combine_receive).
+template <int kPairLoads = kSumLoads>
 __device__ __forceinline__ void sum_rows(int4* out, const int4* row, uint32_t mask, int hidden_int4, const int4* bias_0,
                                          const int4* bias_1, int lane, int lone = -1) {
   const int rows = __popc(mask);
   if (bias_0 == nullptr && bias_1 == nullptr && rows <= 2) {  // start 0.0: DeepEP's shape, N = 2 or G <= 2
     const int a = __ffs(mask) - 1, b = __ffs(mask & (mask - 1)) - 1;
-    if (rows == 1) sum_few_rows<1>(out, row, a, a, hidden_int4, lane, lone);
-    else if (rows == 2) sum_few_rows<2>(out, row, a, b, hidden_int4, lane, lone);
+    if (rows == 1) sum_few_rows<1, kSumLoads>(out, row, a, a, hidden_int4, lane, lone);
+    else if (rows == 2) sum_few_rows<2, kPairLoads>(out, row, a, b, hidden_int4, lane, lone);
     else for (int i = lane; i < hidden_int4; i += kWarp) st_stream(out + i, make_int4(0, 0, 0, 0));
     return;
   }
@@ -384,6 +388,13 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
   }
 }
 
+// The final receiver's words in flight per lane for a token of two rows (N = 2, no bias: DeepEP's
+// test shape): 16 (8 of each row; 64 registers, no spills with every word defined in
+// sum_few_rows). Every warp of its block sums whole tokens one at a time, so the words in flight
+// bound the block (docs/internode.md, "Combine's time"): with 8 a token of two 14 KB rows took 7
+// round trips per warp, with 16 it takes 4.
+constexpr int kReceiverPairLoads = 16;
+
 // Final receiver warps (warp `w` of `num_warps`, named barrier 1 among them): source tokens of
 // channel ch in batches of at most recv_round tokens (at most that many rows per node), a whole
 // number of tokens per warp where the round allows (warp w takes tokens w, w + num_warps, ...);
@@ -487,7 +498,8 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
         const uint32_t mask = __ballot_sync(0xffffffffu, head0 >= 0);
         const uint8_t* src = tr.local(c.rdma_offset + rdma.recv_slot(ch, lane < N ? lane : 0, max(head0, 0)));
         const bool mine = lane == lone;
-        sum_rows(out, mine ? own_x : reinterpret_cast<const int4*>(src), mask, hidden_int4, b0, b1, lane, lone);
+        sum_rows<kReceiverPairLoads>(out, mine ? own_x : reinterpret_cast<const int4*>(src), mask, hidden_int4, b0, b1,
+                                     lane, lone);
         if (out_weights != nullptr)
           sum_weights(out_weights, mine ? own_weights : reinterpret_cast<const float*>(src + row.weights_off()), mask, K,
                       lane, lone);
