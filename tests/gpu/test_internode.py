@@ -9,7 +9,7 @@ hints count nodes of 8). Cases: T in {0, 1, 4096}, hidden 2048/7168, top-k 1/8/1
 (to one rank; every token to one expert), DeepEP's grouped (one node per token), an empty node
 and -1-heavy routing, token-less ranks, BF16 and FP8 (column-major float32 scales); each checks the layout's
 per-node counts, every dispatch output and all 10 handle entries exactly, a cached dispatch
-bit-identical to the first, combine (with the received weights and a bias tuple) bit for bit, the
+bit-identical to the first, combine (with the received weights, with a bias tuple and without) bit for bit, the
 two heads as combine rewrote them, and the traffic counters of the dispatch and of the combine
 (Buffer.internode_query_traffic_buffer against internode_reference.traffic_rows: scale-out rows =
 distinct other destination nodes per token, bytes = rows x the row; the NVLink leg's rows where a
@@ -201,6 +201,14 @@ def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False
     again_x, _, _ = buffer.combine(y, handle, topk_weights=recv_weights, bias=bias,
                                    config=deep_ep.Buffer.get_combine_config(ctx.world))
     chk(assert_same, 'second combined_x', again_x, combined_x)
+    # Without a bias (DeepEP's benchmark): a token's rows are summed from 0.0 (the receiver's
+    # one- and two-row paths; with one GPU per node this rank's own row is read from x).
+    want_x, want_w = ir.ref_internode_combine(ctx.group, in_rank, y[rows], n, recv_weights[rows], None,
+                                              num_nvl_ranks=ctx.node_size)
+    plain_x, plain_w, _ = buffer.combine(y, handle, topk_weights=recv_weights,
+                                         config=deep_ep.Buffer.get_combine_config(ctx.world))
+    chk(assert_same, 'combined_x without bias', plain_x, want_x)
+    chk(assert_same, 'combined_topk_weights without bias', plain_w, want_w)
     chk.done()
 
 

@@ -165,6 +165,12 @@ def cases():
         # The 2-GPU test's topology (2 nodes of 1): no NVLink leg, forwarder = receiver.
         '2x1_random': (dict(num_nodes=2, node_size=1, hidden=h, num_experts=16),
                        dict(seed=1, tokens=[96, 33], num_topk=4, bias=True)),
+        # Without a bias (DeepEP's benchmark): the final receiver's one- and two-row sums, this
+        # rank's own row read from x (one GPU per node); 5 nodes: up to 4 rows, the general sum.
+        '2x1_no_bias': (dict(num_nodes=2, node_size=1, hidden=h, num_experts=16),
+                        dict(seed=17, tokens=[96, 33])),
+        '5x1_no_bias_small_rings': (dict(num_nodes=5, node_size=1, hidden=h, num_experts=40, rdma_ring_tokens=6),
+                                    dict(seed=18, tokens=[64, 0, 17, 64, 5], num_topk=4)),
         # DeepEP's shape: 2 nodes of 8.
         '2x8_random': (dict(num_nodes=2, node_size=8, hidden=h, num_experts=64),
                        dict(seed=2, tokens=[64, 0, 1, 17] * 4, bias=True)),
