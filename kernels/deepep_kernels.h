@@ -250,8 +250,9 @@ typedef struct DeepepCombineParams {
 // notify rounds done: 2 Cb N + 1 words.
 // One notify slot (int32, per source and parity): the source's gbl channel prefixes towards
 // this rank [C], its rdma channel prefixes towards this node [C] (from the same-GPU source
-// only), its token count for each local expert [E / R].
-#define DEEPEP_INTERNODE_NOTIFY_SLOT_INTS (2 * DEEPEP_MAX_CHANNELS + DEEPEP_MAX_LOCAL_EXPERTS)
+// only), its token count for each local expert [E / R]; shrink mode: its notify tag in the last
+// int (4 more keep the slot a multiple of 16 bytes).
+#define DEEPEP_INTERNODE_NOTIFY_SLOT_INTS (2 * DEEPEP_MAX_CHANNELS + DEEPEP_MAX_LOCAL_EXPERTS + 4)
 // Bytes of a dispatch row's header (source token, destination-GPU mask) and of an NVLink slot's
 // header (flag, source rank, sequence) before its row.
 #define DEEPEP_INTERNODE_ROW_HEADER_BYTES 16
@@ -292,6 +293,11 @@ typedef struct DeepepInternodeCommon {
   uint64_t* totals;           // 2 * counter_channels * num_nodes + 1 running totals (above)
   uint64_t* traffic;          // workspace [DEEPEP_TRAFFIC_KINDS]: rows and bytes sent per leg, cumulative
   DeepepFaultRecord* fault;
+  // Shrink mode (docs/internode.md, "Shrink"): the buffer's one mask (shared with the LL and
+  // intranode kernels), read at a kernel's start and written only at its end.
+  int32_t* mask;              // workspace [R]: 1 = rank masked
+  int32_t* peer_gone;         // workspace [R]: a wait of this kernel on the rank expired (reset at its end)
+  uint64_t* dropped;          // DeepepNormalCommon.dropped: the same counters, the same meaning per index
   DeepepWaitContext wait;
   int32_t rank;
   int32_t num_ranks;
@@ -302,7 +308,7 @@ typedef struct DeepepInternodeCommon {
   int32_t nvl_ring_tokens;    // config.num_max_nvl_chunked_recv_tokens
   int32_t gin_signal_base;    // first GIN signal of the counters (after the LL ones)
   int32_t counter_channels;   // Cb >= num_channels: the channel stride of the counters and totals
-  int32_t reserved;
+  int32_t shrink;             // a silent peer is masked (its traffic dropped) instead of a stall
 } DeepepInternodeCommon;
 
 // Notify: counts and channel prefixes to every rank, which derives its receive side. Also a

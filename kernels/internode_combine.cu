@@ -25,6 +25,11 @@
 // ring's chunk + round <= ring + 1, the NVLink slots consumed in each GPU's stream order), which
 // completes. G == 1 removes the own node's segments and its waits (the receiver reads x, which
 // waits for nothing; the own ring's counters and totals stay as they are, on both sides this rank).
+//
+// Shrink mode (kShrink; docs/internode.md, "Shrink"): rows for a masked or gone peer are not sent
+// (counted), contributions of a masked or gone peer are left out of a sum (counted), every wait
+// expires into "gone". A forwarder whose source is masked still takes its NVLink slots (their
+// writers must not wait on it), it only sends nothing back.
 #include "internode_common.cuh"
 #include "launch.cuh"
 
@@ -251,7 +256,7 @@ __device__ __noinline__ void check_src_meta(const DeepepInternodeCombineParams& 
 }
 
 // Returns the rows of fwd's ring (channel ch) its warps wrote, all members together.
-template <int kRemote>
+template <int kRemote, bool kShrink>
 __device__ int64_t combine_nvl_send(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch, int fwd,
                                  int member, int warps, int lane, uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
@@ -261,16 +266,26 @@ __device__ int64_t combine_nvl_send(const DeepepInternodeCombineParams& p, const
   uint8_t* my_nvl = tr.local(c.nvl_offset);
   uint8_t* fwd_nvl = nvl_of(tr, fwd);
   int64_t k = 0;
+  bool live = !skipped_warp<kShrink>(c, (me / G) * G + fwd);  // shrink mode: rows for a masked forwarder not sent
+  int64_t not_sent = 0;
   for (int s = 0; s < N; ++s) {
     int64_t start, stop;
-    if (!source_rows(p, s * G + fwd, ch, lane, start, stop)) return k;
+    if (!source_rows(p, s * G + fwd, ch, lane, start, stop)) break;
     for (int64_t r = start; r < stop; ++r, ++k) {
       if (k % warps != member) continue;
+      if (kShrink && !live) {
+        ++not_sent;
+        continue;
+      }
       if (k >= nvl.ring) {
         const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + nvl.consumed_offset(C, ch, fwd, k % nvl.ring));
-        if (!warp_wait_relaxed(consumed, make_flag(generation, k - nvl.ring), c.wait, (me / G) * G + fwd,
-                               DEEPEP_WAIT_OP_NVL_CONSUMED, ch))
-          return k;
+        if (!nvl_wait_relaxed<kShrink>(consumed, make_flag(generation, k - nvl.ring), c, (me / G) * G + fwd,
+                                       DEEPEP_WAIT_OP_NVL_CONSUMED, ch)) {
+          if (!kShrink) return k;
+          live = false;
+          ++not_sent;
+          continue;
+        }
       }
       uint8_t* slot = fwd_nvl + nvl.slot_offset(ch, my_gpu, k % nvl.ring);
       warp_copy<4, CopyLoad::kStream>(reinterpret_cast<int4*>(slot + kNvlHeaderBytes),
@@ -286,10 +301,11 @@ __device__ int64_t combine_nvl_send(const DeepepInternodeCombineParams& p, const
       }
     }
   }
+  if (kShrink && lane == 0) count_dropped(c, DEEPEP_DROPPED_COMBINE_SEND, not_sent);
   return k;
 }
 
-template <int kRemote>
+template <int kRemote, bool kShrink>
 __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch,
                                 int src_node, const WarpGroup& group, int lane, uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
@@ -333,11 +349,21 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
   const int chunk = send_chunk(c.rdma_ring_tokens);
   uint64_t freed = 0;  // head counter, last read
   uint8_t* my_nvl = tr.local(c.nvl_offset);
+  // Shrink mode: whether rows still go back to dst (masked or gone: not sent, counted), and the
+  // contributions of masked or gone local GPUs left out (counted).
+  bool live = !skipped_warp<kShrink>(c, dst);
+  int64_t not_sent = 0, left_out = 0;
   for (int64_t q0 = 0; q0 < end - begin; q0 += chunk) {
     const int n = int(min(int64_t(chunk), end - begin - q0));
     for (int64_t i = q0 + group.member; ok && i < q0 + n; i += group.warps) {
       const int32_t head = lane < G ? p.combined_nvl_head[(begin + i) * G + lane] : -1;
-      const uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
+      uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
+      if constexpr (kShrink) {
+        const uint32_t gone_gpus =
+            __ballot_sync(0xffffffffu, head >= 0 && lane != my_gpu && skipped<kShrink>(c, my_node * G + lane)) & mask;
+        left_out += __popc(gone_gpus);
+        mask &= ~gone_gpus;
+      }
       // Lane j in mask: GPU j's row (this GPU's from x, the others' NVLink slots) and weights.
       const int64_t k = offset + head;  // lane j != my_gpu: the row's place in GPU j's stream
       const uint8_t* slot = nullptr;
@@ -362,25 +388,48 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
       for (uint32_t rest = mask & ~(1u << my_gpu); ok && rest != 0; rest &= rest - 1) {
         const int j = __ffs(rest) - 1;
         const uint64_t* flag = reinterpret_cast<const uint64_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(slot), j));
-        ok = warp_wait(flag, make_flag(generation, __shfl_sync(0xffffffffu, k, j)), c.wait, my_node * G + j,
-                       DEEPEP_WAIT_OP_NVL_SLOT, ch);
+        if constexpr (kShrink) {
+          if (!nvl_wait<kShrink>(flag, make_flag(generation, __shfl_sync(0xffffffffu, k, j)), c, my_node * G + j,
+                                 DEEPEP_WAIT_OP_NVL_SLOT, ch)) {
+            mask &= ~(1u << j);  // j went silent: its contribution left out
+            ++left_out;
+          }
+        } else {
+          ok = warp_wait(flag, make_flag(generation, __shfl_sync(0xffffffffu, k, j)), c.wait, my_node * G + j,
+                         DEEPEP_WAIT_OP_NVL_SLOT, ch);
+        }
       }
-      ok = ok && (i < c.rdma_ring_tokens ||
-                  tr.wait_counter(dst, head_counter(c, ch, src_node), sent + i + 1 - c.rdma_ring_tokens, freed,
-                                  DEEPEP_WAIT_OP_RDMA_HEAD, ch));
+      if constexpr (kShrink) {
+        live = live && !skipped_warp<kShrink>(c, dst) &&
+               (i < c.rdma_ring_tokens || tr.wait_or_gone(dst, head_counter(c, ch, src_node), sent + i + 1 - c.rdma_ring_tokens, freed));
+        if (!live) ++not_sent;
+      } else {
+        ok = ok && (i < c.rdma_ring_tokens ||
+                    tr.wait_counter(dst, head_counter(c, ch, src_node), sent + i + 1 - c.rdma_ring_tokens, freed,
+                                    DEEPEP_WAIT_OP_RDMA_HEAD, ch));
+      }
       if (!ok) break;
+      if (!kShrink || live) {
       uint8_t* out = tr.row_target(dst, c.rdma_offset + rdma.recv_slot(ch, my_node, i),
                                    c.rdma_offset + rdma.send_slot(ch, src_node, i));
       sum_rows(reinterpret_cast<int4*>(out), src, mask, hidden_int4, nullptr, nullptr, lane);
       sum_weights(reinterpret_cast<float*>(out + row.weights_off()), weights, mask, K, lane);
+      }
       // The NVLink slots back to their writers.
       __syncwarp();
-      if (head >= 0 && lane != my_gpu)
+      if (head >= 0 && lane != my_gpu && (!kShrink || ((mask >> lane) & 1u)))
         st_relaxed_sys(reinterpret_cast<uint64_t*>(nvl_of(tr, lane) + nvl.consumed_offset(C, ch, my_gpu, k % nvl.ring)),
                        make_flag(generation, k));
     }
     group.sync();
-    if (ok && group.leader(lane)) tr.publish(dst, rdma, ch, q0, n, tail_counter(c, ch, my_node));
+    if (ok && (!kShrink || live) && group.leader(lane)) tr.publish(dst, rdma, ch, q0, n, tail_counter(c, ch, my_node));
+  }
+  if constexpr (kShrink) {
+    if (lane == 0) {
+      count_dropped(c, DEEPEP_DROPPED_COMBINE_SEND, not_sent);
+      count_dropped(c, DEEPEP_DROPPED_COMBINE_RECV, left_out);
+    }
+    if (!live) return;  // the totals with a masked peer stay as they were
   }
   if (group.leader(lane)) {
     c.totals[sent_total(c, ch, src_node)] = sent + (end - begin);
@@ -403,7 +452,7 @@ constexpr int kReceiverPairLoads = 16;
 // G == 1: this node's row of a token is x's row the heads name (the forwarder's: segment
 // (my node, ch) of combined_nvl_head, x's rows of this rank's channel ch), bounded and checked as
 // combine_forward does, taken as_forwarded; no wait, no credit, no total for this node.
-template <int kRemote>
+template <int kRemote, bool kShrink>
 __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Transport<kRemote>& tr, int ch, int w,
                                 int num_warps, int lane, int* consumed, int* done) {
   const DeepepInternodeCommon& c = p.common;
@@ -443,27 +492,43 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
       own_ok = false;
     }
   }
+  int64_t left_out = 0;  // shrink mode: (token, node) rows of a masked or gone forwarder
   for (int64_t t0 = begin; t0 < end; t0 += batch) {
     for (int64_t t = t0 + w; ok && t < min(t0 + batch, end); t += num_warps) {
       int32_t head0 = -1;  // lane n: node n's head (first chunk)
       int32_t own_head = -1;  // G == 1: this node's head (all lanes)
       for (int q = 0; ok && q < chunks; ++q) {
         const int n = q * kWarp + lane;
-        const int32_t head = n < N ? p.combined_rdma_head[t * N + n] : -1;
+        int32_t head = n < N ? p.combined_rdma_head[t * N + n] : -1;
         const uint64_t base = q == 0 ? base0 : n < N ? c.totals[recv_total(c, ch, n)] : 0;
         uint32_t mask = __ballot_sync(0xffffffffu, head >= 0);
         if (own_direct && q == my_node / kWarp) {
           own_head = __shfl_sync(0xffffffffu, head, my_node % kWarp);
           mask &= ~(1u << (my_node % kWarp));  // no ring, nothing to wait for or to credit
         }
+        if constexpr (kShrink) {
+          // A masked or gone forwarder's row (node n's contributions to token t) is left out.
+          const uint32_t gone_nodes = __ballot_sync(0xffffffffu, head >= 0 && skipped<kShrink>(c, n * G + my_gpu)) & mask;
+          left_out += __popc(gone_nodes);
+          mask &= ~gone_nodes;
+        }
         for (uint32_t rest = mask; ok && rest != 0; rest &= rest - 1) {
           const int j = __ffs(rest) - 1;
           const uint64_t target = __shfl_sync(0xffffffffu, base + head + 1, j);
           uint64_t seen = q == 0 ? __shfl_sync(0xffffffffu, tail, j) : 0;
-          ok = tr.wait_counter((q * kWarp + j) * G + my_gpu, tail_counter(c, ch, q * kWarp + j), target, seen,
-                               DEEPEP_WAIT_OP_RDMA_TAIL, ch);
+          if constexpr (kShrink) {
+            if (!tr.wait_or_gone((q * kWarp + j) * G + my_gpu, tail_counter(c, ch, q * kWarp + j), target, seen)) {
+              mask &= ~(1u << j);
+              ++left_out;
+            }
+          } else {
+            ok = tr.wait_counter((q * kWarp + j) * G + my_gpu, tail_counter(c, ch, q * kWarp + j), target, seen,
+                                 DEEPEP_WAIT_OP_RDMA_TAIL, ch);
+          }
           if (q == 0 && lane == j) tail = seen;
         }
+        // Shrink mode: only the rows taken (G == 1: this node's row stays, read from x).
+        if (kShrink && !((mask >> lane) & 1u) && n != lone) head = -1;
         if ((mask >> lane) & 1u) atomicAdd(&consumed[n], 1);
         if (q == 0) head0 = head;
       }
@@ -508,7 +573,9 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
         const auto slot_of = [&](int q, uint32_t& mask) {
           const int n = q * kWarp + lane;
           const int32_t head = n < N ? p.combined_rdma_head[t * N + n] : -1;
-          mask = __ballot_sync(0xffffffffu, head >= 0);
+          // Shrink mode: nodes given up on are left out (one given up on after its row of this
+          // token came is left out too, uncounted: past 32 nodes the heads are read again).
+          mask = __ballot_sync(0xffffffffu, head >= 0 && !skipped<kShrink>(c, n * G + my_gpu));
           return tr.local(c.rdma_offset + rdma.recv_slot(ch, n < N ? n : 0, max(head, 0)));
         };
         const auto rows_of = [&](int q, const int4*& r, uint32_t& mask) {
@@ -528,12 +595,13 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
     for (int n = w * kWarp + lane; n < N; n += num_warps * kWarp) {
       if (consumed[n] == 0) continue;
       done[n] += consumed[n];
-      if (ok) tr.add(n * G + my_gpu, head_counter(c, ch, my_node), uint64_t(consumed[n]));
+      if (ok && !skipped<kShrink>(c, n * G + my_gpu)) tr.add(n * G + my_gpu, head_counter(c, ch, my_node), uint64_t(consumed[n]));
       consumed[n] = 0;
     }
     asm volatile("bar.sync 1, %0;" ::"r"(num_warps * kWarp) : "memory");
   }
   for (int n = w * kWarp + lane; n < N; n += num_warps * kWarp) c.totals[recv_total(c, ch, n)] += uint64_t(done[n]);
+  if (kShrink && lane == 0) count_dropped(c, DEEPEP_DROPPED_COMBINE_RECV, left_out);
 }
 
 // Fewer threads than the other internode kernels: 128 registers a thread hold the row sums'
@@ -546,7 +614,7 @@ static_assert(kMaxNodeSize - 1 < kCombineWarps / 2, "a warp per NVLink sender ro
 __host__ __device__ constexpr int64_t combine_shared_bytes(int num_nodes) { return 2 * int64_t(num_nodes) * 4; }
 static_assert(combine_shared_bytes(DEEPEP_INTERNODE_MAX_NODES) <= 48 << 10, "without the opt-in to more shared memory");
 
-template <int kRemote>
+template <int kRemote, bool kShrink>
 __global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(
     const __grid_constant__ ncclDevComm dev_comm, const __grid_constant__ DeepepInternodeCombineParams p) {
   const DeepepInternodeCommon& c = p.common;
@@ -565,12 +633,12 @@ __global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(
       if (warp < senders) {
         const int r = warp / per_gpu;
         const int64_t rows =
-            combine_nvl_send(p, tr, blockIdx.x, r < my_gpu ? r : r + 1, warp % per_gpu, per_gpu, lane, generation);
+            combine_nvl_send<kRemote, kShrink>(p, tr, blockIdx.x, r < my_gpu ? r : r + 1, warp % per_gpu, per_gpu, lane, generation);
         if (warp % per_gpu == 0 && lane == 0)
           count_traffic(c, DEEPEP_TRAFFIC_COMBINE_NVL_ROWS, rows,
                         kNvlHeaderBytes + CombineRow{p.hidden_bytes, p.num_topk}.bytes());
       } else {
-        combine_receive(p, tr, blockIdx.x, warp - senders, kCombineWarps - senders, lane, node_rows, node_rows + N);
+        combine_receive<kRemote, kShrink>(p, tr, blockIdx.x, warp - senders, kCombineWarps - senders, lane, node_rows, node_rows + N);
       }
     } else {
       // Forwarder groups per source node; G == 1: the other N - 1 nodes, ascending (the final
@@ -579,14 +647,14 @@ __global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(
       const WarpGroup group(warp, nodes, kCombineWarps);
       if (group.role < group.groups)
         for (int i = group.role; i < nodes; i += group.groups)
-          combine_forward(p, tr, blockIdx.x - C, own && i >= my_node ? i + 1 : i, group, lane, generation);
+          combine_forward<kRemote, kShrink>(p, tr, blockIdx.x - C, own && i >= my_node ? i + 1 : i, group, lane, generation);
     }
   }
   if (normal::buffer_failed(c.wait)) {
     normal::poison_output(p.combined_x, p.num_tokens * p.hidden_bytes);
     normal::poison_output(p.combined_topk_weights, p.num_tokens * p.num_topk * 4);
   }
-  finish_op(c);
+  finish_op<kShrink>(c);
 }
 
 }  // namespace internode
@@ -601,11 +669,14 @@ extern "C" int deepep_launch_internode_combine(const void* dev_comm, const Deepe
   const int N = params->common.num_nodes;
   if (N < 1 || N > DEEPEP_INTERNODE_MAX_NODES) return int(cudaErrorInvalidValue);
   const size_t smem = size_t(combine_shared_bytes(N));
+  const bool shrink = params->common.shrink != 0;
   if (remote_kind == DEEPEP_LL_REMOTE_EMULATED)
-    return deepep::launch_kernel(internode_combine_kernel<deepep::ll::kRemoteEmulated>, blocks, kCombineThreads, smem, s,
-                                 dc, *params);
+    return deepep::launch_kernel(shrink ? internode_combine_kernel<deepep::ll::kRemoteEmulated, true>
+                                        : internode_combine_kernel<deepep::ll::kRemoteEmulated, false>,
+                                 blocks, kCombineThreads, smem, s, dc, *params);
   if (remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN)
-    return deepep::launch_kernel(internode_combine_kernel<deepep::ll::kRemoteGin>, blocks, kCombineThreads, smem, s, dc,
-                                 *params);
+    return deepep::launch_kernel(shrink ? internode_combine_kernel<deepep::ll::kRemoteGin, true>
+                                        : internode_combine_kernel<deepep::ll::kRemoteGin, false>,
+                                 blocks, kCombineThreads, smem, s, dc, *params);
   return int(cudaErrorInvalidValue);
 }

@@ -154,6 +154,9 @@ template <int kRemote>
 __device__ __noinline__ WaitResult transport_wait(const DeepepInternodeCommon& c, const ncclDevComm& dc, int src, int idx,
                                                   uint64_t target, int op, int channel, bool alone);
 template <int kRemote>
+__device__ __noinline__ WaitResult transport_wait_shrink(const DeepepInternodeCommon& c, const ncclDevComm& dc, int src,
+                                                         int idx, uint64_t target);
+template <int kRemote>
 __device__ __noinline__ void transport_add(const DeepepInternodeCommon& c, const ncclDevComm& dc, int peer, int idx,
                                            uint64_t delta);
 template <int kRemote>
@@ -283,6 +286,47 @@ struct Transport {
     seen = r.seen;
     return r.ok;
   }
+  // Shrink mode: the same bounded wait, but an expiry (or `src` already given up by this kernel)
+  // marks `src` gone instead of a stall record (docs/internode.md, "Shrink"). One thread polls
+  // (lane 0, or the caller with `alone`), so a warp's answer is one. Off the non-shrink path.
+  __device__ __forceinline__ bool wait_or_gone(int src, int idx, uint64_t target, uint64_t& seen,
+                                               bool alone = false) const {
+    if (seen >= target) return true;
+    WaitResult r{seen, false};
+    if (alone || (threadIdx.x & 31) == 0) r = transport_wait_shrink<kRemote>(c, dev_comm, src, idx, target);
+    if (!alone) {
+      r.ok = __shfl_sync(0xffffffffu, r.ok, 0);
+      r.seen = __shfl_sync(0xffffffffu, r.seen, 0);
+    }
+    seen = r.seen;
+    return r.ok;
+  }
+  __device__ __forceinline__ WaitResult wait_shrink_now(int src, int idx, uint64_t target) const {
+    volatile int32_t* gone = c.peer_gone + src;
+    uint64_t seen = read(src, idx);
+    if (seen >= target) return {seen, true};
+    if (*gone != 0) return {seen, false};
+    const uint64_t start = global_time_ns();
+    for (int spin = 1;; ++spin) {
+      if (spin > 4) __nanosleep(128);
+      seen = read(src, idx);
+      if (seen >= target) return {seen, true};
+      if ((spin & 15) == 15 && (normal::buffer_failed(c.wait) || *gone != 0 || global_time_ns() - start > c.wait.timeout_ns)) {
+        if (!normal::buffer_failed(c.wait)) atomicExch(c.peer_gone + src, 1);
+        return {seen, false};
+      }
+    }
+  }
+  // Shrink mode: delivers `bytes` a thread wrote through row_target (GIN: a put without a
+  // signal; LSA: already there).
+  __device__ __forceinline__ void put_plain(int peer, uint64_t dst_offset, uint64_t staging_offset, int64_t bytes) const {
+    if (direct(peer)) return;
+#if DEEPEP_HAVE_GIN
+    __threadfence();
+    ncclGin gin(dev_comm, context(peer));
+    gin.put(ncclTeamWorld(dev_comm), peer, window(), dst_offset, window(), staging_offset, size_t(bytes));
+#endif
+  }
   __device__ __forceinline__ WaitResult wait_now(int src, int idx, uint64_t target, int op, int channel,
                                                  bool alone) const {
     uint64_t seen = read(src, idx);
@@ -305,6 +349,11 @@ template <int kRemote>
 __device__ __noinline__ WaitResult transport_wait(const DeepepInternodeCommon& c, const ncclDevComm& dc, int src, int idx,
                                                   uint64_t target, int op, int channel, bool alone) {
   return Transport<kRemote>(c, dc).wait_now(src, idx, target, op, channel, alone);
+}
+template <int kRemote>
+__device__ __noinline__ WaitResult transport_wait_shrink(const DeepepInternodeCommon& c, const ncclDevComm& dc, int src,
+                                                         int idx, uint64_t target) {
+  return Transport<kRemote>(c, dc).wait_shrink_now(src, idx, target);
 }
 template <int kRemote>
 __device__ __noinline__ void transport_add(const DeepepInternodeCommon& c, const ncclDevComm& dc, int peer, int idx,
@@ -345,7 +394,50 @@ __device__ __forceinline__ void channel_range(int64_t num_tokens, int num_channe
   normal::channel_range(num_tokens, num_channels, ch, begin, end);
 }
 
-// The last block to finish bumps the op epoch (the next data kernel's flags differ).
+// Shrink mode (kShrink, a template argument of every internode kernel, from common.shrink, so
+// the code without it stays as it was; docs/internode.md, "Shrink"). Whether `r` was masked
+// when this kernel started (never this rank): the mask changes only at a kernel's end or
+// between kernels (the host's update/clean, stream-ordered), so every block sees one snapshot.
+template <bool kShrink>
+__device__ __forceinline__ bool masked(const DeepepInternodeCommon& c, int r) {
+  return kShrink && r != c.rank && __ldcg(c.mask + r) != 0;
+}
+// Whether a wait of this kernel on `r` expired (shrink mode).
+template <bool kShrink>
+__device__ __forceinline__ bool gone(const DeepepInternodeCommon& c, int r) {
+  return kShrink && *reinterpret_cast<volatile int32_t*>(c.peer_gone + r) != 0;
+}
+// Masked, or gone in this kernel: its traffic is dropped.
+template <bool kShrink>
+__device__ __forceinline__ bool skipped(const DeepepInternodeCommon& c, int r) {
+  return masked<kShrink>(c, r) || gone<kShrink>(c, r);
+}
+// The same, one answer per warp (lane 0's: peer_gone may change between the lanes' reads).
+template <bool kShrink>
+__device__ __forceinline__ bool skipped_warp(const DeepepInternodeCommon& c, int r) {
+  return kShrink && __shfl_sync(0xffffffffu, int(skipped<kShrink>(c, r)), 0) != 0;
+}
+// Shrink mode: `n` rows of `kind` (enum DeepepDroppedKind) dropped; one thread calls.
+__device__ __forceinline__ void count_dropped(const DeepepInternodeCommon& c, int kind, int64_t n) {
+  if (n > 0) atomicAdd(reinterpret_cast<unsigned long long*>(c.dropped + kind), static_cast<unsigned long long>(n));
+}
+// NVLink slot waits: normal's, whose shrink mode marks the peer gone instead of a stall.
+template <bool kShrink>
+__device__ __forceinline__ bool nvl_wait(const uint64_t* flag, uint64_t expected, const DeepepInternodeCommon& c,
+                                         int peer, int op, int channel) {
+  if constexpr (kShrink) return normal::warp_wait_flag<true, true>(flag, expected, c.wait, c.peer_gone, peer, op, channel);
+  else return warp_wait(flag, expected, c.wait, peer, op, channel);
+}
+template <bool kShrink>
+__device__ __forceinline__ bool nvl_wait_relaxed(const uint64_t* flag, uint64_t expected, const DeepepInternodeCommon& c,
+                                                 int peer, int op, int channel) {
+  if constexpr (kShrink) return normal::warp_wait_flag<false, true>(flag, expected, c.wait, c.peer_gone, peer, op, channel);
+  else return warp_wait_relaxed(flag, expected, c.wait, peer, op, channel);
+}
+
+// The last block to finish bumps the op epoch (the next data kernel's flags differ). Shrink
+// mode: it also masks the peers a wait gave up on (from the next kernel on) and resets them.
+template <bool kShrink = false>
 __device__ __forceinline__ void finish_op(const DeepepInternodeCommon& c) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -353,6 +445,9 @@ __device__ __forceinline__ void finish_op(const DeepepInternodeCommon& c) {
     if (atomicAdd(c.ticket, 1u) == gridDim.x - 1) {
       *c.ticket = 0;
       atomicAdd(c.op_epoch, 1u);
+      if (kShrink)
+        for (int r = 0; r < c.num_ranks; ++r)
+          if (atomicExch(c.peer_gone + r, 0) != 0) c.mask[r] = 1;
     }
   }
 }

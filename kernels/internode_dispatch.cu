@@ -27,6 +27,11 @@
 // a ring waits behind have a smaller s + X. With G == 1 the rings (X, X) do not exist (no sender
 // writes them, no forwarder group reads them: forwarder groups take the other nodes, ascending);
 // dispatch_own waits for nothing, so the order of the remaining rings and the induction stand.
+//
+// Shrink mode (kShrink; docs/internode.md, "Shrink"): a sender skips a node whose forwarder is
+// masked or gone (its tokens' destination ranks there counted as not sent); a forwarder skips
+// local GPUs masked or gone (counted as not sent), and when its source goes silent leaves the
+// source's remaining rows for this GPU empty (counted); every wait expires into "gone".
 #define DEEPEP_INTERNODE_OUTLINE 1  // Transport's slow paths out of line (internode_common.cuh)
 #include "internode_common.cuh"
 #include "launch.cuh"
@@ -105,7 +110,7 @@ __device__ __forceinline__ void dispatch_own(const DeepepInternodeDispatchParams
 
 // The roles take p and dc, the kernel's __grid_constant__ parameters, by reference (never
 // copied); Transport's slow paths are out of line (DEEPEP_INTERNODE_OUTLINE).
-template <int kRemote>
+template <int kRemote, bool kShrink>
 __device__ __forceinline__ void dispatch_send(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
                                            int node, const WarpGroup group, int lane) {
   const DeepepInternodeCommon& c = p.common;
@@ -124,6 +129,11 @@ __device__ __forceinline__ void dispatch_send(const DeepepInternodeDispatchParam
   int64_t begin, end;
   channel_range(p.num_tokens, C, ch, begin, end);
   int64_t k = 0;
+  // Shrink mode: nothing goes to a masked forwarder; destination ranks of the rows this warp
+  // did not send (its rows: every group-size-th).
+  const bool live = !skipped_warp<kShrink>(c, dst);
+  if (kShrink && !live) ok = false;
+  int64_t not_sent = 0;
   for (int64_t tile = begin, tile_idx = 0; tile < end; tile += tile_tokens, ++tile_idx) {
     const int64_t t_lane = tile + lane;
     const bool valid = lane < tile_tokens && t_lane < end;
@@ -132,17 +142,27 @@ __device__ __forceinline__ void dispatch_send(const DeepepInternodeDispatchParam
       for (int g = 0; g < G; ++g) gpu_mask |= uint32_t(p.is_token_in_rank[t_lane * R + node * G + g] != 0) << g;
     const uint32_t in = __ballot_sync(0xffffffffu, gpu_mask != 0);
     if (p.send_rdma_head != nullptr && valid && tile_idx % group.warps == group.member)
-      p.send_rdma_head[t_lane * N + node] = gpu_mask != 0 ? int32_t(k + __popc(in & ((1u << lane) - 1u))) : -1;
+      p.send_rdma_head[t_lane * N + node] =
+          gpu_mask != 0 && (!kShrink || live) ? int32_t(k + __popc(in & ((1u << lane) - 1u))) : -1;
     int i = 0;
     for (uint32_t rest = in; rest; rest &= rest - 1, ++i) {
+      if (kShrink && !ok && i % group.warps == group.member)
+        not_sent += __popc(__shfl_sync(0xffffffffu, gpu_mask, __ffs(rest) - 1));
       if (!ok || i % group.warps != group.member) continue;
       const int bit = __ffs(rest) - 1;
       const int64_t t = tile + bit, slot = k + i;
       const uint32_t mask = __shfl_sync(0xffffffffu, gpu_mask, bit);
       // Credits: slot `slot % ring` is free once the forwarder returned row slot - ring.
-      if (slot >= c.rdma_ring_tokens &&
-          !tr.wait_counter(dst, head_counter(c, ch, node), sent + slot + 1 - c.rdma_ring_tokens, freed,
-                           DEEPEP_WAIT_OP_RDMA_HEAD, ch)) {
+      if constexpr (kShrink) {
+        if (slot >= c.rdma_ring_tokens &&
+            !tr.wait_or_gone(dst, head_counter(c, ch, node), sent + slot + 1 - c.rdma_ring_tokens, freed)) {
+          ok = false;
+          not_sent += __popc(mask);
+          continue;
+        }
+      } else if (slot >= c.rdma_ring_tokens &&
+                 !tr.wait_counter(dst, head_counter(c, ch, node), sent + slot + 1 - c.rdma_ring_tokens, freed,
+                                  DEEPEP_WAIT_OP_RDMA_HEAD, ch)) {
         ok = false;
         continue;
       }
@@ -169,10 +189,30 @@ __device__ __forceinline__ void dispatch_send(const DeepepInternodeDispatchParam
     if (ok && group.leader(lane)) tr.publish(dst, rdma, ch, k, __popc(in), tail_counter(c, ch, my_node));
     k += __popc(in);
   }
+  if (kShrink && lane == 0) count_dropped(c, DEEPEP_DROPPED_DISPATCH_SEND, not_sent);
+  if (kShrink && !live) return;  // no ring: the totals with a masked peer stay as they were
   if (group.leader(lane)) {
     c.totals[sent_total(c, ch, node)] = sent + k;
     if (node != my_node) count_traffic(c, DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_ROWS, k, p.row_bytes);
   }
+}
+
+// Shrink mode: output row `out` of source rank `src` left empty (its source went silent after
+// notify): x and scales 0, top-k ids -1, weights 0, SourceMeta {its node, this GPU} (what a row
+// of it here holds; combine never sends it back while src is masked).
+__device__ __noinline__ void empty_recv_row(const DeepepInternodeDispatchParams& p, int64_t out, int src, int lane) {
+  const DeepepInternodeCommon& c = p.common;
+  int4* x = reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + out * p.hidden_bytes);
+  for (int i = lane; i < p.hidden_bytes / 16; i += kWarp) x[i] = make_int4(0, 0, 0, 0);
+  if (p.recv_x_scales != nullptr)
+    for (int s = lane; s < p.num_scales; s += kWarp) static_cast<int32_t*>(p.recv_x_scales)[out * p.num_scales + s] = 0;
+  if (p.recv_topk_idx != nullptr)
+    for (int i = lane; i < p.num_topk; i += kWarp) {
+      store_topk(p.recv_topk_idx, p.topk_idx_is_int32, out * p.num_topk + i, -1);
+      if (p.recv_topk_weights != nullptr) p.recv_topk_weights[out * p.num_topk + i] = 0.0f;
+    }
+  if (p.recv_src_meta != nullptr && lane < 2)
+    reinterpret_cast<int32_t*>(p.recv_src_meta + out * 8)[lane] = lane == 0 ? src / c.node_size : int32_t(1u << (c.rank % c.node_size));
 }
 
 // A dispatched row (`in`: DispatchRow without its x offset applied) of source rank `src` into
@@ -205,7 +245,7 @@ __device__ void write_recv_row(const DeepepInternodeDispatchParams& p, int64_t o
 // Forwarder group of source node `src_node`: its rows of channel ch, to the local GPUs in
 // their masks. Every warp reads a round's masks (the sequence numbers); member m forwards the
 // round's rows m, m + warps, ...
-template <int kRemote>
+template <int kRemote, bool kShrink>
 __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
                                               int src_node, const WarpGroup group, int lane, int* nvl_alloc,
                                               uint32_t generation) {
@@ -228,7 +268,9 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
   bool ok = true;
   for (int64_t i0 = 0; i0 < count; i0 += round) {
     const int n = int(min(int64_t(round), count - i0));
-    ok = ok && tr.wait_counter(src, tail_counter(c, ch, src_node), received + i0 + n, tail, DEEPEP_WAIT_OP_RDMA_TAIL, ch);
+    if constexpr (kShrink) ok = ok && !skipped_warp<kShrink>(c, src) &&
+                                tr.wait_or_gone(src, tail_counter(c, ch, src_node), received + i0 + n, tail);
+    else ok = ok && tr.wait_counter(src, tail_counter(c, ch, src_node), received + i0 + n, tail, DEEPEP_WAIT_OP_RDMA_TAIL, ch);
     const uint32_t lane_mask =
         ok && lane < n ? uint32_t(reinterpret_cast<const int32_t*>(tr.local(c.rdma_offset + rdma.recv_slot(ch, src_node, i0 + lane)))[1]) : 0u;
     uint32_t towards = 0;  // lane j < G: which of the round's rows go to GPU j
@@ -251,13 +293,21 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
           if (uint64_t(own_row0 + s) < uint64_t(p.num_recv_rows)) write_recv_row(p, own_row0 + s, in, src, lane);
           continue;
         }
+        if (kShrink && skipped_warp<kShrink>(c, my_node * G + j)) {  // a masked or gone local GPU: not sent
+          if (lane == 0) count_dropped(c, DEEPEP_DROPPED_DISPATCH_SEND, 1);
+          continue;
+        }
         int k = 0;
         if (lane == 0) k = atomicAdd(&nvl_alloc[j], 1);
         k = __shfl_sync(0xffffffffu, k, 0);
         if (k >= nvl.ring) {
           const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + nvl.consumed_offset(C, ch, j, k % nvl.ring));
-          if (!warp_wait_relaxed(consumed, make_flag(generation, k - nvl.ring), c.wait, my_node * G + j,
-                                 DEEPEP_WAIT_OP_NVL_CONSUMED, ch)) {
+          if (!nvl_wait_relaxed<kShrink>(consumed, make_flag(generation, k - nvl.ring), c, my_node * G + j,
+                                         DEEPEP_WAIT_OP_NVL_CONSUMED, ch)) {
+            if (kShrink) {  // j is gone now: this row and its later ones are not sent to it
+              if (lane == 0) count_dropped(c, DEEPEP_DROPPED_DISPATCH_SEND, 1);
+              continue;
+            }
             ok = false;
             break;
           }
@@ -281,6 +331,17 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
     group.sync();
     if (ok && group.leader(lane)) tr.add(src, head_counter(c, ch, my_node), uint64_t(n));
   }
+  if constexpr (kShrink) {
+    // The source went silent: its rows of this channel for this GPU that did not come are left
+    // empty (lane my_gpu's seq_base: those that came), by the group's first warp.
+    if (!ok && group.member == 0) {
+      const int64_t came = __shfl_sync(0xffffffffu, seq_base, my_gpu);
+      const int64_t stop = ch + 1 < C ? p.recv_gbl_channel_prefix_matrix[src * C + ch + 1] : p.recv_gbl_rank_prefix_sum[src];
+      for (int64_t r = own_row0 + came; r < min(stop, p.num_recv_rows); ++r) empty_recv_row(p, r, src, lane);
+      if (lane == 0) count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, max(stop - own_row0 - came, int64_t(0)));
+    }
+    if (!ok) return;  // the totals with a gone peer stay as they were
+  }
   if (group.leader(lane)) c.totals[recv_total(c, ch, src_node)] = received + count;
   // seq_base, lane j < G: the group's rows towards GPU j; other GPUs' took the NVLink leg.
   const int nvl_rows = __reduce_add_sync(0xffffffffu, lane < G && lane != my_gpu ? int(seq_base) : 0);
@@ -289,7 +350,7 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
 
 // Receiver group of local forwarder GPU `fwd` (not this GPU): the rows of sources (s, fwd) for
 // every node s, channel ch; member m takes slots m, m + warps, ...
-template <int kRemote>
+template <int kRemote, bool kShrink>
 __device__ __forceinline__ void dispatch_receive(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
                                               int fwd, const WarpGroup group, int lane, uint32_t generation) {
   const DeepepInternodeCommon& c = p.common;
@@ -307,18 +368,28 @@ __device__ __forceinline__ void dispatch_receive(const DeepepInternodeDispatchPa
   uint8_t* fwd_nvl = nvl_of(tr, fwd);
   for (int64_t k = group.member; k < count; k += group.warps) {
     const uint8_t* slot = my_nvl + nvl.slot_offset(ch, fwd, k % nvl.ring);
-    if (!warp_wait(reinterpret_cast<const uint64_t*>(slot), make_flag(generation, k), c.wait,
-                   (me / G) * G + fwd, DEEPEP_WAIT_OP_NVL_SLOT, ch))
+    if (!nvl_wait<kShrink>(reinterpret_cast<const uint64_t*>(slot), make_flag(generation, k), c,
+                           (me / G) * G + fwd, DEEPEP_WAIT_OP_NVL_SLOT, ch)) {
+      // Shrink mode: the forwarder went silent; its rows not taken are counted, not emptied
+      // (which rows they are is in the slots that never came).
+      if (kShrink && lane == 0) count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, (count - k + group.warps - 1 - group.member) / group.warps);
       return;
+    }
     const int src = reinterpret_cast<const int32_t*>(slot)[2], seq = reinterpret_cast<const int32_t*>(slot)[3];
-    const int64_t out = unsigned(src) < unsigned(R) ? int64_t(p.recv_gbl_channel_prefix_matrix[src * C + ch]) + seq : -1;
+    int64_t out = unsigned(src) < unsigned(R) ? int64_t(p.recv_gbl_channel_prefix_matrix[src * C + ch]) + seq : -1;
+    if (kShrink && out >= 0) {
+      // Masks are per rank: a row of a source absent here (at notify) may still come; its range
+      // here is empty, so it is dropped, never written over another source's rows.
+      const int64_t stop = ch + 1 < C ? p.recv_gbl_channel_prefix_matrix[src * C + ch + 1] : p.recv_gbl_rank_prefix_sum[src];
+      if (out >= stop) out = -1;
+    }
     if (uint64_t(out) < uint64_t(p.num_recv_rows)) write_recv_row(p, out, slot + kNvlHeaderBytes, src, lane);
     normal::warp_release_slot(reinterpret_cast<uint64_t*>(fwd_nvl + nvl.consumed_offset(C, ch, my_gpu, k % nvl.ring)),
                               make_flag(generation, k), lane);
   }
 }
 
-template <int kRemote>
+template <int kRemote, bool kShrink>
 __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(
     const __grid_constant__ ncclDevComm dev_comm, const __grid_constant__ DeepepInternodeDispatchParams p) {
   const DeepepInternodeCommon& c = p.common;
@@ -332,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(
     if (int(blockIdx.x) < C) {
       const WarpGroup group(warp, N);
       if (group.role < group.groups)
-        for (int node = group.role; node < N; node += group.groups) dispatch_send<kRemote>(p, dev_comm, blockIdx.x, node, group, lane);
+        for (int node = group.role; node < N; node += group.groups) dispatch_send<kRemote, kShrink>(p, dev_comm, blockIdx.x, node, group, lane);
     } else {
       // Roles: F forwarders (all source nodes when the block has the warps, else each in turn),
       // then a receiver per other local GPU. With G == 1 this rank's own node has no ring
@@ -342,11 +413,11 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(
       const WarpGroup group(warp, F + G - 1);
       if (group.role < F) {
         for (int i = group.role; i < nodes; i += F)
-          dispatch_forward<kRemote>(p, dev_comm, blockIdx.x - C, own && i >= my_node ? i + 1 : i, group, lane, nvl_alloc,
-                                    generation);
+          dispatch_forward<kRemote, kShrink>(p, dev_comm, blockIdx.x - C, own && i >= my_node ? i + 1 : i, group, lane, nvl_alloc,
+                                              generation);
       } else if (group.role < F + G - 1) {
         const int r = group.role - F;
-        dispatch_receive<kRemote>(p, dev_comm, blockIdx.x - C, r < my_gpu ? r : r + 1, group, lane, generation);
+        dispatch_receive<kRemote, kShrink>(p, dev_comm, blockIdx.x - C, r < my_gpu ? r : r + 1, group, lane, generation);
       }
     }
   }
@@ -369,7 +440,7 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(
     normal::poison_output(p.recv_topk_idx, n * k * (p.topk_idx_is_int32 ? 4 : 8));
     normal::poison_output(p.recv_topk_weights, n * k * 4);
   }
-  finish_op(c);
+  finish_op<kShrink>(c);
 }
 
 }  // namespace internode
@@ -381,10 +452,14 @@ extern "C" int deepep_launch_internode_dispatch(const void* dev_comm, const Deep
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
   const auto s = static_cast<cudaStream_t>(stream);
   const int blocks = 2 * params->common.num_channels;
+  const bool shrink = params->common.shrink != 0;
   if (remote_kind == DEEPEP_LL_REMOTE_EMULATED)
-    return deepep::launch_kernel(internode_dispatch_kernel<deepep::ll::kRemoteEmulated>, blocks, kThreads, 0, s, dc,
-                                 *params);
+    return deepep::launch_kernel(shrink ? internode_dispatch_kernel<deepep::ll::kRemoteEmulated, true>
+                                        : internode_dispatch_kernel<deepep::ll::kRemoteEmulated, false>,
+                                 blocks, kThreads, 0, s, dc, *params);
   if (remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN)
-    return deepep::launch_kernel(internode_dispatch_kernel<deepep::ll::kRemoteGin>, blocks, kThreads, 0, s, dc, *params);
+    return deepep::launch_kernel(shrink ? internode_dispatch_kernel<deepep::ll::kRemoteGin, true>
+                                        : internode_dispatch_kernel<deepep::ll::kRemoteGin, false>,
+                                 blocks, kThreads, 0, s, dc, *params);
   return int(cudaErrorInvalidValue);
 }

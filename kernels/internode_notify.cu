@@ -7,6 +7,12 @@
 // The round is an all-to-all, so after it every rank has finished its previous data kernel:
 // the data kernel that follows may start its rings empty. Slots are double-buffered by the
 // round's parity (a rank can be one round ahead of another, never two: each round waits for all).
+//
+// Shrink mode (docs/internode.md, "Shrink"): masked ranks get no slot and are not waited for; a
+// rank whose slot does not come within the timeout, or does not carry this round's tag, is
+// absent, and so is every source whose forwarder on this node is absent (its rows would come
+// through it): an absent source's slot reads as zeros (its rows absent from every count). The
+// absent are masked before the receive side is derived (one block: the kernel's own reads).
 #include <climits>
 
 #include "internode_common.cuh"
@@ -48,7 +54,13 @@ __device__ __forceinline__ void rewrite_segment(DeepepFaultRecord* fault, int en
   }
 }
 
-template <int kRemote>
+// Shrink mode: the last int of a notify slot is its sender's tag, flag_generation(round); what a
+// sender leaves there for a peer silent in its round is never a tag (bit 30 clear), so the peer,
+// reaching that round late (it skipped it), finds the sender absent instead of stale counts.
+constexpr int kNotifyTag = DEEPEP_INTERNODE_NOTIFY_SLOT_INTS - 1;
+constexpr int32_t kNotifyNoTag = 0;
+
+template <int kRemote, bool kShrink>
 __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDevComm dev_comm,
                                                                         DeepepInternodeNotifyParams p) {
   const DeepepInternodeCommon& c = p.common;
@@ -64,6 +76,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   if (threadIdx.x == 0) failed = 0;
   const uint64_t round = c.totals[notify_rounds(c)];
   const int parity = int(round & 1);
+  const int32_t tag = int32_t(flag_generation(uint32_t(round)));
 
   // 1. The sender's prefix matrices (inclusive over channels). Item i < R * C is rank i / C's
   // channel i % C, the others node (i - R * C) / C's.
@@ -139,6 +152,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
 
   // 2. One slot to every rank (a warp per destination), then its notify counter.
   for (int dst = warp; dst < R; dst += num_warps) {
+    if (masked<kShrink>(c, dst)) continue;
     const uint64_t recv_off = c.rdma_offset + rdma.notify_recv(parity, me);
     const uint64_t send_off = c.rdma_offset + rdma.notify_send(parity, dst);
     int32_t* slot = reinterpret_cast<int32_t*>(tr.row_target(dst, recv_off, send_off));
@@ -151,7 +165,10 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
       else v = p.num_tokens_per_expert[dst * local_experts + (i - 2 * C)];
       slot[i] = v;
     }
-    if (ints > 0) {
+    if (kShrink && lane == 0) slot[kNotifyTag] = tag;
+    if (kShrink) {
+      tr.put_add(dst, recv_off, send_off, kNotifySlotBytes, notify_counter(c, me), lane);
+    } else if (ints > 0) {
       tr.put_add(dst, recv_off, send_off, align16(int64_t(ints) * 4), notify_counter(c, me), lane);
     } else {
       __syncwarp();
@@ -161,11 +178,46 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
 
   // 3. Every rank's slot of this round.
   for (int src = threadIdx.x; src < R; src += blockDim.x) {
-    if (!tr.wait_counter(src, notify_counter(c, src), round + 1, DEEPEP_WAIT_OP_INTERNODE_NOTIFY, src, true)) failed = 1;
+    if constexpr (kShrink) {
+      uint64_t seen = 0;  // an expiry marks src gone (1)
+      if (!masked<kShrink>(c, src)) tr.wait_or_gone(src, notify_counter(c, src), round + 1, seen, true);
+    } else if (!tr.wait_counter(src, notify_counter(c, src), round + 1, DEEPEP_WAIT_OP_INTERNODE_NOTIFY, src, true)) {
+      failed = 1;
+    }
   }
   __syncthreads();
   if (failed) return;
   if (threadIdx.x == 0) c.totals[notify_rounds(c)] = round + 1;
+  if constexpr (kShrink) {
+    // The same thread per source as the wait: a silent one gets our tag taken back (a peer that
+    // skipped this round reaches it at its next one, where our counter add and our tag would
+    // look current: it must find us absent, docs/internode.md); a present one without this
+    // round's tag (out of step, or it masks us) is absent (2). Then the absent are masked.
+    const int32_t* tags = reinterpret_cast<const int32_t*>(tr.local(c.rdma_offset + rdma.notify_recv(parity, 0)));
+    for (int src = threadIdx.x; src < R; src += blockDim.x) {
+      if (masked<kShrink>(c, src)) continue;
+      if (c.peer_gone[src] == 1) {
+        const uint64_t tag_off = kNotifySlotBytes - 16;  // the slot's last 16 bytes hold the tag
+        const uint64_t recv_off = c.rdma_offset + rdma.notify_recv(parity, me) + tag_off;
+        const uint64_t send_off = c.rdma_offset + rdma.notify_send(parity, src) + tag_off;
+        volatile int32_t* t = reinterpret_cast<volatile int32_t*>(tr.row_target(src, recv_off, send_off));
+        t[3] = kNotifyNoTag;
+        __threadfence_system();
+        tr.put_plain(src, recv_off, send_off, 16);
+      } else if (src != me && tags[src * DEEPEP_INTERNODE_NOTIFY_SLOT_INTS + kNotifyTag] != tag) {
+        c.peer_gone[src] = 2;
+      }
+    }
+    __syncthreads();
+    for (int src = threadIdx.x; src < R; src += blockDim.x) {
+      if (c.peer_gone[src] != 0) {
+        c.mask[src] = 1;
+        c.peer_gone[src] = 0;
+      }
+    }
+    __threadfence();
+    __syncthreads();
+  }
 
   if (!with_data) {
     // Combine: DeepEP's rewrite of the heads it reads (segments: source channels; (node, channel)
@@ -208,8 +260,22 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   }
 
   // 4. The receive side.
-  const int32_t* slots = reinterpret_cast<const int32_t*>(tr.local(c.rdma_offset + rdma.notify_recv(parity, 0)));
+  const int32_t* raw_slots = reinterpret_cast<const int32_t*>(tr.local(c.rdma_offset + rdma.notify_recv(parity, 0)));
   const int stride = DEEPEP_INTERNODE_NOTIFY_SLOT_INTS;
+  // Shrink mode: a source's rows are absent when it, or its forwarder on this node, is masked
+  // (the absent were masked above): its slot reads as zeros.
+  const auto absent = [&](int src) {
+    return masked<kShrink>(c, src) || masked<kShrink>(c, (me / G) * G + src % G);
+  };
+  const auto slot_at = [&](int i) -> int32_t {
+    if (kShrink && absent(i / stride)) return 0;
+    return raw_slots[i];
+  };
+  struct Slots {
+    decltype(slot_at)& at;
+    __device__ int32_t operator[](int i) const { return at(i); }
+  };
+  const Slots slots{slot_at};
   // The rank prefix sums go to their output and are read back from it after the barrier (no
   // per-rank shared array: any R).
   int32_t* rank_prefix = p.recv_gbl_rank_prefix_sum;
@@ -279,10 +345,14 @@ extern "C" int deepep_launch_internode_notify(const void* dev_comm, const Deepep
   using namespace deepep::internode;
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
   const auto s = static_cast<cudaStream_t>(stream);
+  const bool shrink = params->common.shrink != 0;
   if (remote_kind == DEEPEP_LL_REMOTE_EMULATED)
-    return deepep::launch_kernel(internode_notify_kernel<deepep::ll::kRemoteEmulated>, 1, kNotifyThreads, 0, s, dc,
-                                 *params);
+    return deepep::launch_kernel(shrink ? internode_notify_kernel<deepep::ll::kRemoteEmulated, true>
+                                        : internode_notify_kernel<deepep::ll::kRemoteEmulated, false>,
+                                 1, kNotifyThreads, 0, s, dc, *params);
   if (remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN)
-    return deepep::launch_kernel(internode_notify_kernel<deepep::ll::kRemoteGin>, 1, kNotifyThreads, 0, s, dc, *params);
+    return deepep::launch_kernel(shrink ? internode_notify_kernel<deepep::ll::kRemoteGin, true>
+                                        : internode_notify_kernel<deepep::ll::kRemoteGin, false>,
+                                 1, kNotifyThreads, 0, s, dc, *params);
   return int(cudaErrorInvalidValue);
 }

@@ -52,6 +52,10 @@ const WS_LL: usize = WORKSPACE_BYTES - (128 << 10);
 /// End of the layout accumulators (the internode running totals have an allocation of their
 /// own, sized by the buffer's nodes: [`Resources::internode_totals`]).
 const WS_LAYOUT_END: usize = WS_LL - (64 << 10);
+/// Shrink mode, internode kernels: peer_gone [LL_MAX_RANKS] i32 (the mask's ranks; the internode
+/// kernels share the normal kernels' dropped counters).
+const WS_INTERNODE_PEER_GONE: usize = WS_LAYOUT_END;
+const _: () = assert!(WS_INTERNODE_PEER_GONE + 4 * LL_RANKS <= WS_LL);
 /// Largest rank count the LL workspace arrays hold.
 pub(crate) const LL_MAX_RANKS: i32 = 1024;
 /// Bytes of an LL workspace array of `per` bytes per (op kind, half, `n`).
@@ -249,6 +253,7 @@ impl Resources {
         num_channels: i32,
         rdma_ring_tokens: i32,
         nvl_ring_tokens: i32,
+        shrink: bool,
     ) -> kernels::InternodeCommon {
         kernels::InternodeCommon {
             window: self.window.handle().cast(),
@@ -263,6 +268,9 @@ impl Resources {
             totals: self.internode_totals.ptr().cast(),
             traffic: self.internode_traffic(),
             fault: self.fault.device_ptr(),
+            mask: self.ll_workspace().mask,
+            peer_gone: self.workspace_at(WS_INTERNODE_PEER_GONE).cast(),
+            dropped: self.normal_dropped(),
             wait,
             rank: layout.rank,
             num_ranks: layout.num_ranks,
@@ -273,7 +281,7 @@ impl Resources {
             nvl_ring_tokens,
             gin_signal_base: kernels::LL_GIN_SIGNALS_PER_RANK * layout.num_ranks,
             counter_channels: kernels::internode_counter_channels(self.num_sms),
-            reserved: 0,
+            shrink: shrink as i32,
         }
     }
     /// The stream an op launches on: the caller's, or the comm stream for NULL.

@@ -6,7 +6,7 @@ pub mod dispatch;
 
 use std::os::raw::c_void;
 
-use crate::buffer::{Buffer, BufferArgs, Resources};
+use crate::buffer::{Buffer, BufferArgs, Resources, LL_MAX_RANKS};
 use crate::config::{DeepepConfig, RankLayout};
 use crate::cuda;
 use crate::ensure_arg;
@@ -33,6 +33,7 @@ impl InternodePlan {
             self.num_channels,
             self.rdma_ring_tokens,
             self.nvl_ring_tokens,
+            buffer.args.enable_shrink,
         )
     }
 }
@@ -50,10 +51,12 @@ pub fn check_topology(layout: &RankLayout, args: &BufferArgs) -> Result<()> {
          intranode dispatch/combine, or DEEPEP_VIRTUAL_NODE_SIZE to split it into virtual nodes)",
         layout.num_ranks
     );
+    // Shrink mode's mask is the LL workspace's, one int per rank.
     ensure_arg!(
-        !args.enable_shrink,
-        "internode dispatch/combine have no shrink mode yet (a silent rank is a stall error, not masked); create \
-         the buffer with enable_shrink=False"
+        !args.enable_shrink || layout.num_ranks <= LL_MAX_RANKS,
+        "internode dispatch/combine with enable_shrink=True support up to {LL_MAX_RANKS} ranks (the mask's), the \
+         buffer has {}",
+        layout.num_ranks
     );
     let (nodes, node_size) = (layout.num_ranks / layout.node_size, layout.node_size);
     ensure_arg!(
@@ -202,8 +205,13 @@ mod tests {
         check_topology(&two, &normal).unwrap();
         // One buffer serves internode and low-latency ops (clean_low_latency_buffer between, as DeepEP).
         check_topology(&two, &BufferArgs { low_latency_mode: true, ..normal }).unwrap();
+        // Shrink mode: up to the mask's ranks (the LL workspace's), named with the buffer's.
         let shrink = BufferArgs { enable_shrink: true, ..normal };
-        assert!(check_topology(&two, &shrink).unwrap_err().message.contains("enable_shrink=False"));
+        check_topology(&two, &shrink).unwrap();
+        check_topology(&RankLayout { rank: 0, num_ranks: LL_MAX_RANKS, node_size: 8 }, &shrink).unwrap();
+        let past = RankLayout { rank: 0, num_ranks: LL_MAX_RANKS + 8, node_size: 8 };
+        let err = check_topology(&past, &shrink).unwrap_err().message;
+        assert!(err.contains("enable_shrink=True") && err.contains(&format!("{}", LL_MAX_RANKS + 8)), "{err}");
         // Past the old cap of 16 nodes (and DeepEP's 20): any node count up to the shared-memory bound.
         for (n, g) in [(17, 2), (32, 1), (24, 2), (20, 3), (64, 8), (4096, 8), (4096, 1)] {
             check_topology(&RankLayout { rank: 0, num_ranks: n * g, node_size: g }, &normal)

@@ -8,7 +8,7 @@ pub const DEEPEP_MAX_CHANNELS: i32 = 128;
 pub const DEEPEP_NOTIFY_SLOT_INTS: i32 = 1161;
 pub const DEEPEP_INTERNODE_MAX_NODES: i32 = 4096;
 pub const DEEPEP_INTERNODE_MAX_NODE_SIZE: i32 = 8;
-pub const DEEPEP_INTERNODE_NOTIFY_SLOT_INTS: i32 = 1280;
+pub const DEEPEP_INTERNODE_NOTIFY_SLOT_INTS: i32 = 1284;
 pub const DEEPEP_INTERNODE_ROW_HEADER_BYTES: i32 = 16;
 pub const DEEPEP_INTERNODE_NVL_HEADER_BYTES: i32 = 16;
 pub const DEEPEP_LL_MAX_TOPK: i32 = 16;
@@ -650,6 +650,9 @@ pub struct DeepepInternodeCommon {
     pub totals: *mut u64,
     pub traffic: *mut u64,
     pub fault: *mut DeepepFaultRecord,
+    pub mask: *mut i32,
+    pub peer_gone: *mut i32,
+    pub dropped: *mut u64,
     pub wait: DeepepWaitContext,
     pub rank: i32,
     pub num_ranks: i32,
@@ -660,13 +663,13 @@ pub struct DeepepInternodeCommon {
     pub nvl_ring_tokens: i32,
     pub gin_signal_base: i32,
     pub counter_channels: i32,
-    pub reserved: i32,
+    pub shrink: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     [
         "Size of DeepepInternodeCommon",
-    ][::std::mem::size_of::<DeepepInternodeCommon>() - 168usize];
+    ][::std::mem::size_of::<DeepepInternodeCommon>() - 192usize];
     [
         "Alignment of DeepepInternodeCommon",
     ][::std::mem::align_of::<DeepepInternodeCommon>() - 8usize];
@@ -707,38 +710,47 @@ const _: () = {
         "Offset of field: DeepepInternodeCommon::fault",
     ][::std::mem::offset_of!(DeepepInternodeCommon, fault) - 88usize];
     [
+        "Offset of field: DeepepInternodeCommon::mask",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, mask) - 96usize];
+    [
+        "Offset of field: DeepepInternodeCommon::peer_gone",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, peer_gone) - 104usize];
+    [
+        "Offset of field: DeepepInternodeCommon::dropped",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, dropped) - 112usize];
+    [
         "Offset of field: DeepepInternodeCommon::wait",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, wait) - 96usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, wait) - 120usize];
     [
         "Offset of field: DeepepInternodeCommon::rank",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 128usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 152usize];
     [
         "Offset of field: DeepepInternodeCommon::num_ranks",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 132usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 156usize];
     [
         "Offset of field: DeepepInternodeCommon::node_size",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 136usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 160usize];
     [
         "Offset of field: DeepepInternodeCommon::num_nodes",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 140usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 164usize];
     [
         "Offset of field: DeepepInternodeCommon::num_channels",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 144usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 168usize];
     [
         "Offset of field: DeepepInternodeCommon::rdma_ring_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 148usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 172usize];
     [
         "Offset of field: DeepepInternodeCommon::nvl_ring_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 152usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 176usize];
     [
         "Offset of field: DeepepInternodeCommon::gin_signal_base",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 156usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 180usize];
     [
         "Offset of field: DeepepInternodeCommon::counter_channels",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, counter_channels) - 160usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, counter_channels) - 184usize];
     [
-        "Offset of field: DeepepInternodeCommon::reserved",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, reserved) - 164usize];
+        "Offset of field: DeepepInternodeCommon::shrink",
+    ][::std::mem::offset_of!(DeepepInternodeCommon, shrink) - 188usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -772,7 +784,7 @@ pub struct DeepepInternodeNotifyParams {
 const _: () = {
     [
         "Size of DeepepInternodeNotifyParams",
-    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 328usize];
+    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 352usize];
     [
         "Alignment of DeepepInternodeNotifyParams",
     ][::std::mem::align_of::<DeepepInternodeNotifyParams>() - 8usize];
@@ -781,84 +793,84 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::is_token_in_rank",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 168usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 192usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rank",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rank)
-        - 176usize];
+        - 200usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rdma_rank",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rdma_rank)
-        - 184usize];
+        - 208usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_expert",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_expert)
-        - 192usize];
+        - 216usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 200usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 224usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, rdma_channel_prefix_matrix)
-        - 208usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, gbl_channel_prefix_matrix)
-        - 216usize];
+        - 240usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeNotifyParams, recv_rdma_channel_prefix_matrix
-    ) - 224usize];
+    ) - 248usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_rdma_rank_prefix_sum)
-        - 232usize];
+        - 256usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_channel_prefix_matrix)
-        - 240usize];
+        - 264usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_gbl_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_rank_prefix_sum)
-        - 248usize];
+        - 272usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_rdma_head)
-        - 256usize];
+        - 280usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::combined_nvl_head",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 288usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::counts",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 296usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 280usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 304usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_rdma_rows",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 288usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 312usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 296usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 320usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 300usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 324usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_experts",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 304usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 328usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::expert_alignment",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 308usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 332usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::cached",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 312usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 336usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_worst_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 316usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 340usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::dispatch",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 320usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 344usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -896,7 +908,7 @@ pub struct DeepepInternodeDispatchParams {
 const _: () = {
     [
         "Size of DeepepInternodeDispatchParams",
-    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 360usize];
+    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 384usize];
     [
         "Alignment of DeepepInternodeDispatchParams",
     ][::std::mem::align_of::<DeepepInternodeDispatchParams>() - 8usize];
@@ -905,97 +917,97 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::x",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 168usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 192usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::x_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 176usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 200usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 184usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 208usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 192usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 216usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::is_token_in_rank",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, is_token_in_rank)
-        - 200usize];
+        - 224usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeDispatchParams, recv_rdma_channel_prefix_matrix
-    ) - 208usize];
+    ) - 232usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_rdma_rank_prefix_sum)
-        - 216usize];
+        - 240usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeDispatchParams, recv_gbl_channel_prefix_matrix
-    ) - 224usize];
+    ) - 248usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_gbl_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_gbl_rank_prefix_sum)
-        - 232usize];
+        - 256usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_x",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 264usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_x_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 272usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 256usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 280usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_weights)
-        - 264usize];
+        - 288usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_src_meta",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 296usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::send_rdma_head",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 280usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 304usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::send_nvl_head",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 288usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 312usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 296usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 320usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 304usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 328usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_rdma_recv_rows)
-        - 312usize];
+        - 336usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::scale_stride_token",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_token)
-        - 320usize];
+        - 344usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::scale_stride_scale",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_scale)
-        - 328usize];
+        - 352usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 336usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 360usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 340usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 364usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 344usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 368usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_idx_is_int32",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx_is_int32)
-        - 348usize];
+        - 372usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_experts",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 352usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 376usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 356usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 380usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -1025,7 +1037,7 @@ pub struct DeepepInternodeCombineParams {
 const _: () = {
     [
         "Size of DeepepInternodeCombineParams",
-    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 304usize];
+    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 328usize];
     [
         "Alignment of DeepepInternodeCombineParams",
     ][::std::mem::align_of::<DeepepInternodeCombineParams>() - 8usize];
@@ -1034,68 +1046,68 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeCombineParams::x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 168usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 192usize];
     [
         "Offset of field: DeepepInternodeCombineParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 176usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 200usize];
     [
         "Offset of field: DeepepInternodeCombineParams::bias_0",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 184usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 208usize];
     [
         "Offset of field: DeepepInternodeCombineParams::bias_1",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 192usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 216usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_channel_prefix_matrix)
-        - 200usize];
+        - 224usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_rank_prefix_sum)
-        - 208usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeCombineParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, gbl_channel_prefix_matrix)
-        - 216usize];
+        - 240usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_rdma_head)
-        - 224usize];
+        - 248usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_nvl_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_nvl_head)
-        - 232usize];
+        - 256usize];
     [
         "Offset of field: DeepepInternodeCombineParams::src_meta",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, src_meta) - 240usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, src_meta) - 264usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 248usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 272usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_topk_weights)
-        - 256usize];
+        - 280usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 288usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 296usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_rdma_recv_rows)
-        - 280usize];
+        - 304usize];
     [
         "Offset of field: DeepepInternodeCombineParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 288usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 312usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 292usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 316usize];
     [
         "Offset of field: DeepepInternodeCombineParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 296usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 320usize];
     [
         "Offset of field: DeepepInternodeCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 300usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 324usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
