@@ -11,7 +11,7 @@
 #   SUITE_STEPS       space-separated step names to run, in the suite's order
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
 #                     steps: smoke_normal test_normal test_normal_ctypes test_normal_protocol
-#                     test_normal_shrink example_normal bench_normal test_internode test_internode_protocol
+#                     test_normal_shrink test_internode_shrink example_normal bench_normal test_internode test_internode_protocol
 #                     bench_internode test_internode_virtual
 #                     smoke_low_latency test_fast_build test_low_latency test_ll_ctypes
 #                     example_ll bench_ll test_ll_virtual test_ll_generations test_ll_generations_2gpu
@@ -40,7 +40,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_normal_protocol test_normal_shrink example_normal bench_normal test_internode
+ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_normal_protocol test_normal_shrink test_internode_shrink example_normal bench_normal test_internode
            test_internode_protocol bench_internode test_internode_virtual
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
            test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host
@@ -134,6 +134,7 @@ step test_normal_ctypes 600 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_norm
 step test_normal_protocol 300 "$PYTHON" tests/gpu/test_normal_protocol.py
 # Shrink in normal mode: a silent rank masked, its traffic dropped and counted, recovery (2 GPUs).
 step test_normal_shrink 300 "$PYTHON" tests/gpu/test_normal_shrink.py
+step test_internode_shrink 300 "$PYTHON" tests/gpu/test_internode_shrink.py
 example example_normal "$EXAMPLE_NORMAL"
 step bench_normal 420 "$PYTHON" bench/bench_normal.py ${BENCH_NORMAL_ARGS:-} --json "$LOG_DIR/bench_normal.json"
 # Internode normal mode on 2 GPUs as 2 virtual nodes of 1 (the scale-out leg emulated over NVLink).
