@@ -10,10 +10,11 @@ its rows absent; dispatch: its rows present but empty: x 0, top-k -1, weight 0),
 sum over the survivors, mask exactly {1}, dropped counters exact. Then a later round skips rank 1
 at once, and a new buffer (internode recovery always needs one: the scale-out running totals of a
 masked pair are out of step) is exact again. Handle entries are not checked here (test_internode.py
-checks them without shrink). Not yet GPU-run."""
+checks them without shrink)."""
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ def query(buf):
 def inputs(rank, seed):
     g = torch.Generator(device='cpu').manual_seed(seed * 10 + rank)
     x = torch.randn(TOKENS, HIDDEN, generator=g, device='cpu').to(torch.bfloat16).cuda()
-    topk = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(TOKENS)])
+    topk = torch.stack([torch.randperm(E, generator=g, device="cpu")[:TOPK] for _ in range(TOKENS)])
     weights = torch.rand(TOKENS, TOPK, generator=g, device='cpu').float().cuda()
     return x, topk.long().cuda(), weights
 
@@ -96,6 +97,7 @@ def rows_of(src_x, src_topk, src_w, me):
 def silent_round(ctx, chk, buf, phase, seed, cycles):
     me = ctx.rank
     x, topk, w = inputs(me, seed)
+    ctx.rep.info(f'{phase}: silent round starts')
     if me == SILENT:
         if phase == 'dispatch':
             out = late_dispatch(buf, x, topk, w, cycles)
@@ -113,6 +115,7 @@ def silent_round(ctx, chk, buf, phase, seed, cycles):
     start = time.monotonic()
     out, _ = dispatch(buf, x, topk, w)
     torch.cuda.synchronize()
+    ctx.rep.info(f'{phase}: dispatch done in {time.monotonic() - start:.1f} s')
     chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{phase}: dispatch too slow')
     if phase == 'notify':
         want = own[:3]
@@ -133,6 +136,7 @@ def silent_round(ctx, chk, buf, phase, seed, cycles):
     start = time.monotonic()
     got_x, got_w, _ = buf.combine(out[0], out[4], topk_weights=out[2])
     torch.cuda.synchronize()
+    ctx.rep.info(f'{phase}: combine done in {time.monotonic() - start:.1f} s')
     chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{phase}: combine too slow')
     # Survivors only: rank 0's own rows back at their tokens (G = 1: one row per token and node).
     ref_x = torch.zeros_like(x)
@@ -166,11 +170,26 @@ def later_round(ctx, chk, buf, phase, seed):
     chk.expect(after[NOT_SENT] - before[NOT_SENT] == not_sent, f'{phase}: later round not-sent {before} -> {after}')
 
 
-def phase_run(ctx, phase):
-    chk = Checks()
+@contextmanager
+def shrink_buffer(ctx, phase):
+    """A new shrink buffer, destroyed collectively on exit; an exception is printed before that
+    cleanup, which can fail too when the ranks are out of step."""
     buf = new_buffer(ctx.group)
     try:
-        seed = PHASES.index(phase)
+        yield buf
+    except Exception as e:
+        ctx.rep.info(f'{phase}: {type(e).__name__}: {e}')
+        raise
+    finally:
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        buf.destroy()
+
+
+def phase_run(ctx, phase):
+    chk = Checks()
+    seed = PHASES.index(phase)
+    with shrink_buffer(ctx, phase) as buf:
         buf.runtime.set_gpu_timeout_ms(TIMEOUT_MS)
         cycles = sleep_cycles(SLEEP_MS)
         torch.cuda.synchronize()
@@ -179,21 +198,16 @@ def phase_run(ctx, phase):
             silent_round(ctx, chk, buf, phase, seed, cycles)
             torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
+        ctx.rep.info(f'{phase}: later round')
         with watchdog(ctx.rep, f'internode_shrink_{phase}', 30):
             later_round(ctx, chk, buf, phase, seed + 10)
-        torch.cuda.synchronize()
-        dist.barrier(group=ctx.group)
-        buf.destroy()
-        buf = new_buffer(ctx.group)
+    ctx.rep.info(f'{phase}: recovery on a new buffer')
+    with shrink_buffer(ctx, phase) as buf:
         x, topk, w = inputs(ctx.rank, seed + 20)
         out, _ = dispatch(buf, x, topk, w)
         torch.cuda.synchronize()
         chk.expect(query(buf) == ([0, 0], [0, 0, 0, 0]), f'{phase}: after recovery')
         chk.expect(out[0].size(0) > 0, f'{phase}: after recovery, no rows')
-    finally:
-        torch.cuda.synchronize()
-        dist.barrier(group=ctx.group)
-        buf.destroy()
     chk.done()
 
 
