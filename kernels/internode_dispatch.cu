@@ -278,7 +278,15 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
       const uint32_t b = __ballot_sync(0xffffffffu, (lane_mask >> j) & 1u);
       if (lane == j) towards = b;
     }
-    for (int b = group.member; ok && b < n; b += group.warps) {
+    // Shrink mode: a warp whose source went silent still walks its rows, to mark them in
+    // send_nvl_head as sent to no GPU (-1): combine's notify checks and rewrites every entry.
+    for (int b = group.member; (kShrink || ok) && b < n; b += group.warps) {
+      if (kShrink && !ok) {
+        const int64_t gone_row = rdma_row0 + i0 + b;
+        if (p.send_nvl_head != nullptr && lane < G && uint64_t(gone_row) < uint64_t(p.num_rdma_recv_rows))
+          p.send_nvl_head[gone_row * G + lane] = -1;
+        continue;
+      }
       const uint8_t* in = tr.local(c.rdma_offset + rdma.recv_slot(ch, src_node, i0 + b));
       const uint32_t mask = __shfl_sync(0xffffffffu, lane_mask, b);
       const int64_t seq = seq_base + __popc(towards & ((1u << b) - 1u));  // lane j: towards GPU j
