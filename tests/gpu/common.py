@@ -5,6 +5,7 @@ Workers append one JSON line per case event to a per-rank file; the driver reads
 those files after the workers exit, so results survive a worker that crashes or
 hangs (the case it was in is reported as not finished)."""
 import contextlib
+import gc
 import json
 import os
 import re
@@ -235,10 +236,27 @@ def make_buffer(group, **kwargs):
         buf.destroy()
 
 
-def free_device_memory():
+def device_memory():
+    """(free device bytes, torch-allocated bytes) after gc and with torch's cache emptied."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info()[0]
+    return torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
+
+
+def settled_device_memory(max_wait_s=5.0):
+    """device_memory() once it stops changing: Buffer.destroy() returns before NCCL's own
+    teardown of the buffer's communicator ends (a background thread, about 0.5 s), so a sample
+    right after a destroy would count memory that is on its way back. A leak stays."""
+    deadline = time.monotonic() + max_wait_s
+    last = device_memory()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = device_memory()
+        if abs(now[0] - last[0]) < 2**20 and now[1] == last[1]:
+            return now
+        last = now
+    return last
 
 
 # ---------------------------------------------------------------- multi-rank checks

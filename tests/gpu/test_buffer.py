@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import (assert_layout, expect_raises, finish, free_device_memory, make_buffer, random_topk,
+from common import (assert_layout, expect_raises, finish, settled_device_memory, make_buffer, random_topk,
                     skip, spawn)
 
 E, K = 256, 8
@@ -142,10 +142,10 @@ def implicit_destroy(rank, world, group, rep):
     nvl = 256 * MiB
     buf = deep_ep.Buffer(group, num_nvl_bytes=nvl, explicitly_destroy=False)
     check_layout(buf, world)
-    held = free_device_memory()
+    held = settled_device_memory()[0]
     del buf
     gc.collect()
-    freed = free_device_memory() - held
+    freed = settled_device_memory()[0] - held
     rep.info(f'del + gc released {freed / MiB:.0f} MiB of device memory')
     assert freed >= nvl // 2, f'only {freed / MiB:.0f} MiB freed after del + gc of a {nvl // MiB} MiB buffer'
 
@@ -169,10 +169,11 @@ def create_destroy_loop(rank, world, group, rep):
 
     for _ in range(3):  # NCCL and torch set up lazily-created state on the first cycles
         cycle()
-    before, start = free_device_memory(), time.monotonic()
+    before, start = settled_device_memory()[0], time.monotonic()
     for _ in range(50):
         cycle()
-    after, seconds = free_device_memory(), time.monotonic() - start
+    seconds = time.monotonic() - start
+    after = settled_device_memory()[0]
     rep.info(f'free device memory after 3 warm-up cycles {before / MiB:.0f} MiB, after 50 more {after / MiB:.0f} MiB '
              f'({seconds / 50 * 1e3:.0f} ms per create/destroy)')
     assert before - after < 64 * MiB, f'{(before - after) / MiB:.0f} MiB lost over 50 create/destroy cycles'

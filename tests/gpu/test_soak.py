@@ -35,7 +35,6 @@ Both parts fit short runs: `--cycles 100 --minutes 1`; 0 skips a part. A failed 
 the seed and iteration; `--seed S --first-iteration I --iterations 1 --cycles 0` reruns it.
 A hang fails the case within `--iteration-timeout` seconds (common.watchdog)."""
 import argparse
-import gc
 import random
 import sys
 import time
@@ -45,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import Checks, assert_layout, assert_same, finish, make_buffer, ref_layout, spawn, watchdog
+from common import (Checks, assert_layout, assert_same, device_memory, finish, make_buffer, ref_layout,
+                    settled_device_memory, spawn, watchdog)
 from ll_reference import (MODES, bf16_ulp_distance, expert_scales, fp8_quantize, per_token_cast_back,
                           received_rows, ref_ll_combine_local, ref_ll_dispatch, ue8m0_pack)
 from normal_reference import gather_rows, ref_combine, ref_dispatch
@@ -66,29 +66,6 @@ I32, F32, BF16 = torch.int32, torch.float32, torch.bfloat16
 
 
 # ---------------------------------------------------------------- memory
-def device_memory():
-    """(free device bytes, torch-allocated bytes) after gc and with torch's cache emptied."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
-
-
-def settled_device_memory(max_wait_s=5.0):
-    """device_memory() once it stops changing: Buffer.destroy() returns before NCCL's own
-    teardown of the buffer's communicator ends (a background thread, about 0.5 s), so a sample
-    right after a destroy would count memory that is on its way back. A leak stays."""
-    deadline = time.monotonic() + max_wait_s
-    last = device_memory()
-    while time.monotonic() < deadline:
-        time.sleep(0.25)
-        now = device_memory()
-        if abs(now[0] - last[0]) < MiB and now[1] == last[1]:
-            return now
-        last = now
-    return last
-
-
 class Drift:
     """Largest loss of free device memory (and growth of torch-allocated bytes) since a baseline."""
 
