@@ -1,7 +1,7 @@
 //! C ABI: internode normal-mode dispatch and combine (a buffer across nodes: the LSA team smaller
 //! than the ranks, or DEEPEP_VIRTUAL_NODE_SIZE). The same call sequence as intranode
 //! (src/capi/normal.rs): dispatch is handle_outputs, prepare, outputs, dispatch on one stream;
-//! combine is one call. Draft: compiled and CPU-tested, not yet run on GPUs.
+//! combine is one call.
 use std::os::raw::{c_int, c_void};
 
 use super::buffer::buffer_ref;

@@ -1,6 +1,6 @@
 //! Internode normal mode (docs/internode.md): a buffer across (virtual) nodes. The checks both
 //! ops share (topology, config, the NVL and RDMA budgets), and the ops in [`dispatch`] and
-//! [`combine`]. Draft: compiled and CPU-tested, not yet run on GPUs.
+//! [`combine`].
 pub mod combine;
 pub mod dispatch;
 
