@@ -10,6 +10,7 @@ buffer's traffic counters) / time; each op's kernels by stage (notify, data kern
 0). Plot: bench/plot_internode.py.
 
 Run: python bench/bench_internode.py [--json PATH] [--sms 24 ...] [--tokens 4096] [--worlds 2 4 ...]
+     [--chunks NVL_SEND NVL_RECV RDMA_SEND RDMA_RECV]  (Config after num_sms; default 8 256 16 128)
 """
 import argparse
 import json
@@ -27,15 +28,20 @@ NUM_EXPERTS = 256
 NUM_TOPK = 8
 
 
-def config(num_sms):
-    return deep_ep.Config(num_sms, 8, 256, 16, 128)
+# Config's chunk fields after num_sms: NVL send, NVL receive, RDMA send, RDMA receive tokens
+# (--chunks; the intranode op uses the NVL ones).
+DEFAULT_CHUNKS = (8, 256, 16, 128)
 
 
-def make_buffers(group, world, max_sms):
+def config(num_sms, chunks):
+    return deep_ep.Config(num_sms, *chunks)
+
+
+def make_buffers(group, world, max_sms, chunks):
     """(intranode buffer, internode buffer over 2 virtual nodes), both sized by DeepEP's hints for
     the largest SM count measured."""
     nodes = 2
-    configs = (config(max_sms),)
+    configs = (config(max_sms, chunks),)
     nvl = max(c.get_nvl_buffer_size_hint(HIDDEN * 2, world) for c in configs)
     rdma = max(c.get_rdma_buffer_size_hint(HIDDEN * 2, nodes * 8) for c in configs)  # nodes of 8 in the hint
     intra = deep_ep.Buffer(group, num_nvl_bytes=nvl, explicitly_destroy=True)
@@ -48,7 +54,7 @@ def make_buffers(group, world, max_sms):
     return intra, inter
 
 
-def measure(buffer, tokens, num_sms):
+def measure(buffer, tokens, num_sms, chunks):
     """(dispatch us, combine us, received rows, leg bytes) of one buffer; leg bytes (internode
     only, else zeros): this rank's scale-out and NVLink bytes of one dispatch, then of one combine
     (the traffic counters around one more call of each)."""
@@ -56,7 +62,7 @@ def measure(buffer, tokens, num_sms):
     weights = torch.rand(tokens, NUM_TOPK, dtype=torch.float32, device='cuda')
     x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device='cuda')
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
-    dispatch_config = combine_config = config(num_sms)
+    dispatch_config = combine_config = config(num_sms, chunks)
     recv_x, _, _, _, handle, _ = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights, config=dispatch_config)
@@ -119,13 +125,13 @@ def worker(rank, world, port, args):
     say = init_worker(rank, world, port)
     torch.set_default_dtype(torch.bfloat16)
     group = dist.new_group(list(range(world)))
-    intra, inter = make_buffers(group, world, max(args.sms))
+    intra, inter = make_buffers(group, world, max(args.sms), args.chunks)
     results = []
     try:
         for num_sms in args.sms:
-            row = {'num_sms': num_sms, 'num_tokens': args.tokens}
+            row = {'num_sms': num_sms, 'num_tokens': args.tokens, 'chunks': list(args.chunks)}
             for name, buffer in (('intranode', intra), ('internode', inter)):
-                d_us, c_us, rows, legs, stages = measure(buffer, args.tokens, num_sms)
+                d_us, c_us, rows, legs, stages = measure(buffer, args.tokens, num_sms, args.chunks)
                 stats = torch.tensor([d_us, c_us, rows, *legs], dtype=torch.float64, device='cuda')
                 dist.all_reduce(stats, group=group)
                 d_us, c_us, rows, *legs = (stats / world).tolist()
@@ -166,6 +172,9 @@ if __name__ == '__main__':
     parser.add_argument('--sms', type=int, nargs='+', default=[8, 12, 16, 20, 24])
     parser.add_argument('--tokens', type=int, default=4096)
     parser.add_argument('--worlds', type=int, nargs='+', help='ranks, as 2 nodes of half (default: 2, 4, 8 as GPUs allow)')
+    parser.add_argument('--chunks', type=int, nargs=4, default=DEFAULT_CHUNKS,
+                        metavar=('NVL_SEND', 'NVL_RECV', 'RDMA_SEND', 'RDMA_RECV'),
+                        help="Config's chunk fields after num_sms (default: %(default)s)")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
     worlds = args.worlds or [w for w in (2, 4, 8) if w <= gpus]
