@@ -340,6 +340,36 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
     if (ok && group.leader(lane)) tr.add(src, head_counter(c, ch, my_node), uint64_t(n));
   }
   if constexpr (kShrink) {
+    // End of the source's stream towards every other local GPU j (live or silent source alike):
+    // one NVLink slot, allocated as a row's, whose sequence word is -1 - (rows sent to j), lane
+    // j's seq_base (a round's rows are forwarded only once the whole round came, so the rows with
+    // seq < seq_base all went). Every member's slots of this source precede the marker in j's
+    // ring: each round ends with group.sync(), so every member's atomicAdds on nvl_alloc[j] are
+    // done before the first warp gets here. The receiver empties the rows that never came and
+    // counts one slot for it (dispatch_receive). Edge: a warp whose own wait expired while
+    // another member's saw the round come may leave a row of that round unsent that
+    // seq_base counts (a race inside one poll); that row stays unwritten at j.
+    if (group.member == 0)
+      for (int j = 0; j < G; ++j) {
+        if (j == my_gpu || skipped_warp<kShrink>(c, my_node * G + j)) continue;
+        int k = 0;
+        if (lane == 0) k = atomicAdd(&nvl_alloc[j], 1);
+        k = __shfl_sync(0xffffffffu, k, 0);
+        if (k >= nvl.ring) {
+          const uint64_t* consumed = reinterpret_cast<const uint64_t*>(my_nvl + nvl.consumed_offset(C, ch, j, k % nvl.ring));
+          if (!nvl_wait_relaxed<kShrink>(consumed, make_flag(generation, k - nvl.ring), c, my_node * G + j,
+                                         DEEPEP_WAIT_OP_NVL_CONSUMED, ch))
+            continue;  // j is gone now
+        }
+        const int64_t sent = __shfl_sync(0xffffffffu, seq_base, j);
+        uint8_t* slot = nvl_of(tr, j) + nvl.slot_offset(ch, my_gpu, k % nvl.ring);
+        if (lane == 0) {
+          reinterpret_cast<int32_t*>(slot)[2] = src;
+          reinterpret_cast<int32_t*>(slot)[3] = int32_t(-1 - sent);
+          fence_acq_rel_sys();
+          st_relaxed_sys(reinterpret_cast<uint64_t*>(slot), make_flag(generation, k));
+        }
+      }
     // The source went silent: its rows of this channel for this GPU that did not come are left
     // empty (lane my_gpu's seq_base: those that came), by the group's first warp.
     if (!ok && group.member == 0) {
@@ -356,11 +386,150 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
   if (group.leader(lane)) count_traffic(c, DEEPEP_TRAFFIC_DISPATCH_NVL_ROWS, nvl_rows, nvl_slot_bytes);
 }
 
+// Shrink mode, receiver: slot k's wait, which also ends once the group's slot total (`total`,
+// shared memory, lowered by end markers) is <= k (no slot k comes then). 1: the slot came
+// (read with acquire); 0: no slot k; -1: the forwarder `peer` is gone (given up already, or no
+// change of the total for twice c.wait.timeout_ns; marked gone as nvl_wait<true> does). Twice:
+// a live forwarder whose source went silent sends that source's end marker only after its own
+// wait on the source expired (one timeout, started no earlier than this wait, give or take
+// the launch skew). Edge: a forwarder group that takes several source nodes in turn (more
+// nodes than its block has groups) with several of them silent may take longer, and then this
+// rank masks the live forwarder. Lane 0 polls; the answer is the warp's.
+__device__ __noinline__ int wait_slot_or_end(const uint64_t* flag, uint64_t expected, const volatile int64_t* total,
+                                             int64_t k, const DeepepInternodeCommon& c, int peer) {
+  int r = 1;
+  if ((threadIdx.x & 31) == 0) {
+    uint64_t start = global_time_ns();
+    int64_t seen = *total;
+    for (int spin = 1;; ++spin) {
+      if (ld_relaxed_sys(flag) == expected) break;
+      const int64_t now_total = *total;
+      if (now_total <= k) {
+        r = 0;
+        break;
+      }
+      if (now_total != seen) {  // a marker came: the forwarder is alive
+        seen = now_total;
+        start = global_time_ns();
+      }
+      if (spin > 4) __nanosleep(128);
+      if ((spin & 15) == 15 && (normal::buffer_failed(c.wait) || gone<true>(c, peer) ||
+                                global_time_ns() - start > 2 * c.wait.timeout_ns)) {
+        if (!normal::buffer_failed(c.wait)) atomicExch(c.peer_gone + peer, 1);
+        r = -1;
+        break;
+      }
+    }
+  }
+  r = __shfl_sync(0xffffffffu, r, 0);
+  if (r == 1) (void)ld_acquire_sys(flag);
+  return r;
+}
+
+// Shrink mode, receiver group of local forwarder GPU `fwd` (dispatch_receive's roles). Its ring
+// carries, besides the rows, one end marker per source node (dispatch_forward): the group's slot
+// total starts at the rows expected (this rank's prefix matrices) plus N markers, and a marker
+// of source S that sent `came` rows lowers it by the rows of S that will not come (emptied here,
+// counted in DEEPEP_DROPPED_DISPATCH_RECV). The total only falls, to the slots that do come, so
+// a member stops at k >= total for good. Only a slot that never comes (the forwarder itself
+// gone) ends the group early: then every row of the group still holding the sentinel that was
+// written before any slot was read is emptied and counted (without recv_src_meta, a cached
+// dispatch, the slots not taken are counted, not emptied).
+template <int kRemote>
+__device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
+                                                     int fwd, const WarpGroup group, int lane, uint32_t generation) {
+  constexpr int32_t kUnwritten = -2;  // recv_src_meta word 0: never a node, never kPaddingMeta
+  __shared__ int64_t totals[kMaxNodeSize];
+  const DeepepInternodeCommon& c = p.common;
+  const Transport<kRemote> tr(c, dc);
+  const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
+  const int my_gpu = me % G, peer = (me / G) * G + fwd;
+  const normal::RingLayout nvl = nvl_rings(c, kNvlHeaderBytes + p.row_bytes);
+  const auto row_range = [&](int src, int64_t& start, int64_t& stop) {
+    start = p.recv_gbl_channel_prefix_matrix[src * C + ch];
+    stop = ch + 1 < C ? p.recv_gbl_channel_prefix_matrix[src * C + ch + 1] : p.recv_gbl_rank_prefix_sum[src];
+  };
+  int64_t count = 0;
+  for (int s = 0; s < N; ++s) {
+    int64_t start, stop;
+    row_range(s * G + fwd, start, stop);
+    count += max(stop - start, int64_t(0));
+    if (p.recv_src_meta != nullptr)
+      for (int64_t r = max(start, int64_t(0)) + group.member * kWarp + lane; r < min(stop, p.num_recv_rows);
+           r += group.warps * kWarp)
+        reinterpret_cast<int32_t*>(p.recv_src_meta + r * 8)[0] = kUnwritten;
+  }
+  // A forwarder masked here at the start sends this rank nothing it reads (notify left its
+  // sources' rows absent): no markers are waited for.
+  if (group.leader(lane)) totals[fwd] = count + (masked<true>(c, peer) ? 0 : N);
+  group.sync();
+  volatile int64_t* total = totals + fwd;
+  uint8_t* my_nvl = tr.local(c.nvl_offset);
+  uint8_t* fwd_nvl = nvl_of(tr, fwd);
+  for (int64_t k = group.member;; k += group.warps) {
+    // The total, one answer per warp (another member may lower it between the lanes' reads).
+    const int64_t t = __shfl_sync(0xffffffffu, lane == 0 ? *total : 0, 0);
+    if (k >= t) break;
+    const uint8_t* slot = my_nvl + nvl.slot_offset(ch, fwd, k % nvl.ring);
+    const int w = wait_slot_or_end(reinterpret_cast<const uint64_t*>(slot), make_flag(generation, k), total, k, c, peer);
+    if (w == 0) break;
+    if (w < 0) {
+      if (p.recv_src_meta == nullptr && lane == 0)
+        count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, (t - k + group.warps - 1) / group.warps);
+      break;
+    }
+    const int src = reinterpret_cast<const int32_t*>(slot)[2], seq = reinterpret_cast<const int32_t*>(slot)[3];
+    const bool known = unsigned(src) < unsigned(R) && src % G == fwd;
+    int64_t start = 0, stop = 0;
+    if (known) row_range(src, start, stop);
+    if (seq < 0) {
+      // End marker: rows [start + came, stop) of src never come through fwd. Rows missing mean
+      // src went silent (the forwarder's wait on it expired, or it is masked there): this rank
+      // masks it too, so the mask names it on every survivor it sent rows to.
+      const int64_t missing = known ? max(stop - start - (-1 - int64_t(seq)), int64_t(0)) : 0;
+      for (int64_t r = max(stop - missing, int64_t(0)); r < min(stop, p.num_recv_rows); ++r) empty_recv_row(p, r, src, lane);
+      if (lane == 0) {
+        if (missing > 0 && !normal::buffer_failed(c.wait)) atomicExch(c.peer_gone + src, 1);
+        count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, missing);
+        atomicAdd(reinterpret_cast<unsigned long long*>(const_cast<int64_t*>(total)),
+                  static_cast<unsigned long long>(-missing));
+      }
+    } else if (known && start + seq < stop && uint64_t(start + seq) < uint64_t(p.num_recv_rows)) {
+      // Masks are per rank: a row of a source absent here (at notify) may still come; its range
+      // here is empty, so it is dropped, never written over another source's rows.
+      write_recv_row(p, start + seq, slot + kNvlHeaderBytes, src, lane);
+    }
+    normal::warp_release_slot(reinterpret_cast<uint64_t*>(fwd_nvl + nvl.consumed_offset(C, ch, my_gpu, k % nvl.ring)),
+                              make_flag(generation, k), lane);
+  }
+  // The forwarder gone: every member is out of the loop (each wait is bounded) before the rows
+  // are scanned; those still unwritten are emptied (the next combine's check_src_meta then sees a
+  // valid SourceMeta, and the mask leaves them out).
+  group.sync();
+  if (p.recv_src_meta == nullptr || !gone<true>(c, peer)) return;
+  int64_t emptied = 0;
+  for (int s = 0; s < N; ++s) {
+    int64_t start, stop;
+    row_range(s * G + fwd, start, stop);
+    for (int64_t r = max(start, int64_t(0)) + group.member; r < min(stop, p.num_recv_rows); r += group.warps) {
+      if (reinterpret_cast<const volatile int32_t*>(p.recv_src_meta + r * 8)[0] != kUnwritten) continue;
+      empty_recv_row(p, r, s * G + fwd, lane);
+      ++emptied;
+    }
+  }
+  if (lane == 0) count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, emptied);
+}
+
 // Receiver group of local forwarder GPU `fwd` (not this GPU): the rows of sources (s, fwd) for
-// every node s, channel ch; member m takes slots m, m + warps, ...
+// every node s, channel ch; member m takes slots m, m + warps, ... (shrink mode:
+// dispatch_receive_shrink).
 template <int kRemote, bool kShrink>
 __device__ __forceinline__ void dispatch_receive(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
                                               int fwd, const WarpGroup group, int lane, uint32_t generation) {
+  if constexpr (kShrink) {
+    dispatch_receive_shrink<kRemote>(p, dc, ch, fwd, group, lane, generation);
+    return;
+  }
   const DeepepInternodeCommon& c = p.common;
   const Transport<kRemote> tr(c, dc);
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
@@ -377,20 +546,10 @@ __device__ __forceinline__ void dispatch_receive(const DeepepInternodeDispatchPa
   for (int64_t k = group.member; k < count; k += group.warps) {
     const uint8_t* slot = my_nvl + nvl.slot_offset(ch, fwd, k % nvl.ring);
     if (!nvl_wait<kShrink>(reinterpret_cast<const uint64_t*>(slot), make_flag(generation, k), c,
-                           (me / G) * G + fwd, DEEPEP_WAIT_OP_NVL_SLOT, ch)) {
-      // Shrink mode: the forwarder went silent; its rows not taken are counted, not emptied
-      // (which rows they are is in the slots that never came).
-      if (kShrink && lane == 0) count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, (count - k + group.warps - 1 - group.member) / group.warps);
+                           (me / G) * G + fwd, DEEPEP_WAIT_OP_NVL_SLOT, ch))
       return;
-    }
     const int src = reinterpret_cast<const int32_t*>(slot)[2], seq = reinterpret_cast<const int32_t*>(slot)[3];
-    int64_t out = unsigned(src) < unsigned(R) ? int64_t(p.recv_gbl_channel_prefix_matrix[src * C + ch]) + seq : -1;
-    if (kShrink && out >= 0) {
-      // Masks are per rank: a row of a source absent here (at notify) may still come; its range
-      // here is empty, so it is dropped, never written over another source's rows.
-      const int64_t stop = ch + 1 < C ? p.recv_gbl_channel_prefix_matrix[src * C + ch + 1] : p.recv_gbl_rank_prefix_sum[src];
-      if (out >= stop) out = -1;
-    }
+    const int64_t out = unsigned(src) < unsigned(R) ? int64_t(p.recv_gbl_channel_prefix_matrix[src * C + ch]) + seq : -1;
     if (uint64_t(out) < uint64_t(p.num_recv_rows)) write_recv_row(p, out, slot + kNvlHeaderBytes, src, lane);
     normal::warp_release_slot(reinterpret_cast<uint64_t*>(fwd_nvl + nvl.consumed_offset(C, ch, my_gpu, k % nvl.ring)),
                               make_flag(generation, k), lane);
