@@ -31,7 +31,9 @@
 // Shrink mode (kShrink; docs/internode.md, "Shrink"): a sender skips a node whose forwarder is
 // masked or gone (its tokens' destination ranks there counted as not sent); a forwarder skips
 // local GPUs masked or gone (counted as not sent), and when its source goes silent leaves the
-// source's remaining rows for this GPU empty (counted); every wait expires into "gone".
+// source's remaining rows for this GPU empty (counted); it ends every source's stream towards
+// each other local GPU with an end marker, from which that GPU's receiver empties the rows that
+// never came (dispatch_receive_shrink); every wait expires into "gone".
 #define DEEPEP_INTERNODE_OUTLINE 1  // Transport's slow paths out of line (internode_common.cuh)
 #include "internode_common.cuh"
 #include "launch.cuh"
