@@ -348,7 +348,10 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
     // seq < seq_base all went). Every member's slots of this source precede the marker in j's
     // ring: each round ends with group.sync(), so every member's atomicAdds on nvl_alloc[j] are
     // done before the first warp gets here. The receiver empties the rows that never came and
-    // counts one slot for it (dispatch_receive). Edge: a warp whose own wait expired while
+    // counts one slot for it (dispatch_receive_shrink). Every source gets a marker, not only a
+    // silent one: the receiver then counts N markers from the start and its slot total only
+    // falls (a marker of a source whose rows for j all came would otherwise raise the total
+    // after a member had already stopped at it, and a row slot past it would go unread). Edge: a warp whose own wait expired while
     // another member's saw the round come may leave a row of that round unsent that
     // seq_base counts (a race inside one poll); that row stays unwritten at j.
     if (group.member == 0)
