@@ -259,6 +259,16 @@ def settled_device_memory(max_wait_s=5.0):
     return last
 
 
+def shrink_state(buf, world):
+    """(mask [world], dropped [4]) of a shrink buffer as lists, read in stream order."""
+    mask = torch.zeros(world, dtype=torch.int32)
+    dropped = torch.zeros(4, dtype=torch.int64)
+    buf.low_latency_query_mask_buffer(mask)
+    buf.normal_query_dropped_buffer(dropped)
+    torch.cuda.synchronize()
+    return mask.tolist(), dropped.tolist()
+
+
 # ---------------------------------------------------------------- multi-rank checks
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ('float8_e4m3fn', 'float8_e5m2') if hasattr(torch, n))
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import Checks, finish, skip, spawn, watchdog
+from common import Checks, finish, shrink_state, skip, spawn, watchdog
 from test_normal import sleep_cycles
 
 SILENT = 1
@@ -46,15 +46,6 @@ def new_buffer(group, node_size=1):
     nvl = cfg.get_nvl_buffer_size_hint(HIDDEN * 2, 2 * node_size)
     rdma = cfg.get_rdma_buffer_size_hint(HIDDEN * 2, 16)
     return deep_ep.Buffer(group, nvl, rdma, explicitly_destroy=True, enable_shrink=True)
-
-
-def query(buf, world=2):
-    mask = torch.zeros(world, dtype=torch.int32)
-    dropped = torch.zeros(4, dtype=torch.int64)
-    buf.low_latency_query_mask_buffer(mask)
-    buf.normal_query_dropped_buffer(dropped)
-    torch.cuda.synchronize()
-    return mask.tolist(), dropped.tolist()
 
 
 def inputs(rank, seed):
@@ -138,7 +129,7 @@ def silent_round(ctx, chk, buf, phase, seed, cycles):
     chk.expect(out[0].shape == want[0].shape and torch.equal(out[0], want[0]), f'{phase}: recv_x')
     chk.expect(out[1].shape == want[1].shape and torch.equal(out[1].long(), want[1]), f'{phase}: recv_topk_idx')
     chk.expect(out[2].shape == want[2].shape and torch.equal(out[2], want[2]), f'{phase}: recv_topk_weights')
-    state = query(buf)
+    state = shrink_state(buf, 2)
     want_state = ([0, 0] if phase == 'combine' else [0, 1], want_dropped)
     chk.expect(state == want_state, f'{phase}: after dispatch (mask, dropped) {state}, expected {want_state}')
     start = time.monotonic()
@@ -157,7 +148,7 @@ def silent_round(ctx, chk, buf, phase, seed, cycles):
         want_dropped = [n10, 0, n01, n10]
     elif phase == 'combine':  # combine's notify masks rank 1 before the data kernel: nothing sent back
         want_dropped = [0, 0, n01, n10]
-    state = query(buf)
+    state = shrink_state(buf, 2)
     chk.expect(state == ([0, 1], want_dropped), f'{phase}: after combine (mask, dropped) {state}')
 
 
@@ -166,14 +157,14 @@ def later_round(ctx, chk, buf, phase, seed):
     x, topk, w = inputs(me, seed)
     own = rows_of(x, topk, w, me)
     not_sent = int(rows_of(x, topk, w, other)[3].sum())
-    _, before = query(buf)
+    _, before = shrink_state(buf, 2)
     start = time.monotonic()
     out, _ = dispatch(buf, x, topk, w)
     got_x, _, _ = buf.combine(out[0], out[4], topk_weights=out[2])
     torch.cuda.synchronize()
     chk.expect(time.monotonic() - start < TIMEOUT_MS / 2000, f'{phase}: later round waited on the masked rank')
     chk.expect(torch.equal(out[0], own[0]), f'{phase}: later round recv_x on rank {me}')
-    mask, after = query(buf)
+    mask, after = shrink_state(buf, 2)
     chk.expect(mask == ([0, 1] if me == 0 else [1, 0]), f'{phase}: later round mask {mask} on rank {me}')
     chk.expect(after[NOT_SENT] - before[NOT_SENT] == not_sent, f'{phase}: later round not-sent {before} -> {after}')
 
@@ -217,7 +208,7 @@ def silent_dispatch_2x2(ctx, chk, buf, seed, cycles):
                f'2x2 dispatch: recv_topk_idx on rank {me}')
     chk.expect(out[2].shape == want[2].shape and torch.equal(out[2], want[2]),
                f'2x2 dispatch: recv_topk_weights on rank {me}')
-    state = query(buf, WORLD2)
+    state = shrink_state(buf, WORLD2)
     want_state = ([0, 0, 0, 1], [empty, 0, 0, 0])
     chk.expect(state == want_state, f'2x2 dispatch: rank {me} after dispatch (mask, dropped) {state}, expected {want_state}')
     start = time.monotonic()
@@ -235,7 +226,7 @@ def silent_dispatch_2x2(ctx, chk, buf, seed, cycles):
     ref_w = torch.where(reached.gather(1, topk // el), w, torch.zeros_like(w))
     chk.expect(torch.allclose(got_x.float(), ref_x.float(), rtol=2e-2, atol=2e-2), f'2x2 dispatch: combined_x on rank {me}')
     chk.expect(torch.allclose(got_w, ref_w, rtol=1e-5, atol=1e-6), f'2x2 dispatch: combined_topk_weights on rank {me}')
-    mask, dropped = query(buf, WORLD2)
+    mask, dropped = shrink_state(buf, WORLD2)
     # No fault (combine would raise), rank 3 alone masked, the dispatch's counters unchanged
     # (combine's own, indices 2 and 3, are not checked here).
     chk.expect(mask == [0, 0, 0, 1] and dropped[:2] == [empty, 0],
@@ -253,7 +244,7 @@ def later_round_2x2(ctx, chk, buf, seed):
     tokens' destination ranks on node 1), at the forwarder rank 2 (its rows for GPU 1)."""
     me = ctx.rank
     x, topk, w = inputs(me, seed)
-    _, before = query(buf, WORLD2)
+    _, before = shrink_state(buf, WORLD2)
     start = time.monotonic()
     out, _ = dispatch(buf, x, topk, w)
     buf.combine(out[0], out[4], topk_weights=out[2])
@@ -269,7 +260,7 @@ def later_round_2x2(ctx, chk, buf, seed):
         not_sent = sum(int(rows_of(*inputs(src, seed), SILENT2, WORLD2)[3].sum()) for src in (0, 2))
     else:
         not_sent = 0
-    mask, after = query(buf, WORLD2)
+    mask, after = shrink_state(buf, WORLD2)
     chk.expect(mask == [0, 0, 0, 1], f'2x2 later round mask {mask} on rank {me}')
     chk.expect(after[NOT_SENT] - before[NOT_SENT] == not_sent,
                f'2x2 later round not-sent {before} -> {after} on rank {me}, expected +{not_sent}')
@@ -295,7 +286,7 @@ def phase_run_2x2(ctx):
         x, topk, w = inputs(ctx.rank, seed + 20)
         out, _ = dispatch(buf, x, topk, w)
         torch.cuda.synchronize()
-        chk.expect(query(buf, WORLD2) == ([0] * WORLD2, [0, 0, 0, 0]), '2x2 dispatch: after recovery')
+        chk.expect(shrink_state(buf, WORLD2) == ([0] * WORLD2, [0, 0, 0, 0]), '2x2 dispatch: after recovery')
         chk.expect(out[0].size(0) > 0, '2x2 dispatch: after recovery, no rows')
     chk.done()
 
@@ -336,7 +327,7 @@ def phase_run(ctx, phase):
         x, topk, w = inputs(ctx.rank, seed + 20)
         out, _ = dispatch(buf, x, topk, w)
         torch.cuda.synchronize()
-        chk.expect(query(buf) == ([0, 0], [0, 0, 0, 0]), f'{phase}: after recovery')
+        chk.expect(shrink_state(buf, 2) == ([0, 0], [0, 0, 0, 0]), f'{phase}: after recovery')
         chk.expect(out[0].size(0) > 0, f'{phase}: after recovery, no rows')
     chk.done()
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import Checks, finish, skip, spawn, watchdog
+from common import Checks, finish, shrink_state, skip, spawn, watchdog
 from normal_reference import DispatchRef
 from test_normal import (E, check_combine, check_dispatch, expect_dispatch, hint_bytes, late_dispatch, layout_args,
                          make_ctx, make_inputs, roundtrip, sleep_cycles)
@@ -93,16 +93,6 @@ def alone_combine(ref, inp, me, y, weights):
 
 
 # ---------------------------------------------------------------- helpers
-def query(buf):
-    """(mask [2], dropped [4]) as lists, read in stream order."""
-    mask = torch.zeros(2, dtype=torch.int32)
-    dropped = torch.zeros(4, dtype=torch.int64)
-    buf.low_latency_query_mask_buffer(mask)
-    buf.normal_query_dropped_buffer(dropped)
-    torch.cuda.synchronize()
-    return mask.tolist(), dropped.tolist()
-
-
 def new_buffer(ctx):
     buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=hint_bytes(2, HIDDEN), explicitly_destroy=True, enable_shrink=True)
     ctx.buffers['shrink'] = buf
@@ -136,7 +126,7 @@ def silent_round(ctx, chk, buf, phase, inp, ref, cycles):
         got_ref, want_dropped = ref, [0, 0, 0, 0]
     chk(check_dispatch, out, got_ref, inp.in_rank)
     chk.expect(seconds < TIMEOUT_MS / 1000 + SLACK_S, f'the {phase} phase\'s dispatch took {seconds:.1f} s')
-    state, want = query(buf), ([0, 0] if phase == 'combine' else [0, 1], want_dropped)
+    state, want = shrink_state(buf, 2), ([0, 0] if phase == 'combine' else [0, 1], want_dropped)
     chk.expect(state == want, f'after the {phase} phase\'s dispatch: (mask, dropped) {state}, expected {want}')
 
     y = torch.randn(got_ref.num_recv, HIDDEN, dtype=torch.bfloat16)
@@ -150,7 +140,7 @@ def silent_round(ctx, chk, buf, phase, inp, ref, cycles):
         want_dropped = [n10, 0, n01, n10]  # rank 1's contributions left out, its (empty) rows not sent back
     elif phase == 'combine':
         want_dropped = [0, 0, n01, 0]  # the rows rank 0 sent back fit rank 1's rings: sent
-    got_state = query(buf)
+    got_state = shrink_state(buf, 2)
     chk.expect(got_state == ([0, 1], want_dropped),
                f'after the {phase} phase\'s combine: (mask, dropped) {got_state}, expected ([0, 1], {want_dropped})')
 
@@ -162,7 +152,7 @@ def later_round(ctx, chk, buf, phase):
     me, other = ctx.rank, 1 - ctx.rank
     inp = make_inputs(ctx, tokens=TOKENS, hidden=HIDDEN)
     ref = expect_dispatch(ctx, inp)  # collective, before any buffer call
-    _, before = query(buf)
+    _, before = shrink_state(buf, 2)
     start = time.monotonic()
     out = buf.dispatch(inp.x, **layout_args(inp))
     y = torch.randn(out[0].size(0), HIDDEN, dtype=torch.bfloat16)
@@ -173,7 +163,7 @@ def later_round(ctx, chk, buf, phase):
                                             f'the masked rank?')
     chk(check_dispatch, out, alone_ref(ref, inp, me, other), inp.in_rank)
     chk(check_combine, got, alone_combine(ref, inp, me, y, out[2]))
-    mask, after = query(buf)
+    mask, after = shrink_state(buf, 2)
     want_mask = [0, 1] if me == 0 else [1, 0]
     chk.expect(mask == want_mask, f'{phase} phase, later round: mask {mask} on rank {me}, expected {want_mask}')
     grew = [a - b for a, b in zip(after, before)]
@@ -187,7 +177,7 @@ def shrink_phase(ctx, phase):
     buf = new_buffer(ctx)
     try:
         chk(roundtrip, ctx, buf='shrink', tokens=TOKENS, hidden=HIDDEN)  # healthy first, every check exact
-        state = query(buf)
+        state = shrink_state(buf, 2)
         chk.expect(state == ([0, 0], [0, 0, 0, 0]), f'healthy round: (mask, dropped) {state}')
         inp = make_inputs(ctx, tokens=TOKENS, hidden=HIDDEN)
         ref = expect_dispatch(ctx, inp)  # collective, before rank 1 goes silent
@@ -210,9 +200,9 @@ def shrink_phase(ctx, phase):
             buf.low_latency_clean_mask_buffer()
             torch.cuda.synchronize()
             dist.barrier(group=ctx.group)
-        _, before = query(buf)
+        _, before = shrink_state(buf, 2)
         chk(roundtrip, ctx, buf='shrink', tokens=TOKENS, hidden=HIDDEN)
-        mask, after = query(buf)
+        mask, after = shrink_state(buf, 2)
         chk.expect(mask == [0, 0] and after == before, f'{phase} phase, after recovery: mask {mask}, dropped '
                                                        f'{before} -> {after}')
     finally:
