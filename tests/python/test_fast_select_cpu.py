@@ -244,3 +244,18 @@ def test_installed_prebuilt_fits_what_it_says():
         _fast.torch = saved
     path, why_not = _fast._prebuilt(_fast._header_dir(), dict(info["for"]))
     assert why_not is None and path == SOURCES_DIR / info["module"] and path.is_file()
+
+
+@pytest.mark.parametrize("error_line, standard", [("#error C++17 or later compatible compiler is required", 17),
+                                                  ("#error C++20 or later compatible compiler is required", 20),
+                                                  (None, 17)])
+def test_build_uses_the_cxx_standard_torch_headers_require(tmp_path, error_line, standard):
+    # torch 2.15's headers require C++20 (torch/all.h); a -std=c++17 build of the module failed there.
+    include = tmp_path / "include"
+    all_h = include / "torch" / "csrc" / "api" / "include" / "torch" / "all.h"
+    all_h.parent.mkdir(parents=True)
+    all_h.write_text(f"#if __cplusplus < 201703L\n{error_line}\n#endif\n" if error_line else "// no requirement\n")
+    cmd = _fast_build.command("c++", "_fast.cpp", "out.so", header_dir="h", python_include="py",
+                              torch_includes=[str(tmp_path / "missing"), str(include)], cxx11_abi=True, lib_dirs=[])
+    assert f"-std=c++{standard}" in cmd
+    assert sum(arg.startswith("-std=") for arg in cmd) == 1
