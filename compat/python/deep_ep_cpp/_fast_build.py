@@ -13,7 +13,7 @@ HEADER = "deepep_nccl.h"
 # What torch.utils.cpp_extension links a CppExtension with. No CUDA library: _fast_streams.h
 # reaches the driver through dlopen, and torch's CUDA allocator through libtorch's dispatcher.
 TORCH_LIBRARIES = ("c10", "torch", "torch_cpu", "torch_python")
-# Written next to a prebuilt module by scripts/prebuild_fast.py, read by _fast.py.
+# Written next to a prebuilt module by scripts/fast_prebuilt.py, read by _fast.py.
 PREBUILT_INFO = "_fast_prebuilt.json"
 
 
