@@ -48,6 +48,26 @@ def new_buffer(group, node_size=1):
     return deep_ep.Buffer(group, nvl, rdma, explicitly_destroy=True, enable_shrink=True)
 
 
+def expect_received(chk, out, want, label, where):
+    """The dispatch outputs (recv_x, recv_topk_idx, recv_topk_weights) equal `want`, shapes included."""
+    for got, expected, name in zip(out[:3], want, ('recv_x', 'recv_topk_idx', 'recv_topk_weights')):
+        got = got.long() if name == 'recv_topk_idx' else got
+        chk.expect(got.shape == expected.shape and torch.equal(got, expected), f'{label}: {name}{where}')
+
+
+def state_then_combine(ctx, chk, buf, out, world, want_state, label, where):
+    """Checks (mask, dropped) after the dispatch `out`, then combines it back within the timeout:
+    (combined_x, combined_topk_weights)."""
+    state = shrink_state(buf, world)
+    chk.expect(state == want_state, f'{label}: after dispatch (mask, dropped) {state}, expected {want_state}{where}')
+    start = time.monotonic()
+    got_x, got_w, _ = buf.combine(out[0], out[4], topk_weights=out[2])
+    torch.cuda.synchronize()
+    ctx.rep.info(f'{label}: combine done in {time.monotonic() - start:.1f} s{where}')
+    chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{label}: combine too slow{where}')
+    return got_x, got_w
+
+
 def inputs(rank, seed):
     g = torch.Generator(device='cpu').manual_seed(seed * 10 + rank)
     x = torch.randn(TOKENS, HIDDEN, generator=g, device='cpu').to(torch.bfloat16).cuda()
@@ -126,17 +146,9 @@ def silent_round(ctx, chk, buf, phase, seed, cycles):
     else:
         want = tuple(torch.cat([a, b]) for a, b in zip(own[:3], peer[:3]))
         want_dropped = [0, 0, 0, 0]
-    chk.expect(out[0].shape == want[0].shape and torch.equal(out[0], want[0]), f'{phase}: recv_x')
-    chk.expect(out[1].shape == want[1].shape and torch.equal(out[1].long(), want[1]), f'{phase}: recv_topk_idx')
-    chk.expect(out[2].shape == want[2].shape and torch.equal(out[2], want[2]), f'{phase}: recv_topk_weights')
-    state = shrink_state(buf, 2)
+    expect_received(chk, out, want, phase, '')
     want_state = ([0, 0] if phase == 'combine' else [0, 1], want_dropped)
-    chk.expect(state == want_state, f'{phase}: after dispatch (mask, dropped) {state}, expected {want_state}')
-    start = time.monotonic()
-    got_x, got_w, _ = buf.combine(out[0], out[4], topk_weights=out[2])
-    torch.cuda.synchronize()
-    ctx.rep.info(f'{phase}: combine done in {time.monotonic() - start:.1f} s')
-    chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{phase}: combine too slow')
+    got_x, got_w = state_then_combine(ctx, chk, buf, out, 2, want_state, phase, '')
     # Survivors only: rank 0's own rows back at their tokens (G = 1: one row per token and node).
     ref_x = torch.zeros_like(x)
     ref_w = torch.zeros_like(w)
@@ -203,19 +215,9 @@ def silent_dispatch_2x2(ctx, chk, buf, seed, cycles):
     ctx.rep.info(f'2x2 dispatch: dispatch done in {took:.1f} s on rank {me}')
     # Rank 2 waits twice the timeout for its forwarder rank 3 (dispatch_receive_shrink).
     chk.expect(took < 2 * TIMEOUT_MS / 1000 + SLACK_S, f'2x2 dispatch: dispatch too slow on rank {me}')
-    chk.expect(out[0].shape == want[0].shape and torch.equal(out[0], want[0]), f'2x2 dispatch: recv_x on rank {me}')
-    chk.expect(out[1].shape == want[1].shape and torch.equal(out[1].long(), want[1]),
-               f'2x2 dispatch: recv_topk_idx on rank {me}')
-    chk.expect(out[2].shape == want[2].shape and torch.equal(out[2], want[2]),
-               f'2x2 dispatch: recv_topk_weights on rank {me}')
-    state = shrink_state(buf, WORLD2)
-    want_state = ([0, 0, 0, 1], [empty, 0, 0, 0])
-    chk.expect(state == want_state, f'2x2 dispatch: rank {me} after dispatch (mask, dropped) {state}, expected {want_state}')
-    start = time.monotonic()
-    got_x, got_w, _ = buf.combine(out[0], out[4], topk_weights=out[2])
-    torch.cuda.synchronize()
-    ctx.rep.info(f'2x2 dispatch: combine done in {time.monotonic() - start:.1f} s on rank {me}')
-    chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'2x2 dispatch: combine too slow on rank {me}')
+    expect_received(chk, out, want, '2x2 dispatch', f' on rank {me}')
+    got_x, got_w = state_then_combine(ctx, chk, buf, out, WORLD2, ([0, 0, 0, 1], [empty, 0, 0, 0]), '2x2 dispatch',
+                                      f' on rank {me}')
     # Each token's sum over the ranks its row reached (rows that came: copies of x; empty rows
     # and masked ranks give nothing); weights: each expert's weight where its rank got the row.
     el = E // WORLD2
