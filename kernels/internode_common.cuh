@@ -68,6 +68,14 @@ struct WarpGroup {
     else asm volatile("bar.sync %0, %1;" ::"r"(1 + role), "r"(warps * kWarp) : "memory");
   }
   __device__ __forceinline__ bool leader(int lane) const { return member == 0 && lane == 0; }
+  // Whether `p` holds on every thread of the group (a barrier: every member must call it).
+  __device__ __forceinline__ bool all(bool p) const {
+    if (warps == 1) return __all_sync(0xffffffffu, p);
+    int r;
+    asm volatile("{ .reg .pred in, out; setp.ne.s32 in, %1, 0; bar.red.and.pred out, %2, %3, in; selp.s32 %0, 1, 0, out; }"
+                 : "=r"(r) : "r"(int(p)), "r"(1 + role), "r"(warps * kWarp) : "memory");
+    return r != 0;
+  }
 };
 static_assert(kWarps / 2 + 1 <= 15, "named barriers of the warp groups");
 

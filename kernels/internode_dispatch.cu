@@ -270,8 +270,11 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
   bool ok = true;
   for (int64_t i0 = 0; i0 < count; i0 += round) {
     const int n = int(min(int64_t(round), count - i0));
-    if constexpr (kShrink) ok = ok && !skipped_warp<kShrink>(c, src) &&
-                                tr.wait_or_gone(src, tail_counter(c, ch, src_node), received + i0 + n, tail);
+    // Shrink mode: the group decides together whether the round came (one member's wait may
+    // expire while another's sees the tail), so every member walks the same rows and member 0's
+    // seq_base, which the end markers and the own-GPU emptying use, counts exactly the rows sent.
+    if constexpr (kShrink) ok = group.all(ok && !skipped_warp<kShrink>(c, src) &&
+                                          tr.wait_or_gone(src, tail_counter(c, ch, src_node), received + i0 + n, tail));
     else ok = ok && tr.wait_counter(src, tail_counter(c, ch, src_node), received + i0 + n, tail, DEEPEP_WAIT_OP_RDMA_TAIL, ch);
     const uint32_t lane_mask =
         ok && lane < n ? uint32_t(reinterpret_cast<const int32_t*>(tr.local(c.rdma_offset + rdma.recv_slot(ch, src_node, i0 + lane)))[1]) : 0u;
@@ -351,9 +354,7 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
     // counts one slot for it (dispatch_receive_shrink). Every source gets a marker, not only a
     // silent one: the receiver then counts N markers from the start and its slot total only
     // falls (a marker of a source whose rows for j all came would otherwise raise the total
-    // after a member had already stopped at it, and a row slot past it would go unread). Edge: a warp whose own wait expired while
-    // another member's saw the round come may leave a row of that round unsent that
-    // seq_base counts (a race inside one poll); that row stays unwritten at j.
+    // after a member had already stopped at it, and a row slot past it would go unread).
     if (group.member == 0)
       for (int j = 0; j < G; ++j) {
         if (j == my_gpu || skipped_warp<kShrink>(c, my_node * G + j)) continue;
