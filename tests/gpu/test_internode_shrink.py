@@ -13,12 +13,24 @@ masked pair are out of step) is exact again. Handle entries are not checked here
 checks them without shrink).
 
 With 4 GPUs it also runs 4 ranks as 2 nodes of 2 (DEEPEP_VIRTUAL_NODE_SIZE=2; rank r is GPU r % 2
-of node r // 2), dispatch phase only: rank 3 (node 1, GPU 1) goes silent in dispatch. Its rows for
-rank 0 go through the live forwarder rank 1, which ends rank 3's stream towards rank 0 with an end
-marker: rank 0 empties those rows and masks rank 3, not rank 1. Without the marker rank 0's
-receiver waits for slots that never come, masks the live rank 1 and leaves rank 3's rows unwritten
-(mask check and recv_x check fail). Rank 3 is also the forwarder of node 1's GPU 1, so rank 2's rows
-of ranks 1 and 3 never come: rank 2 gives up on rank 3 (twice the timeout) and empties them."""
+of node r // 2), rank 3 (node 1, GPU 1) silent, three phases as above, dispatch first:
+* dispatch: rank 3's rows for rank 0 go through the live forwarder rank 1, which ends rank 3's
+  stream towards rank 0 with an end marker: rank 0 empties those rows and masks rank 3, not rank 1.
+  Without the marker rank 0's receiver waits for slots that never come, masks the live rank 1 and
+  leaves rank 3's rows unwritten (mask check and recv_x check fail). Rank 3 is also the forwarder
+  of node 1's GPU 1, so rank 2's rows of ranks 1 and 3 never come: rank 2 gives up on rank 3
+  (twice the timeout) and empties them.
+* notify: every survivor's notify wait on rank 3 expires; rows of rank 3, and at rank 2 those of
+  rank 1 (its forwarder on node 1 is rank 3), are absent. Not sent (index 1): rank 1's tokens for
+  node 1 (one per destination rank), rank 2's forwarded rows for rank 3; combine leaves rank 3's
+  part of those rows out at rank 2 (index 2: their send_nvl_head entries are >= 0).
+* combine: dispatch is complete for all 4; every survivor's combine notify wait expires, and the
+  combine leaves out what goes through rank 3: rank 2 (forwarder beside it) leaves out its rows
+  and sends it nothing, rank 1 leaves out node 1's row of its tokens (forwarder rank 3) and sends
+  back nothing of rank 3's rows it forwarded.
+Every survivor's outputs are checked against rows_of / a sum over the kept contributions, the
+mask is exactly {3}, the dropped counters exact (combine_dropped_2x2 names the kernel lines), then
+a later round and recovery on a new buffer."""
 import os
 import sys
 import time
@@ -46,26 +58,6 @@ def new_buffer(group, node_size=1):
     nvl = cfg.get_nvl_buffer_size_hint(HIDDEN * 2, 2 * node_size)
     rdma = cfg.get_rdma_buffer_size_hint(HIDDEN * 2, 16)
     return deep_ep.Buffer(group, nvl, rdma, explicitly_destroy=True, enable_shrink=True)
-
-
-def expect_received(chk, out, want, label, where):
-    """The dispatch outputs (recv_x, recv_topk_idx, recv_topk_weights) equal `want`, shapes included."""
-    for got, expected, name in zip(out[:3], want, ('recv_x', 'recv_topk_idx', 'recv_topk_weights')):
-        got = got.long() if name == 'recv_topk_idx' else got
-        chk.expect(got.shape == expected.shape and torch.equal(got, expected), f'{label}: {name}{where}')
-
-
-def state_then_combine(ctx, chk, buf, out, world, want_state, label, where):
-    """Checks (mask, dropped) after the dispatch `out`, then combines it back within the timeout:
-    (combined_x, combined_topk_weights)."""
-    state = shrink_state(buf, world)
-    chk.expect(state == want_state, f'{label}: after dispatch (mask, dropped) {state}, expected {want_state}{where}')
-    start = time.monotonic()
-    got_x, got_w, _ = buf.combine(out[0], out[4], topk_weights=out[2])
-    torch.cuda.synchronize()
-    ctx.rep.info(f'{label}: combine done in {time.monotonic() - start:.1f} s{where}')
-    chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{label}: combine too slow{where}')
-    return got_x, got_w
 
 
 def inputs(rank, seed):
@@ -113,18 +105,25 @@ def rows_of(src_x, src_topk, src_w, me, world=2):
     return src_x[take], topk, w, take
 
 
+def go_silent(buf, phase, x, topk, w, cycles):
+    """The silent rank's round: notify: no call at all (the survivors' notify wait expires);
+    dispatch: its data kernel starts `cycles` after its notify; combine: a normal dispatch, then its
+    combine starts `cycles` late (the survivors' combine notify expires)."""
+    if phase == 'dispatch':
+        out = late_dispatch(buf, x, topk, w, cycles)
+        buf.combine(out[0], out[4], topk_weights=out[2])
+    elif phase == 'combine':
+        out, _ = dispatch(buf, x, topk, w)
+        torch.cuda._sleep(cycles)
+        buf.combine(out[0], out[4], topk_weights=out[2])
+
+
 def silent_round(ctx, chk, buf, phase, seed, cycles):
     me = ctx.rank
     x, topk, w = inputs(me, seed)
     ctx.rep.info(f'{phase}: silent round starts')
     if me == SILENT:
-        if phase == 'dispatch':
-            out = late_dispatch(buf, x, topk, w, cycles)
-            buf.combine(out[0], out[4], topk_weights=out[2])
-        elif phase == 'combine':
-            out, _ = dispatch(buf, x, topk, w)
-            torch.cuda._sleep(cycles)
-            buf.combine(out[0], out[4], topk_weights=out[2])
+        go_silent(buf, phase, x, topk, w, cycles)
         return
     ox, ot, ow = inputs(SILENT, seed)
     own = rows_of(x, topk, w, me)
@@ -146,9 +145,17 @@ def silent_round(ctx, chk, buf, phase, seed, cycles):
     else:
         want = tuple(torch.cat([a, b]) for a, b in zip(own[:3], peer[:3]))
         want_dropped = [0, 0, 0, 0]
-    expect_received(chk, out, want, phase, '')
+    chk.expect(out[0].shape == want[0].shape and torch.equal(out[0], want[0]), f'{phase}: recv_x')
+    chk.expect(out[1].shape == want[1].shape and torch.equal(out[1].long(), want[1]), f'{phase}: recv_topk_idx')
+    chk.expect(out[2].shape == want[2].shape and torch.equal(out[2], want[2]), f'{phase}: recv_topk_weights')
+    state = shrink_state(buf, 2)
     want_state = ([0, 0] if phase == 'combine' else [0, 1], want_dropped)
-    got_x, got_w = state_then_combine(ctx, chk, buf, out, 2, want_state, phase, '')
+    chk.expect(state == want_state, f'{phase}: after dispatch (mask, dropped) {state}, expected {want_state}')
+    start = time.monotonic()
+    got_x, got_w, _ = buf.combine(out[0], out[4], topk_weights=out[2])
+    torch.cuda.synchronize()
+    ctx.rep.info(f'{phase}: combine done in {time.monotonic() - start:.1f} s')
+    chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{phase}: combine too slow')
     # Survivors only: rank 0's own rows back at their tokens (G = 1: one row per token and node).
     ref_x = torch.zeros_like(x)
     ref_w = torch.zeros_like(w)
@@ -181,58 +188,149 @@ def later_round(ctx, chk, buf, phase, seed):
     chk.expect(after[NOT_SENT] - before[NOT_SENT] == not_sent, f'{phase}: later round not-sent {before} -> {after}')
 
 
-# 2 nodes of 2, rank 3 silent in dispatch.
+# 2 nodes of 2, rank 3 (node 1, GPU 1) silent in notify, in dispatch or in combine. The dispatch
+# phase runs first: it is the one that passed on 4x H100 before the other two were added.
 G2, WORLD2, SILENT2 = 2, 4, 3
+PHASES2 = ('dispatch', 'notify', 'combine')
 
 
 def came_2x2(src, me):
-    """Whether src's rows reach survivor `me` at 2x2 with SILENT2 silent in dispatch: a row of src
-    crosses to the forwarder (node of me, GPU of src), then NVLink to me; neither may be SILENT2."""
+    """Whether the path between src and survivor `me` avoids SILENT2 (masked or silent): a row of
+    src crosses to the forwarder (node of me, GPU of src), then NVLink to me; neither may be
+    SILENT2. Combine takes the same path back."""
     return src != SILENT2 and (me // G2) * G2 + src % G2 != SILENT2
 
 
-def silent_dispatch_2x2(ctx, chk, buf, seed, cycles):
-    me = ctx.rank
-    x, topk, w = inputs(me, seed)
-    ctx.rep.info('2x2 dispatch: silent round starts')
-    if me == SILENT2:
-        out = late_dispatch(buf, x, topk, w, cycles)
-        buf.combine(out[0], out[4], topk_weights=out[2])
-        return
-    # Sources ascending: rows that come are exact, the others present but empty.
+def rows_count(src, dst, seed):
+    """Rows source rank src sends to rank dst (its tokens with an expert on dst)."""
+    return int(rows_of(*inputs(src, seed), dst, WORLD2)[3].sum())
+
+
+def node_tokens(src, node, seed):
+    """Tokens of src with an expert on `node`: its scale-out rows towards that node."""
+    owner = inputs(src, seed)[1] // (E // WORLD2)
+    return int((owner // G2 == node).any(1).sum())
+
+
+def forwarded_for_silent(me, seed):
+    """Rows that `me`, a forwarder on SILENT2's node, takes for SILENT2: those of the sources of its
+    GPU on every node (its send_nvl_head column SILENT2 % G2 is >= 0 on each)."""
+    return sum(rows_count(src, SILENT2, seed) for src in range(me % G2, WORLD2, G2))
+
+
+def not_sent_2x2(me, seed):
+    """Index 1 of a dispatch with SILENT2 masked at its notify: a sender whose forwarder on
+    SILENT2's node is SILENT2 sends nothing to that node (each token counted once per destination
+    rank there, dispatch_send); the forwarder beside SILENT2 forwards it nothing (one per row,
+    dispatch_forward); a sender on the other GPUs sends normally (its forwarder counts)."""
+    silent_node = SILENT2 // G2
+    if me % G2 == SILENT2 % G2:
+        return sum(rows_count(me, d, seed) for d in range(silent_node * G2, (silent_node + 1) * G2))
+    if me // G2 == silent_node:
+        return forwarded_for_silent(me, seed)
+    return 0
+
+
+def combine_dropped_2x2(me, seed, phase):
+    """Indices 2 (left out) and 3 (not sent back) of the silent round's combine on survivor `me`,
+    SILENT2 masked at its start (notify: since the dispatch's notify; combine: since the combine's).
+    A forwarder beside SILENT2 leaves out SILENT2's row of every row whose head names it
+    (combine_forward; notify: the heads of the rows it did not forward are >= 0 too) and sends
+    SILENT2 nothing of the rows of its GPU's sources (combine_nvl_send; notify: none came). A rank
+    whose forwarder on SILENT2's node is SILENT2 leaves out that node's row of each of its tokens
+    (combine_receive; notify: send_rdma_head -1, none) and sends nothing back of SILENT2's rows it
+    forwarded (combine_forward; notify: none came)."""
+    silent_node, silent_gpu = divmod(SILENT2, G2)
+    left_out = not_sent = 0
+    if me // G2 == silent_node:
+        left_out += forwarded_for_silent(me, seed)
+        if phase == 'combine':
+            not_sent += sum(rows_count(src, me, seed) for src in range(silent_gpu, WORLD2, G2))
+    if me % G2 == silent_gpu and phase == 'combine':
+        left_out += node_tokens(me, silent_node, seed)
+        not_sent += node_tokens(SILENT2, me // G2, seed)
+    return left_out, not_sent
+
+
+def expected_rows_2x2(me, seed, lost):
+    """Survivor me's (recv_x, recv_topk_idx, recv_topk_weights), sources ascending, and the count
+    of emptied rows. Rows whose path is not came_2x2 are `lost`: 'empty' (present but empty:
+    silent in dispatch), 'absent' (masked at notify), or None (they come: silent in combine)."""
     parts, empty = [], 0
     for src in range(WORLD2):
         rx, rt, rw, _ = rows_of(*inputs(src, seed), me, WORLD2)
-        if not came_2x2(src, me):
+        if lost is not None and not came_2x2(src, me):
+            if lost == 'absent':
+                continue
             rx, rt, rw = torch.zeros_like(rx), torch.full_like(rt, -1), torch.zeros_like(rw)
             empty += rx.size(0)
         parts.append((rx, rt, rw))
-    want = tuple(torch.cat([p[i] for p in parts]) for i in range(3))
-    start = time.monotonic()
-    out, _ = dispatch(buf, x, topk, w)
-    torch.cuda.synchronize()
-    took = time.monotonic() - start
-    ctx.rep.info(f'2x2 dispatch: dispatch done in {took:.1f} s on rank {me}')
-    # Rank 2 waits twice the timeout for its forwarder rank 3 (dispatch_receive_shrink).
-    chk.expect(took < 2 * TIMEOUT_MS / 1000 + SLACK_S, f'2x2 dispatch: dispatch too slow on rank {me}')
-    expect_received(chk, out, want, '2x2 dispatch', f' on rank {me}')
-    got_x, got_w = state_then_combine(ctx, chk, buf, out, WORLD2, ([0, 0, 0, 1], [empty, 0, 0, 0]), '2x2 dispatch',
-                                      f' on rank {me}')
-    # Each token's sum over the ranks its row reached (rows that came: copies of x; empty rows
-    # and masked ranks give nothing); weights: each expert's weight where its rank got the row.
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3)), empty
+
+
+def combined_reference_2x2(buf, x, topk, w, me):
+    """Survivor me's (combined_x, combined_topk_weights): each token's sum over the ranks its row
+    reached and whose path avoids SILENT2 (rows that came: copies of x; empty rows, absent rows
+    and SILENT2's give nothing); weights: each expert's weight where its rank's row is kept."""
     el = E // WORLD2
     _, _, _, in_rank = dispatch_layout(buf, topk)
     reached = torch.stack([in_rank[:, d] & came_2x2(me, d) if d != SILENT2 else torch.zeros_like(in_rank[:, d])
                            for d in range(WORLD2)], 1)
     ref_x = (x.float() * reached.sum(1, keepdim=True).float()).to(x.dtype)
     ref_w = torch.where(reached.gather(1, topk // el), w, torch.zeros_like(w))
-    chk.expect(torch.allclose(got_x.float(), ref_x.float(), rtol=2e-2, atol=2e-2), f'2x2 dispatch: combined_x on rank {me}')
-    chk.expect(torch.allclose(got_w, ref_w, rtol=1e-5, atol=1e-6), f'2x2 dispatch: combined_topk_weights on rank {me}')
+    return ref_x, ref_w
+
+
+def silent_round_2x2(ctx, chk, buf, phase, seed, cycles):
+    me, name = ctx.rank, f'2x2 {phase}'
+    x, topk, w = inputs(me, seed)
+    ctx.rep.info(f'{name}: silent round starts')
+    if me == SILENT2:
+        go_silent(buf, phase, x, topk, w, cycles)
+        return
+    # notify: rows of SILENT2 or through it absent; dispatch: those rows present but empty;
+    # combine: every row comes (SILENT2 goes silent after dispatch).
+    want, empty = expected_rows_2x2(me, seed, {'notify': 'absent', 'dispatch': 'empty', 'combine': None}[phase])
+    start = time.monotonic()
+    out, _ = dispatch(buf, x, topk, w)
+    torch.cuda.synchronize()
+    took = time.monotonic() - start
+    ctx.rep.info(f'{name}: dispatch done in {took:.1f} s on rank {me}')
+    # Dispatch: rank 2 waits twice the timeout for its forwarder rank 3 (dispatch_receive_shrink);
+    # notify: one timeout on rank 3's notify counter; combine: no wait.
+    limit = (2 if phase == 'dispatch' else 1) * TIMEOUT_MS / 1000 + SLACK_S
+    chk.expect(took < limit, f'{name}: dispatch too slow on rank {me}')
+    chk.expect(out[0].shape == want[0].shape and torch.equal(out[0], want[0]), f'{name}: recv_x on rank {me}')
+    chk.expect(out[1].shape == want[1].shape and torch.equal(out[1].long(), want[1]),
+               f'{name}: recv_topk_idx on rank {me}')
+    chk.expect(out[2].shape == want[2].shape and torch.equal(out[2], want[2]),
+               f'{name}: recv_topk_weights on rank {me}')
+    state = shrink_state(buf, WORLD2)
+    if phase == 'dispatch':
+        want_state = ([0, 0, 0, 1], [empty, 0, 0, 0])
+    elif phase == 'notify':
+        want_state = ([0, 0, 0, 1], [0, not_sent_2x2(me, seed), 0, 0])
+    else:
+        want_state = ([0] * WORLD2, [0, 0, 0, 0])
+    chk.expect(state == want_state, f'{name}: rank {me} after dispatch (mask, dropped) {state}, expected {want_state}')
+    start = time.monotonic()
+    got_x, got_w, _ = buf.combine(out[0], out[4], topk_weights=out[2])
+    torch.cuda.synchronize()
+    ctx.rep.info(f'{name}: combine done in {time.monotonic() - start:.1f} s on rank {me}')
+    chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{name}: combine too slow on rank {me}')
+    ref_x, ref_w = combined_reference_2x2(buf, x, topk, w, me)
+    chk.expect(torch.allclose(got_x.float(), ref_x.float(), rtol=2e-2, atol=2e-2), f'{name}: combined_x on rank {me}')
+    chk.expect(torch.allclose(got_w, ref_w, rtol=1e-5, atol=1e-6), f'{name}: combined_topk_weights on rank {me}')
     mask, dropped = shrink_state(buf, WORLD2)
-    # No fault (combine would raise), rank 3 alone masked, the dispatch's counters unchanged
-    # (combine's own, indices 2 and 3, are not checked here).
-    chk.expect(mask == [0, 0, 0, 1] and dropped[:2] == [empty, 0],
-               f'2x2 dispatch: rank {me} after combine (mask, dropped) {(mask, dropped)}')
+    if phase == 'dispatch':
+        # No fault (combine would raise), rank 3 alone masked, the dispatch's counters unchanged
+        # (combine's own, indices 2 and 3, are not checked here).
+        chk.expect(mask == [0, 0, 0, 1] and dropped[:2] == [empty, 0],
+                   f'{name}: rank {me} after combine (mask, dropped) {(mask, dropped)}')
+    else:
+        want_state = ([0, 0, 0, 1], want_state[1][:2] + list(combine_dropped_2x2(me, seed, phase)))
+        chk.expect((mask, dropped) == want_state,
+                   f'{name}: rank {me} after combine (mask, dropped) {(mask, dropped)}, expected {want_state}')
 
 
 def dispatch_layout(buf, topk):
@@ -240,11 +338,11 @@ def dispatch_layout(buf, topk):
     return per_rank, per_rdma, per_expert, in_rank
 
 
-def later_round_2x2(ctx, chk, buf, seed):
+def later_round_2x2(ctx, chk, buf, phase, seed):
     """Rank 3 masked on every survivor: nobody waits on it; rows of it or through it are absent
     (notify), and the rows for it count as not sent: at a sender whose forwarder is rank 3 (its
     tokens' destination ranks on node 1), at the forwarder rank 2 (its rows for GPU 1)."""
-    me = ctx.rank
+    me, name = ctx.rank, f'2x2 {phase}'
     x, topk, w = inputs(me, seed)
     _, before = shrink_state(buf, WORLD2)
     start = time.monotonic()
@@ -253,43 +351,38 @@ def later_round_2x2(ctx, chk, buf, seed):
     torch.cuda.synchronize()
     if me == SILENT2:
         return
-    chk.expect(time.monotonic() - start < TIMEOUT_MS / 2000, f'2x2 later round waited on the masked rank (rank {me})')
-    want_x = torch.cat([rows_of(*inputs(src, seed), me, WORLD2)[0] for src in range(WORLD2) if came_2x2(src, me)])
-    chk.expect(out[0].shape == want_x.shape and torch.equal(out[0], want_x), f'2x2 later round recv_x on rank {me}')
-    if me % G2 == SILENT2 % G2:
-        not_sent = sum(int(rows_of(x, topk, w, d, WORLD2)[3].sum()) for d in (2, 3))
-    elif me // G2 == SILENT2 // G2:
-        not_sent = sum(int(rows_of(*inputs(src, seed), SILENT2, WORLD2)[3].sum()) for src in (0, 2))
-    else:
-        not_sent = 0
+    chk.expect(time.monotonic() - start < TIMEOUT_MS / 2000, f'{name}: later round waited on the masked rank (rank {me})')
+    want_x = expected_rows_2x2(me, seed, 'absent')[0][0]
+    chk.expect(out[0].shape == want_x.shape and torch.equal(out[0], want_x), f'{name}: later round recv_x on rank {me}')
+    not_sent = not_sent_2x2(me, seed)
     mask, after = shrink_state(buf, WORLD2)
-    chk.expect(mask == [0, 0, 0, 1], f'2x2 later round mask {mask} on rank {me}')
+    chk.expect(mask == [0, 0, 0, 1], f'{name}: later round mask {mask} on rank {me}')
     chk.expect(after[NOT_SENT] - before[NOT_SENT] == not_sent,
-               f'2x2 later round not-sent {before} -> {after} on rank {me}, expected +{not_sent}')
+               f'{name}: later round not-sent {before} -> {after} on rank {me}, expected +{not_sent}')
 
 
-def phase_run_2x2(ctx):
+def phase_run_2x2(ctx, phase):
     chk = Checks()
-    seed = 7
-    with shrink_buffer(ctx, '2x2 dispatch', G2) as buf:
+    seed, name = 7 + PHASES2.index(phase), f'2x2 {phase}'
+    with shrink_buffer(ctx, name, G2) as buf:
         buf.runtime.set_gpu_timeout_ms(TIMEOUT_MS)
         cycles = sleep_cycles(SLEEP_MS)
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
-        with watchdog(ctx.rep, 'internode_shrink_2x2_dispatch', 60):
-            silent_dispatch_2x2(ctx, chk, buf, seed, cycles)
+        with watchdog(ctx.rep, f'internode_shrink_2x2_{phase}', 60):
+            silent_round_2x2(ctx, chk, buf, phase, seed, cycles)
             torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
-        ctx.rep.info('2x2 dispatch: later round')
-        with watchdog(ctx.rep, 'internode_shrink_2x2_dispatch', 30):
-            later_round_2x2(ctx, chk, buf, seed + 10)
-    ctx.rep.info('2x2 dispatch: recovery on a new buffer')
-    with shrink_buffer(ctx, '2x2 dispatch', G2) as buf:
+        ctx.rep.info(f'{name}: later round')
+        with watchdog(ctx.rep, f'internode_shrink_2x2_{phase}', 30):
+            later_round_2x2(ctx, chk, buf, phase, seed + 10)
+    ctx.rep.info(f'{name}: recovery on a new buffer')
+    with shrink_buffer(ctx, name, G2) as buf:
         x, topk, w = inputs(ctx.rank, seed + 20)
         out, _ = dispatch(buf, x, topk, w)
         torch.cuda.synchronize()
-        chk.expect(shrink_state(buf, WORLD2) == ([0] * WORLD2, [0, 0, 0, 0]), '2x2 dispatch: after recovery')
-        chk.expect(out[0].size(0) > 0, '2x2 dispatch: after recovery, no rows')
+        chk.expect(shrink_state(buf, WORLD2) == ([0] * WORLD2, [0, 0, 0, 0]), f'{name}: after recovery')
+        chk.expect(out[0].size(0) > 0, f'{name}: after recovery, no rows')
     chk.done()
 
 
@@ -340,7 +433,8 @@ def worker(rank, world, group, rep):
     torch.set_default_device('cuda')
     ctx = SimpleNamespace(group=dist.new_group(list(range(world))), rank=rank, rep=rep)
     if world == WORLD2:
-        rep.run('internode_shrink_2x2_silent_in_dispatch', phase_run_2x2, ctx)
+        for phase in PHASES2:
+            rep.run(f'internode_shrink_2x2_silent_in_{phase}', phase_run_2x2, ctx, phase)
         return
     for phase in PHASES:
         rep.run(f'internode_shrink_silent_in_{phase}', phase_run, ctx, phase)
@@ -352,7 +446,7 @@ if __name__ == '__main__':
         sys.exit(1)
     spawn(worker, 2, timeout=300)
     if torch.cuda.device_count() >= WORLD2:
-        spawn(worker, WORLD2, timeout=120)
+        spawn(worker, WORLD2, timeout=300)  # three phases of about 10-20 s each (a silent rank sleeps 6 s)
     else:
         print(f'test_internode_shrink: 2x2 run skipped, it needs {WORLD2} GPUs, found {torch.cuda.device_count()}')
     finish()
