@@ -280,7 +280,10 @@ def test_compiled_normal_ops_fall_back_or_raise():
         _fast = Module()
 
         def __init__(self, ops):
-            self._normal_fast = ops
+            self.ops = ops
+
+        def _fast_with_config(self, op_name, config, order, *args):
+            return super()._fast_with_config(self.ops, op_name, config, order, *args)
 
     config = Config(24, 6, 256)
     ops = Ops((0, "recv_x", None))
@@ -296,6 +299,136 @@ def test_compiled_normal_ops_fall_back_or_raise():
         Runtime(Ops((status,)))._fast_with_config("dispatch", config, 3, "handle")
     with pytest.raises(RuntimeError, match="CUDA driver error 700 while ordering"):
         Runtime(Ops((Module.DRIVER_ERROR, 700)))._fast_with_config("dispatch", config, 3, "handle")
+
+
+def _cpp_parameters(header, method):
+    """The parameter names of `py::tuple method(...)` in the compiled path's header `header`."""
+    from deep_ep_cpp import _fast
+
+    text = (_fast._HERE / header).read_text()
+    params = text[text.index(f"py::tuple {method}(") + len(f"py::tuple {method}("):]
+    params = params[:params.index(") {")]
+    return [re.findall(r"\w+", p)[-1] for p in params.split(",")]
+
+
+def test_internode_ops_take_the_compiled_path_as_the_intranode_ops_do():
+    """internode_dispatch / internode_combine go through the compiled path's InternodeOps when the
+    Buffer has it (the same selection as the intranode ops: _fast_with_config, so DEEPEP_NCCL_FAST
+    means the same), with their arguments in the order _fast_internode.h declares them; input it
+    does not take (BAD_INPUT, or arguments pybind cannot convert) and a Buffer without it take
+    the ctypes path, which does the ORDER_BEFORE wait itself. A stand-in module here; the GPU
+    suite's test_internode runs the real one (and test_internode_ctypes the ctypes path)."""
+    from deep_ep_cpp import _internode
+
+    class Module:
+        BAD_INPUT = -2
+        DRIVER_ERROR = -3
+
+    class Ops:
+        def __init__(self, answer):
+            self.answer, self.calls = answer, []
+
+        def _answer(self, *args):
+            self.calls.append(args)
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+        dispatch = combine = _answer
+
+    class Runtime(_internode.InternodeMode):
+        _comm_stream_ptr = 77
+        _stream_order = "order"
+        _compute_handle = 5
+        _fast = Module()
+
+        def __init__(self, ops):
+            self._internode_fast = ops
+            self.ctypes_calls, self.waits_before, self.ended = [], [], []
+
+        def _live_handle(self):
+            return "handle"
+
+        def _op_begin(self, previous_event, async_, allocate_on_comm_stream):
+            return "comm", "compute", 3
+
+        def _op_allocated(self, compute, allocate_on_comm_stream):
+            pass
+
+        def _order_before(self, order, stream, compute):
+            self.waits_before.append(order)
+
+        def _op_end(self, comm, compute, async_, allocate_on_comm_stream, tensors, order):
+            self.ended.append(order)
+            return "event"
+
+        def _internode_dispatch_ctypes(self, *args):
+            self.ctypes_calls.append(args)
+            return tuple(f"ctypes_{i}" for i in range(14))
+
+        def _internode_combine_ctypes(self, *args):
+            self.ctypes_calls.append(args)
+            return "ctypes_x", None
+
+    config = Config(24, 6, 256)
+    tail = (ctypes.addressof(config._c), 77, "order", 5, 3)  # config, stream, order, compute, order_flags
+    ops_args = {"dispatch": ("x", "x_scales", "topk_idx", "topk_weights", "num_tokens_per_rank",
+                             "num_tokens_per_rdma_rank", "is_token_in_rank", "num_tokens_per_expert",
+                             "cached_num_recv_tokens", "cached_num_rdma_recv_tokens",
+                             "cached_rdma_channel_prefix_matrix", "cached_recv_rdma_rank_prefix_sum",
+                             "cached_gbl_channel_prefix_matrix", "cached_recv_gbl_rank_prefix_sum",
+                             "expert_alignment", "num_worst_tokens"),
+                "combine": ("x", "topk_weights", "bias_0", "bias_1", "src_meta", "is_combined_token_in_rank",
+                            "rdma_channel_prefix_matrix", "rdma_rank_prefix_sum", "gbl_channel_prefix_matrix",
+                            "combined_rdma_head", "combined_nvl_head")}
+    for op, names in ops_args.items():
+        # The Python op's parameters and the compiled op's, in the same order (pybind passes by position).
+        python_params = list(inspect.signature(getattr(Runtime, f"internode_{op}")).parameters)
+        assert python_params == ["self", *names, "config", "previous_event", "async_", "allocate_on_comm_stream"]
+        assert _cpp_parameters("_fast_internode.h", op) == [
+            "buffer", *names, "config", "stream", "order", "compute", "order_flags"]
+
+    def call(runtime, op, **overrides):
+        values = {name: name for name in ops_args[op]}
+        values.update(overrides)
+        return getattr(runtime, f"internode_{op}")(**values, config=config, previous_event=None, async_=False,
+                                                    allocate_on_comm_stream=False)
+
+    # Non-cached dispatch: the compiled path's 14 entries, as they come, and no ctypes call or wait.
+    fast_result = tuple(f"fast_{i}" for i in range(14))
+    ops = Ops((0, *fast_result))
+    runtime = Runtime(ops)
+    got = call(runtime, "dispatch", cached_rdma_channel_prefix_matrix=None)
+    assert got == (*fast_result, "event")
+    expect = tuple(None if n == "cached_rdma_channel_prefix_matrix" else n for n in ops_args["dispatch"])
+    assert ops.calls == [("handle", *expect, *tail)]
+    assert (runtime.ctypes_calls, runtime.waits_before, runtime.ended) == ([], [], [0])
+    # Cached: DeepEP's cached tuple from the handle's tensors, whichever path ran.
+    got = call(Runtime(Ops((0, *fast_result))), "dispatch")
+    assert got == (*fast_result[:5], "cached_rdma_channel_prefix_matrix", "cached_gbl_channel_prefix_matrix", None,
+                   "cached_recv_rdma_rank_prefix_sum", None, "cached_recv_gbl_rank_prefix_sum", None, None, None,
+                   "event")
+    # Combine: (combined_x, combined_topk_weights, event).
+    ops = Ops((0, "fast_x", "fast_w"))
+    runtime = Runtime(ops)
+    assert call(runtime, "combine") == ("fast_x", "fast_w", "event")
+    assert ops.calls == [("handle", *ops_args["combine"], *tail)]
+    assert (runtime.ctypes_calls, runtime.waits_before, runtime.ended) == ([], [], [0])
+
+    # The ctypes path: for input the compiled path does not take, and without it.
+    for ops in (Ops((Module.BAD_INPUT,)), Ops(TypeError("incompatible function arguments")), None):
+        runtime = Runtime(ops)
+        got = call(runtime, "dispatch", cached_rdma_channel_prefix_matrix=None)
+        assert got == (*(f"ctypes_{i}" for i in range(14)), "event")
+        assert call(runtime, "combine") == ("ctypes_x", None, "event")
+        assert runtime.ctypes_calls == [("handle", *expect, config), ("handle", *ops_args["combine"], config)]
+        assert (runtime.waits_before, runtime.ended) == ([3, 3], [3, 3])
+    # A failed compiled call raises the library's error (no ctypes retry).
+    status = _internode.lib.deepep_check_buffer_args(0, 2, 1000, 0, False)  # leaves a named error behind
+    runtime = Runtime(Ops((status,)))
+    with pytest.raises(RuntimeError, match="num_nvl_bytes"):
+        call(runtime, "combine")
+    assert runtime.ctypes_calls == []
 
 
 def test_stream_protocol_leaves_the_waits_to_the_op():

@@ -266,6 +266,12 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
                     lib.deepep_get_dispatch_layout_outputs, lib.deepep_intranode_dispatch_handle_outputs,
                     lib.deepep_intranode_dispatch_outputs, lib.deepep_intranode_combine_outputs)),
                 self._num_ranks, self._device_id)
+            self._internode_fast = self._fast.InternodeOps(
+                *(ctypes.cast(fn, c_void_p).value for fn in (
+                    lib.deepep_internode_dispatch_handle_outputs, lib.deepep_internode_dispatch_prepare,
+                    lib.deepep_internode_dispatch_outputs, lib.deepep_internode_dispatch,
+                    lib.deepep_internode_combine_outputs, lib.deepep_internode_combine)),
+                self._num_ranks, self._device_id)
 
     def destroy(self):
         handle = self._live_handle()

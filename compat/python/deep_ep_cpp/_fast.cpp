@@ -2,7 +2,9 @@
 // outputs through torch's C++ API, fills the C ABI's argument structs and calls it, in one Python
 // call, with the waits of DeepEP's stream protocol (_fast_streams.h). The ctypes path does the same
 // in about 1.3-2x the host time (bench/bench_ll_host.py, bench/bench_normal.py's host rows). The
-// ops: _fast_ll.h (low-latency), _fast_normal.h (layout, normal dispatch and combine).
+// ops: _fast_ll.h (low-latency), _fast_normal.h (layout, normal dispatch and combine),
+// _fast_internode.h (internode dispatch and combine).
+#include "_fast_internode.h"
 #include "_fast_ll.h"
 #include "_fast_normal.h"
 
@@ -31,4 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("layout", &NormalOps::layout)
       .def("dispatch", &NormalOps::dispatch)
       .def("combine", &NormalOps::combine);
+  py::class_<InternodeOps>(m, "InternodeOps")
+      .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int>())
+      .def("dispatch", &InternodeOps::dispatch)
+      .def("combine", &InternodeOps::combine);
 }

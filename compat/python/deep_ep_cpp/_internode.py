@@ -1,7 +1,8 @@
 """deep_ep_cpp.Buffer's internode normal-mode ops (a buffer across nodes): internode_dispatch /
-internode_combine with DeepEP's positional signatures and tuples, through ctypes (the compiled
-host path does not take them yet). As _normal.py: the library says what to allocate
-(deepep_internode_*_outputs), torch allocates it."""
+internode_combine with DeepEP's positional signatures and tuples, through the compiled host path
+(_fast.py, _fast_internode.h) when it loaded, else through ctypes (also for input the compiled
+path does not take), chosen as the intranode ops choose (StreamProtocol._fast_with_config). As
+_normal.py: the library says what to allocate (deepep_internode_*_outputs), torch allocates it."""
 import ctypes
 import struct
 
@@ -37,6 +38,8 @@ _desc = tensor_fields
 class InternodeMode(StreamProtocol):
     """Mixin for deep_ep_cpp.Buffer (needs _handle, _device, _num_ranks and the stream protocol)."""
 
+    _internode_fast = None  # the compiled host path's InternodeOps (after sync), else the ctypes path
+
     def _internode_init(self):
         self._inter_dispatch_args = ctypes.create_string_buffer(_DISPATCH_ARGS.size)
         self._inter_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
@@ -61,12 +64,22 @@ class InternodeMode(StreamProtocol):
         handle = self._live_handle()
         comm, compute, order = self._op_begin(previous_event, async_, allocate_on_comm_stream)
         try:
-            self._order_before(order, comm, compute)
-            result = self._internode_dispatch_ctypes(
-                handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                is_token_in_rank, num_tokens_per_expert, cached_num_recv_tokens, cached_num_rdma_recv_tokens,
-                cached_rdma_channel_prefix_matrix, cached_recv_rdma_rank_prefix_sum, cached_gbl_channel_prefix_matrix,
-                cached_recv_gbl_rank_prefix_sum, expert_alignment, num_worst_tokens, config)
+            result = self._fast_with_config(
+                self._internode_fast, "dispatch", config, order, handle, x, x_scales, topk_idx, topk_weights,
+                num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+                cached_num_recv_tokens, cached_num_rdma_recv_tokens, cached_rdma_channel_prefix_matrix,
+                cached_recv_rdma_rank_prefix_sum, cached_gbl_channel_prefix_matrix, cached_recv_gbl_rank_prefix_sum,
+                expert_alignment, num_worst_tokens)
+            if result is not None:
+                order = 0  # the compiled path did the waits
+            else:
+                self._order_before(order, comm, compute)
+                result = self._internode_dispatch_ctypes(
+                    handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                    is_token_in_rank, num_tokens_per_expert, cached_num_recv_tokens, cached_num_rdma_recv_tokens,
+                    cached_rdma_channel_prefix_matrix, cached_recv_rdma_rank_prefix_sum,
+                    cached_gbl_channel_prefix_matrix, cached_recv_gbl_rank_prefix_sum, expert_alignment,
+                    num_worst_tokens, config)
         finally:
             self._op_allocated(compute, allocate_on_comm_stream)
         event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (
@@ -86,6 +99,8 @@ class InternodeMode(StreamProtocol):
         cached_rdma_channel_prefix_matrix, cached_recv_rdma_rank_prefix_sum, cached_gbl_channel_prefix_matrix,
         cached_recv_gbl_rank_prefix_sum, expert_alignment, num_worst_tokens, config,
     ):
+        """The dispatch through ctypes: the compiled path's result (InternodeOps.dispatch's, the
+        outputs as the library describes them)."""
         self._check_device("x", x)
         cached = cached_rdma_channel_prefix_matrix is not None
         if cached:
@@ -169,39 +184,57 @@ class InternodeMode(StreamProtocol):
         handle = self._live_handle()
         comm, compute, order = self._op_begin(previous_event, async_, allocate_on_comm_stream)
         try:
-            self._order_before(order, comm, compute)
-            self._check_device("x", x)
-            args = self._inter_combine_args
-            args_addr = ctypes.addressof(args)
-            _COMBINE_ARGS.pack_into(
-                args, 0,
-                *_desc("x", x), *_desc("topk_weights", topk_weights), *_desc("bias_0", bias_0),
-                *_desc("bias_1", bias_1), *_desc("src_meta", src_meta),
-                *_desc("is_combined_token_in_rank", is_combined_token_in_rank),
-                *_desc("rdma_channel_prefix_matrix", rdma_channel_prefix_matrix),
-                *_desc("rdma_rank_prefix_sum", rdma_rank_prefix_sum),
-                *_desc("gbl_channel_prefix_matrix", gbl_channel_prefix_matrix),
-                *_desc("combined_rdma_head", combined_rdma_head), *_desc("combined_nvl_head", combined_nvl_head),
-                *(_ABSENT * 2), *_config_fields(config),
-            )
-            key = (is_combined_token_in_rank.shape, x.dtype, x.shape[1:],
-                   None if topk_weights is None else (topk_weights.dtype, topk_weights.shape[1:]))
-            entry = self._inter_combine_plans.get(key)
-            if entry is None:
-                entry = self._inter_combine_plans.add(key, lib.deepep_internode_combine_outputs, handle, args_addr)
-            allocate, addresses = entry
-            combined_x, combined_topk_weights = allocate(self._device)
-            _memmove(args_addr + _COMBINED_AT, addresses[0], 2 * _DESC_BYTES)
-            status = lib.deepep_internode_combine(handle, args_addr, self._comm_stream_ptr)
-            if status:
-                raise_status(status)
+            result = self._fast_with_config(
+                self._internode_fast, "combine", config, order, handle, x, topk_weights, bias_0, bias_1, src_meta,
+                is_combined_token_in_rank, rdma_channel_prefix_matrix, rdma_rank_prefix_sum,
+                gbl_channel_prefix_matrix, combined_rdma_head, combined_nvl_head)
+            if result is not None:
+                order = 0  # the compiled path did the waits
+            else:
+                self._order_before(order, comm, compute)
+                result = self._internode_combine_ctypes(
+                    handle, x, topk_weights, bias_0, bias_1, src_meta, is_combined_token_in_rank,
+                    rdma_channel_prefix_matrix, rdma_rank_prefix_sum, gbl_channel_prefix_matrix, combined_rdma_head,
+                    combined_nvl_head, config)
         finally:
             self._op_allocated(compute, allocate_on_comm_stream)
+        combined_x, combined_topk_weights = result
         event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (
             x, topk_weights, bias_0, bias_1, src_meta, is_combined_token_in_rank, rdma_channel_prefix_matrix,
             rdma_rank_prefix_sum, gbl_channel_prefix_matrix, combined_rdma_head, combined_nvl_head, combined_x,
             combined_topk_weights), order)
         return combined_x, combined_topk_weights, event
+
+    def _internode_combine_ctypes(self, handle, x, topk_weights, bias_0, bias_1, src_meta, is_combined_token_in_rank,
+                                  rdma_channel_prefix_matrix, rdma_rank_prefix_sum, gbl_channel_prefix_matrix,
+                                  combined_rdma_head, combined_nvl_head, config):
+        """The combine through ctypes: (combined_x, combined_topk_weights or None)."""
+        self._check_device("x", x)
+        args = self._inter_combine_args
+        args_addr = ctypes.addressof(args)
+        _COMBINE_ARGS.pack_into(
+            args, 0,
+            *_desc("x", x), *_desc("topk_weights", topk_weights), *_desc("bias_0", bias_0),
+            *_desc("bias_1", bias_1), *_desc("src_meta", src_meta),
+            *_desc("is_combined_token_in_rank", is_combined_token_in_rank),
+            *_desc("rdma_channel_prefix_matrix", rdma_channel_prefix_matrix),
+            *_desc("rdma_rank_prefix_sum", rdma_rank_prefix_sum),
+            *_desc("gbl_channel_prefix_matrix", gbl_channel_prefix_matrix),
+            *_desc("combined_rdma_head", combined_rdma_head), *_desc("combined_nvl_head", combined_nvl_head),
+            *(_ABSENT * 2), *_config_fields(config),
+        )
+        key = (is_combined_token_in_rank.shape, x.dtype, x.shape[1:],
+               None if topk_weights is None else (topk_weights.dtype, topk_weights.shape[1:]))
+        entry = self._inter_combine_plans.get(key)
+        if entry is None:
+            entry = self._inter_combine_plans.add(key, lib.deepep_internode_combine_outputs, handle, args_addr)
+        allocate, addresses = entry
+        combined_x, combined_topk_weights = allocate(self._device)
+        _memmove(args_addr + _COMBINED_AT, addresses[0], 2 * _DESC_BYTES)
+        status = lib.deepep_internode_combine(handle, args_addr, self._comm_stream_ptr)
+        if status:
+            raise_status(status)
+        return combined_x, combined_topk_weights
 
     @without_torch_function
     def internode_query_traffic_buffer(self, traffic):

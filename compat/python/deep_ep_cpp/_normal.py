@@ -69,17 +69,6 @@ class NormalMode(StreamProtocol):
                 f"got one on {t.device}"
             )
 
-    def _fast_with_config(self, op_name, config, order, *args):
-        """_fast_call of the compiled path's normal op `op_name` with the config's C struct, the comm
-        stream and the stream ordering (`order`: _op_begin's) appended; None without the compiled
-        path or for a config it cannot read."""
-        fast = self._normal_fast
-        c_config = getattr(config, "_c", None)
-        if fast is None or c_config is None:
-            return None
-        return self._fast_call(getattr(fast, op_name), *args, ctypes.addressof(c_config), self._comm_stream_ptr,
-                               self._stream_order, self._compute_handle, order)
-
     @without_torch_function
     def intranode_dispatch(
         self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
@@ -93,7 +82,7 @@ class NormalMode(StreamProtocol):
         comm, compute, order = self._op_begin(previous_event, async_, allocate_on_comm_stream)
         try:
             result = self._fast_with_config(
-                "dispatch", config, order, handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
+                self._normal_fast, "dispatch", config, order, handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
                 is_token_in_rank, num_tokens_per_expert, cached_num_recv_tokens, cached_rank_prefix_matrix,
                 cached_channel_prefix_matrix, expert_alignment, num_worst_tokens)
             if result is not None:
@@ -201,8 +190,9 @@ class NormalMode(StreamProtocol):
         handle = self._live_handle()
         comm, compute, order = self._op_begin(previous_event, async_, allocate_on_comm_stream)
         try:
-            result = self._fast_with_config("combine", config, order, handle, x, topk_weights, bias_0, bias_1,
-                                            src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head)
+            result = self._fast_with_config(self._normal_fast, "combine", config, order, handle, x, topk_weights,
+                                            bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix,
+                                            send_head)
             if result is not None:
                 order = 0  # the compiled path did the waits
             else:

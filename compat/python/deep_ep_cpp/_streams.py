@@ -3,6 +3,7 @@ kernels run on the comm stream after `previous_event` (or the compute stream); w
 the caller gets an EventHandle and every tensor is record_stream'ed, otherwise the compute
 stream waits for the comm stream."""
 import contextlib
+import ctypes
 import functools
 
 from ._event import EventHandle
@@ -126,6 +127,17 @@ class StreamProtocol:
         if order & ORDER_AFTER:
             stream_wait_stream(self._sync_event, compute, comm)
         return None
+
+    def _fast_with_config(self, ops, op_name, config, order, *args):
+        """_fast_call of the compiled path's op `op_name` of `ops` (NormalOps, InternodeOps) with
+        the config's C struct, the comm stream and the stream ordering (`order`: _op_begin's)
+        appended; None without the compiled path (`ops` None) or for a config it cannot read. The
+        one selection of intranode and internode normal ops: the caller takes the ctypes path on None."""
+        c_config = getattr(config, "_c", None)
+        if ops is None or c_config is None:
+            return None
+        return self._fast_call(getattr(ops, op_name), *args, ctypes.addressof(c_config), self._comm_stream_ptr,
+                               self._stream_order, self._compute_handle, order)
 
     def _fast_call(self, op, *args):
         """Runs `op` of the compiled host path: its result without the status, or None for input
