@@ -11,7 +11,8 @@
 #   SUITE_STEPS       space-separated step names to run, in the suite's order
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
 #                     steps: smoke_normal test_normal test_normal_ctypes test_normal_protocol
-#                     test_normal_shrink test_internode_shrink example_normal bench_normal test_internode test_internode_protocol
+#                     test_normal_shrink test_internode_shrink example_normal bench_normal test_internode test_internode_ctypes
+#                     test_internode_protocol
 #                     bench_internode test_internode_virtual
 #                     smoke_low_latency test_fast_build test_low_latency test_ll_ctypes
 #                     example_ll bench_ll test_ll_virtual test_ll_generations test_ll_generations_2gpu
@@ -41,7 +42,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_normal_protocol test_normal_shrink test_internode_shrink example_normal bench_normal test_internode
-           test_internode_protocol bench_internode test_internode_virtual
+           test_internode_ctypes test_internode_protocol bench_internode test_internode_virtual
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
            test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host
            test_buffer test_soak test_layout test_layout_ctypes test_python quickstart bench_layout
@@ -125,9 +126,9 @@ example() {
 }
 
 step smoke_normal 200 "$PYTHON" tests/gpu/smoke_normal.py
-# The ops' compiled host path (deep_ep_cpp/_fast.py) is required in test_normal, test_low_latency
-# and test_layout, so that a failed build fails the suite instead of testing the ctypes path
-# twice; the *_ctypes steps run the same tests on that path.
+# The ops' compiled host path (deep_ep_cpp/_fast.py) is required in test_normal, test_internode,
+# test_low_latency and test_layout, so that a failed build fails the suite instead of testing the
+# ctypes path twice; the *_ctypes steps run the same tests on that path.
 step test_normal 600 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_normal.py
 step test_normal_ctypes 600 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_normal.py
 # Stale flag values, corrupted handles inside guard regions, graph replay after a stall (2 GPUs).
@@ -138,7 +139,8 @@ step test_internode_shrink 300 "$PYTHON" tests/gpu/test_internode_shrink.py
 example example_normal "$EXAMPLE_NORMAL"
 step bench_normal 420 "$PYTHON" bench/bench_normal.py ${BENCH_NORMAL_ARGS:-} --json "$LOG_DIR/bench_normal.json"
 # Internode normal mode on 2 GPUs as 2 virtual nodes of 1 (the scale-out leg emulated over NVLink).
-step test_internode 400 "$PYTHON" tests/gpu/test_internode.py
+step test_internode 400 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_internode.py
+step test_internode_ctypes 400 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_internode.py
 # Internode handles corrupted on one rank: guards around every output untouched, the entry named.
 step test_internode_protocol 300 "$PYTHON" tests/gpu/test_internode_protocol.py
 step bench_internode 300 "$PYTHON" bench/bench_internode.py --sms 8 12 16 20 24 --json "$LOG_DIR/bench_internode.json"

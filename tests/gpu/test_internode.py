@@ -14,8 +14,13 @@ two heads as combine rewrote them, and the traffic counters of the dispatch and 
 (Buffer.internode_query_traffic_buffer against internode_reference.traffic_rows: scale-out rows =
 distinct other destination nodes per token, bytes = rows x the row; the NVLink leg's rows where a
 node has more than one GPU). Then num_worst_tokens (defined
-rows only), and one low_latency_mode buffer serving internode and LL ops (DeepEP's
---test-ll-compatibility).
+rows only), DeepEP's stream protocol (the comm stream waits for the current stream or
+previous_event, async_finish's event, allocate_on_comm_stream), input the library refuses (the
+same RuntimeError text on the compiled host path and on the ctypes path), and one low_latency_mode
+buffer serving internode and LL ops (DeepEP's --test-ll-compatibility). Under DEEPEP_NCCL_FAST=1
+(bench/gpu_suite.sh's test_internode) every dispatch and combine of a few round trips must be
+run by the compiled host path (InternodeOps, _fast_internode.h), not handed to ctypes;
+DEEPEP_NCCL_FAST=0 (test_internode_ctypes) runs everything on the ctypes path.
 
 Run: python tests/gpu/test_internode.py (needs 2 GPUs; runs 2, 4 and 8 ranks as far as GPUs allow)."""
 import os
@@ -26,13 +31,14 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import Checks, assert_same, finish, random_topk, skip, spawn
+from common import Checks, assert_same, expect_raises_match, finish, random_topk, skip, spawn
 import internode_reference as ir
 from normal_reference import gather_rows
 from ll_reference import bf16_ulp_distance, ref_ll_combine, ref_ll_dispatch
 
 E = 64
 MAX_HIDDEN = 7168
+SPIN_CYCLES = 20_000_000  # ~10 ms of GPU time: the host enqueues the call behind a delayed copy
 
 
 def make_ctx(group, rep):
@@ -212,6 +218,177 @@ def roundtrip(ctx, tokens=4096, hidden=2048, topk=8, routing='random', fp8=False
     chk.done()
 
 
+def routed(ctx, tokens, topk=8, routing='random'):
+    """(topk_idx, weights, layout args of dispatch): a routing and its layout (checked)."""
+    chk = Checks()
+    topk_idx = route(routing, tokens, topk, ctx.world)
+    weights = torch.rand(tokens, topk, dtype=torch.float32)
+    per_rank, per_rdma, per_expert, in_rank = layout(ctx, ctx.buffer, topk_idx, chk)
+    chk.agree(ctx.group)
+    chk.done()
+    return topk_idx, weights, dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+                                   is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                   topk_weights=weights)
+
+
+def delayed(tensor, value):
+    """Copies value into tensor behind ~10 ms of GPU work on the current stream: a call that does
+    not wait for the current stream (or previous_event) reads the old contents."""
+    torch.cuda._sleep(SPIN_CYCLES)
+    tensor.copy_(value)
+
+
+def stream_order(ctx, previous_event=False, async_=False, on_comm_stream=False):
+    """The comm stream waits for the current stream (or previous_event), and the current stream
+    for the op (or async_finish's event): dispatch, combine and cached dispatch read inputs
+    written by a delayed copy just before the call. The references are computed first, so their
+    gathers do not synchronise the copy away. The compiled path does these waits in C++
+    (_fast_streams.h), the ctypes path in Python (_streams.py)."""
+    buffer, chk = ctx.buffer, Checks()
+    tokens, hidden = 512, 2048
+    topk_idx, weights, args = routed(ctx, tokens)
+    in_rank, per_expert = args['is_token_in_rank'], args['num_tokens_per_expert']
+    config = deep_ep.Buffer.get_dispatch_config(ctx.world)
+    combine_config = deep_ep.Buffer.get_combine_config(ctx.world)
+    kwargs = dict(async_finish=async_, allocate_on_comm_stream=on_comm_stream)
+
+    def call(fn, *call_args, **more):
+        kw = dict(kwargs, **more)
+        if previous_event:
+            kw['previous_event'] = deep_ep.Buffer.capture()
+        out = fn(*call_args, **kw)
+        chk.expect((out[-1].event is not None) == async_, f'{fn.__name__}: an event iff async_finish')
+        if out[-1].event is not None:
+            out[-1].current_stream_wait()
+        return out
+
+    def reference(x):
+        return ir.ref_internode_dispatch(ctx.group, x, in_rank, per_expert, topk_idx, weights,
+                                         num_nvl_ranks=ctx.node_size, num_channels=config.num_sms // 2)
+
+    x, new_x = (torch.randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(2))
+    ref = reference(new_x)
+    n = ref.num_recv
+    delayed(x, new_x)
+    recv_x, _, recv_weights, _, handle, _ = call(buffer.dispatch, x, **args, config=config)
+    chk(assert_same, 'recv_x', recv_x[:n], ref.recv_x[:n])
+    chk(assert_same, 'recv_topk_weights', recv_weights[:n], ref.recv_topk_weights[:n])
+    chk.agree(ctx.group)
+
+    y, new_y = (torch.randn(recv_x.size(0), hidden, dtype=torch.bfloat16) for _ in range(2))
+    want_x, want_w = ir.ref_internode_combine(ctx.group, in_rank, new_y[:n], n, recv_weights[:n], None,
+                                              num_nvl_ranks=ctx.node_size)
+    delayed(y, new_y)
+    combined_x, combined_w, _ = call(buffer.combine, y, handle, topk_weights=recv_weights, config=combine_config)
+    chk(assert_same, 'combined_x', combined_x, want_x)
+    chk(assert_same, 'combined_topk_weights', combined_w, want_w)
+
+    x, new_x = (torch.randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(2))
+    ref = reference(new_x)
+    delayed(x, new_x)
+    again, *_ = call(buffer.dispatch, x, handle=handle, config=config)
+    chk(assert_same, 'cached recv_x', again[:n], ref.recv_x[:n])
+    chk.done()
+
+
+def same_error(what, runtime, fn, pattern):
+    """fn() raises a RuntimeError matching pattern, with the same text as the Buffer is set up
+    (the compiled path where it loaded) and on the ctypes path."""
+    configured = str(expect_raises_match(f'{what} (as configured)', RuntimeError, fn, pattern))
+    saved = runtime._internode_fast
+    runtime._internode_fast = None  # the ctypes path for this call only
+    try:
+        ctypes_text = str(expect_raises_match(f'{what} (ctypes path)', RuntimeError, fn, pattern))
+    finally:
+        runtime._internode_fast = saved
+    assert configured == ctypes_text, f'{what}: {configured!r} as configured, {ctypes_text!r} on the ctypes path'
+
+
+def bad_input(ctx):
+    """Input refused before anything is launched (so on this rank alone): each raises the same
+    RuntimeError naming the argument on both paths (the compiled path hands input it does not
+    take to the ctypes path, which names it; the library's own refusals carry the library's
+    message on both). The buffer then still works."""
+    buffer, runtime, chk = ctx.buffer, ctx.buffer.runtime, Checks()
+    tokens, hidden = 64, 2048
+    _, _, args = routed(ctx, tokens)
+    config = deep_ep.Buffer.get_dispatch_config(ctx.world)
+    combine_config = deep_ep.Buffer.get_combine_config(ctx.world)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(x, **args, config=config)
+    y = torch.randn(recv_x.size(0), hidden, dtype=torch.bfloat16)
+    odd = deep_ep.Config(config.num_sms - 1, config.num_max_nvl_chunked_send_tokens,
+                         config.num_max_nvl_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens,
+                         config.num_max_rdma_chunked_recv_tokens)
+    partial_handle = tuple(None if i == 6 else h for i, h in enumerate(handle))  # no recv_gbl_rank_prefix_sum
+    cases = {
+        'dispatch x on the CPU': (lambda: buffer.dispatch(x.cpu(), **args, config=config), r'\bx\b'),
+        'dispatch x float64': (lambda: buffer.dispatch(x.double(), **args, config=config), r'\bx\b'),
+        'dispatch hidden 1001': (lambda: buffer.dispatch(torch.randn(tokens, 1001, dtype=torch.bfloat16), **args,
+                                                         config=config), r'\bx\b|hidden'),
+        'dispatch odd num_sms': (lambda: buffer.dispatch(x, **args, config=odd), r'num_sms'),
+        'cached dispatch without recv_gbl_rank_prefix_sum': (
+            lambda: buffer.dispatch(x, handle=partial_handle, config=config), r'cached'),
+        'combine x on the CPU': (lambda: buffer.combine(y.cpu(), handle, topk_weights=recv_weights,
+                                                        config=combine_config), r'\bx\b'),
+        'combine x float32': (lambda: buffer.combine(y.float(), handle, topk_weights=recv_weights,
+                                                     config=combine_config), r'\bx\b'),
+    }
+    for what, (fn, pattern) in cases.items():
+        chk(same_error, what, runtime, fn, pattern)
+    chk.agree(ctx.group)
+    roundtrip(ctx, tokens=17)
+    chk.done()
+
+
+class PathSpy:
+    """Stands in for a Buffer's InternodeOps and records each op's answer: 0 when the compiled
+    path ran it, its BAD_INPUT or a TypeError (pybind refused an argument) when it handed the
+    call to the ctypes path."""
+
+    def __init__(self, ops):
+        self.ops, self.answers = ops, []
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+
+        def run(*args):
+            try:
+                result = op(*args)
+            except TypeError:
+                self.answers.append((name, 'TypeError'))
+                raise
+            self.answers.append((name, result[0]))
+            return result
+
+        return run
+
+
+def compiled_path_taken(ctx):
+    """DEEPEP_NCCL_FAST=1: the compiled path runs every dispatch (non-cached, cached, FP8,
+    num_worst_tokens) and combine of these round trips itself; =0: the Buffer has no
+    InternodeOps (every op takes the ctypes path)."""
+    setting = os.environ.get('DEEPEP_NCCL_FAST', '')
+    runtime = ctx.buffer.runtime
+    if setting == '0':
+        assert runtime._internode_fast is None, 'DEEPEP_NCCL_FAST=0, yet the Buffer has InternodeOps'
+        return
+    if runtime._internode_fast is None:
+        assert setting != '1', 'DEEPEP_NCCL_FAST=1, yet the Buffer has no InternodeOps'
+        return
+    spy = PathSpy(runtime._internode_fast)
+    runtime._internode_fast = spy
+    try:
+        roundtrip(ctx, tokens=256)
+        roundtrip(ctx, tokens=256, fp8=True, routing='skewed')
+        roundtrip(ctx, tokens=256, num_worst_tokens='all')
+    finally:
+        runtime._internode_fast = spy.ops
+    # Per round trip: dispatch, a cached dispatch (not with num_worst_tokens) and three combines.
+    want = ([('dispatch', 0)] * 2 + [('combine', 0)] * 3) * 2 + [('dispatch', 0)] + [('combine', 0)] * 3
+    assert spy.answers == want, f'the compiled path answered {spy.answers}, expected {want}'
+
+
 LL_SHAPE = (64, 2048, 16)  # M, H, E of the LL ops on the shared buffer
 LL_TOPK = 4
 
@@ -279,6 +456,13 @@ CASES = {
     'num_worst_tokens_T4096_H2048': dict(num_worst_tokens='all'),
 }
 
+STREAM_CASES = {
+    'waits_for_compute_stream': dict(),
+    'previous_event_sync': dict(previous_event=True),
+    'async_finish': dict(async_=True),
+    'previous_event_async_allocate_on_comm_stream': dict(previous_event=True, async_=True, on_comm_stream=True),
+}
+
 
 def worker(rank, world, group, rep):
     ctx = make_ctx(dist.new_group(list(range(world))), rep)
@@ -286,6 +470,10 @@ def worker(rank, world, group, rep):
         return
     for name, spec in CASES.items():
         rep.run(name, lambda spec=spec: roundtrip(ctx, **spec))
+    rep.run('compiled_path_as_asked', lambda: compiled_path_taken(ctx))
+    for name, spec in STREAM_CASES.items():
+        rep.run(name, lambda spec=spec: stream_order(ctx, **spec))
+    rep.run('bad_input_same_error_both_paths', lambda: bad_input(ctx))
     rep.run('ll_compatibility', lambda: ll_compatibility(ctx))
     rep.run('destroy_buffer', ctx.buffer.destroy)
 
