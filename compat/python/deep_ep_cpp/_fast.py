@@ -1,5 +1,5 @@
 """The compiled host path of the ops (_fast.cpp with _fast_*.h: get_dispatch_layout, the normal
-and the low-latency dispatch/combine).
+(intranode and internode) and the low-latency dispatch/combine).
 
 `module()` returns the extension module, or None: then the ops take the ctypes path, which gives
 the same results in about 1.5-2x the host time. The module is the first of these that applies:
