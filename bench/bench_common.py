@@ -119,6 +119,24 @@ def resolve_package(args):
     return found
 
 
+def host_loop(fn, num_calls, num_warmups=20):
+    """Host time of the call itself: perf_counter around num_calls back-to-back calls, one
+    synchronize at the end. Returns (us per call until the loop returns, us per call including
+    the final synchronize)."""
+    for _ in range(num_warmups):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(num_calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / num_calls * 1e6, (t2 - t0) / num_calls * 1e6
+
+
 def host_paths(buffer, package, attr, group=None):
     """{host path name: a function that makes buffer use it}, and a function restoring the original.
     Ours: 'compiled' (deep_ep_cpp/_fast.cpp, buffer.runtime.<attr>) where every rank loaded it (each

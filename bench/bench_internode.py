@@ -7,10 +7,14 @@ its min(nodes, 4) best nodes); BF16 dispatch through the cached handle (DeepEP's
 BF16 combine, timed as DeepEP's tests/utils.bench. Reported: GB/s = received bytes / time
 (DeepEP's counting, all rows); DeepEP's two internode bandwidths, the bytes each leg carried (the
 buffer's traffic counters) / time; each op's kernels by stage (notify, data kernel; kineto, rank
-0). Plot: bench/plot_internode.py.
+0). First, before any profiler session, the host time per call of the internode ops at T=128 (the
+loop is host-bound) on each host path: the compiled one (InternodeOps, _fast_internode.h) where
+every rank loaded it, and ctypes; the paths alternate, each keeps its best round (--skip-host: not
+measured). Plot: bench/plot_internode.py.
 
 Run: python bench/bench_internode.py [--json PATH] [--sms 24 ...] [--tokens 4096] [--worlds 2 4 ...]
      [--chunks NVL_SEND NVL_RECV RDMA_SEND RDMA_RECV]  (Config after num_sms; default 8 256 16 128)
+     [--skip-host]
 """
 import argparse
 import json
@@ -21,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from bench_common import bench, init_worker, spawn_workers, trace_events
+from bench_common import OURS, bench, host_loop, host_paths, init_worker, spawn_workers, trace_events
 
 HIDDEN = 7168
 NUM_EXPERTS = 256
@@ -121,13 +125,56 @@ def traffic(buffer):
     return out.tolist()
 
 
+HOST_TOKENS = 128  # kernels are short: the loop is host-bound
+HOST_CALLS = 500
+HOST_ROUNDS = 5  # per op: the paths alternate, best round kept (the CPU's speed drifts)
+
+
+def measure_host(buffer, group, num_sms, chunks, say):
+    """{op: {host path: {'launch_us', 'wall_us'}}}: host us per call of the Python layer on the
+    internode buffer at T=HOST_TOKENS (bench_common.host_loop), on each host path
+    (bench_common.host_paths over _internode_fast: 'compiled' where every rank loaded it, 'ctypes')."""
+    topk_idx = grouped_topk(HOST_TOKENS, nodes=2)
+    weights = torch.rand(HOST_TOKENS, NUM_TOPK, dtype=torch.float32, device='cuda')
+    x = torch.randn(HOST_TOKENS, HIDDEN, dtype=torch.bfloat16, device='cuda')
+    per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+    cfg = config(num_sms, chunks)
+    layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **layout, config=cfg)
+    ops = {'dispatch (cached)': lambda: buffer.dispatch(x, handle=handle, config=cfg),
+           'dispatch (non-cached)': lambda: buffer.dispatch(x, **layout, config=cfg),
+           'combine': lambda: buffer.combine(recv_x, handle, config=cfg)}
+    paths, restore = host_paths(buffer, OURS, '_internode_fast', group)
+    rows = {}
+    try:
+        for name, fn in ops.items():
+            best = {}
+            for _ in range(HOST_ROUNDS):
+                for path, use in paths.items():
+                    use()
+                    launch_us, wall_us = host_loop(fn, HOST_CALLS)
+                    if path not in best or launch_us < best[path]['launch_us']:
+                        best[path] = {'launch_us': launch_us, 'wall_us': wall_us}
+            rows[name] = best
+            say(f'host, T={HOST_TOKENS}, SMs {num_sms}: internode {name}: '
+                + ', '.join(f'{path} {b["launch_us"]:.1f} us/call' for path, b in best.items()) + ' (rank 0)')
+    finally:
+        restore()
+    return rows
+
+
 def worker(rank, world, port, args):
     say = init_worker(rank, world, port)
     torch.set_default_dtype(torch.bfloat16)
     group = dist.new_group(list(range(world)))
     intra, inter = make_buffers(group, world, max(args.sms), args.chunks)
     results = []
+    host = None
     try:
+        # Before any profiler session (CUPTI can leave launch overhead behind).
+        if not args.skip_host:
+            host = measure_host(inter, group, max(args.sms), args.chunks, say)
         for num_sms in args.sms:
             row = {'num_sms': num_sms, 'num_tokens': args.tokens, 'chunks': list(args.chunks)}
             for name, buffer in (('intranode', intra), ('internode', inter)):
@@ -161,7 +208,7 @@ def worker(rank, world, port, args):
         if os.path.exists(args.json):  # one file for every world size of this run
             with open(args.json) as f:
                 runs = json.load(f)['runs']
-        runs.append({'world': world, 'nodes': 2, 'node_size': world // 2, 'results': results})
+        runs.append({'world': world, 'nodes': 2, 'node_size': world // 2, 'results': results, 'host': host})
         with open(args.json, 'w') as f:
             json.dump({'shape': {'hidden': HIDDEN, 'experts': NUM_EXPERTS, 'topk': NUM_TOPK}, 'runs': runs}, f, indent=1)
 
@@ -175,6 +222,7 @@ if __name__ == '__main__':
     parser.add_argument('--chunks', type=int, nargs=4, default=DEFAULT_CHUNKS,
                         metavar=('NVL_SEND', 'NVL_RECV', 'RDMA_SEND', 'RDMA_RECV'),
                         help="Config's chunk fields after num_sms (default: %(default)s)")
+    parser.add_argument('--skip-host', action='store_true', help='no host-time measurement')
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
     worlds = args.worlds or [w for w in (2, 4, 8) if w <= gpus]

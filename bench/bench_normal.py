@@ -25,7 +25,6 @@ import os
 import re
 import socket
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,7 @@ import torch.profiler
 
 import deep_ep
 from bench_common import (AllToAllDispatcher, DeepEPDefaults, add_package_arg, bench as deepep_bench, detect_package,
-                          host_paths, init_worker, resolve_package, spawn_workers, trace_events)
+                          host_loop, host_paths, init_worker, resolve_package, spawn_workers, trace_events)
 
 HIDDEN = 7168
 NUM_EXPERTS = 256
@@ -147,24 +146,6 @@ def kineto(fn, marker, num_calls=KINETO_CALLS):
         name = e['name'][:160]
         breakdown[name] = breakdown.get(name, 0.0) + float(e['dur']) / num_calls
     return kernel_us, copy_us, busy / num_calls, len(kernels) / num_calls, breakdown, found
-
-
-def host_loop(fn, num_calls, num_warmups=20):
-    """Host time of the call itself: perf_counter around num_calls back-to-back calls, one
-    synchronize at the end. Returns (us per call until the loop returns, us per call including
-    the final synchronize)."""
-    for _ in range(num_warmups):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(num_calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / num_calls * 1e6, (t2 - t0) / num_calls * 1e6
 
 
 def rank_mean(values):
