@@ -1161,3 +1161,21 @@ def test_compiled_path_refuses_out_of_range_ints_instead_of_truncating():
     assert ops.layout(0x4445_0100_0001_0000, topk, 2**32 + 8, 0, order, 0, 0) == (fast.BAD_INPUT,)
     with pytest.raises(TypeError, match="incompatible function arguments"):
         ops.layout(0x4445_0100_0001_0000, topk, 2**64, 0, order, 0, 0)
+    # The internode ops: the same refusals, and a cached dispatch without the whole handle.
+    inter = fast.InternodeOps(*(null_fn,) * 6, 2, 0)
+    x = torch.zeros(4, 16, dtype=torch.bfloat16, device="cuda:0")
+    in_rank = torch.zeros(4, 2, dtype=torch.bool, device="cuda:0")
+    matrix = torch.zeros(2, 12, dtype=torch.int32, device="cuda:0")
+
+    def dispatch(num_recv=0, num_rdma_recv=0, handle=(None,) * 4, alignment=1, worst=0):
+        return inter.dispatch(0x4445_0100_0001_0000, x, None, None, None, None, None, in_rank, None, num_recv,
+                              num_rdma_recv, *handle, alignment, worst, 0, 0, order, 0, 0)
+
+    for kwargs in (dict(num_recv=2**32 + 5), dict(num_rdma_recv=-2**31 - 1), dict(alignment=2**31), dict(worst=2**40),
+                   dict(handle=(matrix, None, matrix, None))):
+        assert dispatch(**kwargs) == (fast.BAD_INPUT,), kwargs
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        dispatch(alignment=2**64)
+    cpu_x = x.cpu()
+    assert inter.combine(0x4445_0100_0001_0000, cpu_x, None, None, None, in_rank, in_rank, matrix, matrix, matrix,
+                         matrix, matrix, 0, 0, order, 0, 0) == (fast.BAD_INPUT,)
