@@ -17,7 +17,8 @@ Handle entries (DeepEP's order): 0 is_token_in_rank, 1 rdma_channel_prefix_matri
 Run: python tests/gpu/test_internode_protocol.py (needs 2 GPUs)."""
 import os
 
-os.environ['DEEPEP_NCCL_FAST'] = '0'  # before deep_ep loads (internode ops take the ctypes path anyway)
+os.environ['DEEPEP_NCCL_FAST'] = '0'  # before deep_ep loads: the guards are the ctypes path's allocations
+# (the compiled path, _fast_internode.h, allocates through torch's C++ API, which GuardedTorch cannot reach)
 
 import sys
 

@@ -78,7 +78,8 @@ def dispatch(buf, x, topk, weights):
 
 def late_dispatch(buf, x, topk, w, cycles):
     """A dispatch whose data kernel starts `cycles` after its notify (prepare + host wait): the
-    ctypes launch wrapped with a GPU sleep before it, as test_normal.late_dispatch."""
+    ctypes launch wrapped with a GPU sleep before it, as test_normal.late_dispatch (this call takes
+    the ctypes path: the compiled one calls the library's launch directly)."""
     from deep_ep_cpp import _internode
 
     launch = _internode.lib.deepep_internode_dispatch
@@ -88,11 +89,14 @@ def late_dispatch(buf, x, topk, w, cycles):
             torch.cuda._sleep(cycles)
         return launch(handle, args, outs, stream)
 
+    runtime = buf.runtime
+    compiled, runtime._internode_fast = runtime._internode_fast, None
     _internode.lib.deepep_internode_dispatch = delayed
     try:
         return dispatch(buf, x, topk, w)[0]
     finally:
         _internode.lib.deepep_internode_dispatch = launch
+        runtime._internode_fast = compiled
 
 
 def rows_of(src_x, src_topk, src_w, me, world=2):
