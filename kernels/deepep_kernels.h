@@ -581,6 +581,11 @@ typedef int DeepepLaunchLlCombine(const void* dev_comm, const DeepepLlCombinePar
 // mode), the params' regions and GIN signals zeroed, a second barrier.
 typedef int DeepepLaunchLlClean(const void* dev_comm, const DeepepLlCleanParams* params, int remote_kind,
                                 void* stream);
+// Loads (on the current device) every kernel the build's launchers and the layout launcher can
+// select, before any launch: with CUDA's lazy loading, a kernel's first launch loads its module,
+// which may wait for running kernels, so a first launch of a kernel that a spinning kernel waits
+// for could deadlock (CUDA programming guide, "Lazy Loading"). Idempotent.
+typedef int DeepepPreloadKernels(void);
 
 typedef struct DeepepNcclBuild {
   int32_t nccl_version;             // NCCL_VERSION_CODE of the headers this build was compiled against
@@ -603,6 +608,7 @@ typedef struct DeepepNcclBuild {
   DeepepLaunchInternodeNotify* launch_internode_notify;
   DeepepLaunchInternodeDispatch* launch_internode_dispatch;
   DeepepLaunchInternodeCombine* launch_internode_combine;
+  DeepepPreloadKernels* preload_kernels;
 } DeepepNcclBuild;
 
 // A build's table is returned by deepep_nccl_build_<NCCL_VERSION_CODE of its headers>(); build.rs
@@ -630,6 +636,9 @@ DeepepLaunchLlClean deepep_launch_ll_clean;
 DeepepLaunchInternodeNotify deepep_launch_internode_notify;
 DeepepLaunchInternodeDispatch deepep_launch_internode_dispatch;
 DeepepLaunchInternodeCombine deepep_launch_internode_combine;
+DeepepPreloadKernels deepep_preload_kernels;
+// The layout kernels' share (kernels/layout.cu, NCCL-independent: one global copy).
+DeepepPreloadKernels deepep_preload_layout_kernels;
 #endif
 
 #ifdef __cplusplus

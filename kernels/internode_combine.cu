@@ -657,7 +657,17 @@ __global__ void __launch_bounds__(kCombineThreads, 1) internode_combine_kernel(
   finish_op<kShrink>(c);
 }
 
+// The launcher's kernels, by [remote kind: emulated, GIN][shrink]. The GIN row is compiled in
+// every build, as before; the launcher selects it only where DEEPEP_HAVE_GIN.
+constexpr void (*kCombineKernels[2][2])(ncclDevComm, DeepepInternodeCombineParams) = {
+    {internode_combine_kernel<ll::kRemoteEmulated, false>, internode_combine_kernel<ll::kRemoteEmulated, true>},
+    {internode_combine_kernel<ll::kRemoteGin, false>, internode_combine_kernel<ll::kRemoteGin, true>},
+};
+
 }  // namespace internode
+
+cudaError_t preload_internode_combine_kernels() { return load_kernels(internode::kCombineKernels); }
+
 }  // namespace deepep
 
 extern "C" int deepep_launch_internode_combine(const void* dev_comm, const DeepepInternodeCombineParams* params,
@@ -670,13 +680,9 @@ extern "C" int deepep_launch_internode_combine(const void* dev_comm, const Deepe
   if (N < 1 || N > DEEPEP_INTERNODE_MAX_NODES) return int(cudaErrorInvalidValue);
   const size_t smem = size_t(combine_shared_bytes(N));
   const bool shrink = params->common.shrink != 0;
-  if (remote_kind == DEEPEP_LL_REMOTE_EMULATED)
-    return deepep::launch_kernel(shrink ? internode_combine_kernel<deepep::ll::kRemoteEmulated, true>
-                                        : internode_combine_kernel<deepep::ll::kRemoteEmulated, false>,
-                                 blocks, kCombineThreads, smem, s, dc, *params);
-  if (remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN)
-    return deepep::launch_kernel(shrink ? internode_combine_kernel<deepep::ll::kRemoteGin, true>
-                                        : internode_combine_kernel<deepep::ll::kRemoteGin, false>,
-                                 blocks, kCombineThreads, smem, s, dc, *params);
-  return int(cudaErrorInvalidValue);
+  const int by_remote = remote_kind == DEEPEP_LL_REMOTE_EMULATED ? 0
+                        : remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN ? 1
+                                                                               : -1;
+  if (by_remote < 0) return int(cudaErrorInvalidValue);
+  return deepep::launch_kernel(kCombineKernels[by_remote][shrink ? 1 : 0], blocks, kCombineThreads, smem, s, dc, *params);
 }

@@ -616,7 +616,17 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(
   finish_op<kShrink>(c);
 }
 
+// The launcher's kernels, by [remote kind: emulated, GIN][shrink]. The GIN row is compiled in
+// every build, as before; the launcher selects it only where DEEPEP_HAVE_GIN.
+constexpr void (*kDispatchKernels[2][2])(ncclDevComm, DeepepInternodeDispatchParams) = {
+    {internode_dispatch_kernel<ll::kRemoteEmulated, false>, internode_dispatch_kernel<ll::kRemoteEmulated, true>},
+    {internode_dispatch_kernel<ll::kRemoteGin, false>, internode_dispatch_kernel<ll::kRemoteGin, true>},
+};
+
 }  // namespace internode
+
+cudaError_t preload_internode_dispatch_kernels() { return load_kernels(internode::kDispatchKernels); }
+
 }  // namespace deepep
 
 extern "C" int deepep_launch_internode_dispatch(const void* dev_comm, const DeepepInternodeDispatchParams* params,
@@ -626,13 +636,9 @@ extern "C" int deepep_launch_internode_dispatch(const void* dev_comm, const Deep
   const auto s = static_cast<cudaStream_t>(stream);
   const int blocks = 2 * params->common.num_channels;
   const bool shrink = params->common.shrink != 0;
-  if (remote_kind == DEEPEP_LL_REMOTE_EMULATED)
-    return deepep::launch_kernel(shrink ? internode_dispatch_kernel<deepep::ll::kRemoteEmulated, true>
-                                        : internode_dispatch_kernel<deepep::ll::kRemoteEmulated, false>,
-                                 blocks, kThreads, 0, s, dc, *params);
-  if (remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN)
-    return deepep::launch_kernel(shrink ? internode_dispatch_kernel<deepep::ll::kRemoteGin, true>
-                                        : internode_dispatch_kernel<deepep::ll::kRemoteGin, false>,
-                                 blocks, kThreads, 0, s, dc, *params);
-  return int(cudaErrorInvalidValue);
+  const int by_remote = remote_kind == DEEPEP_LL_REMOTE_EMULATED ? 0
+                        : remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN ? 1
+                                                                               : -1;
+  if (by_remote < 0) return int(cudaErrorInvalidValue);
+  return deepep::launch_kernel(kDispatchKernels[by_remote][shrink ? 1 : 0], blocks, kThreads, 0, s, dc, *params);
 }

@@ -337,7 +337,17 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   }
 }
 
+// The launcher's kernels, by [remote kind: emulated, GIN][shrink]. The GIN row is compiled in
+// every build, as before; the launcher selects it only where DEEPEP_HAVE_GIN.
+constexpr void (*kNotifyKernels[2][2])(ncclDevComm, DeepepInternodeNotifyParams) = {
+    {internode_notify_kernel<ll::kRemoteEmulated, false>, internode_notify_kernel<ll::kRemoteEmulated, true>},
+    {internode_notify_kernel<ll::kRemoteGin, false>, internode_notify_kernel<ll::kRemoteGin, true>},
+};
+
 }  // namespace internode
+
+cudaError_t preload_internode_notify_kernels() { return load_kernels(internode::kNotifyKernels); }
+
 }  // namespace deepep
 
 extern "C" int deepep_launch_internode_notify(const void* dev_comm, const DeepepInternodeNotifyParams* params,
@@ -346,13 +356,9 @@ extern "C" int deepep_launch_internode_notify(const void* dev_comm, const Deepep
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
   const auto s = static_cast<cudaStream_t>(stream);
   const bool shrink = params->common.shrink != 0;
-  if (remote_kind == DEEPEP_LL_REMOTE_EMULATED)
-    return deepep::launch_kernel(shrink ? internode_notify_kernel<deepep::ll::kRemoteEmulated, true>
-                                        : internode_notify_kernel<deepep::ll::kRemoteEmulated, false>,
-                                 1, kNotifyThreads, 0, s, dc, *params);
-  if (remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN)
-    return deepep::launch_kernel(shrink ? internode_notify_kernel<deepep::ll::kRemoteGin, true>
-                                        : internode_notify_kernel<deepep::ll::kRemoteGin, false>,
-                                 1, kNotifyThreads, 0, s, dc, *params);
-  return int(cudaErrorInvalidValue);
+  const int by_remote = remote_kind == DEEPEP_LL_REMOTE_EMULATED ? 0
+                        : remote_kind == DEEPEP_LL_REMOTE_GIN && DEEPEP_HAVE_GIN ? 1
+                                                                               : -1;
+  if (by_remote < 0) return int(cudaErrorInvalidValue);
+  return deepep::launch_kernel(kNotifyKernels[by_remote][shrink ? 1 : 0], 1, kNotifyThreads, 0, s, dc, *params);
 }

@@ -44,6 +44,35 @@ inline cudaError_t allow_dynamic_smem(const void* kernel, size_t smem) {
   return cudaSuccess;
 }
 
+// Lazy loading (CUDA 12.2+ default) loads a kernel's module at its first launch, and that load
+// may wait for the device's running kernels: a first launch of a kernel that a spinning kernel
+// waits for can then deadlock (CUDA programming guide, "Lazy Loading", "Potential Hazards").
+// Buffer creation therefore loads every kernel of its build first (deepep_preload_kernels).
+// cudaFuncGetAttributes forces a kernel's load; it is idempotent and cheap once loaded.
+template <typename... Params>
+cudaError_t load_kernels(void (*kernel)(Params...)) {
+  cudaFuncAttributes attributes;
+  return cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel));
+}
+
+// Loads every kernel of a launcher's table (an array of kernel pointers, of any rank): the table
+// the launcher indexes, so that the kernels loaded are exactly those it can select.
+template <typename Entry, size_t N>
+cudaError_t load_kernels(const Entry (&table)[N]) {
+  for (const Entry& entry : table) {
+    const cudaError_t rc = load_kernels(entry);
+    if (rc != cudaSuccess) return rc;
+  }
+  return cudaSuccess;
+}
+
+// Loads several kernels or tables (of different signatures), stopping at the first error.
+template <typename First, typename Second, typename... Rest>
+cudaError_t load_kernels(const First& first, const Second& second, const Rest&... rest) {
+  const cudaError_t rc = load_kernels(first);
+  return rc != cudaSuccess ? rc : load_kernels(second, rest...);
+}
+
 // Launches `kernel` and returns the launch's error (0 on success), as the C ABI's launch
 // functions do.
 template <typename... Params, typename... Args>
@@ -54,5 +83,18 @@ int launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
   kernel<<<grid, block, smem, stream>>>(args...);
   return int(cudaGetLastError());
 }
+
+// Each launcher's translation unit loads its kernel table (the build's, kernels/nccl_build.cu,
+// calls them all).
+cudaError_t preload_transport_kernels();
+cudaError_t preload_normal_notify_kernels();
+cudaError_t preload_normal_dispatch_kernels();
+cudaError_t preload_normal_combine_kernels();
+cudaError_t preload_ll_dispatch_kernels();
+cudaError_t preload_ll_combine_kernels();
+cudaError_t preload_ll_control_kernels();
+cudaError_t preload_internode_notify_kernels();
+cudaError_t preload_internode_dispatch_kernels();
+cudaError_t preload_internode_combine_kernels();
 
 }  // namespace deepep

@@ -143,7 +143,14 @@ __global__ void __launch_bounds__(kLayoutThreads)
   if (threadIdx.x == 0) *p.ticket = 0;  // ready for the next launch on this stream
 }
 
+// The launcher's kernels, by the top-k ids' type: int64, int32.
+constexpr void (*kLayoutKernels[2])(DeepepLayoutParams, int, int) = {dispatch_layout_kernel<int64_t>,
+                                                                     dispatch_layout_kernel<int32_t>};
+
 }  // namespace deepep
+
+// NCCL-independent (one copy, global): each build's deepep_preload_kernels calls it.
+extern "C" int deepep_preload_layout_kernels(void) { return int(deepep::load_kernels(deepep::kLayoutKernels)); }
 
 extern "C" int64_t deepep_dispatch_layout_workspace_elems(const DeepepLayoutParams* params) {
   return int64_t(deepep::layout_geometry(*params).num_counters);
@@ -153,8 +160,7 @@ extern "C" int deepep_launch_dispatch_layout(const DeepepLayoutParams* params, v
   const DeepepLayoutParams& p = *params;
   const deepep::LayoutGeometry g = deepep::layout_geometry(p);
   if (g.num_counters > p.accumulators_capacity) return int(cudaErrorInvalidValue);
-  const auto kernel =
-      p.topk_idx_is_int32 ? deepep::dispatch_layout_kernel<int32_t> : deepep::dispatch_layout_kernel<int64_t>;
+  const auto kernel = deepep::kLayoutKernels[p.topk_idx_is_int32 ? 1 : 0];
   return deepep::launch_kernel(kernel, g.num_blocks, deepep::kLayoutThreads, g.smem_bytes,
                                static_cast<cudaStream_t>(stream), p, g.tile_tokens, int(g.counters_bytes));
 }

@@ -324,55 +324,61 @@ __global__ void __launch_bounds__(kThreads, 1) combine(ncclDevComm dev_comm, Dee
   if (runs_phase(p.common, DEEPEP_LL_PHASE_RECV)) combine_recv<kRemote, kLogfmt, kSub>(p, tr, smem);
 }
 
-template <int kRemote, bool kLogfmt, int kSub>
-int launch_combine_sub(const ncclDevComm& dc, const DeepepLlCombineParams& p, int num_blocks, cudaStream_t stream) {
-  const auto& c = p.common;
-  const size_t smem = sizeof(int) * (2 * size_t(c.num_local_experts) * c.num_ranks + 3 * size_t(c.num_ranks) + 2);
-  return launch_kernel(combine<kRemote, kLogfmt, kSub>, num_blocks, kThreads, smem, stream, dc, p);
-}
-
-// The receive's BF16 items: one 256-channel group each while they fit in one round of the grid's
-// warps (T <= 75 at H = 7168 on 132 SMs: 0.3-0.7 us less at T = 1..64), else two, twice the
-// loads in flight per warp and half the rounds (one group is 1.6 us slower at T = 128). Separate
-// kernels: one kernel holding both bodies was 0.3-0.4 us slower at T >= 128 (cold code fetch).
-template <int kRemote, bool kLogfmt>
-int launch_combine(const ncclDevComm& dc, const DeepepLlCombineParams& p, int num_blocks, cudaStream_t stream) {
-  if constexpr (kLogfmt) {
-    return launch_combine_sub<kRemote, true, 1>(dc, p, num_blocks, stream);
-  } else {
-    const int64_t single_items = int64_t(p.num_tokens) * combine_groups(p.common.hidden);
-    return single_items <= int64_t(num_blocks) * kWarps ? launch_combine_sub<kRemote, false, 1>(dc, p, num_blocks, stream)
-                                                        : launch_combine_sub<kRemote, false, 2>(dc, p, num_blocks, stream);
-  }
-}
-
-template <bool kLogfmt>
-int launch_combine_remote(const ncclDevComm& dc, const DeepepLlCombineParams& p, int remote_kind, int num_blocks,
-                          cudaStream_t s) {
-  switch (remote_kind) {
-    case kRemoteNone: return launch_combine<kRemoteNone, kLogfmt>(dc, p, num_blocks, s);
-    case kRemoteEmulated: return launch_combine<kRemoteEmulated, kLogfmt>(dc, p, num_blocks, s);
+// The launcher's BF16 kernels, by [remote kind][receive groups per item: 1, 2]. The receive's
+// BF16 items: one 256-channel group each while they fit in one round of the grid's warps
+// (T <= 75 at H = 7168 on 132 SMs: 0.3-0.7 us less at T = 1..64), else two, twice the loads in
+// flight per warp and half the rounds (one group is 1.6 us slower at T = 128). Separate kernels:
+// one kernel holding both bodies was 0.3-0.4 us slower at T >= 128 (cold code fetch).
+constexpr void (*kBf16CombineKernels[kRemoteKinds][2])(ncclDevComm, DeepepLlCombineParams) = {
+    {combine<kRemoteNone, false, 1>, combine<kRemoteNone, false, 2>},
+    {combine<kRemoteEmulated, false, 1>, combine<kRemoteEmulated, false, 2>},
 #if DEEPEP_HAVE_GIN
-    case kRemoteGin: return launch_combine<kRemoteGin, kLogfmt>(dc, p, num_blocks, s);
+    {combine<kRemoteGin, false, 1>, combine<kRemoteGin, false, 2>},
 #endif
-    default: return int(cudaErrorInvalidValue);
-  }
-}
+};
+
+#if DEEPEP_HAVE_LOGFMT
+// The launcher's LogFMT kernels, by remote kind.
+constexpr void (*kLogfmtCombineKernels[kRemoteKinds])(ncclDevComm, DeepepLlCombineParams) = {
+    combine<kRemoteNone, true, 1>,
+    combine<kRemoteEmulated, true, 1>,
+#if DEEPEP_HAVE_GIN
+    combine<kRemoteGin, true, 1>,
+#endif
+};
+#endif
 
 }  // namespace ll
+
+cudaError_t preload_ll_combine_kernels() {
+  const cudaError_t rc = load_kernels(ll::kBf16CombineKernels);
+#if DEEPEP_HAVE_LOGFMT
+  if (rc == cudaSuccess) return load_kernels(ll::kLogfmtCombineKernels);
+#endif
+  return rc;
+}
+
 }  // namespace deepep
 
 extern "C" int deepep_launch_ll_combine(const void* dev_comm, const DeepepLlCombineParams* params, int remote_kind,
                                         int num_blocks, void* stream) {
   using namespace deepep::ll;
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
-  const auto s = static_cast<cudaStream_t>(stream);
-  if (params->use_logfmt) {
-#if DEEPEP_HAVE_LOGFMT
-    return launch_combine_remote<true>(dc, *params, remote_kind, num_blocks, s);
-#else
-    return int(cudaErrorNotSupported);
+  const DeepepLlCombineParams& p = *params;
+#if !DEEPEP_HAVE_LOGFMT
+  if (p.use_logfmt) return int(cudaErrorNotSupported);
 #endif
+  if (remote_kind < 0 || remote_kind >= kRemoteKinds) return int(cudaErrorInvalidValue);
+  void (*kernel)(ncclDevComm, DeepepLlCombineParams) = nullptr;
+  if (p.use_logfmt) {
+#if DEEPEP_HAVE_LOGFMT
+    kernel = kLogfmtCombineKernels[remote_kind];
+#endif
+  } else {
+    const int64_t single_items = int64_t(p.num_tokens) * combine_groups(p.common.hidden);
+    kernel = kBf16CombineKernels[remote_kind][single_items <= int64_t(num_blocks) * kWarps ? 0 : 1];
   }
-  return launch_combine_remote<false>(dc, *params, remote_kind, num_blocks, s);
+  const auto& c = p.common;
+  const size_t smem = sizeof(int) * (2 * size_t(c.num_local_experts) * c.num_ranks + 3 * size_t(c.num_ranks) + 2);
+  return deepep::launch_kernel(kernel, num_blocks, kThreads, smem, static_cast<cudaStream_t>(stream), dc, p);
 }

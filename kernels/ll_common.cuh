@@ -58,6 +58,10 @@ constexpr int kSignalCombine = 1;
 constexpr int kStateWaiting = 0, kStateArrived = 1, kStateMasked = 2;
 
 enum RemoteKind { kRemoteNone = DEEPEP_LL_REMOTE_NONE, kRemoteEmulated = DEEPEP_LL_REMOTE_EMULATED, kRemoteGin = DEEPEP_LL_REMOTE_GIN };
+// The remote kinds this build launches (GIN's only with its headers): the launchers' kernel
+// tables have one row per kind, indexed by its value.
+constexpr int kRemoteKinds = DEEPEP_HAVE_GIN ? 3 : 2;
+static_assert(kRemoteNone == 0 && kRemoteEmulated == 1 && kRemoteGin == 2, "kernel tables index by remote kind");
 
 // Dispatch slot: header (source token, then one (expert, position) word per
 // top-k entry), then the payload (FP8 + fp32 scales, or BF16).

@@ -110,28 +110,26 @@ __global__ void __launch_bounds__(kCleanThreads) clean_kernel(ncclDevComm dev_co
   if (threadIdx.x == 0) *p.barrier_epoch = epoch + 2;
 }
 
+// The launcher's kernels, by remote kind.
+constexpr void (*kCleanKernels[kRemoteKinds])(ncclDevComm, DeepepLlCleanParams) = {
+    clean_kernel<kRemoteNone>,
+    clean_kernel<kRemoteEmulated>,
+#if DEEPEP_HAVE_GIN
+    clean_kernel<kRemoteGin>,
+#endif
+};
+
 }  // namespace ll
+
+cudaError_t preload_ll_control_kernels() { return load_kernels(ll::kCleanKernels); }
+
 }  // namespace deepep
 
 extern "C" int deepep_launch_ll_clean(const void* dev_comm, const DeepepLlCleanParams* params, int remote_kind,
                                       void* stream) {
   using namespace deepep::ll;
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
-  void (*kernel)(ncclDevComm, DeepepLlCleanParams) = nullptr;
-  switch (remote_kind) {
-    case kRemoteNone:
-      kernel = clean_kernel<kRemoteNone>;
-      break;
-    case kRemoteEmulated:
-      kernel = clean_kernel<kRemoteEmulated>;
-      break;
-#if DEEPEP_HAVE_GIN
-    case kRemoteGin:
-      kernel = clean_kernel<kRemoteGin>;
-      break;
-#endif
-    default:
-      return int(cudaErrorInvalidValue);
-  }
+  if (remote_kind < 0 || remote_kind >= kRemoteKinds) return int(cudaErrorInvalidValue);
+  const auto kernel = kCleanKernels[remote_kind];
   return deepep::launch_kernel(kernel, 1, kCleanThreads, 0, static_cast<cudaStream_t>(stream), dc, *params);
 }

@@ -516,38 +516,32 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch(ncclDevComm dev_comm, De
   if (runs_phase(p.common, DEEPEP_LL_PHASE_RECV)) dispatch_recv<kRemote, kFp8>(p, tr, smem);
 }
 
-template <int kRemote, bool kFp8>
-int launch_dispatch(const ncclDevComm& dc, const DeepepLlDispatchParams& p, int num_blocks, cudaStream_t stream) {
-  const auto& c = p.common;
-  const size_t recv_ints = size_t(c.num_ranks) * (c.num_local_experts + count_bitmap_words(c.max_tokens)) +
-                          size_t(c.num_ranks) + 1;
-  const size_t send_ints = dispatch_send_smem_ints(c.num_ranks, c.num_experts, c.max_tokens, num_blocks);
-  const size_t smem = sizeof(int) * (recv_ints > send_ints ? recv_ints : send_ints);
-  return launch_kernel(dispatch<kRemote, kFp8>, num_blocks, kThreads, smem, stream, dc, p);
-}
+// The launcher's kernels, by [remote kind][FP8].
+constexpr void (*kDispatchKernels[kRemoteKinds][2])(ncclDevComm, DeepepLlDispatchParams) = {
+    {dispatch<kRemoteNone, false>, dispatch<kRemoteNone, true>},
+    {dispatch<kRemoteEmulated, false>, dispatch<kRemoteEmulated, true>},
+#if DEEPEP_HAVE_GIN
+    {dispatch<kRemoteGin, false>, dispatch<kRemoteGin, true>},
+#endif
+};
 
 }  // namespace ll
+
+cudaError_t preload_ll_dispatch_kernels() { return load_kernels(ll::kDispatchKernels); }
+
 }  // namespace deepep
 
 extern "C" int deepep_launch_ll_dispatch(const void* dev_comm, const DeepepLlDispatchParams* params, int remote_kind,
                                          int num_blocks, void* stream) {
   using namespace deepep::ll;
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
-  const auto s = static_cast<cudaStream_t>(stream);
-  const bool fp8 = params->use_fp8 != 0;
-  switch (remote_kind) {
-    case kRemoteNone:
-      return fp8 ? launch_dispatch<kRemoteNone, true>(dc, *params, num_blocks, s)
-                 : launch_dispatch<kRemoteNone, false>(dc, *params, num_blocks, s);
-    case kRemoteEmulated:
-      return fp8 ? launch_dispatch<kRemoteEmulated, true>(dc, *params, num_blocks, s)
-                 : launch_dispatch<kRemoteEmulated, false>(dc, *params, num_blocks, s);
-#if DEEPEP_HAVE_GIN
-    case kRemoteGin:
-      return fp8 ? launch_dispatch<kRemoteGin, true>(dc, *params, num_blocks, s)
-                 : launch_dispatch<kRemoteGin, false>(dc, *params, num_blocks, s);
-#endif
-    default:
-      return int(cudaErrorInvalidValue);
-  }
+  const DeepepLlDispatchParams& p = *params;
+  if (remote_kind < 0 || remote_kind >= kRemoteKinds) return int(cudaErrorInvalidValue);
+  const auto kernel = kDispatchKernels[remote_kind][p.use_fp8 != 0 ? 1 : 0];
+  const auto& c = p.common;
+  const size_t recv_ints = size_t(c.num_ranks) * (c.num_local_experts + count_bitmap_words(c.max_tokens)) +
+                          size_t(c.num_ranks) + 1;
+  const size_t send_ints = dispatch_send_smem_ints(c.num_ranks, c.num_experts, c.max_tokens, num_blocks);
+  const size_t smem = sizeof(int) * (recv_ints > send_ints ? recv_ints : send_ints);
+  return deepep::launch_kernel(kernel, num_blocks, kThreads, smem, static_cast<cudaStream_t>(stream), dc, p);
 }

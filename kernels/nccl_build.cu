@@ -6,11 +6,29 @@
 #include <nccl_device.h>
 
 #include "deepep_kernels.h"
+#include "launch.cuh"
 #include "ll_common.cuh"
 
 #ifndef DEEPEP_NCCL_SERVES_BELOW
 #error "build.rs defines DEEPEP_NCCL_SERVES_BELOW (kernels/nccl_builds.txt)"
 #endif
+
+// Every launcher's kernel table (each launcher's translation unit loads its own), then the
+// layout kernels. A new launcher file adds its preload_*_kernels here.
+extern "C" int deepep_preload_kernels(void) {
+  using namespace deepep;
+  constexpr cudaError_t (*kPreloads[])() = {
+      preload_transport_kernels,        preload_normal_notify_kernels,    preload_normal_dispatch_kernels,
+      preload_normal_combine_kernels,   preload_ll_dispatch_kernels,      preload_ll_combine_kernels,
+      preload_ll_control_kernels,       preload_internode_notify_kernels, preload_internode_dispatch_kernels,
+      preload_internode_combine_kernels,
+  };
+  for (const auto preload : kPreloads) {
+    const cudaError_t rc = preload();
+    if (rc != cudaSuccess) return int(rc);
+  }
+  return deepep_preload_layout_kernels();
+}
 
 extern "C" __attribute__((visibility("default"))) const DeepepNcclBuild* DEEPEP_NCCL_BUILD_FN(NCCL_VERSION_CODE)(void) {
   static const DeepepNcclBuild build = [] {
@@ -34,6 +52,7 @@ extern "C" __attribute__((visibility("default"))) const DeepepNcclBuild* DEEPEP_
     b.launch_internode_notify = deepep_launch_internode_notify;
     b.launch_internode_dispatch = deepep_launch_internode_dispatch;
     b.launch_internode_combine = deepep_launch_internode_combine;
+    b.preload_kernels = deepep_preload_kernels;
     return b;
   }();
   return &build;

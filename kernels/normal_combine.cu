@@ -268,7 +268,18 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(ncclDevComm de
   finish_op<kShrink>(p.common);
 }
 
+// The launcher's kernels, by [shrink][batched flag releases][ranks <= 2, <= 4, <= 8].
+constexpr void (*kCombineKernels[2][2][3])(ncclDevComm, DeepepCombineParams) = {
+    {{combine_kernel<2, 4, 1, false>, combine_kernel<4, 2, 1, false>, combine_kernel<8, 1, 1, false>},
+     {combine_kernel<2, 4, 4, false>, combine_kernel<4, 2, 4, false>, combine_kernel<8, 1, 4, false>}},
+    {{combine_kernel<2, 4, 1, true>, combine_kernel<4, 2, 1, true>, combine_kernel<8, 1, 1, true>},
+     {combine_kernel<2, 4, 4, true>, combine_kernel<4, 2, 4, true>, combine_kernel<8, 1, 4, true>}},
+};
+
 }  // namespace normal
+
+cudaError_t preload_normal_combine_kernels() { return load_kernels(normal::kCombineKernels); }
+
 }  // namespace deepep
 
 extern "C" int deepep_launch_normal_combine(const void* dev_comm, const DeepepCombineParams* params, void* stream) {
@@ -277,16 +288,10 @@ extern "C" int deepep_launch_normal_combine(const void* dev_comm, const DeepepCo
   const auto s = static_cast<cudaStream_t>(stream);
   constexpr int kThreads = deepep::normal::kDataThreads;
   const int ranks = params->common.num_ranks;
-  using namespace deepep::normal;
-  auto go = [&](auto k2, auto k4, auto k8) {
-    return deepep::launch_kernel(ranks <= 2 ? k2 : ranks <= 4 ? k4 : k8, blocks, kThreads, 0, s, dc, *params);
-  };
   // Batched flag releases paid off with few channels (12 SMs: +16%) and cost
   // with many (24 SMs: -8%), measured on 4x H200.
   const bool batch = params->common.num_channels <= 6;
-  if (params->common.shrink)
-    return batch ? go(combine_kernel<2, 4, 4, true>, combine_kernel<4, 2, 4, true>, combine_kernel<8, 1, 4, true>)
-                 : go(combine_kernel<2, 4, 1, true>, combine_kernel<4, 2, 1, true>, combine_kernel<8, 1, 1, true>);
-  return batch ? go(combine_kernel<2, 4, 4, false>, combine_kernel<4, 2, 4, false>, combine_kernel<8, 1, 4, false>)
-               : go(combine_kernel<2, 4, 1, false>, combine_kernel<4, 2, 1, false>, combine_kernel<8, 1, 1, false>);
+  const int by_ranks = ranks <= 2 ? 0 : ranks <= 4 ? 1 : 2;
+  const auto kernel = deepep::normal::kCombineKernels[params->common.shrink ? 1 : 0][batch ? 1 : 0][by_ranks];
+  return deepep::launch_kernel(kernel, blocks, kThreads, 0, s, dc, *params);
 }

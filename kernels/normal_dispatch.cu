@@ -351,9 +351,20 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatc
 }  // namespace normal
 }  // namespace deepep
 
+namespace deepep {
+namespace normal {
+
+// The launcher's kernels, by shrink.
+constexpr void (*kDispatchKernels[2])(DeepepDispatchParams) = {dispatch_kernel<false>, dispatch_kernel<true>};
+
+}  // namespace normal
+
+cudaError_t preload_normal_dispatch_kernels() { return load_kernels(normal::kDispatchKernels); }
+
+}  // namespace deepep
+
 extern "C" int deepep_launch_normal_dispatch(const DeepepDispatchParams* params, void* stream) {
-  return deepep::launch_kernel(params->common.shrink ? deepep::normal::dispatch_kernel<true>
-                                                      : deepep::normal::dispatch_kernel<false>,
+  return deepep::launch_kernel(deepep::normal::kDispatchKernels[params->common.shrink ? 1 : 0],
                                2 * params->common.num_channels,
                                deepep::normal::kDataThreads, deepep::normal::kDispatchSmemBytes,
                                static_cast<cudaStream_t>(stream), *params);

@@ -212,9 +212,21 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
 }  // namespace normal
 }  // namespace deepep
 
+namespace deepep {
+namespace normal {
+
+// The launcher's kernels, by shrink.
+constexpr void (*kNotifyKernels[2])(ncclDevComm, DeepepNotifyParams) = {notify_kernel<false>, notify_kernel<true>};
+
+}  // namespace normal
+
+cudaError_t preload_normal_notify_kernels() { return load_kernels(normal::kNotifyKernels); }
+
+}  // namespace deepep
+
 extern "C" int deepep_launch_normal_notify(const void* dev_comm, const DeepepNotifyParams* params, void* stream) {
   const ncclDevComm& dc = *static_cast<const ncclDevComm*>(dev_comm);
-  const auto kernel = params->common.shrink ? deepep::normal::notify_kernel<true> : deepep::normal::notify_kernel<false>;
+  const auto kernel = deepep::normal::kNotifyKernels[params->common.shrink ? 1 : 0];
   return deepep::launch_kernel(kernel, 1, deepep::normal::kNotifyThreads, 0, static_cast<cudaStream_t>(stream), dc,
                                *params);
 }

@@ -7,6 +7,7 @@
 
 #include "bounded_wait.cuh"
 #include "deepep_kernels.h"
+#include "launch.cuh"
 
 extern "C" void deepep_devcomm_requirements_init(void* out, int lsa_barrier_count, int gin_signal_count) {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
@@ -78,6 +79,11 @@ __global__ void __launch_bounds__(kControlThreads)
   for (int p = threadIdx.x; p < lsa_size; p += blockDim.x)
     out[p] = reinterpret_cast<uint64_t>(ncclGetLsaPointer(window, 0, p));
   if (threadIdx.x == 0) out[lsa_size] = reinterpret_cast<uint64_t>(ncclGetLocalPointer(window, 0));
+}
+
+// The control launchers' kernels (one each, below).
+cudaError_t preload_transport_kernels() {
+  return load_kernels(lsa_barrier_kernel, lsa_peer_check_kernel, window_geometry_kernel);
 }
 
 }  // namespace deepep

@@ -1571,6 +1571,9 @@ pub type DeepepLaunchLlClean = ::std::option::Option<
         stream: *mut ::std::os::raw::c_void,
     ) -> ::std::os::raw::c_int,
 >;
+pub type DeepepPreloadKernels = ::std::option::Option<
+    unsafe extern "C" fn() -> ::std::os::raw::c_int,
+>;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct DeepepNcclBuild {
@@ -1594,10 +1597,11 @@ pub struct DeepepNcclBuild {
     pub launch_internode_notify: DeepepLaunchInternodeNotify,
     pub launch_internode_dispatch: DeepepLaunchInternodeDispatch,
     pub launch_internode_combine: DeepepLaunchInternodeCombine,
+    pub preload_kernels: DeepepPreloadKernels,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of DeepepNcclBuild"][::std::mem::size_of::<DeepepNcclBuild>() - 144usize];
+    ["Size of DeepepNcclBuild"][::std::mem::size_of::<DeepepNcclBuild>() - 152usize];
     ["Alignment of DeepepNcclBuild"][::std::mem::align_of::<DeepepNcclBuild>() - 8usize];
     [
         "Offset of field: DeepepNcclBuild::nccl_version",
@@ -1659,6 +1663,9 @@ const _: () = {
     [
         "Offset of field: DeepepNcclBuild::launch_internode_combine",
     ][::std::mem::offset_of!(DeepepNcclBuild, launch_internode_combine) - 136usize];
+    [
+        "Offset of field: DeepepNcclBuild::preload_kernels",
+    ][::std::mem::offset_of!(DeepepNcclBuild, preload_kernels) - 144usize];
 };
 unsafe extern "C" {
     pub fn deepep_launch_dispatch_layout(

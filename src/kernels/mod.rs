@@ -257,7 +257,8 @@ mod tests {
                     && t.launch_ll_clean.is_some()
                     && t.launch_internode_notify.is_some()
                     && t.launch_internode_dispatch.is_some()
-                    && t.launch_internode_combine.is_some(),
+                    && t.launch_internode_combine.is_some()
+                    && t.preload_kernels.is_some(),
                 "{build:?}"
             );
             count += 1;
