@@ -365,8 +365,15 @@ impl Buffer {
     ) -> Result<Resources> {
         let ctx = PrimaryContext::retain(device_id)?;
         let num_sms = ctx.sm_count()?;
+        times.mark("context");
+        // Every kernel loaded before any launch (kernels::preload: lazy loading's first-launch
+        // load may wait for a spinning kernel). Before the first collective: a failure every rank
+        // shares (e.g. no kernel image for this GPU) then fails each rank before any waits for
+        // another in ncclCommInitRank.
+        kernels::preload(build, device_id)?;
+        times.mark("kernel preload");
         let comm = Communicator::init_rank(args.num_ranks, id, args.rank)?;
-        times.mark("context+ncclCommInitRank");
+        times.mark("ncclCommInitRank");
         let team = comm.lsa_team();
         let multi_node = team.nRanks != args.num_ranks;
         let virtual_node = settings.virtual_node_size;

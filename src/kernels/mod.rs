@@ -212,6 +212,31 @@ pub fn ll_view_row_bytes(hidden: i32) -> i64 {
     unsafe { deepep_ll_view_row_bytes(hidden) }
 }
 
+/// Loads every kernel of `build` (each launcher's table, and the layout kernels) into the current
+/// context, on `device_id`, before any launch. CUDA's lazy loading (the default since CUDA 12.2)
+/// loads a kernel's module at its first launch, and that load may wait for the device's running
+/// kernels: the first launch of a kernel that a spinning kernel of ours waits for (one process
+/// driving several GPUs from one thread, or a first op while another spins) could deadlock.
+/// Idempotent: a second call only queries the loaded kernels.
+pub fn preload(build: NcclBuild, device_id: i32) -> Result<()> {
+    // SAFETY: takes no arguments and acts on the current context, which the caller made current.
+    let code = unsafe { entry(build.table().preload_kernels)() };
+    preload_result(build, device_id, code)
+}
+
+/// Turns deepep_preload_kernels's cudaError_t into an error naming the CUDA error.
+fn preload_result(build: NcclBuild, device_id: i32, code: c_int) -> Result<()> {
+    if code == 0 {
+        return Ok(());
+    }
+    // SAFETY: cudaGetErrorString returns a static NUL-terminated string for any code.
+    let what = unsafe { std::ffi::CStr::from_ptr(deepep_cuda_error_string(code)) }.to_string_lossy();
+    Err(Error::cuda(format!(
+        "loading the kernels (NCCL {} build) on device {device_id} failed: {what} (cudaError {code})",
+        crate::nccl::format_version(build.nccl_version())
+    )))
+}
+
 /// Turns a launcher's cudaError_t into an error naming the kernel.
 pub fn launch_result(kernel: &str, code: c_int) -> Result<()> {
     if code == 0 {
@@ -264,6 +289,22 @@ mod tests {
             count += 1;
         }
         assert!(count >= 1);
+    }
+
+    #[test]
+    fn a_failed_preload_is_a_cuda_error_naming_the_cuda_error() {
+        let build = NcclBuild::all().next().expect("a build");
+        assert_eq!(preload_result(build, 3, 0), Ok(()));
+        // cudaErrorNoKernelImageForDevice: a GPU the build has no image for.
+        let e = preload_result(build, 3, 209).unwrap_err();
+        assert_eq!(e.status, crate::error::DeepepStatus::DEEPEP_ERROR_CUDA);
+        assert!(
+            e.message.starts_with("loading the kernels (NCCL ")
+                && e.message.contains(" build) on device 3 failed: ")
+                && e.message.ends_with("(cudaError 209)"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
