@@ -60,6 +60,26 @@ def new_buffer(group, node_size=1):
     return deep_ep.Buffer(group, nvl, rdma, explicitly_destroy=True, enable_shrink=True)
 
 
+def expect_received(chk, out, want, label, where):
+    """The dispatch outputs (recv_x, recv_topk_idx, recv_topk_weights) equal `want`, shapes included."""
+    for got, expected, name in zip(out[:3], want, ('recv_x', 'recv_topk_idx', 'recv_topk_weights')):
+        got = got.long() if name == 'recv_topk_idx' else got
+        chk.expect(got.shape == expected.shape and torch.equal(got, expected), f'{label}: {name}{where}')
+
+
+def state_then_combine(ctx, chk, buf, out, world, want_state, label, where):
+    """Checks (mask, dropped) after the dispatch `out`, then combines it back within the timeout:
+    (combined_x, combined_topk_weights)."""
+    state = shrink_state(buf, world)
+    chk.expect(state == want_state, f'{label}: after dispatch (mask, dropped) {state}, expected {want_state}{where}')
+    start = time.monotonic()
+    got_x, got_w, _ = buf.combine(out[0], out[4], topk_weights=out[2])
+    torch.cuda.synchronize()
+    ctx.rep.info(f'{label}: combine done in {time.monotonic() - start:.1f} s{where}')
+    chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{label}: combine too slow{where}')
+    return got_x, got_w
+
+
 def inputs(rank, seed):
     g = torch.Generator(device='cpu').manual_seed(seed * 10 + rank)
     x = torch.randn(TOKENS, HIDDEN, generator=g, device='cpu').to(torch.bfloat16).cuda()
@@ -149,17 +169,9 @@ def silent_round(ctx, chk, buf, phase, seed, cycles):
     else:
         want = tuple(torch.cat([a, b]) for a, b in zip(own[:3], peer[:3]))
         want_dropped = [0, 0, 0, 0]
-    chk.expect(out[0].shape == want[0].shape and torch.equal(out[0], want[0]), f'{phase}: recv_x')
-    chk.expect(out[1].shape == want[1].shape and torch.equal(out[1].long(), want[1]), f'{phase}: recv_topk_idx')
-    chk.expect(out[2].shape == want[2].shape and torch.equal(out[2], want[2]), f'{phase}: recv_topk_weights')
-    state = shrink_state(buf, 2)
+    expect_received(chk, out, want, phase, '')
     want_state = ([0, 0] if phase == 'combine' else [0, 1], want_dropped)
-    chk.expect(state == want_state, f'{phase}: after dispatch (mask, dropped) {state}, expected {want_state}')
-    start = time.monotonic()
-    got_x, got_w, _ = buf.combine(out[0], out[4], topk_weights=out[2])
-    torch.cuda.synchronize()
-    ctx.rep.info(f'{phase}: combine done in {time.monotonic() - start:.1f} s')
-    chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{phase}: combine too slow')
+    got_x, got_w = state_then_combine(ctx, chk, buf, out, 2, want_state, phase, '')
     # Survivors only: rank 0's own rows back at their tokens (G = 1: one row per token and node).
     ref_x = torch.zeros_like(x)
     ref_w = torch.zeros_like(w)
@@ -304,24 +316,14 @@ def silent_round_2x2(ctx, chk, buf, phase, seed, cycles):
     # notify: one timeout on rank 3's notify counter; combine: no wait.
     limit = (2 if phase == 'dispatch' else 1) * TIMEOUT_MS / 1000 + SLACK_S
     chk.expect(took < limit, f'{name}: dispatch too slow on rank {me}')
-    chk.expect(out[0].shape == want[0].shape and torch.equal(out[0], want[0]), f'{name}: recv_x on rank {me}')
-    chk.expect(out[1].shape == want[1].shape and torch.equal(out[1].long(), want[1]),
-               f'{name}: recv_topk_idx on rank {me}')
-    chk.expect(out[2].shape == want[2].shape and torch.equal(out[2], want[2]),
-               f'{name}: recv_topk_weights on rank {me}')
-    state = shrink_state(buf, WORLD2)
+    expect_received(chk, out, want, name, f' on rank {me}')
     if phase == 'dispatch':
         want_state = ([0, 0, 0, 1], [empty, 0, 0, 0])
     elif phase == 'notify':
         want_state = ([0, 0, 0, 1], [0, not_sent_2x2(me, seed), 0, 0])
     else:
         want_state = ([0] * WORLD2, [0, 0, 0, 0])
-    chk.expect(state == want_state, f'{name}: rank {me} after dispatch (mask, dropped) {state}, expected {want_state}')
-    start = time.monotonic()
-    got_x, got_w, _ = buf.combine(out[0], out[4], topk_weights=out[2])
-    torch.cuda.synchronize()
-    ctx.rep.info(f'{name}: combine done in {time.monotonic() - start:.1f} s on rank {me}')
-    chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{name}: combine too slow on rank {me}')
+    got_x, got_w = state_then_combine(ctx, chk, buf, out, WORLD2, want_state, name, f' on rank {me}')
     ref_x, ref_w = combined_reference_2x2(buf, x, topk, w, me)
     chk.expect(torch.allclose(got_x.float(), ref_x.float(), rtol=2e-2, atol=2e-2), f'{name}: combined_x on rank {me}')
     chk.expect(torch.allclose(got_w, ref_w, rtol=1e-5, atol=1e-6), f'{name}: combined_topk_weights on rank {me}')
