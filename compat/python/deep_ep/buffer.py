@@ -223,10 +223,10 @@ class Buffer:
         is_token_in_rank [num_tokens, num_ranks] bool, and an EventOverlap (its event is set only
         with async_finish). allocate_on_comm_stream requires previous_event and async_finish.
         """
-        *layout, event = self.runtime.get_dispatch_layout(
+        per_rank, per_rdma_rank, per_expert, in_rank, event = self.runtime.get_dispatch_layout(
             topk_idx, num_experts, getattr(previous_event, "event", None), async_finish, allocate_on_comm_stream
         )
-        return (*layout, EventOverlap(event))
+        return per_rank, per_rdma_rank, per_expert, in_rank, EventOverlap(event)
 
     def dispatch(
         self,
@@ -459,14 +459,17 @@ class Buffer:
         if kwargs and kwargs.get("overlap"):
             raise RuntimeError("deepep-nccl: low_latency_combine(overlap=True) is not supported")
         src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts = handle
-        if x.dim() == 3 and x.shape[2] != hidden:
-            raise RuntimeError(f"deepep-nccl: x has hidden size {x.shape[2]}, the dispatch (handle) had {hidden}")
+        shape = x.shape  # one tensor call, not two (each costs more under a torch function mode)
+        if len(shape) == 3 and shape[2] != hidden:
+            raise RuntimeError(f"deepep-nccl: x has hidden size {shape[2]}, the dispatch (handle) had {hidden}")
         combined_x, event, hook = self.runtime.low_latency_combine(
             x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
             num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook,
             out)
+        if not async_finish:
+            return combined_x, EventOverlap(event), hook
         tensors_to_record = (x, topk_idx, topk_weights, src_info, layout_range, combined_x)
-        return combined_x, EventOverlap(event, tensors_to_record if async_finish else None), hook
+        return combined_x, EventOverlap(event, tensors_to_record), hook
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The BF16 [E_l, R*M, H] view the next combine can read with zero_copy=True."""

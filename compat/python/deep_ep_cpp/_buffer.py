@@ -79,6 +79,7 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
     _handle = None
     _normal_fast = None  # the compiled host path's NormalOps (after sync), else the ctypes path
     _stream_order = None  # the compiled host path's StreamOrder (after sync)
+    _num_rdma_ranks = None  # the library's, read once at sync (fixed for the buffer's life)
 
     def __init__(
         self,
@@ -158,6 +159,9 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
     # Node topology: after sync() the library's (nodes of the LSA team or DEEPEP_VIRTUAL_NODE_SIZE);
     # before it, DeepEP's nodes of 8 (the node size is known only once the buffer exists).
     def get_num_rdma_ranks(self):
+        # deep_ep's dispatch and combine ask every call: a ctypes query (~1 us) each time otherwise.
+        if self._num_rdma_ranks is not None:
+            return self._num_rdma_ranks
         if self._handle is not None:
             return self._query_int(lib.deepep_buffer_get_num_rdma_ranks)
         return max(1, self._num_ranks // NUM_MAX_NVL_PEERS)
@@ -250,6 +254,7 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
         check(status)
         self._handle = out.value
         self._device_id = self._query_int(lib.deepep_buffer_get_local_device_id)
+        self._num_rdma_ranks = self._query_int(lib.deepep_buffer_get_num_rdma_ranks)
         if _torch is not None:
             self._device = _torch.device("cuda", self._device_id)
             self._sync_event = _torch.cuda.Event()
@@ -298,10 +303,14 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
             else:
                 order = 0  # the compiled path did the waits
         finally:
-            self._op_allocated(compute, allocate_on_comm_stream)
+            if allocate_on_comm_stream:
+                self._op_allocated(compute, allocate_on_comm_stream)
         per_rank, per_rdma, per_expert, in_rank = result
         # per_rank's storage is the one allocation of the three count vectors.
-        event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (topk_idx, per_rank, in_rank), order)
+        event = None
+        if async_ or order:  # else nothing is left to do (the common case: skip building the tuple)
+            event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (topk_idx, per_rank, in_rank),
+                                 order)
         return per_rank, per_rdma, per_expert, in_rank, event
 
     def _layout_ctypes(self, handle, topk_idx, num_experts):

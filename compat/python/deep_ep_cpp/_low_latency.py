@@ -132,6 +132,7 @@ class LowLatencyMode(StreamProtocol):
         self._ll_next_combine_fn = ctypes.cast(lib.deepep_get_next_low_latency_combine_buffer, ctypes.c_void_p).value
         self._ll_dispatch_shapes = {}
         self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
+        self._ll_combine_args_addr = ctypes.addressof(self._ll_combine_args)
         # combined_x's description per (T, H) on the ctypes path; the compiled path keeps its own.
         self._ll_combine_plans = OutputPlans()
         self._ll_combine_outputs = None if self._ll_fast is None else self._ll_fast.LlCombineOutputs(
@@ -248,7 +249,7 @@ class LowLatencyMode(StreamProtocol):
         if fast is not None:
             compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
             result = self._fast_call(
-                fast.ll_combine, self._ll_combine_fn, handle, ctypes.addressof(args), self._ll_combine_outputs,
+                fast.ll_combine, self._ll_combine_fn, handle, self._ll_combine_args_addr, self._ll_combine_outputs,
                 self._device_id, x, topk_idx,
                 topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, out,
                 num_max_dispatch_tokens_per_rank, num_experts, bool(use_logfmt), bool(zero_copy), phases, stream_ptr,

@@ -94,14 +94,17 @@ class NormalMode(StreamProtocol):
                     num_tokens_per_expert, cached_num_recv_tokens, cached_rank_prefix_matrix,
                     cached_channel_prefix_matrix, expert_alignment, num_worst_tokens, config)
         finally:
-            self._op_allocated(compute, allocate_on_comm_stream)
+            if allocate_on_comm_stream:
+                self._op_allocated(compute, allocate_on_comm_stream)
         (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, rank_prefix, channel_prefix,
          recv_channel_prefix, recv_src_idx, send_head) = result
-        # recv_channel_prefix's storage is the handle's one int32 allocation (send_head's too).
-        event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (
-            x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-            recv_channel_prefix, rank_prefix, channel_prefix, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
-            recv_src_idx), order)
+        event = None
+        if async_ or order:  # else nothing is left to do (skips building the tensors' tuple)
+            # recv_channel_prefix's storage is the handle's one int32 allocation (send_head's too).
+            event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (
+                x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                recv_channel_prefix, rank_prefix, channel_prefix, recv_x, recv_x_scales, recv_topk_idx,
+                recv_topk_weights, recv_src_idx), order)
         return (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, rank_prefix,
                 channel_prefix, recv_channel_prefix, recv_src_idx, send_head, event)
 
@@ -200,11 +203,14 @@ class NormalMode(StreamProtocol):
                 result = self._combine_ctypes(handle, x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix,
                                               channel_prefix_matrix, send_head, config)
         finally:
-            self._op_allocated(compute, allocate_on_comm_stream)
+            if allocate_on_comm_stream:
+                self._op_allocated(compute, allocate_on_comm_stream)
         combined_x, combined_topk_weights = result
-        event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (
-            x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head,
-            combined_x, combined_topk_weights), order)
+        event = None
+        if async_ or order:  # else nothing is left to do
+            event = self._op_end(comm, compute, async_, allocate_on_comm_stream, (
+                x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head,
+                combined_x, combined_topk_weights), order)
         return combined_x, combined_topk_weights, event
 
     def _combine_ctypes(self, handle, x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix,
