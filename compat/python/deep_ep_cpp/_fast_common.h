@@ -84,6 +84,31 @@ inline std::array<c10::optional<at::Tensor>, DEEPEP_MAX_OP_OUTPUTS> allocate(con
   return out;
 }
 
+// The last description an output query (deepep_*_outputs) gave, by what it reads: a repeated
+// shape skips the query, a C ABI call that validates every argument, as the op then does again
+// (bad input still fails there, naming the argument, only after the outputs were allocated).
+template <size_t N>
+class OutputsCache {
+ public:
+  using Key = std::array<int64_t, N>;
+
+  // 0 with `o` describing the outputs for `key` (query(&o) asked only on a new key), or the query's
+  // status. `o` is the caller's, refilled by the query; each call re-points only its data fields.
+  template <typename Query>
+  int get(const Key& key, DeepepOutputs& o, Query query) {
+    if (valid_ && key == key_) return 0;
+    valid_ = false;  // no description until the query succeeds
+    if (const int status = query(&o)) return status;
+    key_ = key;
+    valid_ = true;
+    return 0;
+  }
+
+ private:
+  Key key_{};
+  bool valid_ = false;
+};
+
 // allocate(), plus each present output's address written into its descriptor: o.tensors[i] then
 // describes output i completely, ready for the op (absent ones stay all-zero).
 inline std::array<c10::optional<at::Tensor>, DEEPEP_MAX_OP_OUTPUTS> allocate_placed(DeepepOutputs& o,

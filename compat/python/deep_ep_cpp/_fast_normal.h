@@ -59,7 +59,9 @@ class NormalOps {
     if (!describe(topk, topk_idx)) return py::make_tuple(kBadInput);
     DeepepOutputs& o = layout_outputs_;
     const int64_t num_tokens = topk_idx.dim() > 0 ? topk_idx.size(0) : 0;
-    int status = layout_outputs_fn_(as_buffer(buffer), num_tokens, int(num_experts), &o);
+    int status = layout_cache_.get({num_tokens, num_experts}, o, [&](DeepepOutputs* out) {
+      return layout_outputs_fn_(as_buffer(buffer), num_tokens, int(num_experts), out);
+    });
     if (status != 0) return py::make_tuple(status);
     if (const int error = ordering.before(stream)) return driver_error(error);
     const auto out = allocate_placed(o, on_device_);
@@ -108,7 +110,9 @@ class NormalOps {
 
     // The handle: what the library says (read from x, the config and the mode), one allocation.
     DeepepOutputs& h = handle_outputs_;
-    int status = handle_outputs_fn_(as_buffer(buffer), &a, &h);
+    // The handle's geometry reads x's rows, config.num_sms and cached.
+    int status = handle_cache_.get({a.x.ndim, a.x.shape[0], a.config.num_sms, a.cached}, h,
+                                   [&](DeepepOutputs* out) { return handle_outputs_fn_(as_buffer(buffer), &a, out); });
     if (status != 0) return py::make_tuple(status);
     if (const int error = ordering.before(stream)) return driver_error(error);
     const auto handle = allocate_placed(h, on_device_);
@@ -138,7 +142,12 @@ class NormalOps {
     }
 
     DeepepOutputs& r = recv_outputs_;
-    status = dispatch_outputs_fn_(as_buffer(buffer), &a, cached ? int(cached_num_recv_tokens) : num_recv, &r);
+    const int rows = cached ? int(cached_num_recv_tokens) : num_recv;
+    // The receive geometry reads the row count (with cached and num_worst_tokens) and the
+    // received rows' dtypes and widths.
+    status = recv_cache_.get({a.cached, a.num_worst_tokens, rows, a.x.dtype, a.x.ndim, a.x.shape[1], a.x_scales.dtype,
+                              a.x_scales.shape[1], a.topk_idx.dtype, a.topk_idx.shape[1], a.topk_weights.dtype},
+                             r, [&](DeepepOutputs* out) { return dispatch_outputs_fn_(as_buffer(buffer), &a, rows, out); });
     if (status != 0) return py::make_tuple(status);
     const auto recv = allocate_placed(r, on_device_);
     const DeepepIntranodeDispatchOutputs outputs{r.tensors[0], r.tensors[1], r.tensors[2], r.tensors[3], r.tensors[4]};
@@ -170,7 +179,10 @@ class NormalOps {
       return py::make_tuple(kBadInput);
     std::memcpy(&a.config, at_address<const DeepepConfig>(config), sizeof a.config);
     DeepepOutputs& o = combine_outputs_;
-    int status = combine_outputs_fn_(as_buffer(buffer), &a, &o);
+    // The outputs' geometry reads send_head's rows, x's dtype and width, topk_weights' width.
+    int status = combine_cache_.get({a.x.dtype, a.x.ndim, a.x.shape[1], a.send_head.ndim, a.send_head.shape[0],
+                                     a.topk_weights.dtype, a.topk_weights.shape[1]},
+                                    o, [&](DeepepOutputs* out) { return combine_outputs_fn_(as_buffer(buffer), &a, out); });
     if (status != 0) return py::make_tuple(status);
     if (const int error = ordering.before(stream)) return driver_error(error);
     const auto out = allocate_placed(o, on_device_);
@@ -199,6 +211,10 @@ class NormalOps {
   DeepepIntranodeDispatchArgs dispatch_args_{};
   DeepepIntranodeCombineArgs combine_args_{};
   DeepepOutputs layout_outputs_{}, handle_outputs_{}, recv_outputs_{}, combine_outputs_{};
+  OutputsCache<2> layout_cache_;
+  OutputsCache<4> handle_cache_;
+  OutputsCache<11> recv_cache_;
+  OutputsCache<7> combine_cache_;
 };
 
 }  // namespace deepep_fast
