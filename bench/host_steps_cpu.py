@@ -1,13 +1,14 @@
 """Host steps per call of the compiled host path, through deep_ep.Buffer's public API, on a CPU.
 
-    python bench/host_steps_cpu.py [--calls N]
+    python bench/host_steps_cpu.py [PACKAGE_DIR] [--calls N]
 
 A CPU proxy for bench_normal.py's host rows, bench_layout.py and bench_ll_host.py: the Python
 between deep_ep.Buffer's entry and the compiled op's return, with ctypes_overhead_cpu.py's stand-in
 torch and a stand-in of the compiled module (deep_ep_cpp/_fast.cpp) whose ops return their
 outputs at once. Per op it counts what Python does that a GPU run pays for (C ABI calls through
 ctypes, calls into the compiled module, CUDA event and current-stream calls, torch allocations,
-record_stream) and times the rest. What the compiled module does inside (allocations, driver
+record_stream) and times the rest. PACKAGE_DIR holds the deep_ep and deep_ep_cpp to measure
+(default: compat/python of this checkout), e.g. an older version's from `git archive`. What the compiled module does inside (allocations, driver
 calls, C ABI calls) is not seen here: see the module's sources."""
 import collections
 import contextlib
@@ -112,10 +113,16 @@ class FakeFast(types.ModuleType):
 
 
 def main():
-    calls = int(sys.argv[sys.argv.index("--calls") + 1]) if "--calls" in sys.argv else 20000
+    args = sys.argv[1:]
+    calls = 20000
+    if "--calls" in args:
+        i = args.index("--calls")
+        calls = int(args[i + 1])
+        del args[i:i + 2]
+    pkg = Path(args[0]).resolve() if args else REPO / "compat" / "python"
     os.environ["DEEPEP_NCCL_FAST"] = "0"  # the module is put in place below
     torch = install_torch()
-    sys.path.insert(0, str(REPO / "compat" / "python"))
+    sys.path.insert(0, str(pkg))
     import deep_ep
     import deep_ep_cpp
     from deep_ep_cpp import _lib

@@ -141,7 +141,13 @@ pub fn set_last_error(message: &str) {
 }
 
 pub fn clear_last_error() {
-    LAST_ERROR.with(|e| *e.borrow_mut() = CString::default());
+    // Every C ABI call starts here: no allocation when the text is already empty (the usual case).
+    LAST_ERROR.with(|e| {
+        let mut e = e.borrow_mut();
+        if !e.as_bytes().is_empty() {
+            *e = CString::default();
+        }
+    });
 }
 
 /// Pointer valid until the next C ABI call on this thread.
