@@ -53,7 +53,7 @@ impl DeepepDtype {
 
 /// A strided view of device memory. `strides` are in elements, like torch's.
 #[repr(C)]
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeepepTensor {
     pub data: *mut std::os::raw::c_void,
     /// A `DeepepDtype` value.

@@ -45,6 +45,7 @@ pub(crate) const DROPPED_KINDS: usize = DEEPEP_DROPPED_KINDS as usize;
 pub(crate) const TRAFFIC_KINDS: usize = DEEPEP_TRAFFIC_KINDS as usize;
 pub(crate) const LL_MAX_TOPK: i64 = DEEPEP_LL_MAX_TOPK as i64;
 pub(crate) const LL_PHASE_SEND: i32 = crate::capi::DEEPEP_LL_PHASE_SEND;
+pub(crate) const LL_PHASE_RECV: i32 = crate::capi::DEEPEP_LL_PHASE_RECV;
 pub(crate) const LL_MAX_BLOCKS: i32 = DEEPEP_LL_MAX_BLOCKS;
 pub(crate) const LL_REMOTE_NONE: i32 = DEEPEP_LL_REMOTE_NONE as i32;
 pub(crate) const LL_REMOTE_EMULATED: i32 = DEEPEP_LL_REMOTE_EMULATED as i32;

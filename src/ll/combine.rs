@@ -2,18 +2,21 @@
 //! for the send phase, the receive phase, or both.
 use std::os::raw::c_void;
 
-use super::{check_hidden, combine_layout, common, opt_ptr, phases_for, receive_half, LlKind, LlShape, MAX_TOKENS_PER_RANK};
-use crate::buffer::Buffer;
+use super::{
+    check_hidden, combine_layout, common, opt_ptr, phases_for, receive_half, recv_plan, LlHost, LlKind, LlShape, PlannedOp,
+    RecvPlan, MAX_TOKENS_PER_RANK,
+};
+use crate::buffer::{Buffer, Resources};
 use crate::ensure_arg;
 use crate::error::Result;
-use crate::kernels::{self, LlCombineParams, LL_MAX_TOPK, LL_PHASE_SEND};
+use crate::kernels::{self, LlCombineParams, LlCommon, LL_MAX_TOPK, LL_PHASE_RECV, LL_PHASE_SEND};
 use crate::outputs::{check_output, DeepepOutputs};
 use crate::tensor::{check, check_aligned16, check_opt, check_shape, DeepepDtype::*, DeepepTensor};
 
 /// Arguments of one LL combine (`Buffer::low_latency_combine`). Absent optional
 /// tensors have dtype 0.
 #[repr(C)]
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeepepLowLatencyCombineArgs {
     /// [E_l, R*M, H] bfloat16, contiguous: the experts' outputs in the dispatch's packed
     /// layout. With zero_copy the data is read from the zero-copy view instead.
@@ -51,9 +54,40 @@ pub fn outputs(num_tokens: i64, hidden: i64) -> Result<DeepepOutputs> {
     Ok(o)
 }
 
+impl PlannedOp for DeepepLowLatencyCombineArgs {
+    type Params = LlCombineParams;
+    const KIND: LlKind = LlKind::Combine;
+
+    fn plans(host: &mut LlHost) -> &mut [Option<RecvPlan<Self, Self::Params>>; 2] {
+        &mut host.combine_plans
+    }
+
+    fn common(params: &mut Self::Params) -> &mut LlCommon {
+        &mut params.common
+    }
+
+    fn set_phases(&mut self, phases: i32) {
+        self.phases = phases;
+    }
+
+    fn launch(res: &Resources, params: &Self::Params, stream: *mut c_void) -> Result<()> {
+        let launch = kernels::entry(res.dev_comm.build().table().launch_ll_combine);
+        // SAFETY: params point at validated tensors and this buffer's live window/workspace; the
+        // launcher is of the devComm's build.
+        let rc = unsafe { launch(res.dev_comm.as_ptr(), params, res.remote_kind, res.ll_blocks(), stream) };
+        kernels::launch_result("deepep::ll::combine", rc)
+    }
+}
+
 /// Launches the phases in `a.phases` on `stream` (NULL: the comm stream); the
 /// buffer half works as in [`super::dispatch::dispatch`].
 pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_void, buffer_idx: &mut i32) -> Result<()> {
+    // The hook with its send's args: launch what the send kept.
+    if a.phases == LL_PHASE_RECV && (*buffer_idx == 0 || *buffer_idx == 1) {
+        if let Some(done) = super::receive_planned(buffer, a, *buffer_idx, stream) {
+            return done;
+        }
+    }
     let phases = phases_for(a.phases)?;
     let r = buffer.layout.num_ranks as i64;
     let x = check("x", Some(&a.x), &[DEEPEP_DTYPE_BFLOAT16], 3)?;
@@ -87,7 +121,7 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
         Some(half) => super::check_receive(buffer, LlKind::Combine, half)?,
         None => super::before_send(buffer, shape, stream)?,
     }
-    buffer.with_resources(|res| {
+    let plan = buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
         // The size check does not depend on the half: check before taking one.
         combine_layout(buffer, res, "low_latency_combine", shape, logfmt, 0)?;
@@ -108,17 +142,13 @@ pub fn combine(buffer: &Buffer, a: &DeepepLowLatencyCombineArgs, stream: *mut c_
             use_logfmt: a.use_logfmt,
             reserved: [0; 2],
         };
-        let launch = kernels::entry(res.dev_comm.build().table().launch_ll_combine);
-        // SAFETY: params point at validated tensors and this buffer's live window/workspace; the
-        // launcher is of the devComm's build.
-        let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, res.remote_kind, res.ll_blocks(), stream) };
-        kernels::launch_result("deepep::ll::combine", rc)?;
+        DeepepLowLatencyCombineArgs::launch(res, &params, stream)?;
         *buffer_idx = parity;
-        Ok(())
+        Ok((phases == LL_PHASE_SEND).then(|| recv_plan(*a, params)))
     })?;
     match receive_only_half {
         Some(half) => super::after_receive(buffer, LlKind::Combine, half),
-        None => super::after_send(buffer, shape, LlKind::Combine, *buffer_idx, phases == LL_PHASE_SEND),
+        None => super::after_send(buffer, shape, *buffer_idx, plan),
     }
     Ok(())
 }

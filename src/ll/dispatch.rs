@@ -2,11 +2,14 @@
 //! `deepep::ll::dispatch` for the send phase, the receive phase, or both.
 use std::os::raw::c_void;
 
-use super::{check_region, common, opt_ptr, phases_for, receive_half, slots, LlKind, LlLayout, LlShape};
-use crate::buffer::Buffer;
+use super::{
+    check_region, common, opt_ptr, phases_for, receive_half, recv_plan, slots, LlHost, LlKind, LlLayout, LlShape, PlannedOp,
+    RecvPlan,
+};
+use crate::buffer::{Buffer, Resources};
 use crate::ensure_arg;
 use crate::error::Result;
-use crate::kernels::{self, LlDispatchParams, LL_MAX_TOPK, LL_PHASE_SEND};
+use crate::kernels::{self, LlCommon, LlDispatchParams, LL_MAX_TOPK, LL_PHASE_RECV, LL_PHASE_SEND};
 use crate::outputs::{check_output, DeepepOutputs};
 use crate::tensor::{check, check_aligned16, check_opt, check_shape, DeepepDtype, DeepepDtype::*, DeepepTensor};
 
@@ -14,7 +17,7 @@ use crate::tensor::{check, check_aligned16, check_opt, check_shape, DeepepDtype,
 /// allocates the outputs as deepep_low_latency_dispatch_outputs describes them; absent
 /// optional tensors have dtype 0.
 #[repr(C)]
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeepepLowLatencyDispatchArgs {
     /// [T, H] bfloat16, contiguous, T <= num_max_dispatch_tokens_per_rank.
     pub x: DeepepTensor,
@@ -135,10 +138,41 @@ fn check_args(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs) -> Result<Check
     Ok(Checked { shape, num_tokens: t, num_topk: k, topk_is_int32: topk.dtype == DEEPEP_DTYPE_INT32 })
 }
 
+impl PlannedOp for DeepepLowLatencyDispatchArgs {
+    type Params = LlDispatchParams;
+    const KIND: LlKind = LlKind::Dispatch;
+
+    fn plans(host: &mut LlHost) -> &mut [Option<RecvPlan<Self, Self::Params>>; 2] {
+        &mut host.dispatch_plans
+    }
+
+    fn common(params: &mut Self::Params) -> &mut LlCommon {
+        &mut params.common
+    }
+
+    fn set_phases(&mut self, phases: i32) {
+        self.phases = phases;
+    }
+
+    fn launch(res: &Resources, params: &Self::Params, stream: *mut c_void) -> Result<()> {
+        // SAFETY: params point at validated tensors and this buffer's live window/workspace;
+        // the devComm outlives the launch (resources are held by the lock).
+        let launch = kernels::entry(res.dev_comm.build().table().launch_ll_dispatch);
+        let rc = unsafe { launch(res.dev_comm.as_ptr(), params, res.remote_kind, res.ll_blocks(), stream) };
+        kernels::launch_result("deepep::ll::dispatch", rc)
+    }
+}
+
 /// Launches the phases in `a.phases` on `stream` (NULL: the comm stream). A send
 /// (phases 1 or 3) takes the next buffer half and writes it to `buffer_idx`; a
 /// receive-only call (2) uses the half in `buffer_idx` from its send.
 pub fn dispatch(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs, stream: *mut c_void, buffer_idx: &mut i32) -> Result<()> {
+    // The hook with its send's args: launch what the send kept.
+    if a.phases == LL_PHASE_RECV && (*buffer_idx == 0 || *buffer_idx == 1) {
+        if let Some(done) = super::receive_planned(buffer, a, *buffer_idx, stream) {
+            return done;
+        }
+    }
     let phases = phases_for(a.phases)?;
     let checked = check_args(buffer, a)?;
     let receive_only_half = if phases & LL_PHASE_SEND == 0 { Some(receive_half(*buffer_idx)?) } else { None };
@@ -147,7 +181,7 @@ pub fn dispatch(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs, stream: *mut 
         None => super::before_send(buffer, checked.shape, stream)?,
     }
     let fp8 = a.use_fp8 != 0;
-    buffer.with_resources(|res| {
+    let plan = buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
         let slots = slots(res, checked.shape, checked.num_topk, fp8, false)?;
         // Check the size before taking a half, so that a rejected call leaves the parity alone.
@@ -175,17 +209,13 @@ pub fn dispatch(buffer: &Buffer, a: &DeepepLowLatencyDispatchArgs, stream: *mut 
             count_bytes: slots.count_bytes as i32,
             reserved: 0,
         };
-        // SAFETY: params point at validated tensors and this buffer's live window/workspace;
-        // the devComm outlives the launch (resources are held by the lock).
-        let launch = kernels::entry(res.dev_comm.build().table().launch_ll_dispatch);
-        let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, res.remote_kind, res.ll_blocks(), stream) };
-        kernels::launch_result("deepep::ll::dispatch", rc)?;
+        DeepepLowLatencyDispatchArgs::launch(res, &params, stream)?;
         *buffer_idx = parity;
-        Ok(())
+        Ok((phases == LL_PHASE_SEND).then(|| recv_plan(*a, params)))
     })?;
     match receive_only_half {
         Some(half) => super::after_receive(buffer, LlKind::Dispatch, half),
-        None => super::after_send(buffer, checked.shape, LlKind::Dispatch, *buffer_idx, phases == LL_PHASE_SEND),
+        None => super::after_send(buffer, checked.shape, *buffer_idx, plan),
     }
     Ok(())
 }

@@ -257,6 +257,22 @@ pub(crate) enum LlKind {
     Combine = 1,
 }
 
+/// What a send-only call keeps for its receive (the hook): the args it ran with (phases =
+/// receive) are the key, the launch params (phases = receive) the plan. A receive with exactly
+/// these args only launches: the send validated them and placed the half's regions.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RecvPlan<A, P> {
+    pub args: A,
+    pub params: P,
+}
+
+// SAFETY: the pointers are device addresses and handles of the buffer's resources, used only to
+// launch under `with_resources` (which fails once they are gone).
+unsafe impl<A, P> Send for RecvPlan<A, P> {}
+
+type DispatchPlan = RecvPlan<dispatch::DeepepLowLatencyDispatchArgs, kernels::LlDispatchParams>;
+type CombinePlan = RecvPlan<combine::DeepepLowLatencyCombineArgs, kernels::LlCombineParams>;
+
 /// What the host keeps between LL calls besides the half (`Buffer::ll_parity`).
 #[derive(Debug, Default)]
 pub(crate) struct LlHost {
@@ -264,6 +280,9 @@ pub(crate) struct LlHost {
     shape: Option<LlShape>,
     /// Bit 2 * kind + half: a send-only call whose receive has not run yet.
     pending_receive: u32,
+    /// Per half, the plan of the pending receive (set only with its pending bit).
+    dispatch_plans: [Option<DispatchPlan>; 2],
+    combine_plans: [Option<CombinePlan>; 2],
 }
 
 impl LlHost {
@@ -273,8 +292,72 @@ impl LlHost {
 
     /// After clean_low_latency_buffer of `shape`.
     pub(crate) fn cleaned(&mut self, shape: LlShape) {
-        *self = Self { shape: Some(shape), pending_receive: 0 };
+        *self = Self { shape: Some(shape), ..Self::default() };
     }
+
+    fn clear_plan(&mut self, kind: LlKind, half: i32) {
+        match kind {
+            LlKind::Dispatch => self.dispatch_plans[half as usize] = None,
+            LlKind::Combine => self.combine_plans[half as usize] = None,
+        }
+    }
+}
+
+/// An LL op whose send-only call keeps a [`RecvPlan`] for its receive.
+pub(crate) trait PlannedOp: Copy + PartialEq + Sized {
+    type Params: Copy;
+    const KIND: LlKind;
+    fn plans(host: &mut LlHost) -> &mut [Option<RecvPlan<Self, Self::Params>>; 2];
+    fn common(params: &mut Self::Params) -> &mut LlCommon;
+    fn set_phases(&mut self, phases: i32);
+    /// Launches `params` with this build's launcher on `stream`.
+    fn launch(res: &Resources, params: &Self::Params, stream: *mut std::ffi::c_void) -> Result<()>;
+}
+
+/// The plan a send-only call keeps: its args and params with phases = receive.
+pub(crate) fn recv_plan<O: PlannedOp>(mut args: O, mut params: O::Params) -> RecvPlan<O, O::Params> {
+    args.set_phases(kernels::LL_PHASE_RECV);
+    O::common(&mut params).phases = kernels::LL_PHASE_RECV;
+    RecvPlan { args, params }
+}
+
+/// The pending receive's plan of `O` on `half` when `args` are its key (the args of its send);
+/// taken, with its pending bit. None otherwise: the caller validates as for any call (a doubled
+/// or stale hook gets the errors it always got).
+pub(crate) fn take_plan<O: PlannedOp>(buffer: &Buffer, args: &O, half: i32) -> Option<RecvPlan<O, O::Params>> {
+    let mut host = buffer.ll_host();
+    let slot = &mut O::plans(&mut host)[half as usize];
+    if !matches!(slot, Some(p) if p.args == *args) {
+        return None;
+    }
+    let plan = slot.take();
+    host.pending_receive &= !LlHost::bit(O::KIND, half);
+    plan
+}
+
+/// Puts back a taken plan whose launch failed (the hook may be called again, as before), unless
+/// a send replaced it meanwhile.
+fn restore_plan<O: PlannedOp>(buffer: &Buffer, plan: RecvPlan<O, O::Params>, half: i32) {
+    let mut host = buffer.ll_host();
+    if host.pending_receive & LlHost::bit(O::KIND, half) == 0 {
+        O::plans(&mut host)[half as usize] = Some(plan);
+        host.pending_receive |= LlHost::bit(O::KIND, half);
+    }
+}
+
+/// A receive-only call (phases = receive, `buffer_idx` 0 or 1) whose args are its send's: the
+/// kept launch, with the buffer's current wait limits. None: no plan for these args.
+pub(crate) fn receive_planned<O: PlannedOp>(buffer: &Buffer, args: &O, half: i32, stream: *mut std::ffi::c_void) -> Option<Result<()>> {
+    let plan = take_plan(buffer, args, half)?;
+    let result = buffer.with_resources(|res| {
+        let mut params = plan.params;
+        O::common(&mut params).wait = buffer.wait_context(res); // set_timeout may have run since
+        O::launch(res, &params, res.stream_or_comm(stream))
+    });
+    if result.is_err() {
+        restore_plan(buffer, plan, half);
+    }
+    Some(result)
 }
 
 /// Before an LL send of `shape`: when the shape differs from the last LL send's, the signal words
@@ -302,17 +385,20 @@ pub(crate) fn before_send(buffer: &Buffer, shape: LlShape, stream: *mut std::ffi
     }
 }
 
-/// After a launched send (phases 1 or 3) of `kind` on `half`.
-pub(crate) fn after_send(buffer: &Buffer, shape: LlShape, kind: LlKind, half: i32, receive_later: bool) {
+/// After a launched send (phases 1 or 3) of `O` on `half`; `plan`: a send-only call's, for its
+/// receive.
+pub(crate) fn after_send<O: PlannedOp>(buffer: &Buffer, shape: LlShape, half: i32, plan: Option<RecvPlan<O, O::Params>>) {
     let mut host = buffer.ll_host();
     host.shape = Some(shape);
     // A send on a half whose receive never ran (a dropped hook) needs nothing: the kernels'
-    // signals carry the op's generation, so the next receive waits for this send's.
-    if receive_later {
-        host.pending_receive |= LlHost::bit(kind, half);
+    // signals carry the op's generation, so the next receive waits for this send's. Its plan
+    // replaces the dropped one's.
+    if plan.is_some() {
+        host.pending_receive |= LlHost::bit(O::KIND, half);
     } else {
-        host.pending_receive &= !LlHost::bit(kind, half);
+        host.pending_receive &= !LlHost::bit(O::KIND, half);
     }
+    O::plans(&mut host)[half as usize] = plan;
 }
 
 /// A receive-only call (the hook) of `kind` on `half` needs its send-only call, once.
@@ -328,7 +414,9 @@ pub(crate) fn check_receive(buffer: &Buffer, kind: LlKind, half: i32) -> Result<
 
 /// After a launched receive-only call.
 pub(crate) fn after_receive(buffer: &Buffer, kind: LlKind, half: i32) {
-    buffer.ll_host().pending_receive &= !LlHost::bit(kind, half);
+    let mut host = buffer.ll_host();
+    host.pending_receive &= !LlHost::bit(kind, half);
+    host.clear_plan(kind, half);
 }
 
 /// `return_recv_hook`: send now, receive later with the same half; else both phases now.
@@ -388,8 +476,7 @@ mod tests {
         assert!(b.combine_recv + 288 * 128 * s.combine_slot <= 4096 + a.required);
     }
 
-    #[test]
-    fn a_receive_hook_runs_once_per_send() {
+    fn ll_buffer() -> Buffer {
         let args = crate::buffer::BufferArgs {
             rank: 0,
             num_ranks: 2,
@@ -399,23 +486,107 @@ mod tests {
             explicitly_destroy: true,
             enable_shrink: false,
         };
-        let buffer = Buffer::without_resources(args, 132);
+        Buffer::without_resources(args, 132)
+    }
+
+    type DispatchArgs = dispatch::DeepepLowLatencyDispatchArgs;
+    type CombineArgs = combine::DeepepLowLatencyCombineArgs;
+
+    /// A send-only call's args (phases = send) told apart by `tag` (x's address), and its plan.
+    fn sent<O: PlannedOp>(tag: usize, set_x: impl Fn(&mut O, usize)) -> (O, RecvPlan<O, O::Params>) {
+        // SAFETY: plain C structs of integers and pointers: all-zero is a valid value.
+        let (mut args, params): (O, O::Params) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        set_x(&mut args, tag);
+        args.set_phases(kernels::LL_PHASE_SEND);
+        (args, recv_plan(args, params))
+    }
+
+    fn combine_sent(tag: usize) -> (CombineArgs, CombinePlan) {
+        sent(tag, |a: &mut CombineArgs, t| a.x.data = t as *mut _)
+    }
+
+    /// The args a hook passes: its send's, with phases = receive.
+    fn hook_args<O: PlannedOp>(mut a: O) -> O {
+        a.set_phases(kernels::LL_PHASE_RECV);
+        a
+    }
+
+    #[test]
+    fn a_receive_hook_runs_once_per_send() {
+        let buffer = ll_buffer();
         let shape = LlShape::new(128, 7168, 16, 2).unwrap();
         let once = |kind, half| check_receive(&buffer, kind, half);
+        let dispatch_plan = || sent(0x1000, |a: &mut DispatchArgs, t| a.x.data = t as *mut _).1;
         assert!(once(LlKind::Dispatch, 0).unwrap_err().message.contains("a receive hook runs once"));
-        after_send(&buffer, shape, LlKind::Dispatch, 0, true);
-        after_send(&buffer, shape, LlKind::Combine, 1, false); // both phases: no hook
+        after_send(&buffer, shape, 0, Some(dispatch_plan()));
+        after_send::<CombineArgs>(&buffer, shape, 1, None); // both phases: no hook
         once(LlKind::Dispatch, 0).unwrap();
         assert!(once(LlKind::Dispatch, 1).is_err() && once(LlKind::Combine, 1).is_err() && once(LlKind::Combine, 0).is_err());
         after_receive(&buffer, LlKind::Dispatch, 0);
         let doubled = once(LlKind::Dispatch, 0).unwrap_err().message;
         assert!(doubled.starts_with("the receive of this low_latency_dispatch (buffer half 0) already ran"), "{doubled}");
         // A dropped hook: the next send on that half leaves one receive pending, as before.
-        after_send(&buffer, shape, LlKind::Combine, 1, true);
-        after_send(&buffer, shape, LlKind::Combine, 1, true);
+        after_send(&buffer, shape, 1, Some(combine_sent(1).1));
+        after_send(&buffer, shape, 1, Some(combine_sent(2).1));
         once(LlKind::Combine, 1).unwrap();
         buffer.ll_host().cleaned(shape);
         assert!(once(LlKind::Combine, 1).is_err());
+    }
+
+    #[test]
+    fn a_receive_launches_only_the_plan_of_its_own_send() {
+        let buffer = ll_buffer();
+        let shape = LlShape::new(128, 7168, 16, 2).unwrap();
+        let (a, plan_a) = combine_sent(0xa00);
+        assert_eq!((plan_a.args.phases, plan_a.params.common.phases), (kernels::LL_PHASE_RECV, kernels::LL_PHASE_RECV));
+        after_send(&buffer, shape, 0, Some(plan_a));
+        // Not this send's args (a stale hook's), another half, the send's own args unchanged
+        // (phases = send): no plan; the full path checks them as before.
+        let (b, _) = combine_sent(0xb00);
+        assert!(take_plan(&buffer, &hook_args(b), 0).is_none());
+        assert!(take_plan(&buffer, &hook_args(a), 1).is_none());
+        assert!(take_plan(&buffer, &a, 0).is_none());
+        check_receive(&buffer, LlKind::Combine, 0).unwrap(); // still pending
+        // Its own hook takes it once; a doubled hook finds none and gets the full path's error.
+        let taken = take_plan(&buffer, &hook_args(a), 0).unwrap();
+        assert_eq!(taken.args, hook_args(a));
+        assert!(take_plan(&buffer, &hook_args(a), 0).is_none());
+        let doubled = check_receive(&buffer, LlKind::Combine, 0).unwrap_err().message;
+        assert!(doubled.contains("a receive hook runs once"), "{doubled}");
+        // A dropped hook, then a new send on that half: only the new send's args find a plan.
+        after_send(&buffer, shape, 0, Some(combine_sent(0xa00).1));
+        after_send(&buffer, shape, 0, Some(combine_sent(0xc00).1));
+        assert!(take_plan(&buffer, &hook_args(a), 0).is_none());
+        let (c, _) = combine_sent(0xc00);
+        assert_eq!(take_plan(&buffer, &hook_args(c), 0).unwrap().args.x.data as usize, 0xc00);
+        // A send with both phases, a full-path receive and a clean drop the half's plan.
+        after_send(&buffer, shape, 1, Some(combine_sent(0xa00).1));
+        after_send::<CombineArgs>(&buffer, shape, 1, None);
+        assert!(take_plan(&buffer, &hook_args(a), 1).is_none());
+        after_send(&buffer, shape, 1, Some(combine_sent(0xa00).1));
+        after_receive(&buffer, LlKind::Combine, 1);
+        assert!(take_plan(&buffer, &hook_args(a), 1).is_none());
+        after_send(&buffer, shape, 1, Some(combine_sent(0xa00).1));
+        buffer.ll_host().cleaned(shape);
+        assert!(take_plan(&buffer, &hook_args(a), 1).is_none());
+        // Plans are per kind: a dispatch's args never find a combine's plan.
+        after_send(&buffer, shape, 1, Some(combine_sent(0xa00).1));
+        let (d, _) = sent(0xa00, |x: &mut DispatchArgs, t| x.x.data = t as *mut _);
+        assert!(take_plan(&buffer, &hook_args(d), 1).is_none());
+    }
+
+    #[test]
+    fn a_planned_receive_that_cannot_launch_stays_pending() {
+        // No resources (as after destroy): the launch fails, and the hook may be called again.
+        let buffer = ll_buffer();
+        let shape = LlShape::new(128, 7168, 16, 2).unwrap();
+        let (a, plan) = combine_sent(0xa00);
+        after_send(&buffer, shape, 1, Some(plan));
+        let err = receive_planned(&buffer, &hook_args(a), 1, std::ptr::null_mut()).unwrap().unwrap_err();
+        assert!(err.message.contains("the buffer was destroyed"), "{}", err.message);
+        check_receive(&buffer, LlKind::Combine, 1).unwrap();
+        assert!(take_plan(&buffer, &hook_args(a), 1).is_some());
+        assert!(receive_planned(&buffer, &hook_args(a), 1, std::ptr::null_mut()).is_none());
     }
 
     #[test]
