@@ -335,8 +335,8 @@ def main():
                      ("deepep_low_latency_combine_outputs", ll_combine_outputs),
                      ("deepep_intranode_dispatch_prepare", prepare)):
         fake.override(name, fn)
-    for name in ("deepep_get_dispatch_layout", "deepep_intranode_dispatch", "deepep_intranode_combine",
-                 "deepep_low_latency_dispatch", "deepep_low_latency_combine"):
+    for name in ("deepep_get_dispatch_layout", "deepep_intranode_dispatch", "deepep_intranode_dispatch_fused",
+                 "deepep_intranode_combine", "deepep_low_latency_dispatch", "deepep_low_latency_combine"):
         fake.override(name, lambda *a: 0)
 
     if hasattr(b, "_layout_fn"):

@@ -1201,6 +1201,22 @@ DeepepStatus deepep_intranode_dispatch(const DeepepBuffer *buf,
                                        void *stream);
 
 /**
+ * Steps 1 and 2 in one call, for a dispatch whose step 1 does not wait for the receive count
+ * (cached, or num_worst_tokens > 0): the caller allocates the outputs first (N rows: the
+ * handle's count, or num_worst_tokens). The args are checked once, with the outputs, before
+ * either kernel launches. Any other dispatch is refused (prepare and dispatch take it).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, a
+ * dispatch that waits for its count, or bad input a kernel found in an earlier op);
+ * DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a timeout); DEEPEP_ERROR_TIMEOUT (a GPU
+ * wait expired in an earlier op); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
+ */
+DeepepStatus deepep_intranode_dispatch_fused(const DeepepBuffer *buf,
+                                             const DeepepIntranodeDispatchArgs *args,
+                                             const DeepepIntranodeDispatchOutputs *outputs,
+                                             void *stream);
+
+/**
  * DeepEP's intranode_combine: sums each token's rows over the ranks it was
  * sent to (fp32, plus biases) into combined_x on its source rank.
  *

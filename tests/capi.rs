@@ -299,6 +299,11 @@ fn normal_mode_calls_reject_null_handles_and_arguments() {
         DEEPEP_ERROR_INVALID_ARGUMENT,
         "buffer must not be NULL",
     );
+    expect_err(
+        deepep_intranode_dispatch_fused(ptr::null(), &args, &outs, ptr::null_mut()),
+        DEEPEP_ERROR_INVALID_ARGUMENT,
+        "buffer must not be NULL",
+    );
     expect_err(deepep_intranode_combine(ptr::null(), &combine, ptr::null_mut()), DEEPEP_ERROR_INVALID_ARGUMENT, "buffer must not be NULL");
 }
 
@@ -429,6 +434,7 @@ fn every_buffer_entry(buf: *mut DeepepBuffer) -> Vec<(&'static str, DeepepStatus
     call!("normal_query_dropped", deepep_normal_query_dropped(buf, &t, s));
     call!("intranode_dispatch_prepare", deepep_intranode_dispatch_prepare(buf, &dispatch, &mut i, list.as_mut_ptr(), 4, s));
     call!("intranode_dispatch", deepep_intranode_dispatch(buf, &dispatch, &outputs, s));
+    call!("intranode_dispatch_fused", deepep_intranode_dispatch_fused(buf, &dispatch, &outputs, s));
     call!("intranode_combine", deepep_intranode_combine(buf, &combine, s));
     call!("intranode_dispatch_handle_outputs", deepep_intranode_dispatch_handle_outputs(buf, &dispatch, &mut o));
     call!("intranode_dispatch_outputs", deepep_intranode_dispatch_outputs(buf, &dispatch, 5, &mut o));

@@ -5,7 +5,9 @@
 //! without num_worst_tokens it waits for the count), then the caller allocates
 //! the outputs `deepep_intranode_dispatch_outputs` describes (N rows: the count,
 //! num_worst_tokens or the handle's row count) and calls `deepep_intranode_dispatch`.
-//! Both take the same args and must be issued back to back on the same stream.
+//! Both take the same args and must be issued back to back on the same stream. A dispatch
+//! that does not wait (cached, or num_worst_tokens) may take one call instead:
+//! `deepep_intranode_dispatch_fused`.
 //! All ops of a buffer must be ordered on one stream (NULL: the buffer's comm
 //! stream). The `*_outputs` queries say what each op's caller allocates.
 use std::os::raw::{c_int, c_void};
@@ -66,6 +68,25 @@ pub extern "C" fn deepep_intranode_dispatch(
     stream: *mut c_void,
 ) -> crate::error::DeepepStatus {
     ffi(|| dispatch::launch(buffer_ref(buf)?.buffer(), args_ref("args", args)?, args_ref("outputs", outputs)?, stream))
+}
+
+/// Steps 1 and 2 in one call, for a dispatch whose step 1 does not wait for the receive count
+/// (cached, or num_worst_tokens > 0): the caller allocates the outputs first (N rows: the
+/// handle's count, or num_worst_tokens). The args are checked once, with the outputs, before
+/// either kernel launches. Any other dispatch is refused (prepare and dispatch take it).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer, a bad tensor or value, a
+/// dispatch that waits for its count, or bad input a kernel found in an earlier op);
+/// DEEPEP_ERROR_NOT_AVAILABLE (destroyed, or unusable after a timeout); DEEPEP_ERROR_TIMEOUT (a GPU
+/// wait expired in an earlier op); DEEPEP_ERROR_CUDA; DEEPEP_ERROR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn deepep_intranode_dispatch_fused(
+    buf: *const super::DeepepBuffer,
+    args: *const DeepepIntranodeDispatchArgs,
+    outputs: *const DeepepIntranodeDispatchOutputs,
+    stream: *mut c_void,
+) -> crate::error::DeepepStatus {
+    ffi(|| dispatch::launch_unwaited(buffer_ref(buf)?.buffer(), args_ref("args", args)?, args_ref("outputs", outputs)?, stream))
 }
 
 /// DeepEP's intranode_combine: sums each token's rows over the ranks it was

@@ -363,47 +363,52 @@ pub fn prepare(
 ) -> Result<Prepared> {
     let plan = validate(buffer, args)?;
     let counts_plan = RecvCountsPlan::new(buffer, plan.cached, plan.num_worst_tokens, plan.num_experts, per_expert_out)?;
-    let (wait_for_counts, num_local_experts) = (counts_plan.wait, counts_plan.num_local_experts);
+    let num_local_experts = counts_plan.num_local_experts;
     buffer.with_resources(|res| {
         let stream = res.stream_or_comm(stream);
         counts_plan.arm(res, stream)?;
-        let common = res.normal_common(
-            buffer.wait_context(res),
-            &buffer.args,
-            plan.channels.num_channels,
-            plan.channels.ring_tokens,
-            NormalKernel::Notify,
-        );
-        let (topk_ptr, topk_k, topk_i32) = match plan.topk {
-            Some((dtype, ids, _, k)) => (ids, k as i32, (dtype == DEEPEP_DTYPE_INT32) as i32),
-            None => (std::ptr::null(), 0, 0),
-        };
-        let params = NotifyParams {
-            common,
-            is_token_in_rank: plan.is_token_in_rank,
-            num_tokens_per_rank: plan.num_tokens_per_rank,
-            num_tokens_per_expert: plan.num_tokens_per_expert,
-            topk_idx: topk_ptr,
-            rank_prefix_matrix: plan.rank_prefix_matrix,
-            channel_prefix_matrix: plan.channel_prefix_matrix,
-            recv_channel_prefix_matrix: plan.recv_channel_prefix_matrix,
-            counts: if wait_for_counts { res.recv_counts.device_ptr() } else { std::ptr::null_mut() },
-            num_tokens: plan.num_tokens,
-            num_topk: topk_k,
-            topk_idx_is_int32: topk_i32,
-            num_experts: plan.num_experts,
-            expert_alignment: plan.expert_alignment,
-            cached: plan.cached as i32,
-            num_worst_tokens: plan.num_worst_tokens,
-        };
-        let launch = kernels::entry(res.dev_comm.build().table().launch_normal_notify);
-        // SAFETY: params point at validated tensors, the live window and workspace; the launcher
-        // is of the devComm's build.
-        let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, stream) };
-        kernels::launch_result("dispatch notify", rc)?;
+        notify(buffer, res, &plan, counts_plan.wait, stream)?;
         let num_recv_tokens = counts_plan.collect(buffer, res, per_expert_out)?;
         Ok(Prepared { num_recv_tokens, num_local_experts })
     })
+}
+
+/// Launches the notify kernel of `plan`; `wait_for_counts`: it reports the receive counts.
+fn notify(buffer: &Buffer, res: &crate::buffer::Resources, plan: &Plan, wait_for_counts: bool, stream: *mut c_void) -> Result<()> {
+    let common = res.normal_common(
+        buffer.wait_context(res),
+        &buffer.args,
+        plan.channels.num_channels,
+        plan.channels.ring_tokens,
+        NormalKernel::Notify,
+    );
+    let (topk_ptr, topk_k, topk_i32) = match plan.topk {
+        Some((dtype, ids, _, k)) => (ids, k as i32, (dtype == DEEPEP_DTYPE_INT32) as i32),
+        None => (std::ptr::null(), 0, 0),
+    };
+    let params = NotifyParams {
+        common,
+        is_token_in_rank: plan.is_token_in_rank,
+        num_tokens_per_rank: plan.num_tokens_per_rank,
+        num_tokens_per_expert: plan.num_tokens_per_expert,
+        topk_idx: topk_ptr,
+        rank_prefix_matrix: plan.rank_prefix_matrix,
+        channel_prefix_matrix: plan.channel_prefix_matrix,
+        recv_channel_prefix_matrix: plan.recv_channel_prefix_matrix,
+        counts: if wait_for_counts { res.recv_counts.device_ptr() } else { std::ptr::null_mut() },
+        num_tokens: plan.num_tokens,
+        num_topk: topk_k,
+        topk_idx_is_int32: topk_i32,
+        num_experts: plan.num_experts,
+        expert_alignment: plan.expert_alignment,
+        cached: plan.cached as i32,
+        num_worst_tokens: plan.num_worst_tokens,
+    };
+    let launch = kernels::entry(res.dev_comm.build().table().launch_normal_notify);
+    // SAFETY: params point at validated tensors, the live window and workspace; the launcher
+    // is of the devComm's build.
+    let rc = unsafe { launch(res.dev_comm.as_ptr(), &params, stream) };
+    kernels::launch_result("dispatch notify", rc)
 }
 
 /// The host side of a notify that reports the receive counts (intranode and internode): a
@@ -509,6 +514,44 @@ impl Plan {
 /// received count stay as allocated, except recv_topk_idx = -1 there).
 pub fn launch(buffer: &Buffer, args: &DeepepIntranodeDispatchArgs, outs: &DeepepIntranodeDispatchOutputs, stream: *mut c_void) -> Result<()> {
     let plan = validate(buffer, args)?;
+    let recv = check_recv(&plan, outs)?;
+    buffer.with_resources(|res| data(buffer, res, &plan, &recv, res.stream_or_comm(stream)))
+}
+
+/// Prepare and launch in one call, for a dispatch whose prepare does not wait on the host (cached,
+/// or num_worst_tokens > 0): the outputs' N is known beforehand, so the args are validated once
+/// and nothing launches unless the outputs pass too.
+pub fn launch_unwaited(
+    buffer: &Buffer,
+    args: &DeepepIntranodeDispatchArgs,
+    outs: &DeepepIntranodeDispatchOutputs,
+    stream: *mut c_void,
+) -> Result<()> {
+    let plan = validate(buffer, args)?;
+    ensure_arg!(
+        plan.cached || plan.num_worst_tokens > 0,
+        "deepep_intranode_dispatch_fused takes a dispatch that does not wait for the receive count (cached, or \
+         num_worst_tokens > 0); else call deepep_intranode_dispatch_prepare, then deepep_intranode_dispatch"
+    );
+    let recv = check_recv(&plan, outs)?;
+    buffer.with_resources(|res| {
+        let stream = res.stream_or_comm(stream);
+        notify(buffer, res, &plan, false, stream)?;
+        data(buffer, res, &plan, &recv, stream)
+    })
+}
+
+/// The receive outputs' pointers, checked against `plan`; `n`: their rows.
+struct Recv {
+    n: i64,
+    x: *mut c_void,
+    scales: *mut c_void,
+    topk: *mut c_void,
+    weights: *mut c_void,
+    src_idx: *mut c_void,
+}
+
+fn check_recv(plan: &Plan, outs: &DeepepIntranodeDispatchOutputs) -> Result<Recv> {
     // N is recv_src_idx's length; every output must then be as recv_outputs describes.
     let src_idx = check("recv_src_idx", Some(&outs.recv_src_idx), &[DEEPEP_DTYPE_INT32], 1)?;
     let n = src_idx.dims()[0];
@@ -516,54 +559,60 @@ pub fn launch(buffer: &Buffer, args: &DeepepIntranodeDispatchArgs, outs: &Deepep
     let recv_x = check_required(RECV_OUTPUTS[0], &outs.recv_x, want.get(0))?;
     check_aligned16("recv_x", &recv_x)?;
     let ptr = |view: Option<TensorView<'_>>| view.map_or(std::ptr::null_mut(), |v| v.ptr());
-    let recv_scales = ptr(check_output(RECV_OUTPUTS[1], &outs.recv_x_scales, want.get(1))?);
-    let recv_topk = ptr(check_output(RECV_OUTPUTS[2], &outs.recv_topk_idx, want.get(2))?);
-    let recv_weights = ptr(check_output(RECV_OUTPUTS[3], &outs.recv_topk_weights, want.get(3))?);
-    buffer.with_resources(|res| {
-        let stream = res.stream_or_comm(stream);
-        let common = res.normal_common(
-            buffer.wait_context(res),
-            &buffer.args,
-            plan.channels.num_channels,
-            plan.channels.ring_tokens,
-            NormalKernel::Data,
-        );
-        let (scales_ptr, num_scales, st_tok, st_scale) = plan.scales.map_or((std::ptr::null(), 0, 0, 0), |s| (s.1, s.2, s.3, s.4));
-        let (topk_ptr, weights_ptr, k, i32_ids) = plan
-            .topk
-            .map_or((std::ptr::null(), std::ptr::null(), 0, 0), |t| (t.1, t.2, t.3, (t.0 == DEEPEP_DTYPE_INT32) as i32));
-        let params = DispatchParams {
-            common,
-            x: plan.x,
-            x_scales: scales_ptr,
-            topk_idx: topk_ptr,
-            topk_weights: weights_ptr,
-            is_token_in_rank: plan.is_token_in_rank,
-            rank_prefix_matrix: plan.rank_prefix_matrix,
-            channel_prefix_matrix: plan.channel_prefix_matrix,
-            recv_channel_prefix_matrix: plan.recv_channel_prefix_matrix,
-            recv_x: recv_x.ptr(),
-            recv_x_scales: recv_scales,
-            recv_topk_idx: recv_topk,
-            recv_topk_weights: recv_weights.cast(),
-            recv_src_idx: src_idx.ptr().cast(),
-            send_head: plan.send_head,
-            num_tokens: plan.num_tokens,
-            num_recv_rows: n,
-            scale_stride_token: st_tok,
-            scale_stride_scale: st_scale,
-            hidden_bytes: plan.hidden_bytes as i32,
-            num_scales: num_scales as i32,
-            num_topk: k as i32,
-            topk_idx_is_int32: i32_ids,
-            num_experts: plan.num_experts,
-            slot_bytes: plan.slot_bytes as i32,
-        };
-        let launch = kernels::entry(res.dev_comm.build().table().launch_normal_dispatch);
-        // SAFETY: params point at validated tensors, the live window and workspace.
-        let rc = unsafe { launch(&params, stream) };
-        kernels::launch_result("dispatch", rc)
+    Ok(Recv {
+        n,
+        x: recv_x.ptr(),
+        scales: ptr(check_output(RECV_OUTPUTS[1], &outs.recv_x_scales, want.get(1))?),
+        topk: ptr(check_output(RECV_OUTPUTS[2], &outs.recv_topk_idx, want.get(2))?),
+        weights: ptr(check_output(RECV_OUTPUTS[3], &outs.recv_topk_weights, want.get(3))?),
+        src_idx: src_idx.ptr(),
     })
+}
+
+/// Launches the data kernel of `plan` into `recv` on `stream`.
+fn data(buffer: &Buffer, res: &crate::buffer::Resources, plan: &Plan, recv: &Recv, stream: *mut c_void) -> Result<()> {
+    let common = res.normal_common(
+        buffer.wait_context(res),
+        &buffer.args,
+        plan.channels.num_channels,
+        plan.channels.ring_tokens,
+        NormalKernel::Data,
+    );
+    let (scales_ptr, num_scales, st_tok, st_scale) = plan.scales.map_or((std::ptr::null(), 0, 0, 0), |s| (s.1, s.2, s.3, s.4));
+    let (topk_ptr, weights_ptr, k, i32_ids) = plan
+        .topk
+        .map_or((std::ptr::null(), std::ptr::null(), 0, 0), |t| (t.1, t.2, t.3, (t.0 == DEEPEP_DTYPE_INT32) as i32));
+    let params = DispatchParams {
+        common,
+        x: plan.x,
+        x_scales: scales_ptr,
+        topk_idx: topk_ptr,
+        topk_weights: weights_ptr,
+        is_token_in_rank: plan.is_token_in_rank,
+        rank_prefix_matrix: plan.rank_prefix_matrix,
+        channel_prefix_matrix: plan.channel_prefix_matrix,
+        recv_channel_prefix_matrix: plan.recv_channel_prefix_matrix,
+        recv_x: recv.x,
+        recv_x_scales: recv.scales,
+        recv_topk_idx: recv.topk,
+        recv_topk_weights: recv.weights.cast(),
+        recv_src_idx: recv.src_idx.cast(),
+        send_head: plan.send_head,
+        num_tokens: plan.num_tokens,
+        num_recv_rows: recv.n,
+        scale_stride_token: st_tok,
+        scale_stride_scale: st_scale,
+        hidden_bytes: plan.hidden_bytes as i32,
+        num_scales: num_scales as i32,
+        num_topk: k as i32,
+        topk_idx_is_int32: i32_ids,
+        num_experts: plan.num_experts,
+        slot_bytes: plan.slot_bytes as i32,
+    };
+    let launch = kernels::entry(res.dev_comm.build().table().launch_normal_dispatch);
+    // SAFETY: params point at validated tensors, the live window and workspace.
+    let rc = unsafe { launch(&params, stream) };
+    kernels::launch_result("dispatch", rc)
 }
 
 #[cfg(test)]
@@ -639,5 +688,79 @@ mod tests {
             std::mem::offset_of!(DeepepIntranodeDispatchOutputs, recv_src_idx),
         ];
         assert_eq!(fields, [0, 80, 160, 240, 320]);
+    }
+
+    /// Fake, 16-byte aligned device addresses far apart (never dereferenced on the host).
+    fn at(i: usize) -> *mut c_void {
+        ((1usize << 32) + (i << 36)) as *mut c_void
+    }
+
+    fn described(dtype: DeepepDtype, shape: &[i64], i: usize) -> DeepepTensor {
+        let mut o = DeepepOutputs::default();
+        o.push(dtype, shape);
+        DeepepTensor { data: at(i), ..*o.get(0) }
+    }
+
+    /// `o`'s present tensors at fake addresses from `first` on.
+    fn placed(o: &DeepepOutputs, first: usize) -> Vec<DeepepTensor> {
+        (0..o.count as usize).map(|i| DeepepTensor { data: if o.get(i).dtype == 0 { std::ptr::null_mut() } else { at(first + i) }, ..*o.get(i) }).collect()
+    }
+
+    fn recv(o: &DeepepOutputs) -> DeepepIntranodeDispatchOutputs {
+        let t = placed(o, 20);
+        DeepepIntranodeDispatchOutputs { recv_x: t[0], recv_x_scales: t[1], recv_topk_idx: t[2], recv_topk_weights: t[3], recv_src_idx: t[4] }
+    }
+
+    #[test]
+    fn the_one_call_dispatch_takes_unwaited_ones_and_checks_everything_before_a_launch() {
+        let args = crate::buffer::BufferArgs {
+            rank: 0,
+            num_ranks: 2,
+            num_nvl_bytes: 1 << 30,
+            num_rdma_bytes: 0,
+            low_latency_mode: false,
+            explicitly_destroy: true,
+            enable_shrink: false,
+        };
+        // No resources: a call whose checks all pass ends at the launch with "destroyed".
+        let buffer = Buffer::without_resources(args, 132);
+        let launched = |a: &DeepepIntranodeDispatchArgs, o: &DeepepIntranodeDispatchOutputs| {
+            let err = launch_unwaited(&buffer, a, o, std::ptr::null_mut()).unwrap_err().message;
+            assert!(err.contains("the buffer was destroyed"), "{err}");
+        };
+        let t = 64;
+        // SAFETY: plain old data; all-zero descriptors are absent.
+        let mut a: DeepepIntranodeDispatchArgs = unsafe { std::mem::zeroed() };
+        a.x = described(DEEPEP_DTYPE_BFLOAT16, &[t, 2048], 0);
+        a.is_token_in_rank = described(DEEPEP_DTYPE_BOOL, &[t, 2], 1);
+        a.num_tokens_per_rank = described(DEEPEP_DTYPE_INT32, &[2], 2);
+        a.topk_idx = described(DEEPEP_DTYPE_INT64, &[t, 8], 3);
+        a.topk_weights = described(DEEPEP_DTYPE_FLOAT32, &[t, 8], 4);
+        a.num_tokens_per_expert = described(DEEPEP_DTYPE_INT32, &[16], 5);
+        a.config = DeepepConfig::new(24, 8, 256, 16, 128).unwrap();
+        a.expert_alignment = 1;
+        let h = placed(&handle_outputs_for(&buffer, &a).unwrap(), 10);
+        (a.rank_prefix_matrix, a.channel_prefix_matrix, a.recv_channel_prefix_matrix, a.send_head) = (h[0], h[1], h[2], h[3]);
+        // A dispatch that waits for its count is refused before anything runs.
+        let outs = recv(&recv_outputs_for(&buffer, &a, 37).unwrap());
+        let err = launch_unwaited(&buffer, &a, &outs, std::ptr::null_mut()).unwrap_err().message;
+        assert!(err.starts_with("deepep_intranode_dispatch_fused takes a dispatch that does not wait"), "{err}");
+        // num_worst_tokens: N = num_worst_tokens rows; outputs checked before the notify launches.
+        a.num_worst_tokens = 100;
+        let mut outs = recv(&recv_outputs_for(&buffer, &a, -1).unwrap());
+        launched(&a, &outs);
+        outs.recv_x.shape[1] = 1024;
+        let err = launch_unwaited(&buffer, &a, &outs, std::ptr::null_mut()).unwrap_err().message;
+        assert!(err.starts_with("recv_x must have shape [100, 2048]"), "{err}");
+        // Cached: the handle's matrices are inputs, N its count.
+        a.num_worst_tokens = 0;
+        a.cached = 1;
+        let absent = DeepepOutputs::default().tensors[0];
+        (a.num_tokens_per_rank, a.topk_idx, a.topk_weights, a.num_tokens_per_expert) = (absent, absent, absent, absent);
+        let outs = recv(&recv_outputs_for(&buffer, &a, 37).unwrap());
+        launched(&a, &outs);
+        a.channel_prefix_matrix = described(DEEPEP_DTYPE_INT32, &[2, 4], 11);
+        let err = launch_unwaited(&buffer, &a, &outs, std::ptr::null_mut()).unwrap_err().message;
+        assert!(err.starts_with("channel_prefix_matrix must have shape [2, 12]"), "{err}");
     }
 }

@@ -267,7 +267,7 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
             self._normal_fast = self._fast.NormalOps(
                 *(ctypes.cast(fn, c_void_p).value for fn in (
                     lib.deepep_get_dispatch_layout, lib.deepep_intranode_dispatch_prepare,
-                    lib.deepep_intranode_dispatch, lib.deepep_intranode_combine,
+                    lib.deepep_intranode_dispatch, lib.deepep_intranode_dispatch_fused, lib.deepep_intranode_combine,
                     lib.deepep_get_dispatch_layout_outputs, lib.deepep_intranode_dispatch_handle_outputs,
                     lib.deepep_intranode_dispatch_outputs, lib.deepep_intranode_combine_outputs)),
                 self._num_ranks, self._device_id)

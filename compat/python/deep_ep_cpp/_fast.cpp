@@ -28,8 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LlDispatchHook>(m, "LlDispatchHook").def("__call__", &LlDispatchHook::operator());
   py::class_<LlCombineHook>(m, "LlCombineHook").def("__call__", &LlCombineHook::operator());
   py::class_<NormalOps>(m, "NormalOps")
-      .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t,
-                    int>())
+      .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
+                    int64_t, int>())
       .def("layout", &NormalOps::layout)
       .def("dispatch", &NormalOps::dispatch)
       .def("combine", &NormalOps::combine);

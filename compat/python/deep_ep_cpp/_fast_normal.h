@@ -16,6 +16,7 @@ namespace deepep_fast {
 using LayoutFn = decltype(&deepep_get_dispatch_layout);
 using DispatchPrepareFn = decltype(&deepep_intranode_dispatch_prepare);
 using DispatchFn = decltype(&deepep_intranode_dispatch);
+using DispatchFusedFn = decltype(&deepep_intranode_dispatch_fused);
 using CombineFn = decltype(&deepep_intranode_combine);
 using LayoutOutputsFn = decltype(&deepep_get_dispatch_layout_outputs);
 using HandleOutputsFn = decltype(&deepep_intranode_dispatch_handle_outputs);
@@ -27,12 +28,13 @@ using CombineOutputsFn = decltype(&deepep_intranode_combine_outputs);
 // its functions in the libdeepep_nccl.so that deep_ep_cpp loaded.
 class NormalOps {
  public:
-  NormalOps(uintptr_t layout_fn, uintptr_t prepare_fn, uintptr_t dispatch_fn, uintptr_t combine_fn,
-            uintptr_t layout_outputs_fn, uintptr_t handle_outputs_fn, uintptr_t dispatch_outputs_fn,
-            uintptr_t combine_outputs_fn, int64_t num_ranks, int device)
+  NormalOps(uintptr_t layout_fn, uintptr_t prepare_fn, uintptr_t dispatch_fn, uintptr_t dispatch_fused_fn,
+            uintptr_t combine_fn, uintptr_t layout_outputs_fn, uintptr_t handle_outputs_fn,
+            uintptr_t dispatch_outputs_fn, uintptr_t combine_outputs_fn, int64_t num_ranks, int device)
       : layout_fn_(reinterpret_cast<LayoutFn>(layout_fn)),
         prepare_fn_(reinterpret_cast<DispatchPrepareFn>(prepare_fn)),
         dispatch_fn_(reinterpret_cast<DispatchFn>(dispatch_fn)),
+        dispatch_fused_fn_(reinterpret_cast<DispatchFusedFn>(dispatch_fused_fn)),
         combine_fn_(reinterpret_cast<CombineFn>(combine_fn)),
         layout_outputs_fn_(reinterpret_cast<LayoutOutputsFn>(layout_outputs_fn)),
         handle_outputs_fn_(reinterpret_cast<HandleOutputsFn>(handle_outputs_fn)),
@@ -123,10 +125,11 @@ class NormalOps {
     a.recv_channel_prefix_matrix = h.tensors[2];
     a.send_head = h.tensors[3];
 
-    int num_recv = 0;
-    if (cached || num_worst_tokens > 0) {
-      status = prepare_fn_(as_buffer(buffer), &a, &num_recv, per_expert_.data(), DEEPEP_MAX_LOCAL_EXPERTS, as_stream(stream));
-    } else {
+    // Without a host wait (cached, num_worst_tokens) N is known now: one fused call below
+    // (prepare's count would be -1).
+    const bool unwaited = cached || num_worst_tokens > 0;
+    int num_recv = -1;
+    if (!unwaited) {
       // This call waits on the host for the receive counts: other Python threads may run meanwhile.
       py::gil_scoped_release unlocked;
       status = prepare_fn_(as_buffer(buffer), &a, &num_recv, per_expert_.data(), DEEPEP_MAX_LOCAL_EXPERTS, as_stream(stream));
@@ -151,7 +154,7 @@ class NormalOps {
     if (status != 0) return py::make_tuple(status);
     const auto recv = allocate_placed(r, on_device_);
     const DeepepIntranodeDispatchOutputs outputs{r.tensors[0], r.tensors[1], r.tensors[2], r.tensors[3], r.tensors[4]};
-    status = dispatch_fn_(as_buffer(buffer), &a, &outputs, as_stream(stream));
+    status = (unwaited ? dispatch_fused_fn_ : dispatch_fn_)(as_buffer(buffer), &a, &outputs, as_stream(stream));
     if (status != 0) return py::make_tuple(status);
     if (const int error = ordering.after(stream)) return driver_error(error);
     const at::Tensor& rank_prefix = cached ? *cached_rank_prefix_matrix : *handle[0];
@@ -198,6 +201,7 @@ class NormalOps {
   LayoutFn layout_fn_;
   DispatchPrepareFn prepare_fn_;
   DispatchFn dispatch_fn_;
+  DispatchFusedFn dispatch_fused_fn_;
   CombineFn combine_fn_;
   LayoutOutputsFn layout_outputs_fn_;
   HandleOutputsFn handle_outputs_fn_;

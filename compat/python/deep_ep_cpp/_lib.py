@@ -388,6 +388,7 @@ _PROTOTYPES = {
     ),
     "deepep_intranode_dispatch_prepare": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]),
     "deepep_intranode_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
+    "deepep_intranode_dispatch_fused": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
     "deepep_intranode_combine": (c_int, [c_void_p, c_void_p, c_void_p]),
     "deepep_internode_dispatch_prepare": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]),
     "deepep_internode_dispatch": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),

@@ -158,12 +158,18 @@ class NormalMode(StreamProtocol):
             _memmove(args_addr + _HANDLE_AT + 2 * _DESC_BYTES, addresses[2], 2 * _DESC_BYTES)
         else:
             _memmove(args_addr + _HANDLE_AT, addresses[0], 4 * _DESC_BYTES)
-        status = lib.deepep_intranode_dispatch_prepare(
-            handle, args_addr, self._num_recv_addr, self._per_expert_addr, MAX_LOCAL_EXPERTS, stream)
-        if status:
-            raise_status(status)
-        counted = self._num_recv.value  # -1 unless prepare waited for the counts
-        per_expert_list = self._per_expert[: num_tokens_per_expert.shape[0] // self._num_ranks] if counted >= 0 else []
+        # Without a host wait (cached, num_worst_tokens) N is known now: one fused call below.
+        unwaited = cached or num_worst_tokens > 0
+        if unwaited:
+            counted, per_expert_list = -1, []
+        else:
+            status = lib.deepep_intranode_dispatch_prepare(
+                handle, args_addr, self._num_recv_addr, self._per_expert_addr, MAX_LOCAL_EXPERTS, stream)
+            if status:
+                raise_status(status)
+            counted = self._num_recv.value  # the count prepare waited for
+            per_expert_list = (self._per_expert[: num_tokens_per_expert.shape[0] // self._num_ranks]
+                               if counted >= 0 else [])
 
         # Everything the receive query reads: the row count and the received rows' layout.
         num_recv = cached_num_recv_tokens if cached else counted
@@ -178,7 +184,8 @@ class NormalMode(StreamProtocol):
         allocate, addresses = entry
         recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = allocate(device)
         # The receive outputs' descriptors, pointed by allocate, are the DeepepIntranodeDispatchOutputs.
-        status = lib.deepep_intranode_dispatch(handle, args_addr, addresses[0], stream)
+        dispatch = lib.deepep_intranode_dispatch_fused if unwaited else lib.deepep_intranode_dispatch
+        status = dispatch(handle, args_addr, addresses[0], stream)
         if status:
             raise_status(status)
         return (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, rank_prefix,
