@@ -129,6 +129,9 @@ fi
     done
     [ -f "$WORK/torch_alltoall_baseline.log" ] && { echo; echo "torch_alltoall_baseline:"; cat "$WORK/torch_alltoall_baseline.log"; }
 } 2>&1 | tee "$OUT_DIR/summary.txt"
+# The plot of the summary's tables (skipped, saying so, where matplotlib is missing).
+"$PYTHON" bench/plot_side_by_side.py "$OUT_DIR/side_by_side.json" "$OUT_DIR/side_by_side.png" \
+    || echo "side_by_side.png not made (bench/plot_side_by_side.py needs matplotlib)"
 # bench_ll_host's numbers are all in the summary; these two keep per-row detail (timelines, chunk sweeps).
 for f in "$WORK"/bench_normal_*.json "$WORK"/eager_profile_*.json; do [ -f "$f" ] && cp "$f" "$OUT_DIR/"; done
 cp "$V1_DIR/build.log" "$WORK/v1_build_full.log" 2>/dev/null
