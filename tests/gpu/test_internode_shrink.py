@@ -367,29 +367,35 @@ def later_round_2x2(ctx, chk, buf, phase, seed):
                f'{name}: later round not-sent {before} -> {after} on rank {me}, expected +{not_sent}')
 
 
-def phase_run_2x2(ctx, phase):
+def run_phase(ctx, phase, prefix, seed, node_size, world, silent, later):
+    """One phase: a silent round, a later round on the same buffer (the mask kept), then a new
+    buffer whose first dispatch has a clean state. `prefix` ('' or '2x2 ') starts its labels."""
     chk = Checks()
-    seed, name = 7 + PHASES2.index(phase), f'2x2 {phase}'
-    with shrink_buffer(ctx, name, G2) as buf:
+    name, test = f'{prefix}{phase}', f"internode_shrink_{prefix.replace(' ', '_')}{phase}"
+    with shrink_buffer(ctx, name, node_size) as buf:
         buf.runtime.set_gpu_timeout_ms(TIMEOUT_MS)
         cycles = sleep_cycles(SLEEP_MS)
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
-        with watchdog(ctx.rep, f'internode_shrink_2x2_{phase}', 60):
-            silent_round_2x2(ctx, chk, buf, phase, seed, cycles)
+        with watchdog(ctx.rep, test, 60):
+            silent(ctx, chk, buf, phase, seed, cycles)
             torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
         ctx.rep.info(f'{name}: later round')
-        with watchdog(ctx.rep, f'internode_shrink_2x2_{phase}', 30):
-            later_round_2x2(ctx, chk, buf, phase, seed + 10)
+        with watchdog(ctx.rep, test, 30):
+            later(ctx, chk, buf, phase, seed + 10)
     ctx.rep.info(f'{name}: recovery on a new buffer')
-    with shrink_buffer(ctx, name, G2) as buf:
+    with shrink_buffer(ctx, name, node_size) as buf:
         x, topk, w = inputs(ctx.rank, seed + 20)
         out, _ = dispatch(buf, x, topk, w)
         torch.cuda.synchronize()
-        chk.expect(shrink_state(buf, WORLD2) == ([0] * WORLD2, [0, 0, 0, 0]), f'{name}: after recovery')
+        chk.expect(shrink_state(buf, world) == ([0] * world, [0, 0, 0, 0]), f'{name}: after recovery')
         chk.expect(out[0].size(0) > 0, f'{name}: after recovery, no rows')
     chk.done()
+
+
+def phase_run_2x2(ctx, phase):
+    run_phase(ctx, phase, '2x2 ', 7 + PHASES2.index(phase), G2, WORLD2, silent_round_2x2, later_round_2x2)
 
 
 @contextmanager
@@ -409,28 +415,7 @@ def shrink_buffer(ctx, phase, node_size=1):
 
 
 def phase_run(ctx, phase):
-    chk = Checks()
-    seed = PHASES.index(phase)
-    with shrink_buffer(ctx, phase) as buf:
-        buf.runtime.set_gpu_timeout_ms(TIMEOUT_MS)
-        cycles = sleep_cycles(SLEEP_MS)
-        torch.cuda.synchronize()
-        dist.barrier(group=ctx.group)
-        with watchdog(ctx.rep, f'internode_shrink_{phase}', 60):
-            silent_round(ctx, chk, buf, phase, seed, cycles)
-            torch.cuda.synchronize()
-        dist.barrier(group=ctx.group)
-        ctx.rep.info(f'{phase}: later round')
-        with watchdog(ctx.rep, f'internode_shrink_{phase}', 30):
-            later_round(ctx, chk, buf, phase, seed + 10)
-    ctx.rep.info(f'{phase}: recovery on a new buffer')
-    with shrink_buffer(ctx, phase) as buf:
-        x, topk, w = inputs(ctx.rank, seed + 20)
-        out, _ = dispatch(buf, x, topk, w)
-        torch.cuda.synchronize()
-        chk.expect(shrink_state(buf, 2) == ([0, 0], [0, 0, 0, 0]), f'{phase}: after recovery')
-        chk.expect(out[0].size(0) > 0, f'{phase}: after recovery, no rows')
-    chk.done()
+    run_phase(ctx, phase, '', PHASES.index(phase), 1, 2, silent_round, later_round)
 
 
 def worker(rank, world, group, rep):
