@@ -644,11 +644,21 @@ DeepepStatus deepep_get_unique_id(uint8_t *out,
  * Collective: all `num_ranks` ranks call this with the same unique id (from
  * rank 0's deepep_get_unique_id). Uses the calling thread's current CUDA device.
  *
+ * Every rank must pass the same num_nvl_bytes, num_rdma_bytes, low_latency_mode and
+ * enable_shrink (as DeepEP requires). The internode ops size their scale-out rings from
+ * num_rdma_bytes (the config's num_max_rdma_chunked_recv_tokens grown into the region's room,
+ * up to 512 rows), so ranks that differ would hang or corrupt them. The creation check catches
+ * a difference among the ranks of one NVLink domain (all of them with
+ * DEEPEP_VIRTUAL_NODE_SIZE): DEEPEP_ERROR_INTERNAL naming the first such rank. Across real
+ * nodes nothing checks it: exchange the values before this call (deep_ep_cpp's IPC handles
+ * carry them, and its sync() raises on a difference).
+ *
  * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (NULL pointer, bad sizes or ranks, a bad DEEPEP_*
  * environment variable); DEEPEP_ERROR_NO_DEVICE; DEEPEP_ERROR_CUDA; DEEPEP_ERROR_NCCL;
  * DEEPEP_ERROR_VERSION_MISMATCH (runtime NCCL minor differs from the build's); DEEPEP_ERROR_UNSUPPORTED
  * (ranks beyond NVLink without low_latency_mode or without GIN); DEEPEP_ERROR_TIMEOUT (a peer never
- * reached the creation check); DEEPEP_ERROR_INTERNAL (also: a peer check mismatch).
+ * reached the creation check); DEEPEP_ERROR_INTERNAL (also: a peer check mismatch, or a peer of
+ * this NVLink domain created with other sizes or modes).
  */
 DeepepStatus deepep_buffer_create(int rank,
                                   int num_ranks,

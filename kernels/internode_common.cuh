@@ -4,7 +4,11 @@
 //
 // Protocol. Every kernel pair of an op starts after a notify round (an all-to-all of counters:
 // every rank has then finished its previous data kernel), so rings start empty and per-op slot
-// numbers k (slot k % ring) suffice. Scale-out ring (channel c, node s) of rank (n, l) is
+// numbers k (slot k % ring) suffice. Every op has one: dispatch's prepare launches it, cached or
+// not, before the data kernel; combine launches it before its own (src/internode). So the ring
+// may change from op to op (the host grows it into the RDMA region: dispatch's and combine's
+// rows differ), as long as all ranks use the same one in an op: counters and running totals
+// count rows, never slots, and no wait reads another op's ring size. Scale-out ring (channel c, node s) of rank (n, l) is
 // written only by (s, l), by a warp group: its rows go to slots k, then one thread adds the
 // chunk's row count to the reader's tail counter (c, s) (publish), so a tail of k means "rows
 // < k have landed"; the reader adds the rows it has read, per round, to the writer's head

@@ -320,6 +320,15 @@ pub struct Buffer {
     ll_host: Mutex<crate::ll::LlHost>,
 }
 
+/// 32 bits (FNV-1a) of the arguments every rank must share, never 0 (0 is the plain check):
+/// folded into the creation peer check's tag, so an LSA peer created with others fails it.
+pub(crate) fn shared_args_digest(args: &BufferArgs) -> u32 {
+    let bytes = args.num_nvl_bytes.to_le_bytes().into_iter().chain(args.num_rdma_bytes.to_le_bytes());
+    let flags = [args.low_latency_mode as u8, args.enable_shrink as u8];
+    let h = bytes.chain(flags).fold(0x811c_9dc5u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193));
+    h.max(1)
+}
+
 impl Buffer {
     /// Collective over all ranks sharing the unique id `read_unique_id` returns (read after
     /// the argument and environment checks, so that those errors come first).
@@ -348,8 +357,9 @@ impl Buffer {
             ll_parity: AtomicU32::new(0),
             ll_host: Mutex::default(),
         };
-        // Every rank has its window and devComm: prove LSA loads/stores reach all peers.
-        buffer.check_peers()?;
+        // Every rank has its window and devComm: prove LSA loads/stores reach all peers, and that
+        // they were created with this rank's sizes and modes (the C ABI has no other exchange).
+        buffer.peer_check(shared_args_digest(&args))?;
         times.mark("peer check");
         times.report(args.rank);
         Ok(buffer)
@@ -586,8 +596,13 @@ impl Buffer {
     /// Collective: every rank writes a tag into every peer's window through
     /// LSA pointers, barriers, and verifies what it received.
     pub fn check_peers(&self) -> Result<()> {
+        self.peer_check(0)
+    }
+
+    /// check_peers with `agree` folded into the tag: a peer whose `agree` differs fails it.
+    fn peer_check(&self, agree: u32) -> Result<()> {
         self.with_resources(|res| {
-            let tag = self.check_tag.fetch_add(1, Ordering::Relaxed);
+            let tag = self.check_tag.fetch_add(1, Ordering::Relaxed) ^ agree;
             let mismatches = res.workspace_at(WS_PEER_MISMATCHES);
             // SAFETY: devComm/window are live; the mismatch counter is in our workspace.
             let launch = kernels::entry(res.dev_comm.build().table().launch_lsa_peer_check);
@@ -607,6 +622,25 @@ impl Buffer {
             self.sync_and_check(res)?;
             let bad = cuda::copy_to_host::<i32>(mismatches, 1)?[0];
             cuda::memset_zero(mismatches, 4)?;
+            if bad != 0 && agree != 0 {
+                // The kernel leaves each peer's word at window offset 0: name the first that differs.
+                let words = cuda::copy_to_host::<u32>(res.window.ptr(), res.lsa_size as usize)?;
+                let peer = (0..res.lsa_size).find(|&p| words[p as usize] != tag ^ p as u32).unwrap_or(0);
+                let a = &self.args;
+                return Err(Error::internal(format!(
+                    "Buffer creation's peer check failed on rank {}: rank {} created its buffer with other \
+                     num_nvl_bytes, num_rdma_bytes, low_latency_mode or enable_shrink than this rank's ({}, {}, {}, {}; \
+                     every rank must pass the same: the internode rings are sized from num_rdma_bytes), or its write \
+                     did not arrive ({bad} of {} peers differ)",
+                    a.rank,
+                    res.lsa_base_rank + peer,
+                    a.num_nvl_bytes,
+                    a.num_rdma_bytes,
+                    a.low_latency_mode,
+                    a.enable_shrink,
+                    res.lsa_size
+                )));
+            }
             if bad != 0 {
                 return Err(Error::internal(format!(
                     "LSA peer check failed on rank {}: {bad} of {} peers' writes did not arrive",
@@ -779,6 +813,32 @@ impl CreationReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The creation peer check's digest: what every rank must share changes it, nothing else does.
+    #[test]
+    fn shared_args_digest_covers_sizes_and_modes_only() {
+        let a = BufferArgs {
+            rank: 0,
+            num_ranks: 4,
+            num_nvl_bytes: 1 << 30,
+            num_rdma_bytes: 1 << 29,
+            low_latency_mode: false,
+            explicitly_destroy: false,
+            enable_shrink: false,
+        };
+        let d = shared_args_digest(&a);
+        assert_ne!(d, 0);
+        assert_eq!(d, shared_args_digest(&BufferArgs { rank: 3, explicitly_destroy: true, ..a }));
+        for other in [
+            BufferArgs { num_nvl_bytes: (1 << 30) + 1, ..a },
+            BufferArgs { num_rdma_bytes: 1 << 30, ..a },
+            BufferArgs { num_rdma_bytes: (1 << 29) - 4096, ..a },
+            BufferArgs { low_latency_mode: true, ..a },
+            BufferArgs { enable_shrink: true, ..a },
+        ] {
+            assert_ne!(shared_args_digest(&other), d, "{other:?}");
+        }
+    }
 
     /// The DEEPEP_LOG=info lines of a 4-rank LL buffer with DEEPEP_VIRTUAL_NODE_SIZE=2
     /// (`cargo test creation_report -- --nocapture` prints them).

@@ -15,7 +15,7 @@ use crate::kernels;
 use crate::normal::channel_plan;
 use crate::tensor::{check, check_shape, DeepepDtype::*, DeepepTensor};
 
-/// Channels and ring sizes of one internode op, from its `Config`.
+/// Channels and ring sizes of one internode op, from its `Config` and the buffer's RDMA region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct InternodePlan {
     pub num_channels: i32,
@@ -93,12 +93,41 @@ pub fn nvl_bytes_needed(plan: InternodePlan, node_size: i32, row_bytes: i64) -> 
 /// Bytes of the RDMA region: notify slots and staging (2 x 2 x R slots), then receive and send
 /// rings (2 x C x N x rdma_ring_tokens rows).
 pub fn rdma_bytes_needed(plan: InternodePlan, num_ranks: i32, num_nodes: i32, row_bytes: i64) -> Option<i64> {
-    let notify = 4 * num_ranks as i64 * kernels::INTERNODE_NOTIFY_SLOT_BYTES;
+    let notify = notify_bytes(num_ranks);
     let rings = (2 * plan.num_channels as i64)
         .checked_mul(num_nodes as i64)?
         .checked_mul(plan.rdma_ring_tokens as i64)?
         .checked_mul(row_bytes)?;
     notify.checked_add(rings)
+}
+
+fn notify_bytes(num_ranks: i32) -> i64 {
+    4 * num_ranks as i64 * kernels::INTERNODE_NOTIFY_SLOT_BYTES
+}
+
+/// Most rows a scale-out ring grows to. 512: on 4x H100 (2 nodes of 1) a 512-row ring took the
+/// combine from 745 / 515 us to 637 / 442 us at 8 / 12 SMs (dispatch unchanged); longer rings are
+/// unmeasured and cost memory linearly (a config asking for more still gets it).
+pub(crate) const RDMA_RING_CAP: i32 = 512;
+
+/// The scale-out ring of an op: the config's grown into the RDMA region's room, the most rows up
+/// to RDMA_RING_CAP with `rdma_bytes_needed <= num_rdma_bytes`, never fewer than the config's (a
+/// region too small for those stays the op's error). A buffer sized by the hint for more SMs (more
+/// channels) than the op runs, or far larger (DeepEP's tests pass 1e9 bytes), so takes fewer
+/// credit rounds per row. Results do not depend on it (row order comes from the prefix matrices,
+/// combine sums in fixed node order), and each op starts its rings empty (kernels/
+/// internode_common.cuh, "Protocol"), so dispatch's and combine's rings may differ; every rank
+/// must compute the same one, hence the same num_rdma_bytes on every rank (deepep_buffer_create).
+pub fn grown_rdma_ring(config_ring: i32, num_channels: i32, num_ranks: i32, num_nodes: i32, row_bytes: i64, num_rdma_bytes: i64) -> i32 {
+    if config_ring >= RDMA_RING_CAP {
+        return config_ring;
+    }
+    let per_row = (2 * num_channels as i64).checked_mul(num_nodes as i64).and_then(|v| v.checked_mul(row_bytes));
+    let Some(per_row) = per_row.filter(|&b| b > 0) else {
+        return config_ring;
+    };
+    let room = num_rdma_bytes.saturating_sub(notify_bytes(num_ranks)).max(0);
+    (room / per_row).min(RDMA_RING_CAP as i64).max(config_ring as i64) as i32
 }
 
 /// Config, topology and both regions' budgets for rows of `row_bytes`.
@@ -119,12 +148,13 @@ pub fn plan_for_layout(
         "x: an internode {op} row of {row_bytes} bytes (its hidden size, scales and top-k) is more than the kernels' \
          32-bit row size holds"
     );
+    let (g, n) = (layout.node_size, layout.num_ranks / layout.node_size);
+    let ring = grown_rdma_ring(rdma_ring, channels.num_channels, layout.num_ranks, n, row_bytes, args.num_rdma_bytes);
     let plan = InternodePlan {
         num_channels: channels.num_channels,
-        rdma_ring_tokens: rdma_ring,
+        rdma_ring_tokens: ring,
         nvl_ring_tokens: channels.ring_tokens,
     };
-    let (g, n) = (layout.node_size, layout.num_ranks / layout.node_size);
     let too_big = || {
         Error::invalid(format!(
             "this internode {op} needs more bytes than a 64-bit size holds ({} channels, rings of {} and {} rows of \
@@ -270,6 +300,58 @@ mod tests {
         let huge = InternodePlan { num_channels: 64, rdma_ring_tokens: i32::MAX, nvl_ring_tokens: i32::MAX };
         assert!(rdma_bytes_needed(huge, 2, 2, i64::MAX / 2).is_none());
         assert!(nvl_bytes_needed(huge, 8, i64::MAX).is_none());
+    }
+
+    #[test]
+    fn the_scale_out_ring_grows_into_the_rdma_region_up_to_the_cap() {
+        let (r, n, c, row) = (2, 2, 4, 14_416i64);
+        let notify = 4 * r as i64 * kernels::INTERNODE_NOTIFY_SLOT_BYTES;
+        let per_row = 2 * c as i64 * n as i64 * row;
+        let ring = |bytes| grown_rdma_ring(128, c, r, n, row, bytes);
+        // No room past the config's ring, or too little for it: the config's (the budget check errs).
+        assert_eq!(ring(notify + 128 * per_row), 128);
+        assert_eq!(ring(notify + 129 * per_row - 1), 128);
+        assert_eq!(ring(0), 128);
+        assert_eq!(ring(notify - 1), 128);
+        // Exact fit, one byte short of the next row, then the cap.
+        assert_eq!(ring(notify + 300 * per_row), 300);
+        assert_eq!(ring(notify + 301 * per_row - 1), 300);
+        assert_eq!(ring(notify + 512 * per_row), RDMA_RING_CAP);
+        assert_eq!(ring(i64::MAX), RDMA_RING_CAP);
+        // A config at or past the cap keeps its ring; a zero or overflowing row size keeps the config's.
+        assert_eq!(grown_rdma_ring(1024, c, r, n, row, i64::MAX), 1024);
+        assert_eq!(grown_rdma_ring(128, c, r, n, 0, i64::MAX), 128);
+        assert_eq!(grown_rdma_ring(128, 64, r, i32::MAX, i64::MAX, i64::MAX), 128);
+        // Whatever it picks fits: rdma_bytes_needed <= num_rdma_bytes.
+        for bytes in [notify + 128 * per_row, notify + 200 * per_row + 7, 1 << 30, 1_000_000_000] {
+            let plan = InternodePlan { num_channels: c, rdma_ring_tokens: ring(bytes), nvl_ring_tokens: 256 };
+            assert!(rdma_bytes_needed(plan, r, n, row).unwrap() <= bytes, "{bytes}");
+        }
+    }
+
+    /// DeepEP's test shape on 2 GPUs as 2 nodes of 1, the buffer sized by the 24-SM hint (16
+    /// ranks): fewer SMs get longer rings; dispatch's and combine's differ (their rows do).
+    #[test]
+    fn a_hint_for_more_sms_leaves_room_for_longer_rings() {
+        let two = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
+        let hint = DeepepConfig::new(24, 8, 256, 16, 128).unwrap();
+        let rdma = hint.rdma_buffer_size_hint(7168 * 2, 16).unwrap();
+        let dispatch_row = kernels::internode_dispatch_row_bytes(7168 * 2, 0, 8);
+        let combine_row = kernels::internode_combine_row_bytes(7168 * 2, 8);
+        let ring = |sms, row| {
+            let config = DeepepConfig::new(sms, 8, 256, 16, 128).unwrap();
+            plan_for_layout(&two, &args(2, 1 << 30, rdma), 132, &config, "dispatch", row).unwrap().rdma_ring_tokens
+        };
+        let rings: Vec<(i32, i32)> = [8, 12, 16, 20, 24].iter().map(|&s| (ring(s, dispatch_row), ring(s, combine_row))).collect();
+        for (i, &(d, c)) in rings.iter().enumerate() {
+            assert!((128..=RDMA_RING_CAP).contains(&d) && d <= c, "{rings:?}");
+            assert!(i == 0 || d <= rings[i - 1].0, "{rings:?}");
+        }
+        assert!(rings[0].0 >= 3 * 128 && rings[1].0 >= 2 * 128, "{rings:?}");
+        // DeepEP's own test passes 1e9 bytes: the cap at every SM count.
+        let config = DeepepConfig::new(24, 8, 256, 16, 128).unwrap();
+        let plan = plan_for_layout(&two, &args(2, 1 << 30, 1_000_000_000), 132, &config, "combine", combine_row).unwrap();
+        assert_eq!(plan.rdma_ring_tokens, RDMA_RING_CAP);
     }
 
     #[test]

@@ -10,6 +10,7 @@ import inspect
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ import pytest
 import deep_ep_cpp
 from deep_ep_cpp import Buffer, Config
 
-MAGIC = b"DEEPEPNCCL1"
+MAGIC = b"DEEPEPNCCL2"
+ARGS_BYTES = 18  # num_nvl_bytes, num_rdma_bytes (int64), low_latency_mode, enable_shrink (bool)
 HIDDEN_BYTES = 7168 * 2  # DeepSeek-V3 hidden size, BF16 sizing as in DeepEP's README
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -547,16 +549,19 @@ def test_unsynced_buffer_queries():
 def test_ipc_handle_of_rank_zero_carries_a_unique_id():
     handle = _buffer(rank=0).get_local_ipc_handle()
     assert isinstance(handle, bytearray)
-    assert len(handle) == len(MAGIC) + 128
+    assert len(handle) == len(MAGIC) + 128 + ARGS_BYTES
     assert handle.startswith(MAGIC)
-    assert any(handle[len(MAGIC) :])
+    assert any(handle[len(MAGIC) : len(MAGIC) + 128])
 
 
 def test_ipc_handle_is_stable_and_other_ranks_carry_none():
     buffer = _buffer(rank=0)
     assert buffer.get_local_ipc_handle() == buffer.get_local_ipc_handle()
     other = _buffer(rank=1).get_local_ipc_handle()
-    assert other == MAGIC + bytes(128)
+    assert other[: len(MAGIC) + 128] == MAGIC + bytes(128)
+    # Every rank's handle ends with its Buffer arguments (little-endian), for sync() to compare.
+    args = struct.unpack("<qq??", bytes(other[len(MAGIC) + 128 :]))
+    assert args == (1 << 20, 0, False, False)
 
 
 @pytest.mark.parametrize(
@@ -657,8 +662,9 @@ def test_sync_needs_one_entry_per_rank():
         (None, "not a deepep-nccl IPC handle"),
         (bytearray(b"x" * 72), "not a deepep-nccl IPC handle"),
         (bytearray(MAGIC + b"\x01" * 127), "not a deepep-nccl IPC handle"),
-        (bytearray(b"DEEPEPNCCL0" + b"\x01" * 128), "not a deepep-nccl IPC handle"),
-        (bytearray(MAGIC + bytes(128)), "must be rank 0's handle"),
+        (bytearray(b"DEEPEPNCCL0" + b"\x01" * (128 + ARGS_BYTES)), "not a deepep-nccl IPC handle"),
+        (bytearray(b"DEEPEPNCCL1" + b"\x01" * 128), "not a deepep-nccl IPC handle"),  # the format before the arguments
+        (bytearray(MAGIC + bytes(128 + ARGS_BYTES)), "must be rank 0's handle"),
     ],
 )
 def test_sync_checks_the_root_handle(root, fragment):
@@ -666,6 +672,43 @@ def test_sync_checks_the_root_handle(root, fragment):
     with pytest.raises(RuntimeError, match=re.escape(fragment)):
         buffer.sync([0, 0], [root, buffer.get_local_ipc_handle()], None)
     assert not buffer.is_available()
+
+
+@pytest.mark.parametrize(
+    "theirs, fragment",
+    [
+        ({"num_rdma_bytes": 1 << 30}, "num_rdma_bytes=1073741824, this rank (1) with num_rdma_bytes=536870912"),
+        ({"num_nvl_bytes": 1 << 21}, "num_nvl_bytes=2097152, this rank (1) with num_nvl_bytes=1048576"),
+        ({"low_latency_mode": True}, "low_latency_mode=True, this rank (1) with low_latency_mode=False"),
+        (
+            {"num_rdma_bytes": 1 << 30, "enable_shrink": True},
+            "num_rdma_bytes=1073741824, enable_shrink=True, this rank (1) with num_rdma_bytes=536870912, "
+            "enable_shrink=False",
+        ),
+    ],
+)
+def test_sync_names_the_first_rank_whose_buffer_arguments_differ(theirs, fragment):
+    # The internode rings grow into num_rdma_bytes: ranks that disagree must fail at sync, every
+    # one of them, before anything collective (so no rank waits for the others in ncclCommInitRank).
+    def make(rank, **kw):
+        base = dict(num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 29, low_latency_mode=False, enable_shrink=False)
+        base.update(kw)
+        return Buffer(rank, 16, base["num_nvl_bytes"], base["num_rdma_bytes"], base["low_latency_mode"], False,
+                      base["enable_shrink"], False)
+
+    root, me, odd = make(0), make(1), make(2, **theirs)
+    handles = [root.get_local_ipc_handle(), me.get_local_ipc_handle(), odd.get_local_ipc_handle()]
+    handles += [make(r).get_local_ipc_handle() for r in range(3, 16)]
+    with pytest.raises(RuntimeError, match=re.escape(f"rank 2 created its Buffer with {fragment}")):
+        me.sync([0] * 16, handles, None)
+    assert not me.is_available()
+    # The odd rank fails too, naming rank 0 (the first that differs from it).
+    with pytest.raises(RuntimeError, match=r"rank 0 created its Buffer with .*, this rank \(2\) with"):
+        odd.sync([0] * 16, handles, None)
+    # A handle of another format (another library version) is named by its index.
+    old = bytearray(b"DEEPEPNCCL1" + bytes(128))
+    with pytest.raises(RuntimeError, match=re.escape("all_gathered_handles[5] is not a deepep-nccl IPC handle")):
+        me.sync([0] * 16, handles[:2] + [make(2).get_local_ipc_handle()] + handles[3:5] + [old] + handles[6:], None)
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a GPU")

@@ -1,6 +1,7 @@
 """deep_ep_cpp.Buffer: DeepEP's pybind Buffer (positional C++ signatures) over the C ABI."""
 import contextlib
 import ctypes
+import struct
 import sys
 import warnings
 from ctypes import byref, c_bool, c_int, c_int64, c_void_p
@@ -27,9 +28,13 @@ from ._lib import (
     require_torch,
 )
 
-# get_local_ipc_handle() bytes: the magic, then rank 0's ncclUniqueId (zeros on other ranks).
-_HANDLE_MAGIC = b"DEEPEPNCCL1"
-_HANDLE_BYTES = len(_HANDLE_MAGIC) + UNIQUE_ID_BYTES
+# get_local_ipc_handle() bytes: the magic, rank 0's ncclUniqueId (zeros on other ranks), then this
+# rank's Buffer arguments, which every rank must share: the internode rings are sized from
+# num_rdma_bytes, so a rank with other values would hang or corrupt the ops (sync() checks them).
+_HANDLE_MAGIC = b"DEEPEPNCCL2"
+_HANDLE_ARGS = struct.Struct("<qq??")  # num_nvl_bytes, num_rdma_bytes, low_latency_mode, enable_shrink
+_HANDLE_ARG_NAMES = ("num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "enable_shrink")
+_HANDLE_BYTES = len(_HANDLE_MAGIC) + UNIQUE_ID_BYTES + _HANDLE_ARGS.size
 
 _pack_tensor = _lib.TENSOR_FORMAT.pack_into
 _ZERO_DIMS = (0,) * MAX_DIMS
@@ -181,13 +186,17 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
     def get_local_device_id(self):
         return self._device_id
 
+    def _shared_args(self):
+        return (self._num_nvl_bytes, self._num_rdma_bytes, self._low_latency_mode, self._enable_shrink)
+
     def get_local_ipc_handle(self):
-        """Rank 0's handle carries a fresh ncclUniqueId; DeepEP's all-gather delivers it to all ranks."""
+        """Rank 0's handle carries a fresh ncclUniqueId; DeepEP's all-gather delivers it to all ranks.
+        Every rank's carries its Buffer arguments, for sync() to check that all ranks agree."""
         if self._ipc_handle is None:
             unique_id = ctypes.create_string_buffer(UNIQUE_ID_BYTES)
             if self._rank == 0:
                 check(lib.deepep_get_unique_id(unique_id, UNIQUE_ID_BYTES))
-            self._ipc_handle = _HANDLE_MAGIC + unique_id.raw
+            self._ipc_handle = _HANDLE_MAGIC + unique_id.raw + _HANDLE_ARGS.pack(*self._shared_args())
         return bytearray(self._ipc_handle)
 
     def get_local_nvshmem_unique_id(self):
@@ -231,12 +240,13 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
                 "deepep-nccl: all_gathered_handles[0] is not a deepep-nccl IPC handle "
                 f"(expected {_HANDLE_BYTES} bytes from rank 0's get_local_ipc_handle())"
             )
-        unique_id = bytes(root[len(_HANDLE_MAGIC) :])
+        unique_id = bytes(root[len(_HANDLE_MAGIC) : len(_HANDLE_MAGIC) + UNIQUE_ID_BYTES])
         if not any(unique_id):
             raise RuntimeError(
                 "deepep-nccl: all_gathered_handles[0] carries no NCCL unique id: it must be rank 0's handle "
                 "(the handles must be in rank order)"
             )
+        self._check_shared_args(all_gathered_handles)
         out = c_void_p()
         with _on_device(self._device_id):
             status = lib.deepep_buffer_create(
@@ -277,6 +287,27 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
                     lib.deepep_internode_dispatch_outputs, lib.deepep_internode_dispatch,
                     lib.deepep_internode_combine_outputs, lib.deepep_internode_combine)),
                 self._num_ranks, self._device_id)
+
+    def _check_shared_args(self, handles):
+        """Before anything collective: every rank sees the same handles, so either all raise or none."""
+        mine = self._shared_args()
+        for rank, h in enumerate(handles):
+            if h is None or len(h) != _HANDLE_BYTES or h[: len(_HANDLE_MAGIC)] != _HANDLE_MAGIC:
+                raise RuntimeError(
+                    f"deepep-nccl: all_gathered_handles[{rank}] is not a deepep-nccl IPC handle of this version "
+                    f"(expected {_HANDLE_BYTES} bytes from get_local_ipc_handle(); every rank must load the same library)"
+                )
+            theirs = _HANDLE_ARGS.unpack_from(bytes(h), _HANDLE_BYTES - _HANDLE_ARGS.size)
+            if theirs != mine:
+                fields = [(n, t, m) for n, t, m in zip(_HANDLE_ARG_NAMES, theirs, mine) if t != m]
+                raise RuntimeError(
+                    f"deepep-nccl: rank {rank} created its Buffer with "
+                    + ", ".join(f"{n}={t}" for n, t, _ in fields)
+                    + f", this rank ({self._rank}) with "
+                    + ", ".join(f"{n}={m}" for n, _, m in fields)
+                    + ": every rank must pass the same num_nvl_bytes, num_rdma_bytes, low_latency_mode and "
+                    "enable_shrink (the internode rings are sized from num_rdma_bytes)"
+                )
 
     def destroy(self):
         handle = self._live_handle()
