@@ -245,7 +245,10 @@ typedef struct DeepepCombineParams {
 // [Cb][N] (rows a node put into this rank's ring (channel, node)), head [Cb][N] (rows a node
 // consumed of this rank's rows to it), notify [R] (notify rounds a rank sent here): 2 Cb N + R
 // counters. Window words for LSA-reached peers (8 bytes each at common.control_offset), GIN
-// signals (from common.gin_signal_base, same order) for the others. They only grow.
+// signals (from common.gin_signal_base, same order) for the others. They only grow. One more
+// window word follows them (no GIN signal): arrival, the op epoch + 1 of the last shrink-mode
+// dispatch data kernel this rank started, read by its NVLink peers (a receiver tells a forwarder
+// that never started the op from one still waiting on its own source).
 // Local running totals (common.totals, uint64): sent [Cb][N], received [Cb][N], then the
 // notify rounds done: 2 Cb N + 1 words.
 // One notify slot (int32, per source and parity): the source's gbl channel prefixes towards

@@ -95,6 +95,10 @@ __device__ __forceinline__ int head_counter(const DeepepInternodeCommon& c, int 
 __device__ __forceinline__ int notify_counter(const DeepepInternodeCommon& c, int rank) {
   return 2 * c.counter_channels * c.num_nodes + rank;
 }
+// The arrival window word (after the counters; deepep_kernels.h), read by LSA peers only.
+__device__ __forceinline__ int arrival_word(const DeepepInternodeCommon& c) {
+  return 2 * c.counter_channels * c.num_nodes + c.num_ranks;
+}
 // Workspace running totals: sent [Cb][N], received [Cb][N], the notify rounds done.
 __device__ __forceinline__ int sent_total(const DeepepInternodeCommon& c, int channel, int node) {
   return channel * c.num_nodes + node;

@@ -392,17 +392,32 @@ __device__ __forceinline__ void dispatch_forward(const DeepepInternodeDispatchPa
   if (group.leader(lane)) count_traffic(c, DEEPEP_TRAFFIC_DISPATCH_NVL_ROWS, nvl_rows, nvl_slot_bytes);
 }
 
+// A shrink-mode dispatch's arrival word value: the op epoch + 1 (window words start at 0). Every
+// rank that runs each op has the same epoch; one that skipped an op lags.
+__device__ __forceinline__ uint64_t arrival_of_this_op(const DeepepInternodeCommon& c) { return uint64_t(*c.op_epoch) + 1; }
+
+// Whether a forwarder that sent nothing for `waited` ns is given up on (wait_slot_or_end): after
+// one timeout if it never started this op (its arrival word, read only then, is not `arrival`),
+// else after two.
+__device__ __forceinline__ bool forwarder_silent_for(uint64_t waited, const DeepepInternodeCommon& c,
+                                                     const uint64_t* peer_arrival, uint64_t arrival) {
+  if (waited <= c.wait.timeout_ns) return false;
+  return waited > 2 * c.wait.timeout_ns || ld_relaxed_sys(peer_arrival) != arrival;
+}
+
 // Shrink mode, receiver: slot k's wait, which also ends once the group's slot total (`total`,
 // shared memory, lowered by end markers) is <= k (no slot k comes then). 1: the slot came
 // (read with acquire); 0: no slot k; -1: the forwarder `peer` is gone (given up already, or no
-// change of the total for twice c.wait.timeout_ns; marked gone as nvl_wait<true> does). Twice:
-// a live forwarder whose source went silent sends that source's end marker only after its own
-// wait on the source expired (one timeout, started no earlier than this wait, give or take
-// the launch skew). Edge: a forwarder group that takes several source nodes in turn (more
-// nodes than its block has groups) with several of them silent may take longer, and then this
-// rank masks the live forwarder. Lane 0 polls; the answer is the warp's.
+// change of the total for one timeout while the forwarder's arrival word, `peer_arrival`, does
+// not show this op (it never started it), or for twice the timeout when it does; marked gone as
+// nvl_wait<true> does). Twice: a live forwarder whose source went silent sends that source's end
+// marker only after its own wait on the source expired (one timeout, started no earlier than
+// this wait, give or take the launch skew). Once otherwise: a receiver that waited twice would
+// reach the next op a timeout after the other survivors, whose waits on it could then expire.
+// Lane 0 polls; the answer is the warp's.
 __device__ __noinline__ int wait_slot_or_end(const uint64_t* flag, uint64_t expected, const volatile int64_t* total,
-                                             int64_t k, const DeepepInternodeCommon& c, int peer) {
+                                             int64_t k, const DeepepInternodeCommon& c, int peer,
+                                             const uint64_t* peer_arrival, uint64_t arrival) {
   int r = 1;
   if ((threadIdx.x & 31) == 0) {
     uint64_t start = global_time_ns();
@@ -420,7 +435,7 @@ __device__ __noinline__ int wait_slot_or_end(const uint64_t* flag, uint64_t expe
       }
       if (spin > 4) __nanosleep(128);
       if ((spin & 15) == 15 && (normal::buffer_failed(c.wait) || gone<true>(c, peer) ||
-                                global_time_ns() - start > 2 * c.wait.timeout_ns)) {
+                                forwarder_silent_for(global_time_ns() - start, c, peer_arrival, arrival))) {
         if (!normal::buffer_failed(c.wait)) atomicExch(c.peer_gone + peer, 1);
         r = -1;
         break;
@@ -470,6 +485,8 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
   if (group.leader(lane)) totals[fwd] = count + (masked<true>(c, peer) ? 0 : N);
   group.sync();
   volatile int64_t* total = totals + fwd;
+  const auto* peer_arrival = reinterpret_cast<const uint64_t*>(tr.lsa(c.control_offset + 8ull * arrival_word(c), peer));
+  const uint64_t arrival = arrival_of_this_op(c);
   uint8_t* my_nvl = tr.local(c.nvl_offset);
   uint8_t* fwd_nvl = nvl_of(tr, fwd);
   for (int64_t k = group.member;; k += group.warps) {
@@ -477,7 +494,8 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
     const int64_t t = __shfl_sync(0xffffffffu, lane == 0 ? *total : 0, 0);
     if (k >= t) break;
     const uint8_t* slot = my_nvl + nvl.slot_offset(ch, fwd, k % nvl.ring);
-    const int w = wait_slot_or_end(reinterpret_cast<const uint64_t*>(slot), make_flag(generation, k), total, k, c, peer);
+    const int w = wait_slot_or_end(reinterpret_cast<const uint64_t*>(slot), make_flag(generation, k), total, k, c, peer,
+                                   peer_arrival, arrival);
     if (w == 0) break;
     if (w < 0) {
       if (p.recv_src_meta == nullptr && lane == 0)
@@ -572,6 +590,9 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(
   if (threadIdx.x < kMaxNodeSize) nvl_alloc[threadIdx.x] = 0;
   __syncthreads();
   const uint32_t generation = flag_generation(*c.op_epoch);
+  if (kShrink && blockIdx.x == 0 && threadIdx.x == 0)  // this rank started the op (wait_slot_or_end)
+    st_relaxed_sys(reinterpret_cast<uint64_t*>(c.local_base + c.control_offset + 8ull * arrival_word(c)),
+                   arrival_of_this_op(c));
   if (!normal::buffer_failed(c.wait)) {
     if (int(blockIdx.x) < C) {
       const WarpGroup group(warp, N);

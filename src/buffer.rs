@@ -22,7 +22,7 @@ const LL_CLEAN_BARRIER_OFFSET: usize = 32 << 10;
 const NOTIFY_OFFSET: usize = 64 << 10;
 const _: () = assert!(LL_CLEAN_BARRIER_OFFSET + 4 * LL_MAX_RANKS as usize <= NOTIFY_OFFSET);
 const _: () = assert!(NOTIFY_OFFSET + 2 * kernels::MAX_NVL_RANKS as usize * kernels::NOTIFY_SLOT_BYTES <= CONTROL_BYTES);
-/// The internode counters' window words (kernels::internode_counters of them, 8 bytes each);
+/// The internode control window words (kernels::internode_window_words of them, 8 bytes each);
 /// a buffer across many nodes grows its control region past CONTROL_BYTES for them
 /// ([`control_bytes`]).
 const INTERNODE_CONTROL_OFFSET: usize = 256 << 10;
@@ -89,15 +89,15 @@ fn align_up(x: usize, a: usize) -> usize {
 }
 
 /// Bytes of the window's control region for `layout` on a GPU of `num_device_sms` SMs: 1 MiB,
-/// or more across nodes when the internode counters (2 Cb N + R words) need it. The NVL region
+/// or more across nodes when the internode window words (2 Cb N + R + 1) need it. The NVL region
 /// starts here.
 pub(crate) fn control_bytes(layout: &RankLayout, num_device_sms: i32) -> usize {
     if !layout.spans_nodes() {
         return CONTROL_BYTES;
     }
     let (cb, n) = (kernels::internode_counter_channels(num_device_sms), layout.num_ranks / layout.node_size);
-    let counters = kernels::internode_counters(cb, n, layout.num_ranks) as usize;
-    CONTROL_BYTES.max(align_up(INTERNODE_CONTROL_OFFSET + 8 * counters, WINDOW_ALIGN))
+    let words = kernels::internode_window_words(cb, n, layout.num_ranks) as usize;
+    CONTROL_BYTES.max(align_up(INTERNODE_CONTROL_OFFSET + 8 * words, WINDOW_ALIGN))
 }
 
 /// Which normal-mode kernel a [`Resources::normal_common`] is for.
@@ -885,8 +885,8 @@ mod tests {
         assert!(text.contains("normal-mode transport: LSA to all 4 ranks"));
     }
 
-    /// The control region grows with the nodes only where the internode counters need it: 1 MiB
-    /// up to about 700 nodes on 132 SMs (66 channels), then 8 bytes a counter.
+    /// The control region grows with the nodes only where the internode window words need it:
+    /// 1 MiB up to about 700 nodes on 132 SMs (66 channels), then 8 bytes a word.
     #[test]
     fn control_region_holds_the_internode_counters() {
         let nodes = |n: i32, g: i32| RankLayout { rank: 0, num_ranks: n * g, node_size: g };
@@ -895,8 +895,8 @@ mod tests {
         assert_eq!(control_bytes(&nodes(64, 8), 132), CONTROL_BYTES);
         for (n, g) in [(2, 1), (64, 8), (1000, 8), (4096, 8), (4096, 1)] {
             let bytes = control_bytes(&nodes(n, g), 132);
-            let counters = kernels::internode_counters(66, n, n * g) as usize;
-            assert!(bytes >= INTERNODE_CONTROL_OFFSET + 8 * counters && bytes % WINDOW_ALIGN == 0, "{n}x{g}: {bytes}");
+            let words = kernels::internode_window_words(66, n, n * g) as usize;
+            assert!(bytes >= INTERNODE_CONTROL_OFFSET + 8 * words && bytes % WINDOW_ALIGN == 0, "{n}x{g}: {bytes}");
         }
         assert!(control_bytes(&nodes(4096, 8), 132) > CONTROL_BYTES);
         // The counters' channel stride: every op's channels (config.num_sms / 2 <= SMs / 2).

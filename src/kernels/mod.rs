@@ -68,6 +68,11 @@ pub(crate) fn internode_counter_channels(num_device_sms: i32) -> i32 {
 pub(crate) fn internode_counters(counter_channels: i32, num_nodes: i32, num_ranks: i32) -> i64 {
     2 * counter_channels as i64 * num_nodes as i64 + num_ranks as i64
 }
+/// Window words of the internode control region: the counters, then the arrival word (read by
+/// LSA peers only, so it has no GIN signal; kernels/deepep_kernels.h).
+pub(crate) fn internode_window_words(counter_channels: i32, num_nodes: i32, num_ranks: i32) -> i64 {
+    internode_counters(counter_channels, num_nodes, num_ranks) + 1
+}
 /// Words of the internode running totals: sent and received [Cb][N], the notify rounds done.
 pub(crate) fn internode_totals_words(counter_channels: i32, num_nodes: i32) -> i64 {
     2 * counter_channels as i64 * num_nodes as i64 + 1

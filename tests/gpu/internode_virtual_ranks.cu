@@ -68,9 +68,10 @@ int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 // The counters' channel stride Cb: one more than the world's channels, so that a kernel indexing
 // by C instead of Cb writes another channel's counter (the product's Cb is SMs / 2, usually > C).
 int64_t counter_channels(const int64_t* a) { return a[kArg_num_channels] + 1; }
-// Counters (window words) and running totals (words) of the world (kernels/deepep_kernels.h).
-int64_t num_counters(const int64_t* a) {
-  return 2 * counter_channels(a) * (a[kArg_num_ranks] / a[kArg_node_size]) + a[kArg_num_ranks];
+// Window words (the counters, then the arrival word) and running totals (words) of the world
+// (kernels/deepep_kernels.h).
+int64_t num_window_words(const int64_t* a) {
+  return 2 * counter_channels(a) * (a[kArg_num_ranks] / a[kArg_node_size]) + a[kArg_num_ranks] + 1;
 }
 int64_t num_totals(const int64_t* a) { return 2 * counter_channels(a) * (a[kArg_num_ranks] / a[kArg_node_size]) + 1; }
 
@@ -88,7 +89,7 @@ Window window_layout(const int64_t* a) {
                                deepep_internode_combine_row_bytes(int32_t(2 * H), int32_t(K)));
   Window w{};
   w.control = 0;
-  w.nvl = align_up(8 * num_counters(a), 4096);
+  w.nvl = align_up(8 * num_window_words(a), 4096);
   // C x G rings of nvl_ring slots (flag header + row), then a consumed word per slot.
   w.rdma = w.nvl + align_up(C * G * a[kArg_nvl_ring_tokens] * (row + DEEPEP_INTERNODE_NVL_HEADER_BYTES + 8), 4096);
   // Notify slots and staging [2][2][R], then receive and (GIN) send rings [2][C][N][ring].
