@@ -454,13 +454,16 @@ __device__ __noinline__ int wait_slot_or_end(const uint64_t* flag, uint64_t expe
 // counted in DEEPEP_DROPPED_DISPATCH_RECV). The total only falls, to the slots that do come, so
 // a member stops at k >= total for good. Only a slot that never comes (the forwarder itself
 // gone) ends the group early: then every row of the group still holding the sentinel that was
-// written before any slot was read is emptied and counted (without recv_src_meta, a cached
-// dispatch, the slots not taken are counted, not emptied).
+// written before any slot was read is emptied and counted; a cached dispatch (no recv_src_meta,
+// no sentinel) empties every row of the group and counts those its markers did not.
 template <int kRemote>
 __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
                                                      int fwd, const WarpGroup group, int lane, uint32_t generation) {
   constexpr int32_t kUnwritten = -2;  // recv_src_meta word 0: never a node, never kPaddingMeta
-  __shared__ int64_t totals[kMaxNodeSize];
+  // Per receiver group (index fwd): the slot total, the rows the markers counted, and whether a
+  // member gave the forwarder up.
+  __shared__ int64_t totals[kMaxNodeSize], marked[kMaxNodeSize];
+  __shared__ int gave_up[kMaxNodeSize];
   const DeepepInternodeCommon& c = p.common;
   const Transport<kRemote> tr(c, dc);
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
@@ -482,7 +485,11 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
   }
   // A forwarder masked here at the start sends this rank nothing it reads (notify left its
   // sources' rows absent): no markers are waited for.
-  if (group.leader(lane)) totals[fwd] = count + (masked<true>(c, peer) ? 0 : N);
+  if (group.leader(lane)) {
+    totals[fwd] = count + (masked<true>(c, peer) ? 0 : N);
+    marked[fwd] = 0;
+    gave_up[fwd] = 0;
+  }
   group.sync();
   volatile int64_t* total = totals + fwd;
   const auto* peer_arrival = reinterpret_cast<const uint64_t*>(tr.lsa(c.control_offset + 8ull * arrival_word(c), peer));
@@ -498,8 +505,7 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
                                    peer_arrival, arrival);
     if (w == 0) break;
     if (w < 0) {
-      if (p.recv_src_meta == nullptr && lane == 0)
-        count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, (t - k + group.warps - 1) / group.warps);
+      if (lane == 0) gave_up[fwd] = 1;
       break;
     }
     const int src = reinterpret_cast<const int32_t*>(slot)[2], seq = reinterpret_cast<const int32_t*>(slot)[3];
@@ -515,6 +521,7 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
       if (lane == 0) {
         if (missing > 0 && !normal::buffer_failed(c.wait)) atomicExch(c.peer_gone + src, 1);
         count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, missing);
+        atomicAdd(reinterpret_cast<unsigned long long*>(marked + fwd), static_cast<unsigned long long>(missing));
         atomicAdd(reinterpret_cast<unsigned long long*>(const_cast<int64_t*>(total)),
                   static_cast<unsigned long long>(-missing));
       }
@@ -527,10 +534,26 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
                               make_flag(generation, k), lane);
   }
   // The forwarder gone: every member is out of the loop (each wait is bounded) before the rows
-  // are scanned; those still unwritten are emptied (the next combine's check_src_meta then sees a
-  // valid SourceMeta, and the mask leaves them out).
+  // are scanned.
   group.sync();
-  if (p.recv_src_meta == nullptr || !gone<true>(c, peer)) return;
+  if (p.recv_src_meta == nullptr) {
+    // Cached (no sentinel): nothing tells which rows came, so once a member gave up (a slot never
+    // came) every row of the group is emptied, also those that came (they could not be told from
+    // stale ones), and counted, less the rows its markers counted already. A group that took
+    // every slot has every row, written or emptied by a marker.
+    if (!gave_up[fwd]) return;
+    for (int s = 0; s < N; ++s) {
+      int64_t start, stop;
+      row_range(s * G + fwd, start, stop);
+      for (int64_t r = max(start, int64_t(0)) + group.member; r < min(stop, p.num_recv_rows); r += group.warps)
+        empty_recv_row(p, r, s * G + fwd, lane);
+    }
+    if (group.leader(lane)) count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, count - marked[fwd]);
+    return;
+  }
+  // Rows still unwritten are emptied (the next combine's check_src_meta then sees a valid
+  // SourceMeta, and the mask leaves them out).
+  if (!gone<true>(c, peer)) return;
   int64_t emptied = 0;
   for (int s = 0; s < N; ++s) {
     int64_t start, stop;
