@@ -407,30 +407,38 @@ __device__ __forceinline__ bool forwarder_silent_for(uint64_t waited, const Deep
 
 // Shrink mode, receiver: slot k's wait, which also ends once the group's slot total (`total`,
 // shared memory, lowered by end markers) is <= k (no slot k comes then). 1: the slot came
-// (read with acquire); 0: no slot k; -1: the forwarder `peer` is gone (given up already, or no
-// change of the total for one timeout while the forwarder's arrival word, `peer_arrival`, does
+// (read with acquire); 0: no slot k; -1: the forwarder `peer` is gone (given up already, or its
+// ring made no progress for one timeout while the forwarder's arrival word, `peer_arrival`, does
 // not show this op (it never started it), or for twice the timeout when it does; marked gone as
-// nvl_wait<true> does). Twice: a live forwarder whose source went silent sends that source's end
-// marker only after its own wait on the source expired (one timeout, started no earlier than
-// this wait, give or take the launch skew). Once otherwise: a receiver that waited twice would
+// nvl_wait<true> does). Progress is a change of the total or of `taken`, the slots the group's
+// members took (rows and markers alike: a marker with no row missing leaves the total as it is).
+// Why twice the timeout covers a live forwarder: each of its waits on a source ends within one
+// timeout (an expiry gives the source up, and its end marker, a slot here, follows at once), so
+// between two slots of this ring at most one timeout passes at a live forwarder, however many
+// silent sources a group takes in turn; the second covers the skew between this wait's start and
+// the forwarder's. (Today a group takes several sources only when receiver groups have one warp,
+// whose wait starts anew at each of its slots; `taken` keeps the bound for any split. Edge,
+// G > 2: a forwarder's wait for the NVLink credits of another local GPU gone silent can add one
+// timeout, once.) Once for a forwarder that never started: a receiver that waited twice would
 // reach the next op a timeout after the other survivors, whose waits on it could then expire.
 // Lane 0 polls; the answer is the warp's.
 __device__ __noinline__ int wait_slot_or_end(const uint64_t* flag, uint64_t expected, const volatile int64_t* total,
-                                             int64_t k, const DeepepInternodeCommon& c, int peer,
-                                             const uint64_t* peer_arrival, uint64_t arrival) {
+                                             const volatile int64_t* taken, int64_t k, const DeepepInternodeCommon& c,
+                                             int peer, const uint64_t* peer_arrival, uint64_t arrival) {
   int r = 1;
   if ((threadIdx.x & 31) == 0) {
     uint64_t start = global_time_ns();
-    int64_t seen = *total;
+    int64_t seen = *total, seen_taken = *taken;
     for (int spin = 1;; ++spin) {
       if (ld_relaxed_sys(flag) == expected) break;
-      const int64_t now_total = *total;
+      const int64_t now_total = *total, now_taken = *taken;
       if (now_total <= k) {
         r = 0;
         break;
       }
-      if (now_total != seen) {  // a marker came: the forwarder is alive
+      if (now_total != seen || now_taken != seen_taken) {  // the ring moved: the forwarder is alive
         seen = now_total;
+        seen_taken = now_taken;
         start = global_time_ns();
       }
       if (spin > 4) __nanosleep(128);
@@ -460,9 +468,9 @@ template <int kRemote>
 __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispatchParams& p, const ncclDevComm& dc, int ch,
                                                      int fwd, const WarpGroup group, int lane, uint32_t generation) {
   constexpr int32_t kUnwritten = -2;  // recv_src_meta word 0: never a node, never kPaddingMeta
-  // Per receiver group (index fwd): the slot total, the rows the markers counted, and whether a
-  // member gave the forwarder up.
-  __shared__ int64_t totals[kMaxNodeSize], marked[kMaxNodeSize];
+  // Per receiver group (index fwd): the slot total, the slots taken (wait_slot_or_end's progress),
+  // the rows the markers counted, and whether a member gave the forwarder up.
+  __shared__ int64_t totals[kMaxNodeSize], taken[kMaxNodeSize], marked[kMaxNodeSize];
   __shared__ int gave_up[kMaxNodeSize];
   const DeepepInternodeCommon& c = p.common;
   const Transport<kRemote> tr(c, dc);
@@ -487,6 +495,7 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
   // sources' rows absent): no markers are waited for.
   if (group.leader(lane)) {
     totals[fwd] = count + (masked<true>(c, peer) ? 0 : N);
+    taken[fwd] = 0;
     marked[fwd] = 0;
     gave_up[fwd] = 0;
   }
@@ -501,8 +510,8 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
     const int64_t t = __shfl_sync(0xffffffffu, lane == 0 ? *total : 0, 0);
     if (k >= t) break;
     const uint8_t* slot = my_nvl + nvl.slot_offset(ch, fwd, k % nvl.ring);
-    const int w = wait_slot_or_end(reinterpret_cast<const uint64_t*>(slot), make_flag(generation, k), total, k, c, peer,
-                                   peer_arrival, arrival);
+    const int w = wait_slot_or_end(reinterpret_cast<const uint64_t*>(slot), make_flag(generation, k), total,
+                                   taken + fwd, k, c, peer, peer_arrival, arrival);
     if (w == 0) break;
     if (w < 0) {
       if (lane == 0) gave_up[fwd] = 1;
@@ -530,6 +539,7 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
       // here is empty, so it is dropped, never written over another source's rows.
       write_recv_row(p, start + seq, slot + kNvlHeaderBytes, src, lane);
     }
+    if (lane == 0) atomicAdd(reinterpret_cast<unsigned long long*>(taken + fwd), 1ull);
     normal::warp_release_slot(reinterpret_cast<uint64_t*>(fwd_nvl + nvl.consumed_offset(C, ch, my_gpu, k % nvl.ring)),
                               make_flag(generation, k), lane);
   }
