@@ -13,7 +13,8 @@ masked pair are out of step) is exact again. Handle entries are not checked here
 checks them without shrink).
 
 With 4 GPUs it also runs 4 ranks as 2 nodes of 2 (DEEPEP_VIRTUAL_NODE_SIZE=2; rank r is GPU r % 2
-of node r // 2), rank 3 (node 1, GPU 1) silent, three phases as above, dispatch first:
+of node r // 2), rank 3 (node 1, GPU 1) silent, the three phases as above, dispatch first, then a
+cached dispatch:
 * dispatch: rank 3's rows for rank 0 go through the live forwarder rank 1, which ends rank 3's
   stream towards rank 0 with an end marker: rank 0 empties those rows and masks rank 3, not rank 1.
   Without the marker rank 0's receiver waits for slots that never come, masks the live rank 1 and
@@ -28,6 +29,14 @@ of node r // 2), rank 3 (node 1, GPU 1) silent, three phases as above, dispatch 
   combine leaves out what goes through rank 3: rank 2 (forwarder beside it) leaves out its rows
   and sends it nothing, rank 1 leaves out node 1's row of its tokens (forwarder rank 3) and sends
   back nothing of rank 3's rows it forwarded.
+* cached_dispatch: a dispatch with all 4 live gives the handle, then a cached dispatch with it in
+  which rank 3 is silent as in the dispatch phase. Ranks 0 and 1 get what they get there (rank 3's
+  rows emptied by rank 1's end marker, or by rank 1 as their forwarder). Rank 2 gives up on its
+  forwarder rank 3 and, with no recv_src_meta to tell which rows came, empties every row of
+  sources 1 and 3 and counts them (no marker counted any). The kernels before this rule counted
+  the untaken slots (the rows plus a marker per node and channel) and left those rows as the
+  allocator gave them: the test fills freed blocks of recv_x's size with 7.0 first, so such rows
+  are nonzero (the count differs either way).
 Every survivor's outputs are checked against rows_of / a sum over the kept contributions, the
 mask is exactly {3}, the dropped counters exact (combine_dropped_2x2 names the kernel lines), then
 a later round and recovery on a new buffer."""
@@ -96,10 +105,11 @@ def dispatch(buf, x, topk, weights):
     return out, in_rank
 
 
-def late_dispatch(buf, x, topk, w, cycles):
+def late_dispatch(buf, x, topk, w, cycles, handle=None):
     """A dispatch whose data kernel starts `cycles` after its notify (prepare + host wait): the
     ctypes launch wrapped with a GPU sleep before it, as test_normal.late_dispatch (this call takes
-    the ctypes path: the compiled one calls the library's launch directly)."""
+    the ctypes path: the compiled one calls the library's launch directly). With `handle`, a cached
+    dispatch. Returns dispatch's 6-tuple."""
     from deep_ep_cpp import _internode
 
     launch = _internode.lib.deepep_internode_dispatch
@@ -113,7 +123,7 @@ def late_dispatch(buf, x, topk, w, cycles):
     compiled, runtime._internode_fast = runtime._internode_fast, None
     _internode.lib.deepep_internode_dispatch = delayed
     try:
-        return dispatch(buf, x, topk, w)[0]
+        return dispatch(buf, x, topk, w)[0] if handle is None else buf.dispatch(x, handle=handle)
     finally:
         _internode.lib.deepep_internode_dispatch = launch
         runtime._internode_fast = compiled
@@ -207,7 +217,7 @@ def later_round(ctx, chk, buf, phase, seed):
 # 2 nodes of 2, rank 3 (node 1, GPU 1) silent in notify, in dispatch or in combine. The dispatch
 # phase runs first: it is the one that passed on 4x H100 before the other two were added.
 G2, WORLD2, SILENT2 = 2, 4, 3
-PHASES2 = ('dispatch', 'notify', 'combine')
+PHASES2 = ('dispatch', 'notify', 'combine', 'cached_dispatch')
 
 
 def came_2x2(src, me):
@@ -298,6 +308,9 @@ def combined_reference_2x2(buf, x, topk, w, me):
 
 
 def silent_round_2x2(ctx, chk, buf, phase, seed, cycles):
+    if phase == 'cached_dispatch':
+        silent_cached_round_2x2(ctx, chk, buf, seed, cycles)
+        return
     me, name = ctx.rank, f'2x2 {phase}'
     x, topk, w = inputs(me, seed)
     ctx.rep.info(f'{name}: silent round starts')
@@ -339,6 +352,53 @@ def silent_round_2x2(ctx, chk, buf, phase, seed, cycles):
         want_state = ([0, 0, 0, 1], want_state[1][:2] + list(combine_dropped_2x2(me, seed, phase)))
         chk.expect((mask, dropped) == want_state,
                    f'{name}: rank {me} after combine (mask, dropped) {(mask, dropped)}, expected {want_state}')
+
+
+def silent_cached_round_2x2(ctx, chk, buf, seed, cycles):
+    """A dispatch with every rank live, then a cached dispatch with its handle in which SILENT2 is
+    silent (its data kernel late, as in the dispatch phase), then a combine with that handle."""
+    me, name = ctx.rank, '2x2 cached_dispatch'
+    x, topk, w = inputs(me, seed)
+    full, _ = dispatch(buf, x, topk, w)
+    handle = full[4]
+    torch.cuda.synchronize()
+    chk.expect(torch.equal(full[0], expected_rows_2x2(me, seed, None)[0][0]), f'{name}: full dispatch on rank {me}')
+    chk.expect(shrink_state(buf, WORLD2) == ([0] * WORLD2, [0, 0, 0, 0]), f'{name}: full dispatch state on rank {me}')
+    ctx.rep.info(f'{name}: silent round starts')
+    if me == SILENT2:
+        out = late_dispatch(buf, x, topk, w, cycles, handle=handle)
+        buf.combine(out[0], handle)
+        return
+    # The rows of SILENT2 or through it: emptied as in the dispatch phase on ranks 0 and 1 (end
+    # markers; the forwarder's own rows), and on rank 2 all of sources 1 and 3 (its receiver gave
+    # up on its forwarder SILENT2: dispatch_receive_shrink's cached rule, rows in the ranges less
+    # those its markers counted, none here). Index 0 counts exactly those rows; nothing is counted
+    # as not sent: every ring fits its rows, so no wait on SILENT2 expires before its rows left.
+    want, empty = expected_rows_2x2(me, seed, 'empty')
+    # recv_x comes from torch.empty: blocks of its size freed just before, filled with 7.0, make
+    # a row the kernel leaves unwritten nonzero (exact zeros are required).
+    junk = [torch.full_like(full[0], 7.0) for _ in range(4)]
+    del junk
+    start = time.monotonic()
+    recv_x = buf.dispatch(x, handle=handle)[0]
+    torch.cuda.synchronize()
+    took = time.monotonic() - start
+    ctx.rep.info(f'{name}: cached dispatch done in {took:.1f} s on rank {me}')
+    # Rank 2 waits twice the timeout for its forwarder rank 3.
+    chk.expect(took < 2 * TIMEOUT_MS / 1000 + SLACK_S, f'{name}: cached dispatch too slow on rank {me}')
+    chk.expect(recv_x.shape == want[0].shape and torch.equal(recv_x, want[0]), f'{name}: recv_x on rank {me}')
+    state, want_state = shrink_state(buf, WORLD2), ([0, 0, 0, 1], [empty, 0, 0, 0])
+    chk.expect(state == want_state, f'{name}: after dispatch (mask, dropped) {state}, expected {want_state} on rank {me}')
+    start = time.monotonic()
+    got_x, _, _ = buf.combine(recv_x, handle)
+    torch.cuda.synchronize()
+    chk.expect(time.monotonic() - start < TIMEOUT_MS / 1000 + SLACK_S, f'{name}: combine too slow on rank {me}')
+    # The rows that came are copies of x, the others zero, as in the dispatch phase.
+    ref_x, _ = combined_reference_2x2(buf, x, topk, w, me)
+    chk.expect(torch.allclose(got_x.float(), ref_x.float(), rtol=2e-2, atol=2e-2), f'{name}: combined_x on rank {me}')
+    mask, dropped = shrink_state(buf, WORLD2)
+    chk.expect(mask == [0, 0, 0, 1] and dropped[:2] == [empty, 0],
+               f'{name}: rank {me} after combine (mask, dropped) {(mask, dropped)}')
 
 
 def dispatch_layout(buf, topk):
@@ -439,7 +499,7 @@ if __name__ == '__main__':
         sys.exit(1)
     spawn(worker, 2, timeout=300)
     if torch.cuda.device_count() >= WORLD2:
-        spawn(worker, WORLD2, timeout=300)  # three phases of about 10-20 s each (a silent rank sleeps 6 s)
+        spawn(worker, WORLD2, timeout=300)  # four phases of about 10-20 s each (a silent rank sleeps 6 s)
     else:
         print(f'test_internode_shrink: 2x2 run skipped, it needs {WORLD2} GPUs, found {torch.cuda.device_count()}')
     finish()
