@@ -480,16 +480,24 @@ def phase_run(ctx, phase):
     run_phase(ctx, phase, '', PHASES.index(phase), 1, 2, silent_round, later_round)
 
 
+def wanted(name):
+    """Whether phase `name` ('2x1_notify', '2x2_cached_dispatch', ...) runs: every phase, or those
+    INTERNODE_SHRINK_PHASES names (space-separated; seeds stay per phase, so a phase alone is
+    the same run)."""
+    only = os.environ.get('INTERNODE_SHRINK_PHASES', '').split()
+    return not only or name in only
+
+
 def worker(rank, world, group, rep):
     from types import SimpleNamespace
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device('cuda')
     ctx = SimpleNamespace(group=dist.new_group(list(range(world))), rank=rank, rep=rep)
     if world == WORLD2:
-        for phase in PHASES2:
+        for phase in filter(lambda p: wanted(f'2x2_{p}'), PHASES2):
             rep.run(f'internode_shrink_2x2_silent_in_{phase}', phase_run_2x2, ctx, phase)
         return
-    for phase in PHASES:
+    for phase in filter(lambda p: wanted(f'2x1_{p}'), PHASES):
         rep.run(f'internode_shrink_silent_in_{phase}', phase_run, ctx, phase)
 
 
@@ -497,9 +505,11 @@ if __name__ == '__main__':
     if torch.cuda.device_count() < 2:
         skip('w2/internode_shrink', f'test_internode_shrink needs 2 GPUs, found {torch.cuda.device_count()}')
         sys.exit(1)
-    spawn(worker, 2, timeout=300)
-    if torch.cuda.device_count() >= WORLD2:
-        spawn(worker, WORLD2, timeout=300)  # four phases of about 10-20 s each (a silent rank sleeps 6 s)
-    else:
-        print(f'test_internode_shrink: 2x2 run skipped, it needs {WORLD2} GPUs, found {torch.cuda.device_count()}')
+    if any(wanted(f'2x1_{p}') for p in PHASES):
+        spawn(worker, 2, timeout=300)
+    if any(wanted(f'2x2_{p}') for p in PHASES2):
+        if torch.cuda.device_count() >= WORLD2:
+            spawn(worker, WORLD2, timeout=300)  # four phases of about 10-20 s each (a silent rank sleeps 6 s)
+        else:
+            print(f'test_internode_shrink: 2x2 run skipped, it needs {WORLD2} GPUs, found {torch.cuda.device_count()}')
     finish()
