@@ -87,6 +87,10 @@ enum DeepepFaultCode {
                                         // with an odd number of LL ops replayed), b = rank
   DEEPEP_FAULT_LL_COMBINE_HANDLE = 7,   // a = enum DeepepHandleEntry, b = flat index, c = value
   DEEPEP_FAULT_RDMA_RANK_COUNT = 8,     // a = node, b = num_tokens_per_rdma_rank[node], c = is_token_in_rank count
+  DEEPEP_FAULT_SHRINK_UNWRITTEN = 9,    // internode dispatch (shrink): recv row a left unwritten with its forwarder
+                                        // live; b = source rank << 48 | channel << 32 | the group's slots taken but
+                                        // not written << 16 | rows its end markers emptied (16 bits each), c = its
+                                        // slots taken << 32 | its final slot total (markers included)
 };
 
 // Which index-bearing entry a kernel found out of range (a handle's, or one a peer sent).

@@ -469,9 +469,10 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
                                                      int fwd, const WarpGroup group, int lane, uint32_t generation) {
   constexpr int32_t kUnwritten = -2;  // recv_src_meta word 0: never a node, never kPaddingMeta
   // Per receiver group (index fwd): the slot total, the slots taken (wait_slot_or_end's progress),
-  // the rows the markers counted, and whether a member gave the forwarder up.
+  // the rows the markers counted, whether a member gave the forwarder up, and the row slots taken
+  // but not written (a source unknown or its row out of its range here; a diagnostic).
   __shared__ int64_t totals[kMaxNodeSize], taken[kMaxNodeSize], marked[kMaxNodeSize];
-  __shared__ int gave_up[kMaxNodeSize];
+  __shared__ int gave_up[kMaxNodeSize], unplaced[kMaxNodeSize];
   const DeepepInternodeCommon& c = p.common;
   const Transport<kRemote> tr(c, dc);
   const int R = c.num_ranks, N = c.num_nodes, G = c.node_size, C = c.num_channels, me = c.rank;
@@ -498,6 +499,7 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
     taken[fwd] = 0;
     marked[fwd] = 0;
     gave_up[fwd] = 0;
+    unplaced[fwd] = 0;
   }
   group.sync();
   volatile int64_t* total = totals + fwd;
@@ -538,6 +540,8 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
       // Masks are per rank: a row of a source absent here (at notify) may still come; its range
       // here is empty, so it is dropped, never written over another source's rows.
       write_recv_row(p, start + seq, slot + kNvlHeaderBytes, src, lane);
+    } else if (lane == 0) {
+      atomicAdd(unplaced + fwd, 1);
     }
     if (lane == 0) atomicAdd(reinterpret_cast<unsigned long long*>(taken + fwd), 1ull);
     normal::warp_release_slot(reinterpret_cast<uint64_t*>(fwd_nvl + nvl.consumed_offset(C, ch, my_gpu, k % nvl.ring)),
@@ -561,15 +565,29 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
     if (group.leader(lane)) count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, count - marked[fwd]);
     return;
   }
-  // Rows still unwritten are emptied (the next combine's check_src_meta then sees a valid
-  // SourceMeta, and the mask leaves them out).
-  if (!gone<true>(c, peer)) return;
+  // The forwarder gone: rows still unwritten are emptied (the next combine's check_src_meta then
+  // sees a valid SourceMeta, and the mask leaves them out). Otherwise every slot came and none may
+  // be left unwritten: one that is (a protocol fault, not a silent peer) is recorded with the
+  // group's tallies (DEEPEP_FAULT_SHRINK_UNWRITTEN; the first such row of the launch) and left as
+  // it is, so the op fails here, naming it, rather than at the next combine's check.
+  const bool forwarder_gone = gone<true>(c, peer);
+  if (!forwarder_gone && normal::buffer_failed(c.wait)) return;  // the op fails as it is
   int64_t emptied = 0;
   for (int s = 0; s < N; ++s) {
     int64_t start, stop;
     row_range(s * G + fwd, start, stop);
     for (int64_t r = max(start, int64_t(0)) + group.member; r < min(stop, p.num_recv_rows); r += group.warps) {
       if (reinterpret_cast<const volatile int32_t*>(p.recv_src_meta + r * 8)[0] != kUnwritten) continue;
+      if (!forwarder_gone) {
+        if (lane == 0) {
+          const auto field = [](int64_t v, int bits) { return min(max(v, int64_t(0)), (int64_t(1) << bits) - 1); };
+          record_fault(c.fault, DEEPEP_FAULT_SHRINK_UNWRITTEN, r,
+                       field(s * G + fwd, 16) << 48 | field(ch, 16) << 32 | field(unplaced[fwd], 16) << 16 |
+                           field(marked[fwd], 16),
+                       field(taken[fwd], 32) << 32 | field(*total, 32));
+        }
+        continue;
+      }
       empty_recv_row(p, r, s * G + fwd, lane);
       ++emptied;
     }

@@ -35,6 +35,19 @@ pub(crate) fn fault_error(f: &FaultRecord) -> Error {
              clean_low_latency_buffer puts the halves back in step",
             f.b, f.a
         ),
+        kernels::DEEPEP_FAULT_SHRINK_UNWRITTEN => format!(
+            "internode dispatch (shrink): recv row {} (source rank {}, channel {}) was left unwritten although its \
+             forwarder is live (a fault of the shrink protocol, not of the input); its receiver group took {} slots, \
+             {} of them rows it could not place, its end markers emptied {} rows, its final slot total was {} \
+             (started at that plus the rows emptied)",
+            f.a,
+            (f.b >> 48) & 0xffff,
+            (f.b >> 32) & 0xffff,
+            (f.c >> 32) & 0xffff_ffff,
+            (f.b >> 16) & 0xffff,
+            f.b & 0xffff,
+            f.c & 0xffff_ffff
+        ),
         _ => format!("the GPU reported bad input (fault code {}, {} {} {})", f.code, f.a, f.b, f.c),
     };
     Error::invalid(message)
@@ -165,6 +178,17 @@ mod tests {
         assert!(fault_error(&f).message.starts_with("num_tokens_per_rank[2] is 10"));
         let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RDMA_RANK_COUNT as i32, a: 1, b: 7, c: 6 };
         assert!(fault_error(&f).message.starts_with("num_tokens_per_rdma_rank[1] is 7 but is_token_in_rank selects 6 tokens for node 1"));
+        let f = FaultRecord {
+            flag: 1,
+            code: kernels::DEEPEP_FAULT_SHRINK_UNWRITTEN as i32,
+            a: 133,
+            b: 2 << 48 | 7 << 32 | 1 << 16 | 3,
+            c: 40 << 32 | 38,
+        };
+        let m = fault_error(&f).message;
+        assert!(m.contains("recv row 133 (source rank 2, channel 7)"), "{m}");
+        assert!(m.contains("took 40 slots, 1 of them rows it could not place, its end markers emptied 3 rows"), "{m}");
+        assert!(m.contains("final slot total was 38"), "{m}");
         let f = FaultRecord {
             flag: 1,
             code: kernels::DEEPEP_FAULT_DISPATCH_HANDLE as i32,

@@ -197,6 +197,7 @@ pub const DEEPEP_FAULT_COMBINE_HANDLE: DeepepFaultCode = 5;
 pub const DEEPEP_FAULT_LL_SAME_HALF: DeepepFaultCode = 6;
 pub const DEEPEP_FAULT_LL_COMBINE_HANDLE: DeepepFaultCode = 7;
 pub const DEEPEP_FAULT_RDMA_RANK_COUNT: DeepepFaultCode = 8;
+pub const DEEPEP_FAULT_SHRINK_UNWRITTEN: DeepepFaultCode = 9;
 pub type DeepepFaultCode = ::std::os::raw::c_uint;
 pub const DEEPEP_HANDLE_RANK_PREFIX: DeepepHandleEntry = 0;
 pub const DEEPEP_HANDLE_CHANNEL_PREFIX: DeepepHandleEntry = 1;
