@@ -320,11 +320,13 @@ def silent_round_2x2(ctx, chk, buf, phase, seed, cycles):
     # notify: rows of SILENT2 or through it absent; dispatch: those rows present but empty;
     # combine: every row comes (SILENT2 goes silent after dispatch).
     want, empty = expected_rows_2x2(me, seed, {'notify': 'absent', 'dispatch': 'empty', 'combine': None}[phase])
+    prefill_freed(want[0])
     start = time.monotonic()
     out, _ = dispatch(buf, x, topk, w)
     torch.cuda.synchronize()
     took = time.monotonic() - start
     ctx.rep.info(f'{name}: dispatch done in {took:.1f} s on rank {me}')
+    unwritten_rows(ctx, chk, buf, out, want[0], name, took)
     # Dispatch: rank 2 waits one timeout for its forwarder rank 3, which never started the op
     # (wait_slot_or_end; waiting twice, rank 2 reached combine a timeout after ranks 0 and 1,
     # whose waits on it then expired, masking it); notify: one timeout on rank 3's notify
@@ -406,6 +408,63 @@ def dispatch_layout(buf, topk):
     return per_rank, per_rdma, per_expert, in_rank
 
 
+UNWRITTEN_FILL = -5.0  # what prefill_freed leaves in blocks a dispatch may take for recv_x
+
+
+def prefill_freed(like):
+    """Diagnostic: blocks of `like`'s size, filled with UNWRITTEN_FILL and freed, so that a recv_x
+    taken from them shows a row the dispatch never wrote (every row of a dispatch is written, with
+    data or zeros, so this changes no result)."""
+    junk = [torch.full_like(like, UNWRITTEN_FILL) for _ in range(4)]
+    del junk
+
+
+def unwritten_rows(ctx, chk, buf, out, want_x, label, took):
+    """Diagnostic check after a (synchronized) non-cached dispatch on a survivor: no row of
+    recv_src_meta (handle[7]) may still hold dispatch_receive_shrink's sentinel -2 (the next
+    combine's check would fail on it). Each such row is printed with its source rank, channel and
+    place in that channel's range (handle[6], handle[5]), and what its recv_x holds (the expected
+    row, zeros, UNWRITTEN_FILL: never written, another expected row: misplaced); then (mask,
+    dropped), read in a try, as a fault the dispatch recorded (DEEPEP_FAULT_SHRINK_UNWRITTEN, the
+    receiver group's tallies) surfaces at that call. Printed on every survivor, also without such
+    rows: the dispatch time and state, to compare the ranks."""
+    me, handle = ctx.rank, out[4]
+    meta = handle[7].view(torch.int32).reshape(-1, 2)
+    bad = (meta[:, 0] == -2).nonzero().flatten().tolist()
+    try:
+        state = shrink_state(buf, WORLD2)
+    except Exception as e:  # the dispatch's fault, reported once: printed, then the checks go on
+        state = f'{type(e).__name__}: {e}'
+    ctx.rep.info(f'{label}: dispatch {took:.2f} s on rank {me}, rows {meta.size(0)} (expected {want_x.size(0)}), '
+                 f'{len(bad)} left at -2, (mask, dropped) {state}')
+    if not bad:
+        return
+    rank_sum = handle[6].cpu().tolist()
+    chan = handle[5].cpu()
+    recv_x, same_shape = out[0], out[0].shape == want_x.shape
+    lines = []
+    for r in bad[:24]:
+        src = sum(1 for v in rank_sum if v <= r)
+        starts = chan[src].tolist() if src < len(rank_sum) else []
+        ch = max([i for i, v in enumerate(starts) if 0 <= v <= r], default=-1)
+        stop = (starts[ch + 1] if ch + 1 < len(starts) else rank_sum[src]) if ch >= 0 else -1
+        row = recv_x[r]
+        if bool((row == UNWRITTEN_FILL).all()):
+            what = 'never written (fill)'
+        elif same_shape and torch.equal(row, want_x[r]):
+            what = 'the expected row'
+        elif not bool(row.any()):
+            what = 'zeros'
+        else:
+            hits = (want_x == row).all(1).nonzero().flatten().tolist() if same_shape else []
+            what = f'expected row(s) {hits[:4]}' if hits else 'other data'
+        lines.append(f'row {r}: source {src}, channel {ch}, place {r - starts[ch] if ch >= 0 else -1} of '
+                     f'{stop - starts[ch] if ch >= 0 else -1}, meta word 1 {int(meta[r, 1])}, recv_x {what}')
+    ctx.rep.info(f'{label}: rank {me} rows at -2: ' + '; '.join(lines))
+    chk.expect(False, f'{label}: {len(bad)} recv_src_meta rows left at -2 on rank {me} (first {bad[:8]}); '
+                      f'state {state}')
+
+
 def later_round_2x2(ctx, chk, buf, phase, seed):
     """Rank 3 masked on every survivor: nobody waits on it; rows of it or through it are absent
     (notify), and the rows for it count as not sent: at a sender whose forwarder is rank 3 (its
@@ -413,14 +472,22 @@ def later_round_2x2(ctx, chk, buf, phase, seed):
     me, name = ctx.rank, f'2x2 {phase}'
     x, topk, w = inputs(me, seed)
     _, before = shrink_state(buf, WORLD2)
+    want_x = expected_rows_2x2(me, seed, 'absent')[0][0]
+    if me != SILENT2:
+        prefill_freed(want_x)
     start = time.monotonic()
     out, _ = dispatch(buf, x, topk, w)
+    torch.cuda.synchronize()
+    took = time.monotonic() - start
+    if me != SILENT2:  # diagnostic (a check too): rows left unwritten, before combine trips on them
+        unwritten_rows(ctx, chk, buf, out, want_x, f'{name} later round', took)
+    start = time.monotonic()
     buf.combine(out[0], out[4], topk_weights=out[2])
     torch.cuda.synchronize()
     if me == SILENT2:
         return
-    chk.expect(time.monotonic() - start < TIMEOUT_MS / 2000, f'{name}: later round waited on the masked rank (rank {me})')
-    want_x = expected_rows_2x2(me, seed, 'absent')[0][0]
+    took += time.monotonic() - start  # dispatch and combine, as before (the diagnostic left out)
+    chk.expect(took < TIMEOUT_MS / 2000, f'{name}: later round waited on the masked rank (rank {me})')
     chk.expect(out[0].shape == want_x.shape and torch.equal(out[0], want_x), f'{name}: later round recv_x on rank {me}')
     not_sent = not_sent_2x2(me, seed)
     mask, after = shrink_state(buf, WORLD2)
