@@ -90,9 +90,9 @@ pub mod testing {
 /// rank 0's deepep_get_unique_id). Uses the calling thread's current CUDA device.
 ///
 /// Every rank must pass the same num_nvl_bytes, num_rdma_bytes, low_latency_mode and
-/// enable_shrink (as DeepEP requires). The internode ops size their scale-out rings from
+/// enable_shrink (as DeepEP requires). The internode combine sizes its scale-out rings from
 /// num_rdma_bytes (the config's num_max_rdma_chunked_recv_tokens grown into the region's room,
-/// up to 512 rows), so ranks that differ would hang or corrupt them. The creation check catches
+/// up to 1024 rows), so ranks that differ would hang or corrupt them. The creation check catches
 /// a difference among the ranks of one NVLink domain (all of them with
 /// DEEPEP_VIRTUAL_NODE_SIZE): DEEPEP_ERROR_INTERNAL naming the first such rank. Across real
 /// nodes nothing checks it: exchange the values before this call (deep_ep_cpp's IPC handles

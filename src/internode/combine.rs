@@ -3,7 +3,7 @@
 //! has finished its previous op; DeepEP's in-place rewrite of the two heads), then the data kernel.
 use std::os::raw::c_void;
 
-use super::{plan_for, InternodePlan};
+use super::{plan_for, InternodeOp, InternodePlan};
 use crate::buffer::Buffer;
 use crate::config::DeepepConfig;
 use crate::ensure_arg;
@@ -83,7 +83,7 @@ fn validate<'a>(buffer: &Buffer, a: &'a DeepepInternodeCombineArgs) -> Result<Pl
     let (nr, h) = (x.dims()[0], x.dims()[1]);
     let (weights, k) = check_combine_weights(&a.topk_weights, nr)?;
     let row_bytes = kernels::internode_combine_row_bytes(hidden_bytes as i32, k as i32);
-    let channels = plan_for(buffer, &a.config, "combine", row_bytes)?;
+    let channels = plan_for(buffer, &a.config, InternodeOp::Combine, row_bytes)?;
     let c = channels.num_channels as i64;
 
     let meta = check("src_meta", Some(&a.src_meta), &[DEEPEP_DTYPE_UINT8], 2)?;

@@ -3,7 +3,7 @@
 //! host for the receive counts; the caller allocates the outputs; [`launch`] runs the data kernel.
 use std::os::raw::c_void;
 
-use super::{plan_for, InternodePlan};
+use super::{plan_for, InternodeOp, InternodePlan};
 use crate::buffer::Buffer;
 use crate::config::DeepepConfig;
 use crate::ensure_arg;
@@ -243,7 +243,7 @@ fn validate(buffer: &Buffer, a: &DeepepInternodeDispatchArgs) -> Result<Plan> {
     let cached = a.cached != 0;
     let topk_cols = if a.topk_idx.dtype == 0 { 0 } else { a.topk_idx.shape[1].clamp(0, 1024) };
     let row_bytes = kernels::internode_dispatch_row_bytes(hidden_bytes as i32, scales.map_or(0, |s| s.2) as i32, topk_cols as i32);
-    let channels = plan_for(buffer, &a.config, "dispatch", row_bytes)?;
+    let channels = plan_for(buffer, &a.config, InternodeOp::Dispatch, row_bytes)?;
     let c = channels.num_channels as i64;
 
     let topk_ids = check_opt("topk_idx", &a.topk_idx, &[DEEPEP_DTYPE_INT64, DEEPEP_DTYPE_INT32], 2)?;

@@ -105,19 +105,34 @@ fn notify_bytes(num_ranks: i32) -> i64 {
     4 * num_ranks as i64 * kernels::INTERNODE_NOTIFY_SLOT_BYTES
 }
 
-/// Most rows a scale-out ring grows to. 512: on 4x H100 (2 nodes of 1) a 512-row ring took the
-/// combine from 745 / 515 us to 637 / 442 us at 8 / 12 SMs (dispatch unchanged); longer rings are
-/// unmeasured and cost memory linearly (a config asking for more still gets it).
-pub(crate) const RDMA_RING_CAP: i32 = 512;
+/// Most rows a combine's scale-out ring grows to. On 4x H100 (2 nodes of 1, T=4096, H=7168,
+/// 8-24 SMs) the combine took 753 / 518 / 401 / 333 / 300 us with the config's 128 rows, about
+/// 636 / 450 / 357 / 320 / 287 grown to 438 / 292 / 219 / 175 / 146 rows, and 624 / 434 / 341 /
+/// 290 / 259 with 1024; longer rings are unmeasured and cost memory linearly (a config asking for
+/// more still gets it).
+pub(crate) const RDMA_RING_CAP: i32 = 1024;
 
-/// The scale-out ring of an op: the config's grown into the RDMA region's room, the most rows up
-/// to RDMA_RING_CAP with `rdma_bytes_needed <= num_rdma_bytes`, never fewer than the config's (a
-/// region too small for those stays the op's error). A buffer sized by the hint for more SMs (more
-/// channels) than the op runs, or far larger (DeepEP's tests pass 1e9 bytes), so takes fewer
-/// credit rounds per row. Results do not depend on it (row order comes from the prefix matrices,
-/// combine sums in fixed node order), and each op starts its rings empty (kernels/
-/// internode_common.cuh, "Protocol"), so dispatch's and combine's rings may differ; every rank
-/// must compute the same one, hence the same num_rdma_bytes on every rank (deepep_buffer_create).
+/// The internode op a plan is for: its name in errors, and whether its scale-out ring grows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InternodeOp {
+    Dispatch,
+    Combine,
+}
+
+impl InternodeOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Dispatch => "dispatch",
+            Self::Combine => "combine",
+        }
+    }
+    /// Only combine's ring grows (grown_rdma_ring): in the same runs dispatch gained nothing from a
+    /// longer ring at 8-16 SMs and lost 4% at 24 SMs (345 -> 360 us with 146 or 1024 rows).
+    fn grows_ring(self) -> bool {
+        self == Self::Combine
+    }
+}
+
 pub fn grown_rdma_ring(config_ring: i32, num_channels: i32, num_ranks: i32, num_nodes: i32, row_bytes: i64, num_rdma_bytes: i64) -> i32 {
     if config_ring >= RDMA_RING_CAP {
         return config_ring;
@@ -136,20 +151,25 @@ pub fn plan_for_layout(
     args: &BufferArgs,
     num_device_sms: i32,
     config: &DeepepConfig,
-    op: &str,
+    op: InternodeOp,
     row_bytes: i64,
 ) -> Result<InternodePlan> {
+    let name = op.name();
     check_topology(layout, args)?;
     let channels = channel_plan(config, num_device_sms)?;
     let rdma_ring = config.num_max_rdma_chunked_recv_tokens;
     ensure_arg!(rdma_ring > 0, "config.num_max_rdma_chunked_recv_tokens must be positive, got {rdma_ring}");
     ensure_arg!(
         row_bytes <= i32::MAX as i64,
-        "x: an internode {op} row of {row_bytes} bytes (its hidden size, scales and top-k) is more than the kernels' \
+        "x: an internode {name} row of {row_bytes} bytes (its hidden size, scales and top-k) is more than the kernels' \
          32-bit row size holds"
     );
     let (g, n) = (layout.node_size, layout.num_ranks / layout.node_size);
-    let ring = grown_rdma_ring(rdma_ring, channels.num_channels, layout.num_ranks, n, row_bytes, args.num_rdma_bytes);
+    let ring = if op.grows_ring() {
+        grown_rdma_ring(rdma_ring, channels.num_channels, layout.num_ranks, n, row_bytes, args.num_rdma_bytes)
+    } else {
+        rdma_ring
+    };
     let plan = InternodePlan {
         num_channels: channels.num_channels,
         rdma_ring_tokens: ring,
@@ -157,7 +177,7 @@ pub fn plan_for_layout(
     };
     let too_big = || {
         Error::invalid(format!(
-            "this internode {op} needs more bytes than a 64-bit size holds ({} channels, rings of {} and {} rows of \
+            "this internode {name} needs more bytes than a 64-bit size holds ({} channels, rings of {} and {} rows of \
              {row_bytes} B)",
             plan.num_channels, plan.nvl_ring_tokens, plan.rdma_ring_tokens
         ))
@@ -165,7 +185,7 @@ pub fn plan_for_layout(
     let nvl = nvl_bytes_needed(plan, g, row_bytes).ok_or_else(too_big)?;
     ensure_arg!(
         nvl <= args.num_nvl_bytes,
-        "num_nvl_bytes ({}) is too small for this internode {op}: {} channels x {g} GPUs per node x {} slots \
+        "num_nvl_bytes ({}) is too small for this internode {name}: {} channels x {g} GPUs per node x {} slots \
          (config.num_max_nvl_chunked_recv_tokens) of {} B need {nvl} B; size the buffer with \
          Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)",
         args.num_nvl_bytes,
@@ -176,7 +196,7 @@ pub fn plan_for_layout(
     let rdma = rdma_bytes_needed(plan, layout.num_ranks, n, row_bytes).ok_or_else(too_big)?;
     ensure_arg!(
         rdma <= args.num_rdma_bytes,
-        "num_rdma_bytes ({}) is too small for this internode {op}: notify slots and 2 x {} channels x {n} nodes x {} \
+        "num_rdma_bytes ({}) is too small for this internode {name}: notify slots and 2 x {} channels x {n} nodes x {} \
          rows (config.num_max_rdma_chunked_recv_tokens) of {row_bytes} B need {rdma} B; size the buffer with \
          Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)",
         args.num_rdma_bytes,
@@ -205,7 +225,7 @@ pub fn query_traffic(buffer: &Buffer, traffic: &DeepepTensor, stream: *mut c_voi
     })
 }
 
-fn plan_for(buffer: &Buffer, config: &DeepepConfig, op: &str, row_bytes: i64) -> Result<InternodePlan> {
+fn plan_for(buffer: &Buffer, config: &DeepepConfig, op: InternodeOp, row_bytes: i64) -> Result<InternodePlan> {
     plan_for_layout(&buffer.layout, &buffer.args, buffer.num_device_sms(), config, op, row_bytes)
 }
 
@@ -274,14 +294,14 @@ mod tests {
                 let dispatch_row = kernels::internode_dispatch_row_bytes(7168, 56, 8);
                 let combine_row = kernels::internode_combine_row_bytes(7168 * 2, 8);
                 for row in [dispatch_row, combine_row] {
-                    plan_for_layout(&layout, &args(r, nvl, rdma), 132, &config, "dispatch", row)
+                    plan_for_layout(&layout, &args(r, nvl, rdma), 132, &config, InternodeOp::Dispatch, row)
                         .unwrap_or_else(|e| panic!("{nodes} nodes, {kind:?}: {}", e.message));
                 }
                 // 2 GPUs as 2 nodes of 1, sized by the 16-rank hints (2 nodes of 8).
                 let two = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
                 let small = default_config(kind, 16, 132).unwrap();
                 let (nvl, rdma) = (small.nvl_buffer_size_hint(7168 * 2, 16).unwrap(), small.rdma_buffer_size_hint(7168 * 2, 16).unwrap());
-                plan_for_layout(&two, &args(2, nvl, rdma), 132, &small, "dispatch", dispatch_row).unwrap();
+                plan_for_layout(&two, &args(2, nvl, rdma), 132, &small, InternodeOp::Dispatch, dispatch_row).unwrap();
             }
         }
     }
@@ -291,10 +311,10 @@ mod tests {
         let layout = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
         let config = default_config(ConfigKind::Dispatch, 16, 132).unwrap();
         let row = kernels::internode_dispatch_row_bytes(4096, 0, 8);
-        let err = plan_for_layout(&layout, &args(2, 1 << 20, 1 << 30), 132, &config, "dispatch", row).unwrap_err();
+        let err = plan_for_layout(&layout, &args(2, 1 << 20, 1 << 30), 132, &config, InternodeOp::Dispatch, row).unwrap_err();
         assert!(err.message.starts_with("num_nvl_bytes (1048576) is too small for this internode dispatch"), "{}", err.message);
         assert!(err.message.contains("get_nvl_buffer_size_hint"), "{}", err.message);
-        let err = plan_for_layout(&layout, &args(2, 1 << 30, 1 << 20), 132, &config, "combine", row).unwrap_err();
+        let err = plan_for_layout(&layout, &args(2, 1 << 30, 1 << 20), 132, &config, InternodeOp::Combine, row).unwrap_err();
         assert!(err.message.starts_with("num_rdma_bytes (1048576) is too small for this internode combine"), "{}", err.message);
         assert!(err.message.contains("get_rdma_buffer_size_hint"), "{}", err.message);
         let huge = InternodePlan { num_channels: 64, rdma_ring_tokens: i32::MAX, nvl_ring_tokens: i32::MAX };
@@ -316,10 +336,11 @@ mod tests {
         // Exact fit, one byte short of the next row, then the cap.
         assert_eq!(ring(notify + 300 * per_row), 300);
         assert_eq!(ring(notify + 301 * per_row - 1), 300);
-        assert_eq!(ring(notify + 512 * per_row), RDMA_RING_CAP);
+        assert_eq!(ring(notify + 512 * per_row), 512);
+        assert_eq!(ring(notify + RDMA_RING_CAP as i64 * per_row), RDMA_RING_CAP);
         assert_eq!(ring(i64::MAX), RDMA_RING_CAP);
         // A config at or past the cap keeps its ring; a zero or overflowing row size keeps the config's.
-        assert_eq!(grown_rdma_ring(1024, c, r, n, row, i64::MAX), 1024);
+        assert_eq!(grown_rdma_ring(2 * RDMA_RING_CAP, c, r, n, row, i64::MAX), 2 * RDMA_RING_CAP);
         assert_eq!(grown_rdma_ring(128, c, r, n, 0, i64::MAX), 128);
         assert_eq!(grown_rdma_ring(128, 64, r, i32::MAX, i64::MAX, i64::MAX), 128);
         // Whatever it picks fits: rdma_bytes_needed <= num_rdma_bytes.
@@ -330,28 +351,30 @@ mod tests {
     }
 
     /// DeepEP's test shape on 2 GPUs as 2 nodes of 1, the buffer sized by the 24-SM hint (16
-    /// ranks): fewer SMs get longer rings; dispatch's and combine's differ (their rows do).
+    /// ranks): fewer SMs get longer combine rings; dispatch keeps the config's.
     #[test]
-    fn a_hint_for_more_sms_leaves_room_for_longer_rings() {
+    fn a_hint_for_more_sms_leaves_room_for_longer_combine_rings() {
         let two = RankLayout { rank: 0, num_ranks: 2, node_size: 1 };
         let hint = DeepepConfig::new(24, 8, 256, 16, 128).unwrap();
         let rdma = hint.rdma_buffer_size_hint(7168 * 2, 16).unwrap();
         let dispatch_row = kernels::internode_dispatch_row_bytes(7168 * 2, 0, 8);
         let combine_row = kernels::internode_combine_row_bytes(7168 * 2, 8);
-        let ring = |sms, row| {
+        let ring = |sms, op, row, bytes| {
             let config = DeepepConfig::new(sms, 8, 256, 16, 128).unwrap();
-            plan_for_layout(&two, &args(2, 1 << 30, rdma), 132, &config, "dispatch", row).unwrap().rdma_ring_tokens
+            plan_for_layout(&two, &args(2, 1 << 30, bytes), 132, &config, op, row).unwrap().rdma_ring_tokens
         };
-        let rings: Vec<(i32, i32)> = [8, 12, 16, 20, 24].iter().map(|&s| (ring(s, dispatch_row), ring(s, combine_row))).collect();
-        for (i, &(d, c)) in rings.iter().enumerate() {
-            assert!((128..=RDMA_RING_CAP).contains(&d) && d <= c, "{rings:?}");
-            assert!(i == 0 || d <= rings[i - 1].0, "{rings:?}");
+        let combine: Vec<i32> = [8, 12, 16, 20, 24].iter().map(|&s| ring(s, InternodeOp::Combine, combine_row, rdma)).collect();
+        for (i, &c) in combine.iter().enumerate() {
+            assert!((128..=RDMA_RING_CAP).contains(&c), "{combine:?}");
+            assert!(i == 0 || c <= combine[i - 1], "{combine:?}");
         }
-        assert!(rings[0].0 >= 3 * 128 && rings[1].0 >= 2 * 128, "{rings:?}");
+        assert!(combine[0] >= 3 * 128 && combine[1] >= 2 * 128, "{combine:?}");
+        for sms in [8, 24] {
+            assert_eq!(ring(sms, InternodeOp::Dispatch, dispatch_row, rdma), 128);
+            assert_eq!(ring(sms, InternodeOp::Dispatch, dispatch_row, 1_000_000_000), 128);
+        }
         // DeepEP's own test passes 1e9 bytes: the cap at every SM count.
-        let config = DeepepConfig::new(24, 8, 256, 16, 128).unwrap();
-        let plan = plan_for_layout(&two, &args(2, 1 << 30, 1_000_000_000), 132, &config, "combine", combine_row).unwrap();
-        assert_eq!(plan.rdma_ring_tokens, RDMA_RING_CAP);
+        assert_eq!(ring(24, InternodeOp::Combine, combine_row, 1_000_000_000), RDMA_RING_CAP);
     }
 
     #[test]
