@@ -17,9 +17,12 @@ clean_low_latency_buffer) with the real torch (CPU tensors; the stand-in compile
 streams as above), counting the torch calls made from Python: those a TorchFunctionMode sees
 (what torch.set_default_device('cuda'), DeepEP's tests' default, makes cost ~1 us each), and all
 of them (also those under the package's DisableTorchFunction). Times each op with and without
-set_default_device('cuda') (no GPU needed: nothing on these paths allocates through it)."""
+set_default_device('cuda') (no GPU needed: nothing on these paths allocates through it). The
+ctypes path's C ABI calls are Python stand-ins here (clean_low_latency_buffer's too), so a real
+ctypes call's cost (~0.5-1 us) is not in these times."""
 import collections
 import contextlib
+import ctypes
 import importlib.util
 import os
 import sys
@@ -113,8 +116,17 @@ class FakeFast(types.ModuleType):
             COUNTS["fast op"] += 1
             return 0, combined, hook if a[16] == 1 else None  # phases: send only -> hook
 
+        class LlOps:  # the interface since LlOps (older packages: ll_combine)
+            def __init__(self, *a):
+                pass
+
+            def combine(self, *a):
+                COUNTS["fast op"] += 1
+                return 0, combined, hook if a[12] == 1 else None
+
         self.NormalOps, self.InternodeOps = NormalOps, NormalOps
-        self.ll_combine = ll_combine
+        self.ll_combine, self.LlOps = ll_combine, LlOps
+        self.NEW_SHAPE = -4
         self.StreamOrder = lambda device: types.SimpleNamespace(usable=lambda: True)
         self.LlCombineOutputs = lambda fn: object()
         self.set_status_raiser = lambda fn: None
@@ -205,17 +217,14 @@ def torch_calls(pkg, calls):
     torch.cuda.Event = _Event
 
     def dispatch_outputs(handle, m, hidden, num_experts, use_fp8, use_ue8m0, out):
+        ctypes.memset(ctypes.addressof(out._obj), 0, ctypes.sizeof(out._obj))
         o = fakes._Outputs(_lib, out._obj)
-        ctypes_memset(out._obj)
         o.push(_lib.DTYPE_FLOAT8_E4M3 if use_fp8 else _lib.DTYPE_BFLOAT16, (el, R * m, hidden))
         o.push_strided(_lib.DTYPE_FLOAT32, (el, R * m, hidden // 128), (hidden // 128 * R * m, 1, R * m))
         o.push(_lib.DTYPE_INT32, (el,))
         o.push(_lib.DTYPE_INT32, (el, R * m))
         o.push(_lib.DTYPE_INT64, (el, R))
         return 0
-
-    lib.deepep_low_latency_dispatch_outputs = dispatch_outputs
-    lib.deepep_clean_low_latency_buffer = counted("C ABI call (ctypes)", lambda *a: 0)
 
     fast = FakeLlFast(torch, T, H, R, M, E, K)
     rt = deep_ep_cpp.Buffer(0, R, 0, 1 << 30, True, True, False, False)
@@ -227,6 +236,8 @@ def torch_calls(pkg, calls):
     rt._ll_init()
     if hasattr(rt, "_ll_sync"):
         rt._ll_sync()  # what sync() does for the LL ops
+    lib.deepep_low_latency_dispatch_outputs = dispatch_outputs
+    lib.deepep_clean_low_latency_buffer = counted("C ABI call (ctypes)", lambda *a: 0)
     buffer = object.__new__(deep_ep.Buffer)
     buffer.runtime, buffer.rank, buffer.group_size = rt, 0, R
 
@@ -301,11 +312,6 @@ def torch_calls(pkg, calls):
     rt._handle = None  # nothing to free
 
 
-def ctypes_memset(obj):
-    import ctypes
-    ctypes.memset(ctypes.addressof(obj), 0, ctypes.sizeof(obj))
-
-
 def main():
     args = sys.argv[1:]
     calls = 20000
@@ -337,6 +343,8 @@ def main():
     rt._normal_fast = fast.NormalOps()
     rt._internode_fast = fast.NormalOps()
     rt._ll_init()
+    if hasattr(rt, "_ll_sync"):
+        rt._ll_sync()
     if hasattr(deep_ep_cpp.Buffer, "_num_rdma_ranks"):
         rt._num_rdma_ranks = 1  # what sync() reads once
     # Every C ABI call that reaches ctypes from here on is counted (the query through
