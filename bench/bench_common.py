@@ -150,10 +150,6 @@ def host_paths(buffer, package, attr, group=None):
     def use(ops):
         def select():
             setattr(runtime, attr, ops)
-            # The LL ops pick the path per shape and cache the choice: switching clears the cache.
-            shapes = getattr(runtime, '_ll_dispatch_shapes', None)
-            if shapes is not None:
-                shapes.clear()
         return select
 
     everywhere = torch.tensor([int(compiled is not None)], device='cuda')

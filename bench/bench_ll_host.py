@@ -103,7 +103,7 @@ def worker(rank, world, port, args):
     buffer, _ = make_buffer(group, max(max_tokens_for(T, world, 't') for T in args.tokens), args, world)
     results = []
     # Ours: both host paths side by side when the compiled one loaded (deep_ep_cpp/_fast.py).
-    paths, restore = host_paths(buffer, args.package, '_ll_fast', group)
+    paths, restore = host_paths(buffer, args.package, '_ll_ops', group)
     try:
         for path, use in paths.items():
             use()

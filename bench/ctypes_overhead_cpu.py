@@ -326,7 +326,7 @@ def main():
     b._num_layout_rdma_ranks = 0  # older packages read it (set at sync)
     b._current_stream = lambda: "compute"
     b._order_before = lambda *a: None
-    b._ll_fast = None
+    b._ll_fast = b._ll_ops = None  # the ctypes path (older packages: _ll_fast)
     for name, fn in (("deepep_get_dispatch_layout_outputs", layout_outputs),
                      ("deepep_intranode_dispatch_handle_outputs", handle_outputs),
                      ("deepep_intranode_dispatch_outputs", recv_outputs),

@@ -1,6 +1,7 @@
 """Host steps per call of the compiled host path, through deep_ep.Buffer's public API, on a CPU.
 
     python bench/host_steps_cpu.py [PACKAGE_DIR] [--calls N]
+    python bench/host_steps_cpu.py --torch-calls [PACKAGE_DIR] [--calls N]   (needs a real torch)
 
 A CPU proxy for bench_normal.py's host rows, bench_layout.py and bench_ll_host.py: the Python
 between deep_ep.Buffer's entry and the compiled op's return, with ctypes_overhead_cpu.py's stand-in
@@ -9,9 +10,19 @@ outputs at once. Per op it counts what Python does that a GPU run pays for (C AB
 ctypes, calls into the compiled module, CUDA event and current-stream calls, torch allocations,
 record_stream) and times the rest. PACKAGE_DIR holds the deep_ep and deep_ep_cpp to measure
 (default: compat/python of this checkout), e.g. an older version's from `git archive`. What the compiled module does inside (allocations, driver
-calls, C ABI calls) is not seen here: see the module's sources."""
+calls, C ABI calls) is not seen here: see the module's sources.
+
+--torch-calls: the LL ops (dispatch, combine, each with its hook, the hook call alone, and
+clean_low_latency_buffer) with the real torch (CPU tensors; the stand-in compiled module and
+streams as above), counting the torch calls made from Python: those a TorchFunctionMode sees
+(what torch.set_default_device('cuda'), DeepEP's tests' default, makes cost ~1 us each), and all
+of them (also those under the package's DisableTorchFunction). Times each op with and without
+set_default_device('cuda') (no GPU needed: nothing on these paths allocates through it). The
+ctypes path's C ABI calls are Python stand-ins here (clean_low_latency_buffer's too), so a real
+ctypes call's cost (~0.5-1 us) is not in these times."""
 import collections
 import contextlib
+import ctypes
 import importlib.util
 import os
 import sys
@@ -105,11 +116,200 @@ class FakeFast(types.ModuleType):
             COUNTS["fast op"] += 1
             return 0, combined, hook if a[16] == 1 else None  # phases: send only -> hook
 
+        class LlOps:  # the interface since LlOps (older packages: ll_combine)
+            def __init__(self, *a):
+                pass
+
+            def combine(self, *a):
+                COUNTS["fast op"] += 1
+                return 0, combined, hook if a[12] == 1 else None
+
         self.NormalOps, self.InternodeOps = NormalOps, NormalOps
-        self.ll_combine = ll_combine
+        self.ll_combine, self.LlOps = ll_combine, LlOps
+        self.NEW_SHAPE = -4
         self.StreamOrder = lambda device: types.SimpleNamespace(usable=lambda: True)
         self.LlCombineOutputs = lambda fn: object()
         self.set_status_raiser = lambda fn: None
+
+
+# --- --torch-calls: the LL ops with the real torch --------------------------------------------
+
+
+class FakeLlFast(types.ModuleType):
+    """The compiled module's LL interface over real CPU tensors; each op returns at once. Both the
+    interface before the LlOps object (LlDispatchPlan, ll_combine) and LlOps', so that an older
+    package (PACKAGE_DIR) measures too. Its hooks are Python stand-ins of the C++ hook."""
+
+    def __init__(self, torch, T, H, R, M, E, K):
+        super().__init__("_deepep_fast")
+        from deep_ep_cpp import _low_latency, _streams
+        self.DISPATCH_ARGS_BYTES = _low_latency._DISPATCH_ARGS.size
+        self.COMBINE_ARGS_BYTES = _low_latency._COMBINE_ARGS.size
+        self.BAD_INPUT, self.DRIVER_ERROR, self.NEW_SHAPE = -2, -3, -4
+        self.ORDER_BEFORE, self.ORDER_AFTER = _streams.ORDER_BEFORE, _streams.ORDER_AFTER
+        el = E // R
+        recv = (torch.empty(el, R * M, H, dtype=torch.float8_e4m3fn), torch.empty(el, R * M, H // 128),
+                torch.empty(el, dtype=torch.int32), torch.empty(el, R * M, dtype=torch.int32),
+                torch.empty(el, R, dtype=torch.int64))
+        combined = torch.empty(T, H, dtype=torch.bfloat16)
+        hook = counted("hook()", lambda: None)
+        known = set()
+
+        def hook_if(phases):
+            return hook if phases == 1 else None  # send only -> the receive hook
+
+        class LlDispatchPlan:
+            def __init__(self, *a):
+                pass
+
+            def run(self, *a):
+                COUNTS["fast op"] += 1
+                return (0, *recv, hook_if(a[6]))
+
+        def ll_combine(*a):
+            COUNTS["fast op"] += 1
+            return 0, combined, hook_if(a[16])
+
+        class LlOps:
+            def __init__(self, *a):
+                pass
+
+            def dispatch(self, x, topk_idx, stats, cost, m, e, fp8, round_scale, ue8m0, phases, *a):
+                COUNTS["fast op"] += 1
+                key = (m, H, e, bool(fp8), bool(round_scale), bool(ue8m0))
+                if key not in known:
+                    return (-4,)
+                return (0, *recv, hook_if(phases), H)
+
+            def add_dispatch_shape(self, m, h, e, fp8, round_scale, ue8m0, *a):
+                known.add((m, h, e, bool(fp8), bool(round_scale), bool(ue8m0)))
+
+            def combine(self, *a):
+                COUNTS["fast op"] += 1
+                return 0, combined, hook_if(a[12])
+
+            def clean(self, *a):
+                COUNTS["fast op"] += 1
+                return (0,)
+
+        self.LlDispatchPlan, self.ll_combine, self.LlOps = LlDispatchPlan, ll_combine, LlOps
+        self.StreamOrder = lambda device: types.SimpleNamespace(usable=lambda: True)
+        self.LlCombineOutputs = lambda fn: object()
+        self.set_status_raiser = lambda fn: None
+
+
+def torch_calls(pkg, calls):
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    os.environ["DEEPEP_NCCL_FAST"] = "0"  # the stand-in is put in place below
+    sys.path.insert(0, str(pkg))
+    import deep_ep
+    import deep_ep_cpp
+    from deep_ep_cpp import _lib, _streams
+    lib = _lib.lib
+
+    R, E, T, H, K, M = 2, 288, 128, 7168, 8, 128
+    el = E // R
+    # No GPU: the current stream is a made-up one (its lookup is still a call into torch._C).
+    _streams._current_stream_key = lambda device: (7, 0, 1)
+    torch.cuda.Stream = _Stream
+    torch.cuda.Event = _Event
+
+    def dispatch_outputs(handle, m, hidden, num_experts, use_fp8, use_ue8m0, out):
+        ctypes.memset(ctypes.addressof(out._obj), 0, ctypes.sizeof(out._obj))
+        o = fakes._Outputs(_lib, out._obj)
+        o.push(_lib.DTYPE_FLOAT8_E4M3 if use_fp8 else _lib.DTYPE_BFLOAT16, (el, R * m, hidden))
+        o.push_strided(_lib.DTYPE_FLOAT32, (el, R * m, hidden // 128), (hidden // 128 * R * m, 1, R * m))
+        o.push(_lib.DTYPE_INT32, (el,))
+        o.push(_lib.DTYPE_INT32, (el, R * m))
+        o.push(_lib.DTYPE_INT64, (el, R))
+        return 0
+
+    fast = FakeLlFast(torch, T, H, R, M, E, K)
+    rt = deep_ep_cpp.Buffer(0, R, 0, 1 << 30, True, True, False, False)
+    # CPU tensors: device -1 (what their get_device() says) passes the ctypes path's device check.
+    rt._handle, rt._device_id, rt._device = 0x1234, -1, torch.device("cpu")
+    rt._comm_stream, rt._comm_stream_ptr, rt._sync_event = _Stream(9), 9, _Event()
+    rt._fast = fast
+    rt._stream_order = fast.StreamOrder(0)
+    rt._ll_init()
+    if hasattr(rt, "_ll_sync"):
+        rt._ll_sync()  # what sync() does for the LL ops
+    lib.deepep_low_latency_dispatch_outputs = dispatch_outputs
+    lib.deepep_clean_low_latency_buffer = counted("C ABI call (ctypes)", lambda *a: 0)
+    buffer = object.__new__(deep_ep.Buffer)
+    buffer.runtime, buffer.rank, buffer.group_size = rt, 0, R
+
+    x = torch.empty(T, H, dtype=torch.bfloat16)
+    topk_idx = torch.zeros(T, K, dtype=torch.int64)
+    topk_weights = torch.ones(T, K)
+    stats = torch.zeros(el, dtype=torch.int32)
+    handle = buffer.low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats)[2]
+    expert_out = torch.empty(el, R * M, H, dtype=torch.bfloat16)
+    # The hooks as deep_ep.Buffer returns them (the stand-in's here, so the count says whether
+    # anything in Python wraps the compiled hook).
+    hooks = {"dispatch": buffer.low_latency_dispatch(x, topk_idx, M, E, return_recv_hook=True)[-1],
+             "combine": buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle,
+                                                   return_recv_hook=True)[-1]}
+    ops = {
+        "low_latency_dispatch": lambda: buffer.low_latency_dispatch(
+            x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats),
+        "low_latency_dispatch (send) + hook()": lambda: buffer.low_latency_dispatch(
+            x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats, return_recv_hook=True)[-1](),
+        "dispatch hook() alone": hooks["dispatch"],
+        "low_latency_combine": lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle),
+        "low_latency_combine (send) + hook()": lambda: buffer.low_latency_combine(
+            expert_out, topk_idx, topk_weights, handle, return_recv_hook=True)[-1](),
+        "combine hook() alone": hooks["combine"],
+        "clean_low_latency_buffer": lambda: buffer.clean_low_latency_buffer(M, H, E),
+    }
+
+    seen = collections.Counter()
+
+    class Counting(TorchFunctionMode):
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            seen[getattr(func, "__qualname__", None) or repr(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    def torch_calls_of(op, everywhere):
+        """The torch calls one op makes from Python that a mode sees; `everywhere`: also those
+        under the package's DisableTorchFunction (made a no-op for this count)."""
+        saved = _streams._no_torch_function
+        if everywhere:
+            _streams._no_torch_function = contextlib.nullcontext
+        try:
+            seen.clear()
+            with Counting():
+                op()
+            return sum(seen.values()), ", ".join(f"{k} {v}" for k, v in sorted(seen.items()))
+        finally:
+            _streams._no_torch_function = saved
+
+    def timed(op):
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                op()
+            best = min(best, (time.perf_counter() - t0) / calls)
+        return best * 1e6
+
+    print(f"torch {torch.__version__}; {calls} calls per op, best of 5; torch calls from Python per call")
+    print("| op | seen by a mode | all | us plain | us under set_default_device('cuda') | which (all) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, op in ops.items():
+        op()
+        n_mode, _ = torch_calls_of(op, False)
+        n_all, which = torch_calls_of(op, True)
+        plain = timed(op)
+        torch.set_default_device("cuda")
+        try:
+            under = timed(op)
+        finally:
+            torch.set_default_device(None)
+        print(f"| {name} | {n_mode} | {n_all} | {plain:.2f} | {under:.2f} | {which} |")
+    rt._handle = None  # nothing to free
 
 
 def main():
@@ -119,6 +319,9 @@ def main():
         i = args.index("--calls")
         calls = int(args[i + 1])
         del args[i:i + 2]
+    if "--torch-calls" in args:
+        args.remove("--torch-calls")
+        return torch_calls(Path(args[0]).resolve() if args else REPO / "compat" / "python", calls)
     pkg = Path(args[0]).resolve() if args else REPO / "compat" / "python"
     os.environ["DEEPEP_NCCL_FAST"] = "0"  # the module is put in place below
     torch = install_torch()
@@ -140,6 +343,8 @@ def main():
     rt._normal_fast = fast.NormalOps()
     rt._internode_fast = fast.NormalOps()
     rt._ll_init()
+    if hasattr(rt, "_ll_sync"):
+        rt._ll_sync()
     if hasattr(deep_ep_cpp.Buffer, "_num_rdma_ranks"):
         rt._num_rdma_ranks = 1  # what sync() reads once
     # Every C ABI call that reaches ctypes from here on is counted (the query through

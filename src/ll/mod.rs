@@ -152,17 +152,19 @@ pub fn check_region(buffer: &Buffer, op: &str, shape: LlShape, layout: &LlLayout
         "{op} needs a buffer created with low_latency_mode=True (this one was created without it)"
     );
     let have = buffer.args.num_rdma_bytes as u64;
+    if layout.required <= have {
+        return Ok(());
+    }
+    // Only for the message: every LL call (clean twice) passes here.
     let hint = low_latency_rdma_size_hint(shape.max_tokens, shape.hidden, shape.num_ranks as i32, shape.num_experts as i32)?;
-    ensure_arg!(
-        layout.required <= have,
+    Err(Error::invalid(format!(
         "num_rdma_bytes ({have}) is too small for this {op}: num_max_dispatch_tokens_per_rank={}, hidden={}, \
          num_experts={} need {} B (Buffer.get_low_latency_rdma_size_hint gives {hint})",
         shape.max_tokens,
         shape.hidden,
         shape.num_experts,
         layout.required
-    );
-    Ok(())
+    )))
 }
 
 /// Slot sizes for a dispatch with `num_topk`/`use_fp8` (combine passes K = 16, BF16:
@@ -447,6 +449,35 @@ mod tests {
             combine_slot: 2 * h + 4 * (h / 128),
             remote,
         }
+    }
+
+    #[test]
+    fn check_region_passes_a_fitting_layout_and_names_the_hint_otherwise() {
+        let (m, h, e, r) = (128, 7168, 288, 4);
+        let shape = LlShape::new(m, h, e, r).unwrap();
+        let hint = low_latency_rdma_size_hint(m, h, r as i32, e as i32).unwrap();
+        let buffer = |num_rdma_bytes| {
+            let args = crate::buffer::BufferArgs {
+                rank: 0,
+                num_ranks: r as i32,
+                num_nvl_bytes: 0,
+                num_rdma_bytes,
+                low_latency_mode: true,
+                explicitly_destroy: false,
+                enable_shrink: false,
+            };
+            Buffer::without_resources(args, 132)
+        };
+        let layout = LlLayout::new(shape, slots_for(h as u64, 8, true, false, e / r, m), 0, 1);
+        check_region(&buffer(hint), "low_latency_dispatch", shape, &layout).unwrap();
+        let small = layout.required as i64 - 1;
+        let err = check_region(&buffer(small), "low_latency_dispatch", shape, &layout).unwrap_err().message;
+        let want = format!(
+            "num_rdma_bytes ({small}) is too small for this low_latency_dispatch: num_max_dispatch_tokens_per_rank=128, \
+             hidden=7168, num_experts=288 need {} B (Buffer.get_low_latency_rdma_size_hint gives {hint})",
+            layout.required
+        );
+        assert_eq!(err, want);
     }
 
     #[test]

@@ -13,6 +13,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -1154,7 +1155,7 @@ def test_ll_ops_name_out_of_range_ints_on_the_ctypes_path(monkeypatch):
             buffer.low_latency_dispatch(x, _Stub(17, 8), None, None, m, e, False, False, False, False, False)
     # Combine packs them into its args struct: struct.pack's refusal is named.
     monkeypatch.setattr(_low_latency, "_desc", lambda name, t: (0,) * _lib.TENSOR_WORDS)
-    monkeypatch.setattr(buffer, "_ll_fast", None)
+    monkeypatch.setattr(buffer, "_ll_ops", None)
     for m, e, name in ((2**31, 288, "num_max_dispatch_tokens_per_rank"), (128, -2**31 - 1, "num_experts")):
         with pytest.raises(ValueError, match=f"^deepep-nccl: {name} {INT32_RANGE}"):
             buffer.low_latency_combine(_Stub(36, 1024, 7168), _Stub(17, 8), None, None, None, None, m, e, False,
@@ -1195,10 +1196,12 @@ def test_compiled_path_refuses_out_of_range_ints_instead_of_truncating():
         pytest.skip("the compiled host path did not build here")
     # Never called: every call below is refused before it reaches a function pointer.
     null_fn = 0
+    order = fast.StreamOrder(0)
+    ll_ops = fast.LlOps(*(null_fn,) * 5, 0x4445_0100_0001_0000, 0, order)
     for m, hidden, experts in ((2**32 + 128, 7168, 288), (128, -2**31 - 1, 288), (128, 7168, 2**63)):
         with pytest.raises(TypeError, match="incompatible function arguments"):
-            fast.ll_next_combine_buffer(null_fn, 0x4445_0100_0001_0000, m, hidden, experts, 0, None)
-    order = fast.StreamOrder(0)
+            ll_ops.next_combine_buffer(m, hidden, experts, None)
+        assert ll_ops.clean(m, hidden, experts if experts < 2**63 else 2**40, 0) == (fast.BAD_INPUT,)
     ops = fast.NormalOps(*(null_fn,) * 8, 2, 0)
     topk = torch.zeros(4, 2, dtype=torch.int64, device="cuda:0")
     assert ops.layout(0x4445_0100_0001_0000, topk, 2**32 + 8, 0, order, 0, 0) == (fast.BAD_INPUT,)
@@ -1222,3 +1225,126 @@ def test_compiled_path_refuses_out_of_range_ints_instead_of_truncating():
     cpu_x = x.cpu()
     assert inter.combine(0x4445_0100_0001_0000, cpu_x, None, None, None, in_rank, in_rank, matrix, matrix, matrix,
                          matrix, matrix, 0, 0, order, 0, 0) == (fast.BAD_INPUT,)
+
+
+# --- the LL ops: no torch call from Python on the compiled path ---------------------------------
+
+
+def _ll_synced(monkeypatch, ops):
+    """_synced's LL buffer with `ops` as its compiled LlOps and made-up streams."""
+    buffer = _synced(monkeypatch, low_latency_mode=True)
+    monkeypatch.setattr(buffer, "_ll_ops", ops)
+    monkeypatch.setattr(buffer, "_compute_handle", 7, raising=False)
+    monkeypatch.setattr(buffer, "_comm_stream", object(), raising=False)
+    monkeypatch.setattr(buffer, "_comm_stream_ptr", 9, raising=False)
+    return buffer
+
+
+def test_deep_ep_ll_ops_make_no_torch_call_from_python(monkeypatch):
+    """deep_ep.Buffer's LL dispatch, combine (with hooks) and clean on the compiled path: under a
+    TorchFunctionMode (torch.set_default_device's) each torch call from Python costs ~1 us, so
+    none may be made between the entry and the compiled op; the handle's hidden size comes from
+    the op, and combine hands the handle's to the op, which checks x against it."""
+    torch = pytest.importorskip("torch")
+    from torch.overrides import TorchFunctionMode
+
+    import deep_ep
+    from deep_ep_cpp import _fast
+
+    calls = []
+    outs = (torch.zeros(2, 16, 256), None, torch.zeros(2, dtype=torch.int32), torch.zeros(2, 16, dtype=torch.int32),
+            torch.zeros(2, 2, dtype=torch.int64))
+
+    class Ops:  # LlOps' interface (_fast_ll.h), answering at once
+        def dispatch(self, *a):
+            calls.append(("dispatch", a))
+            return (0, *outs, "dispatch hook" if a[9] == 1 else None, 256)
+
+        def combine(self, *a):
+            calls.append(("combine", a))
+            return 0, "combined_x", "combine hook" if a[12] == 1 else None
+
+        def clean(self, *a):
+            calls.append(("clean", a))
+            return (0,)
+
+    runtime = _ll_synced(monkeypatch, Ops())
+    monkeypatch.setattr(runtime, "_fast", types.SimpleNamespace(BAD_INPUT=-2, DRIVER_ERROR=-3))
+    buffer = object.__new__(deep_ep.Buffer)
+    buffer.runtime = runtime
+    x, topk_idx, weights = torch.zeros(3, 256, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    y = torch.zeros(2, 16, 256, dtype=torch.bfloat16)
+    seen = []
+
+    class Counting(TorchFunctionMode):
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        recv_x, count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, 8, 4, use_fp8=False,
+                                                                         return_recv_hook=True)
+        combined_x, combine_event, combine_hook = buffer.low_latency_combine(y, topk_idx, weights, handle,
+                                                                             return_recv_hook=True)
+        buffer.clean_low_latency_buffer(8, 256, 4)
+    assert seen == []
+    assert recv_x is outs[0] and count is outs[2] and hook == "dispatch hook" and event.event is None
+    assert handle[0] is outs[3] and handle[1] is outs[4] and handle[2:] == (8, 256, 4)
+    assert (combined_x, combine_event.event, combine_hook) == ("combined_x", None, "combine hook")
+    (_, dispatch_args), (_, combine_args), (_, clean_args) = calls
+    assert dispatch_args[0] is x and dispatch_args[4:6] == (8, 4) and dispatch_args[9:13] == (1, 7, 7, 0)
+    # combine: x, M, E, the handle's hidden size, send only on the compute stream, no waits.
+    assert combine_args[0] is y and combine_args[7:9] == (8, 4) and combine_args[11:15] == (256, 1, 7, 7)
+    assert clean_args == (8, 256, 4, 7)
+    assert _fast.torch is torch
+
+
+def test_ll_combine_names_a_hidden_size_other_than_the_handles_on_the_ctypes_path(monkeypatch):
+    buffer = _synced(monkeypatch, low_latency_mode=True)
+    with pytest.raises(RuntimeError, match=r"^deepep-nccl: x has hidden size 7168, the dispatch \(handle\) had 4096$"):
+        buffer._ll_combine(_Stub(36, 1024, 7168), _Stub(17, 8), None, None, None, None, 128, 288, False, False, False,
+                           False, None, 4096)
+    buffer._handle = None
+
+
+def test_compiled_ll_ops_check_ints_and_hidden_before_the_library(monkeypatch):
+    """The compiled LlOps on CPU tensors and a made-up handle: what it refuses (BAD_INPUT: the
+    ctypes path then names it) and what it hands to the library (which names the handle)."""
+    from deep_ep_cpp import _fast
+
+    torch = _fast.torch
+    if torch is None:
+        pytest.skip("needs torch (and a C++ compiler for the compiled host path)")
+    buffer = _synced(monkeypatch, low_latency_mode=True)
+    fast = buffer._fast
+    if fast is None:
+        pytest.skip("the compiled host path did not build here")
+    monkeypatch.setattr(buffer, "_stream_order", fast.StreamOrder(0), raising=False)
+    buffer._ll_sync()
+    monkeypatch.setattr(buffer, "_compute_handle", 1, raising=False)
+    ops = buffer._ll_ops
+    assert ops.clean(2**32 + 128, 7168, 288, 1) == (fast.BAD_INPUT,)
+    with pytest.raises(ValueError, match=f"^deepep-nccl: num_experts {INT32_RANGE}"):
+        buffer.clean_low_latency_buffer(128, 7168, -2**31 - 288)
+    with pytest.raises(RuntimeError, match=r"buffer \(0xdeadbeef\) was never created"):
+        buffer.clean_low_latency_buffer(128, 7168, 288)
+    # combine, send only (no stream waits): x's hidden size against the handle's, then the library.
+    y = torch.zeros(2, 4, 256, dtype=torch.bfloat16)
+    topk_idx, weights = torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    src_info, layout_range = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int64)
+    out = torch.zeros(3, 256, dtype=torch.bfloat16)
+
+    def combine(hidden):
+        return ops.combine(y, topk_idx, weights, src_info, layout_range, None, out, 2, 4, False, False, hidden, 1, 1,
+                           1, 0, None)
+
+    assert combine(128) == (fast.BAD_INPUT,)
+    reached = combine(256)
+    assert reached[0] not in (0, fast.BAD_INPUT) and combine(-1) == reached
+    with pytest.raises(RuntimeError, match=r"^deepep-nccl: x has hidden size 256, the dispatch \(handle\) had 128$"):
+        buffer._ll_combine(y, topk_idx, weights, src_info, layout_range, None, 2, 4, False, False, False, True, out,
+                           128)
+    # dispatch: x off the buffer's device is not taken.
+    assert ops.dispatch(torch.zeros(3, 256, dtype=torch.bfloat16), topk_idx, None, None, 8, 4, False, False, False, 1,
+                        1, 1, 0, None) == (fast.BAD_INPUT,)
+    buffer._handle = None

@@ -133,7 +133,7 @@ def test_dispatch_shape_packs_the_described_outputs(use_fp8, use_ue8m0, monkeypa
     import types
 
     outputs = _dispatch_described(use_fp8, use_ue8m0)
-    shape = _low_latency._DispatchShape(outputs, 128, 7168, 288, use_fp8, use_fp8, use_ue8m0)
+    shape = _low_latency._DispatchShape(outputs, 128, 288, use_fp8, use_fp8, use_ue8m0)
     pointers = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 0x7F0000004000, 0x7F0000005000)
     made = iter(p for p, t in zip(pointers, outputs.tensors) if t.dtype)
 
@@ -162,7 +162,7 @@ def test_dispatch_shape_packs_the_described_outputs(use_fp8, use_ue8m0, monkeypa
 
 def test_dispatch_shape_rejects_a_description_of_another_arity():
     with pytest.raises(RuntimeError, match="describes 4 dispatch outputs, expected 5"):
-        _low_latency._DispatchShape(_described(None, None, None, None), 128, 7168, 288, False, False, False)
+        _low_latency._DispatchShape(_described(None, None, None, None), 128, 288, False, False, False)
 
 
 def test_output_plan_reads_shared_allocations():

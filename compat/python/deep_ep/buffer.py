@@ -425,18 +425,21 @@ class Buffer:
             _check_extension_kwargs("low_latency_dispatch", kwargs, _LOW_LATENCY_DISPATCH_EXTENSIONS)
         if kwargs and kwargs.get("use_nvfp4"):
             raise RuntimeError("deepep-nccl: low_latency_dispatch(use_nvfp4=True) is not supported; use use_fp8")
+        # The runtime's dispatch with x's hidden size: no torch call here (each costs ~1 us under a
+        # TorchFunctionMode such as torch.set_default_device's).
         (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info, packed_recv_layout_range,
-         event, hook) = self.runtime.low_latency_dispatch(
+         event, hook, hidden) = self.runtime._ll_dispatch(
             x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
             num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
             return_recv_hook)
-        handle = (packed_recv_src_info, packed_recv_layout_range, num_max_dispatch_tokens_per_rank, x.size(1),
+        handle = (packed_recv_src_info, packed_recv_layout_range, num_max_dispatch_tokens_per_rank, hidden,
                   num_experts)
+        recv_x = (packed_recv_x, packed_recv_x_scales) if use_fp8 else packed_recv_x
+        if not async_finish:
+            return recv_x, packed_recv_count, handle, EventOverlap(event), hook
         tensors_to_record = (x, topk_idx, packed_recv_x, packed_recv_x_scales, packed_recv_count,
                              packed_recv_src_info, packed_recv_layout_range, cumulative_local_expert_recv_stats)
-        recv_x = (packed_recv_x, packed_recv_x_scales) if use_fp8 else packed_recv_x
-        return (recv_x, packed_recv_count, handle,
-                EventOverlap(event, tensors_to_record if async_finish else None), hook)
+        return recv_x, packed_recv_count, handle, EventOverlap(event, tensors_to_record), hook
 
     def low_latency_combine(
         self,
@@ -459,13 +462,11 @@ class Buffer:
         if kwargs and kwargs.get("overlap"):
             raise RuntimeError("deepep-nccl: low_latency_combine(overlap=True) is not supported")
         src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts = handle
-        shape = x.shape  # one tensor call, not two (each costs more under a torch function mode)
-        if len(shape) == 3 and shape[2] != hidden:
-            raise RuntimeError(f"deepep-nccl: x has hidden size {shape[2]}, the dispatch (handle) had {hidden}")
-        combined_x, event, hook = self.runtime.low_latency_combine(
+        # The runtime checks x's hidden size against the handle's (no torch call here).
+        combined_x, event, hook = self.runtime._ll_combine(
             x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
             num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook,
-            out)
+            out, hidden)
         if not async_finish:
             return combined_x, EventOverlap(event), hook
         tensors_to_record = (x, topk_idx, topk_weights, src_info, layout_range, combined_x)

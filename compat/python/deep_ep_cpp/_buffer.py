@@ -287,6 +287,7 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
                     lib.deepep_internode_dispatch_outputs, lib.deepep_internode_dispatch,
                     lib.deepep_internode_combine_outputs, lib.deepep_internode_combine)),
                 self._num_ranks, self._device_id)
+            self._ll_sync()
 
     def _check_shared_args(self, handles):
         """Before anything collective: every rank sees the same handles, so either all raise or none."""

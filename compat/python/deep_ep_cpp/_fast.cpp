@@ -18,13 +18,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ORDER_BEFORE") = py::int_(kOrderBefore);
   m.attr("ORDER_AFTER") = py::int_(kOrderAfter);
   py::class_<StreamOrder>(m, "StreamOrder").def(py::init<int>()).def("usable", &StreamOrder::usable);
-  py::class_<LlDispatchPlan>(m, "LlDispatchPlan")
-      .def(py::init<uintptr_t, uintptr_t, int64_t, int>())
-      .def("run", &LlDispatchPlan::run);
-  py::class_<LlCombineOutputs>(m, "LlCombineOutputs").def(py::init<uintptr_t>());
-  m.def("ll_combine", &ll_combine);
+  m.attr("NEW_SHAPE") = py::int_(kNewShape);
+  py::class_<LlOps>(m, "LlOps")
+      .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int, py::object>())
+      .def("add_dispatch_shape", &LlOps::add_dispatch_shape)
+      .def("dispatch", &LlOps::dispatch)
+      .def("combine", &LlOps::combine)
+      .def("clean", &LlOps::clean)
+      .def("next_combine_buffer", &LlOps::next_combine_buffer);
   m.def("set_status_raiser", &set_status_raiser);
-  m.def("ll_next_combine_buffer", &ll_next_combine_buffer);
   py::class_<LlDispatchHook>(m, "LlDispatchHook").def("__call__", &LlDispatchHook::operator());
   py::class_<LlCombineHook>(m, "LlCombineHook").def("__call__", &LlCombineHook::operator());
   py::class_<NormalOps>(m, "NormalOps")

@@ -1,5 +1,7 @@
-// The LL ops of the compiled host path (low_latency_dispatch / _combine): outputs allocated with
-// torch's C++ API, the C ABI's argument struct filled and called, in one Python call.
+// The LL ops of the compiled host path (low_latency_dispatch / _combine, clean_low_latency_buffer,
+// get_next_low_latency_combine_buffer), one LlOps per buffer: outputs allocated with torch's C++
+// API, the C ABI's argument struct filled and called, in one Python call that needs no torch call
+// from Python (x's shape is read here).
 #pragma once
 
 #include <type_traits>
@@ -62,67 +64,10 @@ inline std::vector<at::Tensor> present(std::initializer_list<c10::optional<at::T
 using LlDispatchHook = LlRecvHook<DeepepLowLatencyDispatchArgs>;
 using LlCombineHook = LlRecvHook<DeepepLowLatencyCombineArgs>;
 
-// One dispatch shape (M, H, E, flags): its argument struct (the outputs' descriptors and the int
-// fields filled by _low_latency.py) and the library's description of its outputs
-// (deepep_low_latency_dispatch_outputs), copied: each call allocates them and sets their pointers.
-class LlDispatchPlan {
- public:
-  LlDispatchPlan(uintptr_t args, uintptr_t outputs, int64_t hidden, int device)
-      : args_(at_address<DeepepLowLatencyDispatchArgs>(args)),
-        outputs_(*at_address<const DeepepOutputs>(outputs)),
-        hidden_(hidden),
-        device_(device),
-        on_device_(at::TensorOptions().device(at::kCUDA, device)) {}
-
-  // (status, packed_recv_x, packed_recv_x_scales or None, packed_recv_count, packed_recv_src_info,
-  // packed_recv_layout_range, hook or None): status is the C ABI's (nonzero: the caller raises);
-  // or (kBadInput,), or (kDriverError, code). The launch on `stream` is ordered against `compute`
-  // as `order_flags` say; a send-only launch (phases = kPhaseSend) returns its receive hook.
-  py::tuple run(uintptr_t fn, uintptr_t buffer, const at::Tensor& x, const at::Tensor& topk_idx,
-                const c10::optional<at::Tensor>& cumulative_local_expert_recv_stats,
-                const c10::optional<at::Tensor>& dispatch_wait_recv_cost_stats, int phases, uintptr_t stream,
-                uintptr_t buffer_idx, const StreamOrder& order, uintptr_t compute, int order_flags,
-                py::object owner) {
-    const Ordering ordering{&order, compute, order_flags};
-    if (x.dim() != 2 || x.scalar_type() != at::kBFloat16 || !x.is_cuda() || x.get_device() != device_ ||
-        x.size(1) != hidden_ || !ordering.usable())
-      return py::make_tuple(kBadInput);
-    DeepepLowLatencyDispatchArgs& a = *args_;
-    if (!describe(a.x, x) || !describe(a.topk_idx, topk_idx) ||
-        !describe(a.cumulative_local_expert_recv_stats, cumulative_local_expert_recv_stats) ||
-        !describe(a.dispatch_wait_recv_cost_stats, dispatch_wait_recv_cost_stats))
-      return py::make_tuple(kBadInput);
-    if (const int error = ordering.before(stream)) return driver_error(error);
-    const auto out = allocate(outputs_, on_device_);
-    for (size_t i = 0; i < kOutputs.size(); ++i) (a.*kOutputs[i]).data = out[i] ? out[i]->data_ptr() : nullptr;
-    a.phases = phases;
-    const int status =
-        reinterpret_cast<LlDispatchFn>(fn)(as_buffer(buffer), args_, as_stream(stream), at_address<int>(buffer_idx));
-    if (status != 0) return py::make_tuple(status);
-    if (const int error = ordering.after(stream)) return driver_error(error);
-    py::object hook = py::none();
-    if (phases == kPhaseSend)
-      hook = py::cast(LlDispatchHook(
-          {reinterpret_cast<LlDispatchFn>(fn), buffer, *args_, stream, *at_address<int>(buffer_idx)}, std::move(owner),
-          present({x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, out[0], out[1],
-                   out[2], out[3], out[4]})));
-    return py::make_tuple(status, optional_tensor(out[0]), optional_tensor(out[1]), optional_tensor(out[2]),
-                          optional_tensor(out[3]), optional_tensor(out[4]), hook);
-  }
-
- private:
-  // The args' output fields, in the order of the outputs' description.
-  static constexpr std::array<DeepepTensor DeepepLowLatencyDispatchArgs::*, 5> kOutputs{
-      &DeepepLowLatencyDispatchArgs::packed_recv_x, &DeepepLowLatencyDispatchArgs::packed_recv_x_scales,
-      &DeepepLowLatencyDispatchArgs::packed_recv_count, &DeepepLowLatencyDispatchArgs::packed_recv_src_info,
-      &DeepepLowLatencyDispatchArgs::packed_recv_layout_range};
-
-  DeepepLowLatencyDispatchArgs* args_;
-  DeepepOutputs outputs_;
-  int64_t hidden_;
-  int device_;
-  at::TensorOptions on_device_;
-};
+// Returned (alone in the tuple) by LlOps::dispatch for a shape it has no plan for: the caller
+// describes the shape (deepep_low_latency_dispatch_outputs, which checks it first), adds it with
+// add_dispatch_shape and calls again.
+constexpr int kNewShape = -4;
 
 // combined_x's description (deepep_low_latency_combine_outputs) for the last (T, H) a Buffer's
 // combine allocated: the library is asked again only when they change.
@@ -148,53 +93,186 @@ class LlCombineOutputs {
   DeepepOutputs outputs_{};
 };
 
-// (status, combined_x, hook or None), (status,), (kBadInput,) or (kDriverError, code): one LL
-// combine through the argument struct at `args`; `out` (or a new [T, H] bfloat16 tensor on
-// `device`) receives the result. A send-only launch returns its receive hook.
-inline py::tuple ll_combine(uintptr_t fn, uintptr_t buffer, uintptr_t args, LlCombineOutputs& outputs, int device,
-                            const at::Tensor& x,
-                            const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& src_info,
-                            const at::Tensor& layout_range, const c10::optional<at::Tensor>& combine_wait_recv_cost_stats,
-                            const c10::optional<at::Tensor>& out, int64_t num_max_dispatch_tokens_per_rank,
-                            int64_t num_experts, bool use_logfmt, bool zero_copy, int phases, uintptr_t stream,
-                            uintptr_t buffer_idx, const StreamOrder& order, uintptr_t compute, int order_flags,
-                            py::object owner) {
-  const Ordering ordering{&order, compute, order_flags};
-  if (x.dim() != 3 || topk_idx.dim() < 1 || !fits_int32(num_max_dispatch_tokens_per_rank) ||
-      !fits_int32(num_experts) || !ordering.usable())
-    return py::make_tuple(kBadInput);
-  at::Tensor combined_x;
-  if (out.has_value()) {
-    combined_x = *out;
-  } else {
-    const DeepepOutputs* described = nullptr;
-    if (const int status = outputs.get(buffer, topk_idx.size(0), x.size(2), &described)) return py::make_tuple(status);
-    combined_x = *allocate(*described, at::TensorOptions().device(at::kCUDA, device))[0];
-  }
-  DeepepLowLatencyCombineArgs& a = *at_address<DeepepLowLatencyCombineArgs>(args);
-  if (!describe(a.x, x) || !describe(a.topk_idx, topk_idx) || !describe(a.topk_weights, topk_weights) ||
-      !describe(a.src_info, src_info) || !describe(a.layout_range, layout_range) ||
-      !describe(a.combine_wait_recv_cost_stats, combine_wait_recv_cost_stats) || !describe(a.out, combined_x))
-    return py::make_tuple(kBadInput);
-  if (const int error = ordering.before(stream)) return driver_error(error);
-  a.num_max_dispatch_tokens_per_rank = int32_t(num_max_dispatch_tokens_per_rank);
-  a.num_experts = int32_t(num_experts);
-  a.use_logfmt = use_logfmt ? 1 : 0;
-  a.zero_copy = zero_copy ? 1 : 0;
-  a.phases = phases;
-  a.reserved = 0;
-  const int status =
-      reinterpret_cast<LlCombineFn>(fn)(as_buffer(buffer), &a, as_stream(stream), at_address<int>(buffer_idx));
-  if (status != 0) return py::make_tuple(status);
-  if (const int error = ordering.after(stream)) return driver_error(error);
-  py::object hook = py::none();
-  if (phases == kPhaseSend)
-    hook = py::cast(LlCombineHook(
-        {reinterpret_cast<LlCombineFn>(fn), buffer, a, stream, *at_address<int>(buffer_idx)}, std::move(owner),
-        present({x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, combined_x})));
-  return py::make_tuple(status, combined_x, hook);
-}
+// One buffer's LL ops on the compiled host path (made by sync(): the handle is fixed from then on).
+// Everything that is the same on every call lives here, so that a call passes only what changes
+// and makes no torch call from Python: the C ABI's functions, the handle, the device, the stream
+// ordering, the dispatch shapes' argument structs and output descriptions, combine's argument
+// struct and output description, the buffer half the last send used.
+class LlOps {
+ public:
+  LlOps(uintptr_t dispatch_fn, uintptr_t combine_fn, uintptr_t combine_outputs_fn, uintptr_t clean_fn,
+        uintptr_t next_combine_fn, uintptr_t buffer, int device, py::object order)
+      : dispatch_fn_(reinterpret_cast<LlDispatchFn>(dispatch_fn)),
+        combine_fn_(reinterpret_cast<LlCombineFn>(combine_fn)),
+        clean_fn_(reinterpret_cast<CleanFn>(clean_fn)),
+        next_combine_fn_(next_combine_fn),
+        buffer_(buffer),
+        device_(device),
+        on_device_(at::TensorOptions().device(at::kCUDA, device)),
+        order_object_(std::move(order)),
+        order_(order_object_.cast<const StreamOrder*>()),
+        combine_outputs_(combine_outputs_fn) {}
 
+  // Adds the dispatch shape (M, H, E, flags) with its args struct (the outputs' descriptors and
+  // the int fields, packed by _low_latency.py) and the library's description of its outputs,
+  // both copied. Past kMaxShapes shapes the oldest go (as the ctypes path's cache does).
+  void add_dispatch_shape(int64_t m, int64_t hidden, int64_t experts, bool use_fp8, bool round_scale, bool use_ue8m0,
+                          uintptr_t args, uintptr_t outputs) {
+    if (shapes_.size() >= kMaxShapes) shapes_.clear();
+    shapes_.push_back({{m, hidden, experts, flags(use_fp8, round_scale, use_ue8m0)},
+                       *at_address<const DeepepLowLatencyDispatchArgs>(args),
+                       *at_address<const DeepepOutputs>(outputs)});
+    last_ = shapes_.size() - 1;
+  }
+
+  // low_latency_dispatch: (status, packed_recv_x, packed_recv_x_scales or None, packed_recv_count,
+  // packed_recv_src_info, packed_recv_layout_range, hook or None, hidden): status is the C ABI's
+  // (nonzero: the caller raises), hidden x's (deep_ep's handle holds it); or (kNewShape,),
+  // (kBadInput,) or (kDriverError, code). The launch on `stream` is ordered against `compute` as
+  // `order_flags` say; a send-only launch (phases = kPhaseSend) returns its receive hook.
+  py::tuple dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                     const c10::optional<at::Tensor>& cumulative_local_expert_recv_stats,
+                     const c10::optional<at::Tensor>& dispatch_wait_recv_cost_stats, int64_t m, int64_t experts,
+                     bool use_fp8, bool round_scale, bool use_ue8m0, int phases, uintptr_t stream, uintptr_t compute,
+                     int order_flags, py::object owner) {
+    const Ordering ordering{order_, compute, order_flags};
+    if (x.dim() != 2 || x.scalar_type() != at::kBFloat16 || !on_device(x, device_) || !ordering.usable())
+      return py::make_tuple(kBadInput);
+    const int64_t hidden = x.size(1);
+    DispatchShape* shape = find({m, hidden, experts, flags(use_fp8, round_scale, use_ue8m0)});
+    if (shape == nullptr) return py::make_tuple(kNewShape);
+    DeepepLowLatencyDispatchArgs& a = shape->args;
+    if (!describe(a.x, x) || !describe(a.topk_idx, topk_idx) ||
+        !describe(a.cumulative_local_expert_recv_stats, cumulative_local_expert_recv_stats) ||
+        !describe(a.dispatch_wait_recv_cost_stats, dispatch_wait_recv_cost_stats))
+      return py::make_tuple(kBadInput);
+    if (const int error = ordering.before(stream)) return driver_error(error);
+    const auto out = allocate(shape->outputs, on_device_);
+    for (size_t i = 0; i < kDispatchOutputs.size(); ++i)
+      (a.*kDispatchOutputs[i]).data = out[i] ? out[i]->data_ptr() : nullptr;
+    a.phases = phases;
+    const int status = dispatch_fn_(as_buffer(buffer_), &a, as_stream(stream), &buffer_idx_);
+    if (status != 0) return py::make_tuple(status);
+    if (const int error = ordering.after(stream)) return driver_error(error);
+    py::object hook = py::none();
+    if (phases == kPhaseSend)
+      hook = py::cast(LlDispatchHook(
+          {dispatch_fn_, buffer_, a, stream, buffer_idx_}, std::move(owner),
+          present({x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, out[0], out[1],
+                   out[2], out[3], out[4]})));
+    return py::make_tuple(status, optional_tensor(out[0]), optional_tensor(out[1]), optional_tensor(out[2]),
+                          optional_tensor(out[3]), optional_tensor(out[4]), hook, hidden);
+  }
+
+  // low_latency_combine: (status, combined_x, hook or None), (status,), (kBadInput,) or
+  // (kDriverError, code). `out` (or a new [T, H] bfloat16 tensor) receives the result. `hidden`:
+  // the dispatch's (deep_ep's handle), which x's last dimension must be; -1: not checked. A
+  // send-only launch returns its receive hook.
+  py::tuple combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                    const at::Tensor& src_info, const at::Tensor& layout_range,
+                    const c10::optional<at::Tensor>& combine_wait_recv_cost_stats, const c10::optional<at::Tensor>& out,
+                    int64_t m, int64_t experts, bool use_logfmt, bool zero_copy, int64_t hidden, int phases,
+                    uintptr_t stream, uintptr_t compute, int order_flags, py::object owner) {
+    const Ordering ordering{order_, compute, order_flags};
+    if (x.dim() != 3 || (hidden >= 0 && x.size(2) != hidden) || topk_idx.dim() < 1 || !fits_int32(m) ||
+        !fits_int32(experts) || !ordering.usable())
+      return py::make_tuple(kBadInput);
+    at::Tensor combined_x;
+    if (out.has_value()) {
+      combined_x = *out;
+    } else {
+      const DeepepOutputs* described = nullptr;
+      if (const int status = combine_outputs_.get(buffer_, topk_idx.size(0), x.size(2), &described))
+        return py::make_tuple(status);
+      combined_x = *allocate(*described, on_device_)[0];
+    }
+    DeepepLowLatencyCombineArgs& a = combine_args_;
+    if (!describe(a.x, x) || !describe(a.topk_idx, topk_idx) || !describe(a.topk_weights, topk_weights) ||
+        !describe(a.src_info, src_info) || !describe(a.layout_range, layout_range) ||
+        !describe(a.combine_wait_recv_cost_stats, combine_wait_recv_cost_stats) || !describe(a.out, combined_x))
+      return py::make_tuple(kBadInput);
+    if (const int error = ordering.before(stream)) return driver_error(error);
+    a.num_max_dispatch_tokens_per_rank = int32_t(m);
+    a.num_experts = int32_t(experts);
+    a.use_logfmt = use_logfmt ? 1 : 0;
+    a.zero_copy = zero_copy ? 1 : 0;
+    a.phases = phases;
+    a.reserved = 0;
+    const int status = combine_fn_(as_buffer(buffer_), &a, as_stream(stream), &buffer_idx_);
+    if (status != 0) return py::make_tuple(status);
+    if (const int error = ordering.after(stream)) return driver_error(error);
+    py::object hook = py::none();
+    if (phases == kPhaseSend)
+      hook = py::cast(LlCombineHook(
+          {combine_fn_, buffer_, a, stream, buffer_idx_}, std::move(owner),
+          present({x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, combined_x})));
+    return py::make_tuple(status, combined_x, hook);
+  }
+
+  // clean_low_latency_buffer on `stream`: (status,), or (kBadInput,) for a value the C ABI's int
+  // does not hold (the ctypes path names it).
+  py::tuple clean(int64_t m, int64_t hidden, int64_t experts, uintptr_t stream) {
+    if (!fits_int32(m) || !fits_int32(hidden) || !fits_int32(experts)) return py::make_tuple(kBadInput);
+    return py::make_tuple(
+        int(clean_fn_(as_buffer(buffer_), int(m), int(hidden), int(experts), as_stream(stream))));
+  }
+
+  // get_next_low_latency_combine_buffer: ll_next_combine_buffer (below) on this buffer.
+  py::tuple next_combine_buffer(int m, int hidden, int experts, py::object owner);
+
+ private:
+  using CleanFn = decltype(&deepep_clean_low_latency_buffer);
+  static constexpr size_t kMaxShapes = 64;
+
+  struct DispatchKey {
+    int64_t m, hidden, experts;
+    int flags;
+    bool operator==(const DispatchKey& o) const {
+      return m == o.m && hidden == o.hidden && experts == o.experts && flags == o.flags;
+    }
+  };
+  struct DispatchShape {
+    DispatchKey key;
+    DeepepLowLatencyDispatchArgs args;
+    DeepepOutputs outputs;
+  };
+
+  static int flags(bool use_fp8, bool round_scale, bool use_ue8m0) {
+    return int(use_fp8) | int(round_scale) << 1 | int(use_ue8m0) << 2;
+  }
+
+  // The shape of `key`, the last one used first (a model runs one or a few).
+  DispatchShape* find(const DispatchKey& key) {
+    if (last_ < shapes_.size() && shapes_[last_].key == key) return &shapes_[last_];
+    for (size_t i = 0; i < shapes_.size(); ++i)
+      if (shapes_[i].key == key) {
+        last_ = i;
+        return &shapes_[i];
+      }
+    return nullptr;
+  }
+
+  // The args' output fields, in the order of the outputs' description.
+  static constexpr std::array<DeepepTensor DeepepLowLatencyDispatchArgs::*, 5> kDispatchOutputs{
+      &DeepepLowLatencyDispatchArgs::packed_recv_x, &DeepepLowLatencyDispatchArgs::packed_recv_x_scales,
+      &DeepepLowLatencyDispatchArgs::packed_recv_count, &DeepepLowLatencyDispatchArgs::packed_recv_src_info,
+      &DeepepLowLatencyDispatchArgs::packed_recv_layout_range};
+
+  LlDispatchFn dispatch_fn_;
+  LlCombineFn combine_fn_;
+  CleanFn clean_fn_;
+  uintptr_t next_combine_fn_;
+  uintptr_t buffer_;
+  int device_;
+  at::TensorOptions on_device_;
+  py::object order_object_;  // keeps order_ alive
+  const StreamOrder* order_;
+  std::vector<DispatchShape> shapes_;
+  size_t last_ = 0;
+  DeepepLowLatencyCombineArgs combine_args_{};
+  LlCombineOutputs combine_outputs_;
+  int buffer_idx_ = 0;  // the half the last send used (the C ABI writes it)
+};
 
 // Drops the owner reference a zero-copy view held (its storage's context). Leaked once Python is
 // gone: a view may outlive the interpreter's teardown.
@@ -223,6 +301,10 @@ inline py::tuple ll_next_combine_buffer(uintptr_t fn, uintptr_t buffer, int m, i
                         .options(at::TensorOptions().dtype(scalar_type(t.dtype)).device(at::kCUDA, device))
                         .make_tensor();
   return py::make_tuple(0, view);
+}
+
+inline py::tuple LlOps::next_combine_buffer(int m, int hidden, int experts, py::object owner) {
+  return ll_next_combine_buffer(next_combine_fn_, buffer_, m, hidden, experts, device_, std::move(owner));
 }
 
 }  // namespace deepep_fast

@@ -42,18 +42,21 @@ _DESC_BYTES = struct.calcsize("@" + TENSOR_FIELDS)
 _DISPATCH_INPUTS = struct.Struct("@" + TENSOR_FIELDS * 4)
 _DISPATCH_OUTPUTS_AT = _DISPATCH.offset("packed_recv_x")
 _DISPATCH_OUTPUTS = 5
-_MAX_DISPATCH_SHAPES = 64
+_MAX_DISPATCH_SHAPES = 64  # as LlOps' kMaxShapes
+# LlOps.dispatch's status for a shape it has no copy of yet (the compiled module's NEW_SHAPE).
+_NEW_SHAPE = -4
 
 
 class _DispatchShape:
     """One dispatch shape (M, H, E, flags): the library's description of its outputs (`outputs`,
     from deepep_low_latency_dispatch_outputs), read once for allocating them (`allocation`), and
     an args buffer with their descriptors and the int fields already packed, and `allocate`
-    (allocation_recipe's) allocating them and pointing those descriptors at them."""
+    (allocation_recipe's) allocating them and pointing those descriptors at them. The compiled
+    path's LlOps keeps a copy of `args` and `outputs` (add_dispatch_shape)."""
 
-    __slots__ = ("args", "outputs", "allocation", "allocate", "plan")
+    __slots__ = ("args", "outputs", "allocation", "allocate")
 
-    def __init__(self, outputs, m, hidden, num_experts, use_fp8, round_scale, use_ue8m0, fast=None, device_id=0):
+    def __init__(self, outputs, m, num_experts, use_fp8, round_scale, use_ue8m0):
         if outputs.count != _DISPATCH_OUTPUTS:
             raise RuntimeError(f"deepep-nccl: the library describes {outputs.count} dispatch outputs, expected "
                                f"{_DISPATCH_OUTPUTS}: a libdeepep_nccl.so of another version?")
@@ -66,9 +69,6 @@ class _DispatchShape:
         ctypes.memmove(ctypes.addressof(self.args) + _DISPATCH_OUTPUTS_AT, ctypes.addressof(outputs.tensors),
                        _DISPATCH_OUTPUTS * _DESC_BYTES)
         self.allocate = None  # compiled on the ctypes path's first call (it needs torch)
-        # The compiled path fills the same struct and allocates from a copy of `outputs`.
-        self.plan = None if fast is None else fast.LlDispatchPlan(
-            ctypes.addressof(self.args), ctypes.addressof(outputs), hidden, device_id)
 
 
 def _recv_hook(fn, live_handle, args_buffer, phases_at, stream_ptr, buffer_idx, tensors):
@@ -118,27 +118,38 @@ class _DeviceView:
 
 class LowLatencyMode(StreamProtocol):
     """Mixin for deep_ep_cpp.Buffer (needs _handle, _device_id, _num_ranks, _low_latency_mode and the
-    stream protocol)."""
+    stream protocol).
+
+    The compiled path (LlOps, made by sync()) makes no torch call from Python between the op's
+    entry and its return: under a TorchFunctionMode (torch.set_default_device's, in DeepEP's
+    tests) each one costs about 1 us. Only the ctypes path (and a new dispatch shape) runs with
+    torch functions disabled, which costs a little itself."""
+
+    _ll_ops = None  # the compiled path's LlOps (after sync), else the ctypes path
 
     def _ll_init(self):
-        self._ll_fast = self._fast  # loaded by the constructor; None: the ctypes path
-        if self._ll_fast is not None:
-            assert self._ll_fast.DISPATCH_ARGS_BYTES == _DISPATCH_ARGS.size
-            assert self._ll_fast.COMBINE_ARGS_BYTES == _COMBINE_ARGS.size
-            assert (self._ll_fast.ORDER_BEFORE, self._ll_fast.ORDER_AFTER) == (ORDER_BEFORE, ORDER_AFTER)
-            self._ll_fast.set_status_raiser(raise_status)  # what a failed compiled hook raises
-        self._ll_dispatch_fn = ctypes.cast(lib.deepep_low_latency_dispatch, ctypes.c_void_p).value
-        self._ll_combine_fn = ctypes.cast(lib.deepep_low_latency_combine, ctypes.c_void_p).value
-        self._ll_next_combine_fn = ctypes.cast(lib.deepep_get_next_low_latency_combine_buffer, ctypes.c_void_p).value
+        fast = self._fast  # loaded by the constructor; None: the ctypes path
+        if fast is not None:
+            assert fast.DISPATCH_ARGS_BYTES == _DISPATCH_ARGS.size
+            assert fast.COMBINE_ARGS_BYTES == _COMBINE_ARGS.size
+            assert (fast.ORDER_BEFORE, fast.ORDER_AFTER, fast.NEW_SHAPE) == (ORDER_BEFORE, ORDER_AFTER, _NEW_SHAPE)
+            fast.set_status_raiser(raise_status)  # what a failed compiled hook raises
         self._ll_dispatch_shapes = {}
         self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
-        self._ll_combine_args_addr = ctypes.addressof(self._ll_combine_args)
-        # combined_x's description per (T, H) on the ctypes path; the compiled path keeps its own.
+        # combined_x's description per (T, H) on the ctypes path; LlOps keeps its own.
         self._ll_combine_plans = OutputPlans()
-        self._ll_combine_outputs = None if self._ll_fast is None else self._ll_fast.LlCombineOutputs(
-            ctypes.cast(lib.deepep_low_latency_combine_outputs, ctypes.c_void_p).value)
         self._ll_idx = ctypes.c_int()
         self._ll_idx_addr = ctypes.addressof(self._ll_idx)
+
+    def _ll_sync(self):
+        """Called by sync() once the buffer exists: the compiled path's LlOps on its handle."""
+        if self._fast is not None:
+            self._ll_ops = self._fast.LlOps(
+                *(ctypes.cast(fn, ctypes.c_void_p).value for fn in (
+                    lib.deepep_low_latency_dispatch, lib.deepep_low_latency_combine,
+                    lib.deepep_low_latency_combine_outputs, lib.deepep_clean_low_latency_buffer,
+                    lib.deepep_get_next_low_latency_combine_buffer)),
+                self._handle, self._device_id, self._stream_order)
 
     def _ll_streams(self, async_, return_recv_hook):
         """(compute stream, launch stream, its C ABI handle, phases, order) of an LL call: a hook's
@@ -171,49 +182,90 @@ class LowLatencyMode(StreamProtocol):
             hook = _recv_hook(fn, self._live_handle, args_buffer, phases_at, stream_ptr, self._ll_idx.value, tensors)
         return event, hook
 
-    @without_torch_function
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         # DeepEP's: one kernel on the current stream (barrier, zero, barrier); the host does not wait.
+        ops = self._ll_ops
+        if ops is not None:
+            self._current_stream()  # sets _compute_handle
+            if self._fast_call(ops.clean, num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                               self._compute_handle) is not None:
+                return
+            # A value the C ABI's int does not hold: the ctypes path names it.
         check(lib.deepep_clean_low_latency_buffer(
             self._live_handle(), int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
             int_arg("hidden", hidden), int_arg("num_experts", num_experts), stream_handle(self._current_stream())))
 
-    @without_torch_function
     def low_latency_dispatch(self, x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                              num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_,
                              return_recv_hook):
         """DeepEP's 7-tuple: (packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
         packed_recv_layout_range, event, hook)."""
-        handle = self._live_handle()
+        return self._ll_dispatch(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                 num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                                 async_, return_recv_hook)[:7]
+
+    def _ll_dispatch(self, x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                     num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_,
+                     return_recv_hook):
+        """low_latency_dispatch's 7-tuple and x's hidden size (deep_ep's handle holds it)."""
+        ops = self._ll_ops
+        if ops is not None:
+            compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
+            args = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                    num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, phases, stream_ptr,
+                    self._compute_handle, order, self)
+            try:
+                result = ops.dispatch(*args)
+                if result[0] == _NEW_SHAPE:  # described once per shape, through the ctypes path's query
+                    key, shape = self._ll_dispatch_shape(x, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                                         round_scale, use_ue8m0)
+                    ops.add_dispatch_shape(*key, ctypes.addressof(shape.args), ctypes.addressof(shape.outputs))
+                    result = ops.dispatch(*args)
+            except TypeError:  # an argument pybind cannot convert: the ctypes path names it
+                result = None
+            else:
+                result = self._fast_result(result)
+            if result is not None:  # the compiled path did the waits and made the hook
+                if async_:
+                    return result[:5] + (EventHandle(stream),) + result[5:]
+                return result[:5] + (None,) + result[5:]
+            # Input the compiled path does not take: the ctypes path below names the argument.
+        return self._ll_dispatch_ctypes(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                        num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                                        async_, return_recv_hook)
+
+    @without_torch_function
+    def _ll_dispatch_shape(self, x, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0):
+        """(key, _DispatchShape) of a dispatch: key = (M, H, E, use_fp8, round_scale, use_ue8m0), H
+        x's. A new shape is described by the library, which checks the limits first (an
+        out-of-range M fails here, before anything is allocated)."""
         shapes = self._ll_dispatch_shapes
         hidden = x.shape[1] if x.dim() == 2 else -1  # -1: a new key, where x is checked
         key = (num_max_dispatch_tokens_per_rank, hidden, num_experts, bool(use_fp8), bool(round_scale),
                bool(use_ue8m0))
         shape = shapes.get(key)
         if shape is None:
-            # A new shape: the library describes its outputs, checking the limits first (an
-            # out-of-range M fails here, before anything is allocated). M and E are int32 fields
-            # of the args (ctypes would pass E truncated to the query): checked once per shape.
+            # M and E are int32 fields of the args (ctypes would pass E truncated to the query):
+            # checked once per shape.
             check_int32_fields(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                num_experts=num_experts)
             self._check_ll_x(x)
             outputs = DeepepOutputs()
-            check(lib.deepep_low_latency_dispatch_outputs(handle, num_max_dispatch_tokens_per_rank, hidden,
-                                                          num_experts, key[3], key[5], ctypes.byref(outputs)))
+            check(lib.deepep_low_latency_dispatch_outputs(self._live_handle(), num_max_dispatch_tokens_per_rank,
+                                                          hidden, num_experts, key[3], key[5], ctypes.byref(outputs)))
             if len(shapes) >= _MAX_DISPATCH_SHAPES:
                 shapes.clear()
-            shape = _DispatchShape(outputs, num_max_dispatch_tokens_per_rank, hidden, num_experts, *key[3:],
-                                   self._ll_fast, self._device_id)
+            shape = _DispatchShape(outputs, num_max_dispatch_tokens_per_rank, num_experts, *key[3:])
             shapes[key] = shape
-        if shape.plan is not None:
-            compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
-            result = self._fast_call(shape.plan.run, self._ll_dispatch_fn, handle, x, topk_idx,
-                                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, phases,
-                                     stream_ptr, self._ll_idx_addr, self._stream_order, self._compute_handle, order,
-                                     self)
-            if result is not None:  # the compiled path did the waits and made the hook
-                return result[:5] + (EventHandle(stream) if async_ else None, result[5])
-            # Input the compiled path does not take: the ctypes path below names the argument.
+        return key, shape
+
+    @without_torch_function
+    def _ll_dispatch_ctypes(self, x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                            num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_,
+                            return_recv_hook):
+        handle = self._live_handle()
+        key, shape = self._ll_dispatch_shape(x, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                             use_ue8m0)
         self._check_ll_x(x)
         allocate = shape.allocate
         if allocate is None:
@@ -229,7 +281,7 @@ class LowLatencyMode(StreamProtocol):
         event, hook = self._ll_launch(handle, lib.deepep_low_latency_dispatch, args, _DISPATCH_PHASES_AT, async_,
                                       return_recv_hook, (x, topk_idx, cumulative_local_expert_recv_stats,
                                                          dispatch_wait_recv_cost_stats, *outputs))
-        return (*outputs, event, hook)
+        return (*outputs, event, hook, key[1])
 
     def _check_ll_x(self, x):
         if x.dim() != 2 or x.dtype != _torch.bfloat16:
@@ -238,27 +290,43 @@ class LowLatencyMode(StreamProtocol):
         if x.get_device() != self._device_id:
             raise RuntimeError(f"deepep-nccl: x must be on the buffer's device cuda:{self._device_id}, got {x.device}")
 
-    @without_torch_function
     def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
                             num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_,
                             return_recv_hook, out=None):
         """DeepEP's (combined_x, event, hook)."""
-        handle = self._live_handle()
-        args = self._ll_combine_args
-        fast = self._ll_fast
-        if fast is not None:
+        return self._ll_combine(x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+                                num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_,
+                                return_recv_hook, out, -1)
+
+    def _ll_combine(self, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+                    num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_, return_recv_hook, out,
+                    hidden):
+        """low_latency_combine, where x's last dimension must be `hidden` (the dispatch's, which
+        deep_ep's handle holds; -1: not checked)."""
+        ops = self._ll_ops
+        if ops is not None:
             compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
             result = self._fast_call(
-                fast.ll_combine, self._ll_combine_fn, handle, self._ll_combine_args_addr, self._ll_combine_outputs,
-                self._device_id, x, topk_idx,
-                topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, out,
-                num_max_dispatch_tokens_per_rank, num_experts, bool(use_logfmt), bool(zero_copy), phases, stream_ptr,
-                self._ll_idx_addr, self._stream_order, self._compute_handle, order, self)
+                ops.combine, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, out,
+                num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, hidden, phases, stream_ptr,
+                self._compute_handle, order, self)
             if result is not None:  # the compiled path did the waits and made the hook
                 return result[0], EventHandle(stream) if async_ else None, result[1]
             # Input the compiled path does not take: the ctypes path below names the argument.
+        return self._ll_combine_ctypes(x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+                                       num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_,
+                                       return_recv_hook, out, hidden)
+
+    @without_torch_function
+    def _ll_combine_ctypes(self, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+                           num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_,
+                           return_recv_hook, out, hidden):
+        handle = self._live_handle()
+        args = self._ll_combine_args
         if x.dim() != 3:
             raise RuntimeError(f"deepep-nccl: x must be [E_l, R*M, H], got shape {tuple(x.shape)}")
+        if hidden != -1 and x.shape[2] != hidden:
+            raise RuntimeError(f"deepep-nccl: x has hidden size {x.shape[2]}, the dispatch (handle) had {hidden}")
         if out is None:
             num_tokens, hidden = topk_idx.shape[0], x.shape[2]
             key = (num_tokens, hidden)
@@ -288,12 +356,10 @@ class LowLatencyMode(StreamProtocol):
 
     @without_torch_function
     def get_next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        fast = self._ll_fast
-        if fast is not None:
+        ops = self._ll_ops
+        if ops is not None:
             try:
-                result = fast.ll_next_combine_buffer(self._ll_next_combine_fn, self._live_handle(),
-                                                     num_max_dispatch_tokens_per_rank, hidden, num_experts,
-                                                     self._device_id, self)
+                result = ops.next_combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts, self)
             except TypeError:  # arguments pybind cannot convert: the ctypes path below names them
                 result = None
             if result is not None:

@@ -147,6 +147,10 @@ class StreamProtocol:
             result = op(*args)
         except TypeError:  # an argument pybind cannot convert (e.g. None for a tensor)
             return None
+        return self._fast_result(result)
+
+    def _fast_result(self, result):
+        """_fast_call's answer for a compiled op's `result` (status first)."""
         status = result[0]
         if status == self._fast.BAD_INPUT:
             return None
