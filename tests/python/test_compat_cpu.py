@@ -1197,18 +1197,18 @@ def test_compiled_path_refuses_out_of_range_ints_instead_of_truncating():
     # Never called: every call below is refused before it reaches a function pointer.
     null_fn = 0
     order = fast.StreamOrder(0)
-    ll_ops = fast.LlOps(*(null_fn,) * 5, 0x4445_0100_0001_0000, 0, order)
+    ll_ops = fast.LlOps(*(null_fn,) * len(_fast.LL_OPS_ENTRIES), 0x4445_0100_0001_0000, 0, order)
     for m, hidden, experts in ((2**32 + 128, 7168, 288), (128, -2**31 - 1, 288), (128, 7168, 2**63)):
         with pytest.raises(TypeError, match="incompatible function arguments"):
             ll_ops.next_combine_buffer(m, hidden, experts, None)
         assert ll_ops.clean(m, hidden, experts if experts < 2**63 else 2**40, 0) == (fast.BAD_INPUT,)
-    ops = fast.NormalOps(*(null_fn,) * 8, 2, 0)
+    ops = fast.NormalOps(*(null_fn,) * len(_fast.NORMAL_OPS_ENTRIES), 2, 0)
     topk = torch.zeros(4, 2, dtype=torch.int64, device="cuda:0")
     assert ops.layout(0x4445_0100_0001_0000, topk, 2**32 + 8, 0, order, 0, 0) == (fast.BAD_INPUT,)
     with pytest.raises(TypeError, match="incompatible function arguments"):
         ops.layout(0x4445_0100_0001_0000, topk, 2**64, 0, order, 0, 0)
     # The internode ops: the same refusals, and a cached dispatch without the whole handle.
-    inter = fast.InternodeOps(*(null_fn,) * 6, 2, 0)
+    inter = fast.InternodeOps(*(null_fn,) * len(_fast.INTERNODE_OPS_ENTRIES), 2, 0)
     x = torch.zeros(4, 16, dtype=torch.bfloat16, device="cuda:0")
     in_rank = torch.zeros(4, 2, dtype=torch.bool, device="cuda:0")
     matrix = torch.zeros(2, 12, dtype=torch.int32, device="cuda:0")

@@ -7,6 +7,7 @@ import warnings
 from ctypes import byref, c_bool, c_int, c_int64, c_void_p
 
 from . import _fast, _lib
+from ._fast import INTERNODE_OPS_ENTRIES, NORMAL_OPS_ENTRIES, entry_addresses
 from ._internode import InternodeMode
 from ._low_latency import LowLatencyMode
 from ._normal import NormalMode
@@ -274,19 +275,10 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
                 if not self._stream_order.usable():  # no libcuda entry points or no event
                     warnings.warn("deepep-nccl: the compiled host path cannot order streams through the CUDA "
                                   "driver; the ops take the ctypes path", RuntimeWarning, stacklevel=2)
-            self._normal_fast = self._fast.NormalOps(
-                *(ctypes.cast(fn, c_void_p).value for fn in (
-                    lib.deepep_get_dispatch_layout, lib.deepep_intranode_dispatch_prepare,
-                    lib.deepep_intranode_dispatch, lib.deepep_intranode_dispatch_fused, lib.deepep_intranode_combine,
-                    lib.deepep_get_dispatch_layout_outputs, lib.deepep_intranode_dispatch_handle_outputs,
-                    lib.deepep_intranode_dispatch_outputs, lib.deepep_intranode_combine_outputs)),
-                self._num_ranks, self._device_id)
-            self._internode_fast = self._fast.InternodeOps(
-                *(ctypes.cast(fn, c_void_p).value for fn in (
-                    lib.deepep_internode_dispatch_handle_outputs, lib.deepep_internode_dispatch_prepare,
-                    lib.deepep_internode_dispatch_outputs, lib.deepep_internode_dispatch,
-                    lib.deepep_internode_combine_outputs, lib.deepep_internode_combine)),
-                self._num_ranks, self._device_id)
+            self._normal_fast = self._fast.NormalOps(*entry_addresses(lib, NORMAL_OPS_ENTRIES),
+                                                     self._num_ranks, self._device_id)
+            self._internode_fast = self._fast.InternodeOps(*entry_addresses(lib, INTERNODE_OPS_ENTRIES),
+                                                           self._num_ranks, self._device_id)
             self._ll_sync()
 
     def _check_shared_args(self, handles):

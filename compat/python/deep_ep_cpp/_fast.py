@@ -36,6 +36,25 @@ from ._fast_build import NAME as _NAME
 from ._lib import torch
 
 _HERE = Path(__file__).resolve().parent
+# The C ABI entries each op class of the module takes first, in its constructor's order (_fast.cpp).
+NORMAL_OPS_ENTRIES = (
+    "deepep_get_dispatch_layout", "deepep_intranode_dispatch_prepare", "deepep_intranode_dispatch",
+    "deepep_intranode_dispatch_fused", "deepep_intranode_combine", "deepep_get_dispatch_layout_outputs",
+    "deepep_intranode_dispatch_handle_outputs", "deepep_intranode_dispatch_outputs",
+    "deepep_intranode_combine_outputs")
+INTERNODE_OPS_ENTRIES = (
+    "deepep_internode_dispatch_handle_outputs", "deepep_internode_dispatch_prepare",
+    "deepep_internode_dispatch_outputs", "deepep_internode_dispatch", "deepep_internode_combine_outputs",
+    "deepep_internode_combine")
+LL_OPS_ENTRIES = (
+    "deepep_low_latency_dispatch", "deepep_low_latency_combine", "deepep_low_latency_combine_outputs",
+    "deepep_clean_low_latency_buffer", "deepep_get_next_low_latency_combine_buffer")
+
+
+def entry_addresses(lib, names):
+    """The addresses of the C ABI functions `names` of the loaded library `lib`."""
+    import ctypes
+    return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names)
 _SETTINGS = ("", "0", "1", "build")
 BUILD_ADVICE = ("build it once for this Python and torch with `python -m deep_ep_cpp._fast` (about 30 s, needs a "
                 "C++ compiler; cached in DEEPEP_NCCL_FAST_CACHE), or set DEEPEP_NCCL_FAST=build to build it "

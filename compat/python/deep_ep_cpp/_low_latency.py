@@ -9,6 +9,7 @@ import ctypes
 import struct
 
 from ._event import EventHandle
+from ._fast import LL_OPS_ENTRIES, entry_addresses
 from ._lib import (DTYPES_BY_CODE, DeepepOutputs, DeepepTensor, OutputPlans, allocation_recipe, check, lib,
                    output_plan)
 from ._lib import (LL_PHASE_BOTH, LL_PHASE_RECV, LL_PHASE_SEND, TENSOR_FIELDS, TENSOR_WORDS, ArgsLayout, int_arg,
@@ -144,12 +145,8 @@ class LowLatencyMode(StreamProtocol):
     def _ll_sync(self):
         """Called by sync() once the buffer exists: the compiled path's LlOps on its handle."""
         if self._fast is not None:
-            self._ll_ops = self._fast.LlOps(
-                *(ctypes.cast(fn, ctypes.c_void_p).value for fn in (
-                    lib.deepep_low_latency_dispatch, lib.deepep_low_latency_combine,
-                    lib.deepep_low_latency_combine_outputs, lib.deepep_clean_low_latency_buffer,
-                    lib.deepep_get_next_low_latency_combine_buffer)),
-                self._handle, self._device_id, self._stream_order)
+            self._ll_ops = self._fast.LlOps(*entry_addresses(lib, LL_OPS_ENTRIES),
+                                            self._handle, self._device_id, self._stream_order)
 
     def _ll_streams(self, async_, return_recv_hook):
         """(compute stream, launch stream, its C ABI handle, phases, order) of an LL call: a hook's
