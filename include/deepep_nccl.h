@@ -816,7 +816,7 @@ DeepepStatus deepep_buffer_check_peers(const DeepepBuffer *buf);
  * Budget of every GPU wait of this buffer (default 100 s, or DEEPEP_GPU_TIMEOUT_SECS).
  *
  * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; timeout_ms 0,
- * or more nanoseconds than a uint64_t holds); DEEPEP_ERROR_INTERNAL.
+ * or more than one day, 86400000, the most DEEPEP_GPU_TIMEOUT_SECS accepts too); DEEPEP_ERROR_INTERNAL.
  */
 DeepepStatus deepep_buffer_set_gpu_timeout_ms(const DeepepBuffer *buf,
                                               uint64_t timeout_ms);

@@ -594,8 +594,10 @@ fn sizes_that_overflow_are_errors_naming_the_argument() {
     let mut idx = 0;
     expect_err(deepep_low_latency_dispatch(ll, &ll_args, ptr::null_mut(), &mut idx), DEEPEP_ERROR_INVALID_ARGUMENT, &format!("x {elements}"));
 
-    expect_err(deepep_buffer_set_gpu_timeout_ms(normal, u64::MAX), DEEPEP_ERROR_INVALID_ARGUMENT, "timeout_ms (18446744073709551615) is more nanoseconds than a uint64_t holds");
-    assert_eq!(deepep_buffer_set_gpu_timeout_ms(normal, u64::MAX / 1_000_000), DEEPEP_SUCCESS);
+    expect_err(deepep_buffer_set_gpu_timeout_ms(normal, u64::MAX), DEEPEP_ERROR_INVALID_ARGUMENT, "timeout_ms (18446744073709551615) must be in [1, 86400000]");
+    expect_err(deepep_buffer_set_gpu_timeout_ms(normal, 86_400_001), DEEPEP_ERROR_INVALID_ARGUMENT, "timeout_ms (86400001) must be in [1, 86400000]");
+    expect_err(deepep_buffer_set_gpu_timeout_ms(normal, 0), DEEPEP_ERROR_INVALID_ARGUMENT, "timeout_ms (0) must be in [1, 86400000]");
+    assert_eq!(deepep_buffer_set_gpu_timeout_ms(normal, 86_400_000), DEEPEP_SUCCESS);
 
     // A unique id length no slice is built over.
     let id = [0u8; DEEPEP_UNIQUE_ID_BYTES];

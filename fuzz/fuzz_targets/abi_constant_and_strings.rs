@@ -1,5 +1,6 @@
-//! deepep_abi_constant with arbitrary names and deepep_status_string with arbitrary codes:
-//! never INTERNAL, a known name round-trips, every code gets a NUL-terminated name.
+//! deepep_abi_constant with arbitrary names, deepep_status_string and deepep_dtype_size with
+//! arbitrary codes: never INTERNAL, a known name round-trips, every code gets a NUL-terminated
+//! name, a dtype code is 1-8 bytes or 0 (not a dtype).
 #![no_main]
 use std::ffi::{CStr, CString};
 
@@ -25,6 +26,9 @@ fuzz_target!(|data: &[u8]| {
     } else {
         assert_eq!(name, "DEEPEP_UNKNOWN_STATUS", "{code}");
     }
+
+    let size = deepep_dtype_size(code);
+    assert!(size == 0 || [1, 2, 4, 8].contains(&size), "dtype {code} -> {size} bytes");
 
     // The rest up to its first NUL is the name (CString adds the terminator).
     let bytes: Vec<u8> = rest.iter().copied().take_while(|b| *b != 0).collect();

@@ -92,7 +92,7 @@ pub mod entries {
     use super::{bool_, i32_edge, i64_edge, Unstructured};
 
     /// Entries [`call`] knows: `which` in 0..COUNT; 1 is deepep_buffer_free.
-    pub const COUNT: u8 = 40;
+    pub const COUNT: u8 = 41;
     pub const FREE: u8 = 1;
 
     /// A plain-old-data value (ints and descriptor pointers only) with every byte from the fuzz input.
@@ -297,7 +297,7 @@ pub mod entries {
                 ("ll_query_mask", deepep_low_latency_query_mask_buffer(b, tp, s))
             }
             25 => ("ll_clean_mask", deepep_low_latency_clean_mask_buffer(b, s)),
-            26..=29 => {
+            26..=29 | 40 => {
                 let mut a: DeepepIntranodeDispatchArgs = pod(u);
                 fix!(ctx, u, a: x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                      rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, send_head);
@@ -314,11 +314,15 @@ pub mod entries {
                         // cap > 16 would let the library write past the local array: never passed.
                         ("dispatch_prepare", deepep_intranode_dispatch_prepare(b, ap, ctx.out(u, &mut i), pe, cap.min(16), s))
                     }
-                    27 => {
+                    27 | 40 => {
                         let mut o: DeepepIntranodeDispatchOutputs = pod(u);
                         fix!(ctx, u, o: recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx);
                         let op = ctx.args(u, &o);
-                        ("intranode_dispatch", deepep_intranode_dispatch(b, ap, op, s))
+                        if which == 27 {
+                            ("intranode_dispatch", deepep_intranode_dispatch(b, ap, op, s))
+                        } else {
+                            ("intranode_dispatch_fused", deepep_intranode_dispatch_fused(b, ap, op, s))
+                        }
                     }
                     28 => ("dispatch_handle_outputs", deepep_intranode_dispatch_handle_outputs(b, ap, ctx.out(u, &mut outs))),
                     _ => {

@@ -316,18 +316,18 @@ pub extern "C" fn deepep_buffer_check_peers(buf: *const DeepepBuffer) -> DeepepS
 /// Budget of every GPU wait of this buffer (default 100 s, or DEEPEP_GPU_TIMEOUT_SECS).
 ///
 /// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL, freed or made-up buffer; timeout_ms 0,
-/// or more nanoseconds than a uint64_t holds); DEEPEP_ERROR_INTERNAL.
+/// or more than one day, 86400000, the most DEEPEP_GPU_TIMEOUT_SECS accepts too); DEEPEP_ERROR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn deepep_buffer_set_gpu_timeout_ms(buf: *const DeepepBuffer, timeout_ms: u64) -> DeepepStatus {
     ffi(|| {
         let buffer = buffer_ref(buf)?;
-        if timeout_ms == 0 {
-            return Err(Error::invalid("timeout_ms must be positive"));
+        let max_ms = (crate::env::MAX_GPU_TIMEOUT_SECS * 1000.0) as u64;
+        if timeout_ms == 0 || timeout_ms > max_ms {
+            return Err(Error::invalid(format!(
+                "timeout_ms ({timeout_ms}) must be in [1, {max_ms}] (at most one day, as DEEPEP_GPU_TIMEOUT_SECS)"
+            )));
         }
-        let ns = timeout_ms.checked_mul(1_000_000).ok_or_else(|| {
-            Error::invalid(format!("timeout_ms ({timeout_ms}) is more nanoseconds than a uint64_t holds (at most {})", u64::MAX / 1_000_000))
-        })?;
-        buffer.set_timeout_ns(ns);
+        buffer.set_timeout_ns(timeout_ms * 1_000_000);
         Ok(())
     })
 }
