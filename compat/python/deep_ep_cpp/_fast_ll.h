@@ -97,8 +97,9 @@ class LlCombineOutputs {
 // Everything that is the same on every call lives here, so that a call passes only what changes
 // and makes no torch call from Python: the C ABI's functions, the handle, the device, the stream
 // ordering, the dispatch shapes' argument structs and output descriptions, combine's argument
-// struct and output description, the buffer half the last send used.
-class LlOps {
+// struct and output description, the buffer half the last send used. Hidden, as LlRecvHook: it
+// holds a py::object.
+class __attribute__((visibility("hidden"))) LlOps {
  public:
   LlOps(uintptr_t dispatch_fn, uintptr_t combine_fn, uintptr_t combine_outputs_fn, uintptr_t clean_fn,
         uintptr_t next_combine_fn, uintptr_t buffer, int device, py::object order)
