@@ -107,6 +107,17 @@ def _empty_strided(shape, strides, dtype=None, device=None):
     return Tensor(tuple(shape), dtype, strides, 0x10000, device)
 
 
+def best_us_per_call(op, calls, rounds=5):
+    """The best of `rounds` rounds of `calls` back-to-back calls of op(), in us per call."""
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            op()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
 def install_fake_torch():
     torch = types.ModuleType("torch")
     torch.__dict__.update(_DTYPES)
@@ -379,13 +390,7 @@ def main():
         except Exception as e:  # noqa: BLE001  (an op this version does not have)
             print(f"  {name:24s} n/a ({type(e).__name__}: {e})")
             continue
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                op()
-            best = min(best, (time.perf_counter() - t0) / calls)
-        print(f"  {name:24s} {best * 1e6:7.2f} us/call")
+        print(f"  {name:24s} {best_us_per_call(op, calls):7.2f} us/call")
     b._handle = None  # nothing to free
 
 

@@ -26,7 +26,6 @@ import ctypes
 import importlib.util
 import os
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -287,13 +286,7 @@ def torch_calls(pkg, calls):
             _streams._no_torch_function = saved
 
     def timed(op):
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                op()
-            best = min(best, (time.perf_counter() - t0) / calls)
-        return best * 1e6
+        return fakes.best_us_per_call(op, calls)
 
     print(f"torch {torch.__version__}; {calls} calls per op, best of 5; torch calls from Python per call")
     print("| op | seen by a mode | all | us plain | us under set_default_device('cuda') | which (all) |")
@@ -383,13 +376,7 @@ def main():
         COUNTS.clear()
         op()
         steps = ", ".join(f"{k} {v}" for k, v in sorted(COUNTS.items()))
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                op()
-            best = min(best, (time.perf_counter() - t0) / calls)
-        print(f"  {name:38s} {best * 1e6:6.2f} us  [{steps}]")
+        print(f"  {name:38s} {fakes.best_us_per_call(op, calls):6.2f} us  [{steps}]")
     rt._handle = None  # nothing to free
 
 
