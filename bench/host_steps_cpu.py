@@ -79,6 +79,14 @@ def install_torch():
     return torch
 
 
+def mirror_ll_constants(module, low_latency):
+    """The LL constants the package asserts the compiled module has, taken from the package
+    (an older one, PACKAGE_DIR, may have none of them)."""
+    for name in ("NEW_SHAPE", "MAX_DISPATCH_SHAPES"):
+        if hasattr(low_latency, "_" + name):
+            setattr(module, name, getattr(low_latency, "_" + name))
+
+
 class FakeFast(types.ModuleType):
     """The compiled module's interface; each op returns (0, outputs...) at once."""
 
@@ -125,7 +133,7 @@ class FakeFast(types.ModuleType):
 
         self.NormalOps, self.InternodeOps = NormalOps, NormalOps
         self.ll_combine, self.LlOps = ll_combine, LlOps
-        self.NEW_SHAPE = -4
+        mirror_ll_constants(self, _low_latency)
         self.StreamOrder = lambda device: types.SimpleNamespace(usable=lambda: True)
         self.LlCombineOutputs = lambda fn: object()
         self.set_status_raiser = lambda fn: None
@@ -144,7 +152,8 @@ class FakeLlFast(types.ModuleType):
         from deep_ep_cpp import _low_latency, _streams
         self.DISPATCH_ARGS_BYTES = _low_latency._DISPATCH_ARGS.size
         self.COMBINE_ARGS_BYTES = _low_latency._COMBINE_ARGS.size
-        self.BAD_INPUT, self.DRIVER_ERROR, self.NEW_SHAPE = -2, -3, -4
+        self.BAD_INPUT, self.DRIVER_ERROR = -2, -3
+        mirror_ll_constants(self, _low_latency)
         self.ORDER_BEFORE, self.ORDER_AFTER = _streams.ORDER_BEFORE, _streams.ORDER_AFTER
         el = E // R
         recv = (torch.empty(el, R * M, H, dtype=torch.float8_e4m3fn), torch.empty(el, R * M, H // 128),
@@ -307,11 +316,7 @@ def torch_calls(pkg, calls):
 
 def main():
     args = sys.argv[1:]
-    calls = 20000
-    if "--calls" in args:
-        i = args.index("--calls")
-        calls = int(args[i + 1])
-        del args[i:i + 2]
+    calls = fakes.pop_calls(args)
     if "--torch-calls" in args:
         args.remove("--torch-calls")
         return torch_calls(Path(args[0]).resolve() if args else REPO / "compat" / "python", calls)

@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ORDER_AFTER") = py::int_(kOrderAfter);
   py::class_<StreamOrder>(m, "StreamOrder").def(py::init<int>()).def("usable", &StreamOrder::usable);
   m.attr("NEW_SHAPE") = py::int_(kNewShape);
+  m.attr("MAX_DISPATCH_SHAPES") = py::int_(kMaxDispatchShapes);
   py::class_<LlOps>(m, "LlOps")
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int, py::object>())
       .def("add_dispatch_shape", &LlOps::add_dispatch_shape)

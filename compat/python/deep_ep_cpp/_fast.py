@@ -19,6 +19,7 @@ the same results in about 1.5-2x the host time. The module is the first of these
 DEEPEP_NCCL_FAST: unset (the above), 0 (the ctypes path, no warning), 1 (as unset, but no module
 is an ImportError, in every Buffer) or build (as unset, and builds in an install too).
 `describe()` says which path was taken and why; DEEPEP_LOG=info or debug also prints it."""
+import ctypes
 import fcntl
 import hashlib
 import importlib.util
@@ -53,7 +54,6 @@ LL_OPS_ENTRIES = (
 
 def entry_addresses(lib, names):
     """The addresses of the C ABI functions `names` of the loaded library `lib`."""
-    import ctypes
     return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names)
 _SETTINGS = ("", "0", "1", "build")
 BUILD_ADVICE = ("build it once for this Python and torch with `python -m deep_ep_cpp._fast` (about 30 s, needs a "

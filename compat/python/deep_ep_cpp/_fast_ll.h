@@ -68,6 +68,8 @@ using LlCombineHook = LlRecvHook<DeepepLowLatencyCombineArgs>;
 // describes the shape (deepep_low_latency_dispatch_outputs, which checks it first), adds it with
 // add_dispatch_shape and calls again.
 constexpr int kNewShape = -4;
+// Dispatch shapes LlOps keeps (and the ctypes path's cache, which asserts the same number).
+constexpr size_t kMaxDispatchShapes = 64;
 
 // combined_x's description (deepep_low_latency_combine_outputs) for the last (T, H) a Buffer's
 // combine allocated: the library is asked again only when they change.
@@ -116,10 +118,10 @@ class __attribute__((visibility("hidden"))) LlOps {
 
   // Adds the dispatch shape (M, H, E, flags) with its args struct (the outputs' descriptors and
   // the int fields, packed by _low_latency.py) and the library's description of its outputs,
-  // both copied. Past kMaxShapes shapes the oldest go (as the ctypes path's cache does).
+  // both copied. Past kMaxDispatchShapes shapes the oldest go (as the ctypes path's cache does).
   void add_dispatch_shape(int64_t m, int64_t hidden, int64_t experts, bool use_fp8, bool round_scale, bool use_ue8m0,
                           uintptr_t args, uintptr_t outputs) {
-    if (shapes_.size() >= kMaxShapes) shapes_.clear();
+    if (shapes_.size() >= kMaxDispatchShapes) shapes_.clear();
     shapes_.push_back({{m, hidden, experts, flags(use_fp8, round_scale, use_ue8m0)},
                        *at_address<const DeepepLowLatencyDispatchArgs>(args),
                        *at_address<const DeepepOutputs>(outputs)});
@@ -223,7 +225,6 @@ class __attribute__((visibility("hidden"))) LlOps {
 
  private:
   using CleanFn = decltype(&deepep_clean_low_latency_buffer);
-  static constexpr size_t kMaxShapes = 64;
 
   struct DispatchKey {
     int64_t m, hidden, experts;

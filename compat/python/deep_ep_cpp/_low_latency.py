@@ -43,7 +43,7 @@ _DESC_BYTES = struct.calcsize("@" + TENSOR_FIELDS)
 _DISPATCH_INPUTS = struct.Struct("@" + TENSOR_FIELDS * 4)
 _DISPATCH_OUTPUTS_AT = _DISPATCH.offset("packed_recv_x")
 _DISPATCH_OUTPUTS = 5
-_MAX_DISPATCH_SHAPES = 64  # as LlOps' kMaxShapes
+_MAX_DISPATCH_SHAPES = 64  # the compiled module's MAX_DISPATCH_SHAPES (asserted in _ll_init)
 # LlOps.dispatch's status for a shape it has no copy of yet (the compiled module's NEW_SHAPE).
 _NEW_SHAPE = -4
 
@@ -133,7 +133,8 @@ class LowLatencyMode(StreamProtocol):
         if fast is not None:
             assert fast.DISPATCH_ARGS_BYTES == _DISPATCH_ARGS.size
             assert fast.COMBINE_ARGS_BYTES == _COMBINE_ARGS.size
-            assert (fast.ORDER_BEFORE, fast.ORDER_AFTER, fast.NEW_SHAPE) == (ORDER_BEFORE, ORDER_AFTER, _NEW_SHAPE)
+            assert (fast.ORDER_BEFORE, fast.ORDER_AFTER, fast.NEW_SHAPE, fast.MAX_DISPATCH_SHAPES) == (
+                ORDER_BEFORE, ORDER_AFTER, _NEW_SHAPE, _MAX_DISPATCH_SHAPES)
             fast.set_status_raiser(raise_status)  # what a failed compiled hook raises
         self._ll_dispatch_shapes = {}
         self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
@@ -223,9 +224,7 @@ class LowLatencyMode(StreamProtocol):
             else:
                 result = self._fast_result(result)
             if result is not None:  # the compiled path did the waits and made the hook
-                if async_:
-                    return result[:5] + (EventHandle(stream),) + result[5:]
-                return result[:5] + (None,) + result[5:]
+                return result[:5] + (EventHandle(stream) if async_ else None,) + result[5:]
             # Input the compiled path does not take: the ctypes path below names the argument.
         return self._ll_dispatch_ctypes(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                                         num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
