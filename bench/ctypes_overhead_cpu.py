@@ -107,6 +107,16 @@ def _empty_strided(shape, strides, dtype=None, device=None):
     return Tensor(tuple(shape), dtype, strides, 0x10000, device)
 
 
+def pop_calls(args, default=20000):
+    """`--calls N` taken out of the argument list `args`: N, else `default`."""
+    if "--calls" not in args:
+        return default
+    i = args.index("--calls")
+    calls = int(args[i + 1])
+    del args[i:i + 2]
+    return calls
+
+
 def best_us_per_call(op, calls, rounds=5):
     """The best of `rounds` rounds of `calls` back-to-back calls of op(), in us per call."""
     best = float("inf")
@@ -214,11 +224,7 @@ _PRINTED = set()
 
 def main():
     args = sys.argv[1:]
-    calls = 20000
-    if "--calls" in args:
-        i = args.index("--calls")
-        calls = int(args[i + 1])
-        del args[i:i + 2]
+    calls = pop_calls(args)
     pkg = Path(args[0]).resolve() if args else REPO / "compat" / "python"
     os.environ["DEEPEP_NCCL_FAST"] = "0"  # the ctypes path
     torch = install_fake_torch()
