@@ -724,16 +724,19 @@ def buffer_too_small(ctx):
 # ---------------------------------------------------------------- stalled peer
 # dispatch_data_kernel: the peer stops inside the op (after its notify, before its data kernel).
 # combine_data_kernel: the peer enters combine (the intranode combine is one kernel, no notify of
-# its own) and its kernel starts well past the others' timeout.
+# its own; it starts with a per-block LSA barrier, kernels/normal_combine.cu) and its kernel starts
+# well past the others' timeout.
 STALL_PHASES = ('dispatch', 'cached_dispatch', 'combine', 'dispatch_data_kernel', 'combine_data_kernel')
 # The phases in which the stalled rank makes the call, its kernel late (the others skip the call).
 STALL_INSIDE = ('dispatch_data_kernel', 'combine_data_kernel')
-# What the survivors' error must match: rank 1 named (any phase); inside combine, also as the peer
-# whose combine rows never came (src/faults.rs: DEEPEP_WAIT_OP_COMBINE_SLOT, or _CONSUMED should
-# a survivor's rows to it not fit its ring), not e.g. a barrier of a call it never made.
+# What the survivors' error must match: rank 1 named (any phase); inside combine, also as the rank
+# that never arrived at the combine kernel's opening barrier (src/faults.rs: DEEPEP_WAIT_OP_LSA_BARRIER,
+# the expected first expiry: the late kernel has not started) or, should a survivor get past it,
+# whose combine rows never came (DEEPEP_WAIT_OP_COMBINE_SLOT / _CONSUMED).
 STALL_NAMED = rf'\b(?:rank|peer)\s*{STALLED_RANK}\b'
 STALL_PATTERNS = {
-    'combine_data_kernel': rf'\brank {STALLED_RANK} never (?:sent its combine data|freed a combine ring slot)',
+    'combine_data_kernel':
+        rf'\brank {STALLED_RANK} never (?:arrived at LSA barrier|sent its combine data|freed a combine ring slot)',
 }
 
 
@@ -798,9 +801,11 @@ def stall_case(phase):
 def stalled_peer(ctx, phase):
     """Rank 1 skips an op (`phase`) that the others enter, or stops inside it: dispatch_data_kernel,
     its notify runs, its data kernel starts well past the others' timeout; combine_data_kernel, it
-    calls combine but the combine's kernel (its only one: no separate notify) starts well past the
-    others' timeout, so the others wait inside their combine kernel for rows rank 1 has not sent
-    yet, not for a call rank 1 never made. The others must fail
+    calls combine but the combine's kernel (its only launch: no separate notify) starts well past
+    the others' timeout. The others then give up at that kernel's opening per-block barrier, as
+    when rank 1 skips combine; what differs is rank 1's side: it made the call, and its late kernel
+    meets the others' stale barrier arrivals and rings (the others stay at a host barrier until it
+    synchronized) before every rank destroys the buffer and makes a new one. The others must fail
     within 10 s with an error naming rank 1 instead of hanging (in the call where the host waits, as
     non-cached dispatch's notify does; else at the next call, and is_available() says so after a
     synchronize);
