@@ -12,7 +12,7 @@
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
 #                     steps: smoke_normal test_normal test_normal_ctypes test_normal_protocol
 #                     test_normal_shrink test_internode_shrink example_normal bench_normal test_internode test_internode_ctypes
-#                     test_internode_protocol
+#                     test_internode_protocol test_internode_stall
 #                     bench_internode test_internode_virtual
 #                     smoke_low_latency test_fast_build test_low_latency test_ll_ctypes
 #                     example_ll bench_ll test_ll_virtual test_ll_generations test_ll_generations_2gpu
@@ -42,7 +42,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_normal_protocol test_normal_shrink test_internode_shrink example_normal bench_normal test_internode
-           test_internode_ctypes test_internode_protocol bench_internode test_internode_virtual
+           test_internode_ctypes test_internode_protocol test_internode_stall bench_internode test_internode_virtual
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
            test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host
            test_buffer test_soak test_layout test_layout_ctypes test_python quickstart bench_layout
@@ -143,6 +143,9 @@ step test_internode 400 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_internod
 step test_internode_ctypes 400 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_internode.py
 # Internode handles corrupted on one rank: guards around every output untouched, the entry named.
 step test_internode_protocol 300 "$PYTHON" tests/gpu/test_internode_protocol.py
+# Internode stalled peer without shrink (2 GPUs as 2 nodes of 1): the survivor's error names the rank
+# (and the leg), within the timeout; a new buffer then works in the same processes.
+step test_internode_stall 240 "$PYTHON" tests/gpu/test_internode_stall.py
 step bench_internode 300 "$PYTHON" bench/bench_internode.py --sms 8 12 16 20 24 --json "$LOG_DIR/bench_internode.json"
 # Internode normal mode with 2x1, 2x8, 3x4 and 16x4 virtual ranks on one GPU (the NVLink leg of a
 # node too); skipped when scripts/test.sh has not built the harness library.

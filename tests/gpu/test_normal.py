@@ -9,7 +9,7 @@ hidden 2048/4096/6000/7168, top-k 1/8/16, BF16 and FP8 (float32 and int32 scales
 column-major), with and without top-k, expert alignment, the handle, cached and repeated calls,
 num_worst_tokens, combine bias, events and streams, CUDA-graph replay, a Config sweep, bad input,
 and a peer that stalls before dispatch, cached dispatch or combine, or inside dispatch (after its
-notify) (last, each on its own buffer, then a new one).
+notify) or combine (its data kernel late) (last, each on its own buffer, then a new one).
 
 Every exact output is compared with torch.equal. Checks are collected (common.Checks) rather
 than raised at once so that all ranks keep making the same collective calls."""
@@ -723,7 +723,21 @@ def buffer_too_small(ctx):
 
 # ---------------------------------------------------------------- stalled peer
 # dispatch_data_kernel: the peer stops inside the op (after its notify, before its data kernel).
-STALL_PHASES = ('dispatch', 'cached_dispatch', 'combine', 'dispatch_data_kernel')
+# combine_data_kernel: the peer enters combine (the intranode combine is one kernel, no notify of
+# its own; it starts with a per-block LSA barrier, kernels/normal_combine.cu) and its kernel starts
+# well past the others' timeout.
+STALL_PHASES = ('dispatch', 'cached_dispatch', 'combine', 'dispatch_data_kernel', 'combine_data_kernel')
+# The phases in which the stalled rank makes the call, its kernel late (the others skip the call).
+STALL_INSIDE = ('dispatch_data_kernel', 'combine_data_kernel')
+# What the survivors' error must match: rank 1 named (any phase); inside combine, also as the rank
+# that never arrived at the combine kernel's opening barrier (src/faults.rs: DEEPEP_WAIT_OP_LSA_BARRIER,
+# the expected first expiry: the late kernel has not started) or, should a survivor get past it,
+# whose combine rows never came (DEEPEP_WAIT_OP_COMBINE_SLOT / _CONSUMED).
+STALL_NAMED = rf'\b(?:rank|peer)\s*{STALLED_RANK}\b'
+STALL_PATTERNS = {
+    'combine_data_kernel':
+        rf'\brank {STALLED_RANK} never (?:arrived at LSA barrier|sent its combine data|freed a combine ring slot)',
+}
 
 
 def sleep_cycles(ms):
@@ -758,14 +772,40 @@ def late_dispatch(buf, inp, cycles):
         del runtime._fast_with_config
 
 
+def late_combine(buf, y, handle, cycles, **kwargs):
+    """A combine whose kernel starts `cycles` late: the ctypes path (the compiled one is switched
+    off for this call, as in late_dispatch), with a GPU sleep on the comm stream just before
+    deepep_intranode_combine, the op's only launch (intranode combine has no notify of its own)."""
+    from deep_ep_cpp import _normal
+
+    runtime, launch = buf.runtime, _normal.lib.deepep_intranode_combine
+
+    def delayed(handle, args, stream):
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            torch.cuda._sleep(cycles)
+        return launch(handle, args, stream)
+
+    runtime._fast_with_config = lambda *args, **kwargs: None  # no compiled path: the launch below is taken
+    _normal.lib.deepep_intranode_combine = delayed
+    try:
+        return buf.combine(y, handle, **kwargs)
+    finally:
+        _normal.lib.deepep_intranode_combine = launch
+        del runtime._fast_with_config
+
 
 def stall_case(phase):
     return f'stalled_peer_{phase}_timeout'
 
 
 def stalled_peer(ctx, phase):
-    """Rank 1 skips an op (`phase`) that the others enter, or (dispatch_data_kernel) stops inside it:
-    its notify runs, its data kernel starts well past the others' timeout. The others must fail
+    """Rank 1 skips an op (`phase`) that the others enter, or stops inside it: dispatch_data_kernel,
+    its notify runs, its data kernel starts well past the others' timeout; combine_data_kernel, it
+    calls combine but the combine's kernel (its only launch: no separate notify) starts well past
+    the others' timeout. The others then give up at that kernel's opening per-block barrier, as
+    when rank 1 skips combine; what differs is rank 1's side: it made the call, and its late kernel
+    meets the others' stale barrier arrivals and rings (the others stay at a host barrier until it
+    synchronized) before every rank destroys the buffer and makes a new one. The others must fail
     within 10 s with an error naming rank 1 instead of hanging (in the call where the host waits, as
     non-cached dispatch's notify does; else at the next call, and is_available() says so after a
     synchronize);
@@ -785,13 +825,17 @@ def stalled_peer(ctx, phase):
                  'cached_dispatch': lambda: buf.dispatch(inp.x, handle=handle),
                  'combine': lambda: buf.combine(y, handle)}
         calls['dispatch_data_kernel'] = calls['dispatch']
-        stops_inside = ctx.rank == STALLED_RANK and phase == 'dispatch_data_kernel'
+        calls['combine_data_kernel'] = calls['combine']
+        stops_inside = ctx.rank == STALLED_RANK and phase in STALL_INSIDE
         cycles = sleep_cycles(3 * STALL_TIMEOUT_MS) if stops_inside else 0
         torch.cuda.synchronize()
         buf.runtime.set_gpu_timeout_ms(STALL_TIMEOUT_MS)
         dist.barrier(group=ctx.group)
         if stops_inside:
-            late_dispatch(buf, inp, cycles)  # well past the others' timeout
+            if phase == 'dispatch_data_kernel':
+                late_dispatch(buf, inp, cycles)  # well past the others' timeout
+            else:
+                late_combine(buf, y, handle, cycles)
             torch.cuda.synchronize()
         elif ctx.rank == STALLED_RANK:
             time.sleep(3 * STALL_TIMEOUT_MS / 1000)  # well past the others' timeout
@@ -806,7 +850,7 @@ def stalled_peer(ctx, phase):
                     buf.get_dispatch_layout(inp.topk, E)
 
             chk(expect_raises_match, f'{phase} while rank {STALLED_RANK} stalls', RuntimeError, stalled_op,
-                rf'\b(?:rank|peer)\s*{STALLED_RANK}\b')
+                STALL_PATTERNS.get(phase, STALL_NAMED))
             seconds = time.monotonic() - start
             chk.expect(seconds < 10, f'the stalled {phase} failed only after {seconds:.1f} s '
                                      f'(GPU timeout {STALL_TIMEOUT_MS} ms)')

@@ -5,14 +5,25 @@ Phases, each on a fresh shrink buffer (default dtype BF16, device CUDA, as DeepE
   notify    rank 1 skips a dispatch and its combine (rank 0's notify barrier times out);
   dispatch  rank 1's dispatch data kernel starts after a GPU sleep longer than rank 0's timeout
             (after its notify: the counts were exchanged);
-  combine   rank 1's combine starts after such a sleep.
+  combine   rank 1's combine starts after such a sleep;
+  cached_dispatch  a dispatch with both ranks live (checked exactly) gives the handle; then a
+            cached dispatch with that handle, of a new payload, in which rank 1's data kernel starts
+            after such a sleep (after its notify: late_cached_dispatch), then a combine with the
+            handle. docs/normal_shrink.md: a source silent after notify leaves its rows present but
+            empty, and "the same holds for a cached dispatch"; the cached dispatch returns recv_x
+            only, so rank 0's recv_x must be the new payload's reference with rank 1's rows (its
+            range in the handle) all zero (the freed blocks of recv_x's size are filled with 7.0
+            first, so a row the kernel left unwritten shows), the dropped counter 0 = those rows,
+            nothing else; the combine leaves rank 1 out as in the dispatch phase.
 Rank 0 must finish within the timeout plus slack, equal the torch reference restricted to the
 survivors bit for bit (rows of a source silent at notify absent; rows of one silent after notify
 present but empty: x 0, top-k -1, weight 0, source index -1; combine the survivors' sum), report
 exactly {1} as masked, and count the dropped rows. A later round must skip the peer on both ranks
 (no timeout, each rank's own rows only, the tokens not sent counted). Then: after a rank missed
-ops (notify phase) a new buffer is exact; a rank that was only late (dispatch, combine phases)
-rejoins after low_latency_clean_mask_buffer on both ranks, and the same buffer is exact again."""
+ops (notify phase) a new buffer is exact; a rank that was only late (dispatch, combine,
+cached_dispatch phases) rejoins after low_latency_clean_mask_buffer on both ranks, and the same
+buffer is exact again."""
+import ctypes
 import sys
 import time
 
@@ -22,15 +33,15 @@ import torch.distributed as dist
 import deep_ep
 from common import Checks, finish, shrink_state, skip, spawn, watchdog
 from normal_reference import DispatchRef
-from test_normal import (E, check_combine, check_dispatch, expect_dispatch, hint_bytes, late_dispatch, layout_args,
-                         make_ctx, make_inputs, roundtrip, sleep_cycles)
+from test_normal import (E, check_cached, check_combine, check_dispatch, expect_dispatch, hint_bytes, late_dispatch,
+                         layout_args, make_ctx, make_inputs, make_x, roundtrip, sleep_cycles)
 
 SILENT = 1
 TIMEOUT_MS = 2000
 SLEEP_MS = 3 * TIMEOUT_MS  # the silent rank's GPU sleep: well past the survivor's timeout
 SLACK_S = 5
 TOKENS, HIDDEN = 256, 2048  # a channel's tokens fit its ring: no sender waits for ring space
-PHASES = ('notify', 'dispatch', 'combine')
+PHASES = ('notify', 'dispatch', 'combine', 'cached_dispatch')
 # Buffer.normal_query_dropped_buffer's entries.
 RECV_EMPTY, NOT_SENT, COMBINE_LEFT_OUT, COMBINE_NOT_SENT = range(4)
 
@@ -99,9 +110,45 @@ def new_buffer(ctx):
     return buf
 
 
+def late_cached_dispatch(buf, x, handle, cycles):
+    """A cached dispatch whose data kernel starts `cycles` after its notify: (dispatch's 6-tuple,
+    whether the delay was put in). A cached dispatch waits for no count, so the ctypes path makes
+    it one call, deepep_intranode_dispatch_fused (notify, then the data kernel); for this call that
+    entry is replaced by its two steps, deepep_intranode_dispatch_prepare (the notify: it takes a
+    cached dispatch and waits for nothing) and deepep_intranode_dispatch (the data kernel), with a
+    GPU sleep between them. The compiled path is off for the call, as in late_dispatch."""
+    from deep_ep_cpp import _normal
+    from deep_ep_cpp._lib import MAX_LOCAL_EXPERTS
+
+    lib, runtime = _normal.lib, buf.runtime
+    fused, calls = lib.deepep_intranode_dispatch_fused, []
+    num_recv, per_expert = ctypes.c_int(), (ctypes.c_int * MAX_LOCAL_EXPERTS)()
+
+    def split(handle_, args, outs, stream):
+        calls.append(stream)
+        status = lib.deepep_intranode_dispatch_prepare(handle_, args, ctypes.addressof(num_recv),
+                                                       ctypes.addressof(per_expert), MAX_LOCAL_EXPERTS, stream)
+        if status:
+            return status
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            torch.cuda._sleep(cycles)
+        return lib.deepep_intranode_dispatch(handle_, args, outs, stream)
+
+    runtime._fast_with_config = lambda *args, **kwargs: None  # no compiled path: the entry below is taken
+    lib.deepep_intranode_dispatch_fused = split
+    try:
+        return buf.dispatch(x, handle=handle), bool(calls)
+    finally:
+        lib.deepep_intranode_dispatch_fused = fused
+        del runtime._fast_with_config
+
+
 # ---------------------------------------------------------------- phases
 def silent_round(ctx, chk, buf, phase, inp, ref, cycles):
     """The round in which rank 1 goes silent. Rank 0 checks its results and counters."""
+    if phase == 'cached_dispatch':
+        silent_cached_round(ctx, chk, buf, inp, ref, cycles)
+        return
     me = ctx.rank
     if me == SILENT:
         if phase == 'dispatch':
@@ -143,6 +190,57 @@ def silent_round(ctx, chk, buf, phase, inp, ref, cycles):
     got_state = shrink_state(buf, 2)
     chk.expect(got_state == ([0, 1], want_dropped),
                f'after the {phase} phase\'s combine: (mask, dropped) {got_state}, expected ([0, 1], {want_dropped})')
+
+
+def silent_cached_round(ctx, chk, buf, inp, ref, cycles):
+    """cached_dispatch phase: a full dispatch of inp with both ranks live gives the handle (every
+    output checked against ref); then a cached dispatch with it of a new payload x2 (same routing)
+    in which rank 1's data kernel starts `cycles` after its notify, then a combine with the
+    handle and the full dispatch's weights. Rank 0: recv_x is x2's reference with rank 1's rows
+    (their range in the handle) all zero, mask {1}, dropped [rows from rank 1, 0, 0, 0]; then the
+    combine as in the dispatch phase (rank 1 left out, its rows not sent back)."""
+    me = ctx.rank
+    x2 = make_x('bf16', inp.tokens, HIDDEN)
+    ref2 = expect_dispatch(ctx, inp, x=x2)  # collective, before rank 1 goes silent
+    full = buf.dispatch(inp.x, **layout_args(inp))
+    chk(check_dispatch, full, ref, inp.in_rank)
+    handle = full[4]
+    y = torch.randn(ref.num_recv, HIDDEN, dtype=torch.bfloat16)
+    state = shrink_state(buf, 2)
+    chk.expect(state == ([0, 0], [0, 0, 0, 0]), f'cached_dispatch phase, full dispatch: (mask, dropped) {state}')
+    torch.cuda.synchronize()
+    dist.barrier(group=ctx.group)  # both ranks enter the cached dispatch together
+    if me == SILENT:
+        _, delayed = late_cached_dispatch(buf, x2, handle, cycles)
+        chk.expect(delayed, 'the cached dispatch did not take deepep_intranode_dispatch_fused: its data kernel '
+                            'was not delayed')
+        buf.combine(y, handle, topk_weights=full[2])
+        return
+    n01 = int(inp.in_rank[:, SILENT].sum())  # tokens rank 0 sends rank 1
+    lo, hi = rows_from(ref, SILENT, me)
+    n10 = hi - lo  # rows rank 0 receives from rank 1 (the handle's range of source 1)
+    # recv_x comes from torch's allocator: blocks of its size, filled with 7.0 and freed, make a row
+    # the kernel leaves unwritten nonzero (the rule says zero).
+    junk = [torch.full_like(full[0], 7.0) for _ in range(4)]
+    del junk
+    start = time.monotonic()
+    out = buf.dispatch(x2, handle=handle)
+    torch.cuda.synchronize()
+    seconds = time.monotonic() - start
+    chk(check_cached, out, emptied_ref(ref2, me, SILENT))
+    chk.expect(seconds < TIMEOUT_MS / 1000 + SLACK_S, f'the cached dispatch took {seconds:.1f} s')
+    state, want = shrink_state(buf, 2), ([0, 1], [n10, 0, 0, 0])
+    chk.expect(state == want, f'after the cached dispatch: (mask, dropped) {state}, expected {want}')
+
+    start = time.monotonic()
+    got = buf.combine(y, handle, topk_weights=full[2])
+    torch.cuda.synchronize()
+    seconds = time.monotonic() - start
+    chk.expect(seconds < TIMEOUT_MS / 1000 + SLACK_S, f'the cached_dispatch phase\'s combine took {seconds:.1f} s')
+    chk(check_combine, got, alone_combine(ref, inp, me, y, full[2]))
+    want = ([0, 1], [n10, 0, n01, n10])  # rank 1's contributions left out, its rows not sent back
+    state = shrink_state(buf, 2)
+    chk.expect(state == want, f'after the cached_dispatch phase\'s combine: (mask, dropped) {state}, expected {want}')
 
 
 def later_round(ctx, chk, buf, phase):
