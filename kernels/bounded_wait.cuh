@@ -13,17 +13,26 @@ __device__ __forceinline__ uint64_t global_time_ns() {
   return t;
 }
 
-// Bad input a kernel found: the first fault of a launch wins. Out of line: it runs only on bad
-// input, and inlined it would grow the hot loops that check.
-static __device__ __noinline__ void record_fault(DeepepFaultRecord* f, int code, int64_t a, int64_t b, int64_t c) {
+// Bad input a kernel found: the first fault wins until the host has reported it. `lock` is
+// DeepepWaitContext.fault_lock (the claim; see DeepepFaultRecord). Out of line: it runs only on
+// bad input, and inlined it would grow the hot loops that check.
+static __device__ __noinline__ void record_fault_at(DeepepFaultRecord* f, uint32_t* lock, int code, int64_t a,
+                                                    int64_t b, int64_t c) {
   if (f == nullptr) return;
-  if (atomicCAS(&f->flag, 0u, 2u) != 0u) return;
+  const uint32_t released = *reinterpret_cast<volatile uint32_t*>(&f->released);
+  if (atomicCAS(lock, released, released + 1u) != released) return;
   f->code = code;
   f->a = a;
   f->b = b;
   f->c = c;
   __threadfence_system();
   *reinterpret_cast<volatile uint32_t*>(&f->flag) = 1u;
+}
+
+// `common`: any kernel's common params (each has the record in `fault`, its claim in `wait`).
+template <typename Common>
+__device__ __forceinline__ void record_fault(const Common& common, int code, int64_t a, int64_t b, int64_t c) {
+  record_fault_at(common.fault, common.wait.fault_lock, code, a, b, c);
 }
 
 // First expiring waiter wins; the others keep the first report.

@@ -50,6 +50,7 @@ typedef struct DeepepStallRecord {
 typedef struct DeepepWaitContext {
   DeepepStallRecord* stall;  // device view of the host-mapped record
   uint32_t* stall_lock;      // device memory, 0 until the first stall claims it
+  uint32_t* fault_lock;      // device memory: faults claimed (DeepepFaultRecord.released while free)
   uint64_t timeout_ns;       // budget per wait, measured with %globaltimer
   int32_t world_rank;
   int32_t lsa_base_rank;     // world rank of LSA rank 0 (LSA teams are consecutive)
@@ -114,11 +115,16 @@ enum DeepepHandleEntry {
   DEEPEP_HANDLE_SEND_NVL_HEAD = 15,            // [9] send_nvl_head [rows, G]
 };
 
-// Host-mapped: the first fault of a launch wins; the host clears it after reporting.
+// Host-mapped: the first fault wins until the host has reported it. A fault is claimed by
+// moving DeepepWaitContext.fault_lock (device memory: atomics on host-mapped memory are not
+// guaranteed over PCIe) from `released` to released + 1; the host frees the record by clearing
+// it, then bumping `released` (it cannot write the device word without a CUDA call).
 typedef struct DeepepFaultRecord {
-  uint32_t flag;
-  int32_t code;  // enum DeepepFaultCode
+  uint32_t flag;      // 1 once the fields are written
+  int32_t code;       // enum DeepepFaultCode
   int64_t a, b, c;
+  uint32_t released;  // written by the host only: faults it has reported
+  int32_t reserved;
 } DeepepFaultRecord;
 
 #define DEEPEP_MAX_NVL_RANKS DEEPEP_NUM_MAX_NVL_PEERS  // normal mode runs within one NVLink domain

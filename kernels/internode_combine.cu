@@ -234,7 +234,7 @@ __device__ bool source_rows(const DeepepInternodeCombineParams& p, int src, int 
     return true;
   }
   if (lane == 0)
-    record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_GBL_CHANNEL_PREFIX, src * C + ch,
+    record_fault(p.common, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_GBL_CHANNEL_PREFIX, src * C + ch,
                  start < 0 ? start : stop);
   return false;
 }
@@ -249,9 +249,9 @@ __device__ __noinline__ void check_src_meta(const DeepepInternodeCombineParams& 
     const uint32_t mask = uint32_t(p.src_meta[2 * r + 1]);
     if (node == kPaddingMeta && mask == 0) continue;
     if (node < 0 || node >= N)
-      record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SRC_META, 2 * r, node);
+      record_fault(p.common, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SRC_META, 2 * r, node);
     else if ((G < 32 && (mask >> G) != 0) || !((mask >> my_gpu) & 1u))
-      record_fault(p.common.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SRC_META, 2 * r + 1, int64_t(mask));
+      record_fault(p.common, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SRC_META, 2 * r + 1, int64_t(mask));
   }
 }
 
@@ -342,7 +342,7 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
   int64_t own_start, own_stop;
   bool ok = source_rows(p, dst, ch, lane, own_start, own_stop);
   if (begin < 0 || end > p.num_rdma_recv_rows || end < begin) {
-    if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX, src_node * C + ch, end);
+    if (lane == 0) record_fault(c, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX, src_node * C + ch, end);
     return;  // the whole group returns (the range is the same for all its warps)
   }
   const uint64_t sent = c.totals[sent_total(c, ch, src_node)];
@@ -378,7 +378,7 @@ __device__ void combine_forward(const DeepepInternodeCombineParams& p, const Tra
         const int64_t r = own_start + __shfl_sync(0xffffffffu, head, my_gpu);
         if (r >= own_stop) {
           if (lane == 0)
-            record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_NVL_HEAD, (begin + i) * G + my_gpu, r - own_start);
+            record_fault(c, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_NVL_HEAD, (begin + i) * G + my_gpu, r - own_start);
           ok = false;
         } else if (lane == my_gpu) {
           src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + r * p.hidden_bytes);
@@ -488,7 +488,7 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
     own_ok = source_rows(p, me, ch, lane, own_start, own_stop);
     if (own_begin < 0 || own_end > p.num_rdma_recv_rows || own_end < own_begin) {
       if (lane == 0)
-        record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX, my_node * C + ch, own_end);
+        record_fault(c, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX, my_node * C + ch, own_end);
       own_ok = false;
     }
   }
@@ -541,11 +541,11 @@ __device__ void combine_receive(const DeepepInternodeCombineParams& p, const Tra
         if (!own_ok) {
           ok = false;  // the fault is recorded
         } else if (own_head >= own_len) {
-          if (lane == 0) record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_RDMA_HEAD, t * N + my_node, own_head);
+          if (lane == 0) record_fault(c, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_RDMA_HEAD, t * N + my_node, own_head);
           ok = false;
         } else if (nvl < 0 || r >= own_stop) {
           if (lane == 0)
-            record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_NVL_HEAD, (own_begin + own_head) * G + my_gpu, nvl);
+            record_fault(c, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_NVL_HEAD, (own_begin + own_head) * G + my_gpu, nvl);
           ok = false;
         } else {
           own_x = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(p.x) + r * p.hidden_bytes);

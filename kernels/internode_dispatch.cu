@@ -581,7 +581,7 @@ __device__ __noinline__ void dispatch_receive_shrink(const DeepepInternodeDispat
       if (!forwarder_gone) {
         if (lane == 0) {
           const auto field = [](int64_t v, int bits) { return min(max(v, int64_t(0)), (int64_t(1) << bits) - 1); };
-          record_fault(c.fault, DEEPEP_FAULT_SHRINK_UNWRITTEN, r,
+          record_fault(c, DEEPEP_FAULT_SHRINK_UNWRITTEN, r,
                        field(s * G + fwd, 16) << 48 | field(ch, 16) << 32 | field(unplaced[fwd], 16) << 16 |
                            field(marked[fwd], 16),
                        field(taken[fwd], 32) << 32 | field(*total, 32));

@@ -27,8 +27,8 @@ namespace internode {
 // count 0, 1, 2, ... (each is a row's place in its ring or stream): the first that does not is a
 // fault naming `entry` (flat index into `head`). Not repaired: a wait for a row that never comes
 // expires (bounded).
-__device__ __forceinline__ void rewrite_segment(DeepepFaultRecord* fault, int entry, int32_t* head, int64_t stride,
-                                                int64_t begin, int64_t end, int64_t column, int lane) {
+__device__ __forceinline__ void rewrite_segment(const DeepepInternodeCommon& c, int entry, int32_t* head,
+                                                int64_t stride, int64_t begin, int64_t end, int64_t column, int lane) {
   const uint32_t below = (1u << lane) - 1u;  // lanes before this one
   int32_t expect = 0;
   for (int64_t base = begin; base < end; base += kWarp) {
@@ -37,7 +37,7 @@ __device__ __forceinline__ void rewrite_segment(DeepepFaultRecord* fault, int en
     const uint32_t kept = __ballot_sync(0xffffffffu, h >= 0);
     const uint32_t wrong = __ballot_sync(0xffffffffu, h >= 0 && h != expect + __popc(kept & below));
     if (wrong != 0) {
-      if (lane == __ffs(wrong) - 1) record_fault(fault, DEEPEP_FAULT_COMBINE_HANDLE, entry, i * stride + column, h);
+      if (lane == __ffs(wrong) - 1) record_fault(c, DEEPEP_FAULT_COMBINE_HANDLE, entry, i * stride + column, h);
       break;
     }
     expect += __popc(kept);
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
     build = bad_item != INT_MAX;
     if (build && threadIdx.x == 0) {
       const int i = bad_item;
-      record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE,
+      record_fault(c, DEEPEP_FAULT_DISPATCH_HANDLE,
                    i < R * C ? DEEPEP_HANDLE_GBL_CHANNEL_PREFIX : DEEPEP_HANDLE_RDMA_CHANNEL_PREFIX,
                    i < R * C ? i : i - R * C, *matrix(i));
     }
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         const int64_t e = p.topk_idx_is_int32 ? int64_t(static_cast<const int32_t*>(p.topk_idx)[i])
                                               : static_cast<const int64_t*>(p.topk_idx)[i];
-        if (e < -1 || e >= p.num_experts) record_fault(c.fault, DEEPEP_FAULT_TOPK_OUT_OF_RANGE, i, e, p.num_experts);
+        if (e < -1 || e >= p.num_experts) record_fault(c, DEEPEP_FAULT_TOPK_OUT_OF_RANGE, i, e, p.num_experts);
       }
     }
     __syncthreads();
@@ -143,9 +143,9 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
       int32_t* m = matrix(row * C);
       for (int ch = 1; ch < C; ++ch) m[ch] += m[ch - 1];
       if (row < R && p.num_tokens_per_rank != nullptr && C > 0 && p.num_tokens_per_rank[row] != m[C - 1])
-        record_fault(c.fault, DEEPEP_FAULT_RANK_COUNT, row, p.num_tokens_per_rank[row], m[C - 1]);
+        record_fault(c, DEEPEP_FAULT_RANK_COUNT, row, p.num_tokens_per_rank[row], m[C - 1]);
       if (row >= R && p.num_tokens_per_rdma_rank != nullptr && C > 0 && p.num_tokens_per_rdma_rank[row - R] != m[C - 1])
-        record_fault(c.fault, DEEPEP_FAULT_RDMA_RANK_COUNT, row - R, p.num_tokens_per_rdma_rank[row - R], m[C - 1]);
+        record_fault(c, DEEPEP_FAULT_RDMA_RANK_COUNT, row - R, p.num_tokens_per_rdma_rank[row - R], m[C - 1]);
     }
   }
   __syncthreads();
@@ -231,14 +231,14 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
       const int64_t base = n > 0 ? p.recv_rdma_rank_prefix_sum[n - 1] : 0, top = p.recv_rdma_rank_prefix_sum[n];
       const bool base_ok = 0 <= base && base <= p.num_rdma_rows;  // else entry n - 1 is blamed
       if (top < 0 || top > p.num_rdma_rows || (base_ok && top < base)) {
-        record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_RANK_PREFIX, n, top);
+        record_fault(c, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_RANK_PREFIX, n, top);
         continue;
       }
       if (!base_ok) continue;
       const int32_t* m = p.recv_rdma_channel_prefix_matrix + n * C;
       for (int ch = 0; ch < C; ++ch) {
         if (m[ch] < (ch > 0 ? m[ch - 1] : 0) || (ch + 1 == C ? m[ch] != top - base : m[ch] > top - base)) {
-          record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX, n * C + ch, m[ch]);
+          record_fault(c, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_RDMA_CHANNEL_PREFIX, n * C + ch, m[ch]);
           break;
         }
       }
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
     for (int i = warp; p.combined_rdma_head != nullptr && i < C * N; i += num_warps) {
       int64_t begin, end;
       channel_range(p.num_tokens, C, i / N, begin, end);
-      rewrite_segment(c.fault, DEEPEP_HANDLE_SEND_RDMA_HEAD, p.combined_rdma_head + i % N, N, begin, end, i % N, lane);
+      rewrite_segment(c, DEEPEP_HANDLE_SEND_RDMA_HEAD, p.combined_rdma_head + i % N, N, begin, end, i % N, lane);
     }
     for (int i = warp; p.combined_nvl_head != nullptr && i < N * C * G; i += num_warps) {
       const int n = i / (C * G), ch = (i / G) % C, g = i % G;
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
       const int64_t begin = base + (ch > 0 ? p.recv_rdma_channel_prefix_matrix[n * C + ch - 1] : 0);
       const int64_t end = base + p.recv_rdma_channel_prefix_matrix[n * C + ch];
       if (0 <= begin && begin <= end && end <= p.num_rdma_rows)
-        rewrite_segment(c.fault, DEEPEP_HANDLE_SEND_NVL_HEAD, p.combined_nvl_head + g, G, begin, end, g, lane);
+        rewrite_segment(c, DEEPEP_HANDLE_SEND_NVL_HEAD, p.combined_nvl_head + g, G, begin, end, g, lane);
     }
     return;
   }
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   // not is a fault, then rewritten (the data kernel reads them).
   const auto settle = [&](int32_t* out, int entry, int i, int32_t v) {
     if (out[i] == v) return;
-    if (p.cached) record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, entry, i, out[i]);
+    if (p.cached) record_fault(c, DEEPEP_FAULT_DISPATCH_HANDLE, entry, i, out[i]);
     out[i] = v;
   };
   if (threadIdx.x == 0) {
@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   // A peer's prefixes are non-decreasing from 0 (the data kernel bounds every row it writes).
   const auto peer_prefix = [&](int src, int i) {
     const int32_t v = slots[src * stride + i], before = i % C > 0 ? slots[src * stride + i - 1] : 0;
-    if (v < before) record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, src * stride + i, v);
+    if (v < before) record_fault(c, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, src * stride + i, v);
     return v;
   };
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
   const int num_recv = R > 0 ? rank_prefix[R - 1] : 0;
   const int num_rdma_recv = N > 0 ? p.recv_rdma_rank_prefix_sum[N - 1] : 0;
   if (p.num_worst_tokens > 0 && max(num_recv, num_rdma_recv) > p.num_worst_tokens && threadIdx.x == 0)
-    record_fault(c.fault, DEEPEP_FAULT_WORST_TOO_SMALL, p.num_worst_tokens, max(num_recv, num_rdma_recv), 0);
+    record_fault(c, DEEPEP_FAULT_WORST_TOO_SMALL, p.num_worst_tokens, max(num_recv, num_rdma_recv), 0);
   // 5. Host-visible counts: the list, the scale-out rows, then num_recv_tokens (the host spins on it).
   if (p.counts != nullptr) {
     for (int e = threadIdx.x; e < local_experts; e += blockDim.x) {

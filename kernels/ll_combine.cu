@@ -58,7 +58,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     // A handle entry addresses at most M rows of source j inside expert e's R*M rows; anything
     // else (a corrupted or foreign handle) is a fault, and its rows are not sent.
     if (n != 0 && (n < 0 || n > M || first < 0 || first + n > rows_per_expert)) {
-      if (blockIdx.x == 0) record_fault(c.fault, DEEPEP_FAULT_LL_COMBINE_HANDLE, DEEPEP_HANDLE_LL_LAYOUT_RANGE, idx, range);
+      if (blockIdx.x == 0) record_fault(c, DEEPEP_FAULT_LL_COMBINE_HANDLE, DEEPEP_HANDLE_LL_LAYOUT_RANGE, idx, range);
       n = 0;
     }
     prefix[idx] = n;
@@ -111,7 +111,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     const int t = __ldg(p.src_info + int64_t(e) * rows_per_expert + row);
     if (uint32_t(t) >= uint32_t(M)) {  // a token index the receiver's M slots cannot hold: not sent
       if (chunk == 0 && lane == 0)
-        record_fault(c.fault, DEEPEP_FAULT_LL_COMBINE_HANDLE, DEEPEP_HANDLE_LL_SRC_INFO, int64_t(e) * rows_per_expert + row, t);
+        record_fault(c, DEEPEP_FAULT_LL_COMBINE_HANDLE, DEEPEP_HANDLE_LL_SRC_INFO, int64_t(e) * rows_per_expert + row, t);
       if (lane == 0) atomicAdd(&home_written[j], 1);  // counted all the same: home j still gets its signal
       continue;  // warp-uniform (one t per warp)
     }

@@ -268,7 +268,7 @@ struct Transport {
     if (threadIdx.x != 0) return;
     *seq_slot(kind) = seq_of(s);
     if (blockIdx.x == 0 && int32_t(s.sent - s.other) >= 2) {
-      record_fault(c.fault, DEEPEP_FAULT_LL_SAME_HALF, c.parity, c.rank, 0);
+      record_fault(c, DEEPEP_FAULT_LL_SAME_HALF, c.parity, c.rank, 0);
       atomicSub(half_sends(c.parity), 1u);
     }
   }

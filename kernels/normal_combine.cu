@@ -57,7 +57,7 @@ __device__ __forceinline__ int64_t combine_send(const DeepepCombineParams& p, in
   // stalls, bounded, naming this rank) and the fault names the entry.
   if (start < 0 || stop < start || stop > p.num_recv_rows) {
     if (lane == 0 && member == part * group_size)
-      record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, dst * C + ch,
+      record_fault(c, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, dst * C + ch,
                    start < 0 || stop < start ? start : stop);
     return -1;
   }
@@ -171,7 +171,7 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
     }
     if (!ok) return;
     if (bad_self && lane == 0)  // our row is left out of the sum
-      record_fault(c.fault, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_HEAD, t * R + me, self_row);
+      record_fault(c, DEEPEP_FAULT_COMBINE_HANDLE, DEEPEP_HANDLE_SEND_HEAD, t * R + me, self_row);
 
     int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.hidden_bytes);
     for (int i0 = lane; i0 < hidden_int4; i0 += kWarp * kUnroll) {

@@ -206,7 +206,7 @@ __device__ __forceinline__ int64_t receive_channel(const DeepepDispatchParams& p
   // one is a fault, and the per-row check below keeps every write inside the outputs (rows past
   // them are no fault here: too small a num_worst_tokens, which notify reported).
   if (member == 0 && lane == 0 && (start < 0 || stop < start))
-    record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, src * C + ch,
+    record_fault(c, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_RECV_CHANNEL_PREFIX, src * C + ch,
                  start < 0 ? start : stop);
   uint8_t* my_nvl = nvl_base(c, me);
   uint8_t* src_nvl = nvl_base(c, src);

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         const int64_t e = p.topk_idx_is_int32 ? int64_t(static_cast<const int32_t*>(p.topk_idx)[i])
                                               : static_cast<const int64_t*>(p.topk_idx)[i];
-        if (e < -1 || e >= p.num_experts) record_fault(c.fault, DEEPEP_FAULT_TOPK_OUT_OF_RANGE, i, e, p.num_experts);
+        if (e < -1 || e >= p.num_experts) record_fault(c, DEEPEP_FAULT_TOPK_OUT_OF_RANGE, i, e, p.num_experts);
       }
     }
     __syncthreads();
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
       const int total = C > 0 ? chan_count[r][C - 1] : 0;
       totals[r] = total;
       if (p.num_tokens_per_rank != nullptr && p.num_tokens_per_rank[r] != total)
-        record_fault(c.fault, DEEPEP_FAULT_RANK_COUNT, r, p.num_tokens_per_rank[r], total);
+        record_fault(c, DEEPEP_FAULT_RANK_COUNT, r, p.num_tokens_per_rank[r], total);
     }
   }
   __syncthreads();
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
     const int r = threadIdx.x;
     for (int ch = 0, prev = 0; ch < C; prev = chan_count[r][ch++])
       if (chan_count[r][ch] < prev || chan_count[r][ch] > p.num_tokens)
-        record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_CHANNEL_PREFIX, r * C + ch,
+        record_fault(c, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_CHANNEL_PREFIX, r * C + ch,
                      chan_count[r][ch]);
   }
 
@@ -165,10 +165,10 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
       const int prev = acc;
       if (p.cached) {
         acc = p.rank_prefix_matrix[i * R + j];
-        if (acc < prev) record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_RANK_PREFIX, i * R + j, acc);
+        if (acc < prev) record_fault(c, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_RANK_PREFIX, i * R + j, acc);
       } else {
         const int total = slot_of(i, j);
-        if (total < 0) record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, i * stride + j, total);
+        if (total < 0) record_fault(c, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, i * stride + j, total);
         acc += max(total, 0);
         p.rank_prefix_matrix[i * R + j] = acc;
       }
@@ -182,13 +182,13 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
     const int base = src > 0 ? rank_prefix[src - 1][me] : 0;
     const int before = ch > 0 ? slot_of(src, R + ch - 1) : 0;
     if (slot_of(src, R + ch) < before)  // a peer's prefixes are non-decreasing (the data kernel bounds rows)
-      record_fault(c.fault, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, src * stride + R + ch,
+      record_fault(c, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_PEER_COUNTS, src * stride + R + ch,
                    slot_of(src, R + ch));
     p.recv_channel_prefix_matrix[i] = base + before;
   }
   const int num_recv = rank_prefix[R - 1][me];
   if (p.num_worst_tokens > 0 && num_recv > p.num_worst_tokens && threadIdx.x == 0)
-    record_fault(c.fault, DEEPEP_FAULT_WORST_TOO_SMALL, p.num_worst_tokens, num_recv, 0);
+    record_fault(c, DEEPEP_FAULT_WORST_TOO_SMALL, p.num_worst_tokens, num_recv, 0);
   // 6. Host-visible counts: the list first, num_recv_tokens last (the host spins on it).
   if (p.counts != nullptr) {
     for (int e = threadIdx.x; e < local_experts; e += blockDim.x) {

@@ -32,7 +32,11 @@ const WINDOW_ALIGN: usize = nccl_sys::NCCL_WIN_REQUIRED_ALIGNMENT;
 const WORKSPACE_BYTES: usize = 32 << 20;
 const WS_LAYOUT_TICKET: usize = 0;
 const WS_STALL_LOCK: usize = 128;
+/// Faults claimed (kernels/deepep_kernels.h, DeepepFaultRecord): never reset, the host's
+/// `released` count catches up instead.
+const WS_FAULT_LOCK: usize = WS_STALL_LOCK + 4;
 const WS_PEER_MISMATCHES: usize = 256;
+const _: () = assert!(WS_FAULT_LOCK + 4 <= WS_PEER_MISMATCHES);
 const WS_OP_EPOCH: usize = 512;
 const WS_NOTIFY_EPOCH: usize = 516;
 const WS_DATA_TICKET: usize = 520;
@@ -296,6 +300,7 @@ impl Resources {
         WaitContext {
             stall: self.stall.device_ptr(),
             stall_lock: self.workspace_at(WS_STALL_LOCK).cast(),
+            fault_lock: self.workspace_at(WS_FAULT_LOCK).cast(),
             timeout_ns,
             world_rank: rank,
             lsa_base_rank: self.lsa_base_rank,
@@ -565,9 +570,8 @@ impl Buffer {
         if let Some(err) = lock(&self.failure).clone() {
             return Err(err);
         }
-        let fault = res.fault.read();
-        if fault.flag == 1 {
-            res.fault.write(kernels::FaultRecord::default());
+        // SAFETY: the buffer's live fault record; only its kernels and this take write it.
+        if let Some(fault) = unsafe { faults::take_fault(res.fault.host_ptr()) } {
             return Err(faults::fault_error(&fault));
         }
         let record = res.stall.read();

@@ -2,6 +2,31 @@
 //! fault record) and a bounded wait that expired (the stall record).
 use crate::error::{DeepepStatus, Error};
 use crate::kernels::{self, FaultRecord, StallRecord};
+use std::sync::atomic::{fence, Ordering};
+
+/// The fault a kernel published at `record` (the host view of the host-mapped record), if any;
+/// frees the record for the next one. Cleared before `released` is bumped: a kernel claims the
+/// record only once `released` has caught up with its fault_lock (kernels/bounded_wait.cuh,
+/// record_fault_at), so its writes never meet the clear.
+///
+/// # Safety
+/// `record` points to a live, aligned record that only kernels' record_fault_at and this
+/// function write.
+pub(crate) unsafe fn take_fault(record: *mut FaultRecord) -> Option<FaultRecord> {
+    // SAFETY: the caller's.
+    unsafe {
+        // The flag first: the kernel writes it last.
+        if std::ptr::addr_of!((*record).flag).read_volatile() != 1 {
+            return None;
+        }
+        fence(Ordering::Acquire);
+        let fault = record.read_volatile();
+        record.write_volatile(FaultRecord { released: fault.released, ..FaultRecord::default() });
+        fence(Ordering::Release);
+        std::ptr::addr_of_mut!((*record).released).write_volatile(fault.released.wrapping_add(1));
+        Some(fault)
+    }
+}
 
 /// Turns a fault the GPU recorded into an error naming the argument and the limit.
 pub(crate) fn fault_error(f: &FaultRecord) -> Error {
@@ -172,11 +197,11 @@ mod tests {
 
     #[test]
     fn faults_name_the_argument() {
-        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_TOPK_OUT_OF_RANGE as i32, a: 5, b: 300, c: 256 };
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_TOPK_OUT_OF_RANGE as i32, a: 5, b: 300, c: 256, ..Default::default() };
         assert!(fault_error(&f).message.contains("topk_idx holds 300 at flat index 5"));
-        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RANK_COUNT as i32, a: 2, b: 10, c: 9 };
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RANK_COUNT as i32, a: 2, b: 10, c: 9, ..Default::default() };
         assert!(fault_error(&f).message.starts_with("num_tokens_per_rank[2] is 10"));
-        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RDMA_RANK_COUNT as i32, a: 1, b: 7, c: 6 };
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_RDMA_RANK_COUNT as i32, a: 1, b: 7, c: 6, ..Default::default() };
         assert!(fault_error(&f).message.starts_with("num_tokens_per_rdma_rank[1] is 7 but is_token_in_rank selects 6 tokens for node 1"));
         let f = FaultRecord {
             flag: 1,
@@ -184,6 +209,7 @@ mod tests {
             a: 133,
             b: 2 << 48 | 7 << 32 | 1 << 16 | 3,
             c: 40 << 32 | 38,
+            ..Default::default()
         };
         let m = fault_error(&f).message;
         assert!(m.contains("recv row 133 (source rank 2, channel 7)"), "{m}");
@@ -195,6 +221,7 @@ mod tests {
             a: kernels::DEEPEP_HANDLE_RECV_CHANNEL_PREFIX as i64,
             b: 13,
             c: -1,
+            ..Default::default()
         };
         let m = fault_error(&f).message;
         assert!(m.starts_with("dispatch: the handle's recv_channel_prefix_matrix"), "{m}");
@@ -232,7 +259,7 @@ mod tests {
             let m = fault_error(&FaultRecord { code: kernels::DEEPEP_FAULT_COMBINE_HANDLE as i32, a: entry as i64, ..f }).message;
             assert!(m.starts_with("combine: the handle's ") && m.contains("(handle["), "{m}");
         }
-        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_LL_SAME_HALF as i32, a: 1, b: 3, c: 0 };
+        let f = FaultRecord { flag: 1, code: kernels::DEEPEP_FAULT_LL_SAME_HALF as i32, a: 1, b: 3, c: 0, ..Default::default() };
         assert!(fault_error(&f).message.starts_with("rank 3: two low-latency sends in a row used buffer half 1"));
         let f = FaultRecord {
             flag: 1,
@@ -240,10 +267,37 @@ mod tests {
             a: kernels::DEEPEP_HANDLE_LL_SRC_INFO as i64,
             b: 70,
             c: 4096,
+            ..Default::default()
         };
         let m = fault_error(&f).message;
         assert!(m.starts_with("low_latency_combine: the handle's src_info (handle[0]) holds 4096 at flat index 70"), "{m}");
         assert!(m.contains("below num_max_dispatch_tokens_per_rank"), "{m}");
+    }
+
+    /// take_fault against the kernels' claim (record_fault_at's, mirrored by `claim`): one fault
+    /// at a time, and the record free again once the host took it.
+    #[test]
+    fn a_taken_fault_frees_the_record_for_the_next() {
+        fn claim(record: &mut FaultRecord, lock: &mut u32, code: i32) -> bool {
+            if *lock != record.released {
+                return false;
+            }
+            *lock += 1;
+            *record = FaultRecord { flag: 1, code, a: 1, b: 2, c: 3, ..*record };
+            true
+        }
+        let (mut record, mut lock) = (FaultRecord::default(), 0u32);
+        // SAFETY (every take_fault): a live local record.
+        assert!(unsafe { take_fault(&mut record) }.is_none());
+        assert!(claim(&mut record, &mut lock, 1));
+        assert!(!claim(&mut record, &mut lock, 2), "a second fault claimed a record the host had not taken");
+        let f = unsafe { take_fault(&mut record) }.unwrap();
+        assert_eq!((f.flag, f.code, f.a, f.b, f.c), (1, 1, 1, 2, 3));
+        assert_eq!((record.flag, record.code, record.a, record.b, record.c, record.released), (0, 0, 0, 0, 0, 1));
+        assert!(unsafe { take_fault(&mut record) }.is_none());
+        assert!(claim(&mut record, &mut lock, 2), "the record stayed claimed after the host took its fault");
+        assert_eq!(unsafe { take_fault(&mut record) }.map(|f| f.code), Some(2));
+        assert_eq!((lock, record.released), (2, 2));
     }
 
     #[test]

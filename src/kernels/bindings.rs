@@ -81,13 +81,14 @@ const _: () = {
 pub struct DeepepWaitContext {
     pub stall: *mut DeepepStallRecord,
     pub stall_lock: *mut u32,
+    pub fault_lock: *mut u32,
     pub timeout_ns: u64,
     pub world_rank: i32,
     pub lsa_base_rank: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of DeepepWaitContext"][::std::mem::size_of::<DeepepWaitContext>() - 32usize];
+    ["Size of DeepepWaitContext"][::std::mem::size_of::<DeepepWaitContext>() - 40usize];
     [
         "Alignment of DeepepWaitContext",
     ][::std::mem::align_of::<DeepepWaitContext>() - 8usize];
@@ -98,14 +99,17 @@ const _: () = {
         "Offset of field: DeepepWaitContext::stall_lock",
     ][::std::mem::offset_of!(DeepepWaitContext, stall_lock) - 8usize];
     [
+        "Offset of field: DeepepWaitContext::fault_lock",
+    ][::std::mem::offset_of!(DeepepWaitContext, fault_lock) - 16usize];
+    [
         "Offset of field: DeepepWaitContext::timeout_ns",
-    ][::std::mem::offset_of!(DeepepWaitContext, timeout_ns) - 16usize];
+    ][::std::mem::offset_of!(DeepepWaitContext, timeout_ns) - 24usize];
     [
         "Offset of field: DeepepWaitContext::world_rank",
-    ][::std::mem::offset_of!(DeepepWaitContext, world_rank) - 24usize];
+    ][::std::mem::offset_of!(DeepepWaitContext, world_rank) - 32usize];
     [
         "Offset of field: DeepepWaitContext::lsa_base_rank",
-    ][::std::mem::offset_of!(DeepepWaitContext, lsa_base_rank) - 28usize];
+    ][::std::mem::offset_of!(DeepepWaitContext, lsa_base_rank) - 36usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -224,10 +228,12 @@ pub struct DeepepFaultRecord {
     pub a: i64,
     pub b: i64,
     pub c: i64,
+    pub released: u32,
+    pub reserved: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of DeepepFaultRecord"][::std::mem::size_of::<DeepepFaultRecord>() - 32usize];
+    ["Size of DeepepFaultRecord"][::std::mem::size_of::<DeepepFaultRecord>() - 40usize];
     [
         "Alignment of DeepepFaultRecord",
     ][::std::mem::align_of::<DeepepFaultRecord>() - 8usize];
@@ -246,6 +252,12 @@ const _: () = {
     [
         "Offset of field: DeepepFaultRecord::c",
     ][::std::mem::offset_of!(DeepepFaultRecord, c) - 24usize];
+    [
+        "Offset of field: DeepepFaultRecord::released",
+    ][::std::mem::offset_of!(DeepepFaultRecord, released) - 32usize];
+    [
+        "Offset of field: DeepepFaultRecord::reserved",
+    ][::std::mem::offset_of!(DeepepFaultRecord, reserved) - 36usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -295,7 +307,7 @@ pub struct DeepepNormalCommon {
 const _: () = {
     [
         "Size of DeepepNormalCommon",
-    ][::std::mem::size_of::<DeepepNormalCommon>() - 136usize];
+    ][::std::mem::size_of::<DeepepNormalCommon>() - 144usize];
     [
         "Alignment of DeepepNormalCommon",
     ][::std::mem::align_of::<DeepepNormalCommon>() - 8usize];
@@ -334,22 +346,22 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepNormalCommon, wait) - 80usize];
     [
         "Offset of field: DeepepNormalCommon::rank",
-    ][::std::mem::offset_of!(DeepepNormalCommon, rank) - 112usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, rank) - 120usize];
     [
         "Offset of field: DeepepNormalCommon::num_ranks",
-    ][::std::mem::offset_of!(DeepepNormalCommon, num_ranks) - 116usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, num_ranks) - 124usize];
     [
         "Offset of field: DeepepNormalCommon::num_channels",
-    ][::std::mem::offset_of!(DeepepNormalCommon, num_channels) - 120usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, num_channels) - 128usize];
     [
         "Offset of field: DeepepNormalCommon::ring_tokens",
-    ][::std::mem::offset_of!(DeepepNormalCommon, ring_tokens) - 124usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, ring_tokens) - 132usize];
     [
         "Offset of field: DeepepNormalCommon::barrier_base",
-    ][::std::mem::offset_of!(DeepepNormalCommon, barrier_base) - 128usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, barrier_base) - 136usize];
     [
         "Offset of field: DeepepNormalCommon::shrink",
-    ][::std::mem::offset_of!(DeepepNormalCommon, shrink) - 132usize];
+    ][::std::mem::offset_of!(DeepepNormalCommon, shrink) - 140usize];
 };
 pub const DEEPEP_DROPPED_DISPATCH_RECV: DeepepDroppedKind = 0;
 pub const DEEPEP_DROPPED_DISPATCH_SEND: DeepepDroppedKind = 1;
@@ -381,7 +393,7 @@ pub struct DeepepNotifyParams {
 const _: () = {
     [
         "Size of DeepepNotifyParams",
-    ][::std::mem::size_of::<DeepepNotifyParams>() - 232usize];
+    ][::std::mem::size_of::<DeepepNotifyParams>() - 240usize];
     [
         "Alignment of DeepepNotifyParams",
     ][::std::mem::align_of::<DeepepNotifyParams>() - 8usize];
@@ -390,49 +402,49 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepNotifyParams, common) - 0usize];
     [
         "Offset of field: DeepepNotifyParams::is_token_in_rank",
-    ][::std::mem::offset_of!(DeepepNotifyParams, is_token_in_rank) - 136usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, is_token_in_rank) - 144usize];
     [
         "Offset of field: DeepepNotifyParams::num_tokens_per_rank",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens_per_rank) - 144usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens_per_rank) - 152usize];
     [
         "Offset of field: DeepepNotifyParams::num_tokens_per_expert",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens_per_expert) - 152usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens_per_expert) - 160usize];
     [
         "Offset of field: DeepepNotifyParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepNotifyParams, topk_idx) - 160usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, topk_idx) - 168usize];
     [
         "Offset of field: DeepepNotifyParams::rank_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepNotifyParams, rank_prefix_matrix) - 168usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, rank_prefix_matrix) - 176usize];
     [
         "Offset of field: DeepepNotifyParams::channel_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepNotifyParams, channel_prefix_matrix) - 176usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, channel_prefix_matrix) - 184usize];
     [
         "Offset of field: DeepepNotifyParams::recv_channel_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepNotifyParams, recv_channel_prefix_matrix) - 184usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, recv_channel_prefix_matrix) - 192usize];
     [
         "Offset of field: DeepepNotifyParams::counts",
-    ][::std::mem::offset_of!(DeepepNotifyParams, counts) - 192usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, counts) - 200usize];
     [
         "Offset of field: DeepepNotifyParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens) - 200usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_tokens) - 208usize];
     [
         "Offset of field: DeepepNotifyParams::num_topk",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_topk) - 208usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_topk) - 216usize];
     [
         "Offset of field: DeepepNotifyParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepNotifyParams, topk_idx_is_int32) - 212usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, topk_idx_is_int32) - 220usize];
     [
         "Offset of field: DeepepNotifyParams::num_experts",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_experts) - 216usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_experts) - 224usize];
     [
         "Offset of field: DeepepNotifyParams::expert_alignment",
-    ][::std::mem::offset_of!(DeepepNotifyParams, expert_alignment) - 220usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, expert_alignment) - 228usize];
     [
         "Offset of field: DeepepNotifyParams::cached",
-    ][::std::mem::offset_of!(DeepepNotifyParams, cached) - 224usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, cached) - 232usize];
     [
         "Offset of field: DeepepNotifyParams::num_worst_tokens",
-    ][::std::mem::offset_of!(DeepepNotifyParams, num_worst_tokens) - 228usize];
+    ][::std::mem::offset_of!(DeepepNotifyParams, num_worst_tokens) - 236usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -467,7 +479,7 @@ pub struct DeepepDispatchParams {
 const _: () = {
     [
         "Size of DeepepDispatchParams",
-    ][::std::mem::size_of::<DeepepDispatchParams>() - 304usize];
+    ][::std::mem::size_of::<DeepepDispatchParams>() - 312usize];
     [
         "Alignment of DeepepDispatchParams",
     ][::std::mem::align_of::<DeepepDispatchParams>() - 8usize];
@@ -476,77 +488,77 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepDispatchParams, common) - 0usize];
     [
         "Offset of field: DeepepDispatchParams::x",
-    ][::std::mem::offset_of!(DeepepDispatchParams, x) - 136usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, x) - 144usize];
     [
         "Offset of field: DeepepDispatchParams::x_scales",
-    ][::std::mem::offset_of!(DeepepDispatchParams, x_scales) - 144usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, x_scales) - 152usize];
     [
         "Offset of field: DeepepDispatchParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepDispatchParams, topk_idx) - 152usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, topk_idx) - 160usize];
     [
         "Offset of field: DeepepDispatchParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepDispatchParams, topk_weights) - 160usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, topk_weights) - 168usize];
     [
         "Offset of field: DeepepDispatchParams::is_token_in_rank",
-    ][::std::mem::offset_of!(DeepepDispatchParams, is_token_in_rank) - 168usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, is_token_in_rank) - 176usize];
     [
         "Offset of field: DeepepDispatchParams::rank_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepDispatchParams, rank_prefix_matrix) - 176usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, rank_prefix_matrix) - 184usize];
     [
         "Offset of field: DeepepDispatchParams::channel_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepDispatchParams, channel_prefix_matrix) - 184usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, channel_prefix_matrix) - 192usize];
     [
         "Offset of field: DeepepDispatchParams::recv_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepDispatchParams, recv_channel_prefix_matrix)
-        - 192usize];
+        - 200usize];
     [
         "Offset of field: DeepepDispatchParams::recv_x",
-    ][::std::mem::offset_of!(DeepepDispatchParams, recv_x) - 200usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, recv_x) - 208usize];
     [
         "Offset of field: DeepepDispatchParams::recv_x_scales",
-    ][::std::mem::offset_of!(DeepepDispatchParams, recv_x_scales) - 208usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, recv_x_scales) - 216usize];
     [
         "Offset of field: DeepepDispatchParams::recv_topk_idx",
-    ][::std::mem::offset_of!(DeepepDispatchParams, recv_topk_idx) - 216usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, recv_topk_idx) - 224usize];
     [
         "Offset of field: DeepepDispatchParams::recv_topk_weights",
-    ][::std::mem::offset_of!(DeepepDispatchParams, recv_topk_weights) - 224usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, recv_topk_weights) - 232usize];
     [
         "Offset of field: DeepepDispatchParams::recv_src_idx",
-    ][::std::mem::offset_of!(DeepepDispatchParams, recv_src_idx) - 232usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, recv_src_idx) - 240usize];
     [
         "Offset of field: DeepepDispatchParams::send_head",
-    ][::std::mem::offset_of!(DeepepDispatchParams, send_head) - 240usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, send_head) - 248usize];
     [
         "Offset of field: DeepepDispatchParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepDispatchParams, num_tokens) - 248usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, num_tokens) - 256usize];
     [
         "Offset of field: DeepepDispatchParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepDispatchParams, num_recv_rows) - 256usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, num_recv_rows) - 264usize];
     [
         "Offset of field: DeepepDispatchParams::scale_stride_token",
-    ][::std::mem::offset_of!(DeepepDispatchParams, scale_stride_token) - 264usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, scale_stride_token) - 272usize];
     [
         "Offset of field: DeepepDispatchParams::scale_stride_scale",
-    ][::std::mem::offset_of!(DeepepDispatchParams, scale_stride_scale) - 272usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, scale_stride_scale) - 280usize];
     [
         "Offset of field: DeepepDispatchParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepDispatchParams, hidden_bytes) - 280usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, hidden_bytes) - 288usize];
     [
         "Offset of field: DeepepDispatchParams::num_scales",
-    ][::std::mem::offset_of!(DeepepDispatchParams, num_scales) - 284usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, num_scales) - 292usize];
     [
         "Offset of field: DeepepDispatchParams::num_topk",
-    ][::std::mem::offset_of!(DeepepDispatchParams, num_topk) - 288usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, num_topk) - 296usize];
     [
         "Offset of field: DeepepDispatchParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepDispatchParams, topk_idx_is_int32) - 292usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, topk_idx_is_int32) - 300usize];
     [
         "Offset of field: DeepepDispatchParams::num_experts",
-    ][::std::mem::offset_of!(DeepepDispatchParams, num_experts) - 296usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, num_experts) - 304usize];
     [
         "Offset of field: DeepepDispatchParams::slot_bytes",
-    ][::std::mem::offset_of!(DeepepDispatchParams, slot_bytes) - 300usize];
+    ][::std::mem::offset_of!(DeepepDispatchParams, slot_bytes) - 308usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -572,7 +584,7 @@ pub struct DeepepCombineParams {
 const _: () = {
     [
         "Size of DeepepCombineParams",
-    ][::std::mem::size_of::<DeepepCombineParams>() - 240usize];
+    ][::std::mem::size_of::<DeepepCombineParams>() - 248usize];
     [
         "Alignment of DeepepCombineParams",
     ][::std::mem::align_of::<DeepepCombineParams>() - 8usize];
@@ -581,50 +593,50 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepCombineParams, common) - 0usize];
     [
         "Offset of field: DeepepCombineParams::x",
-    ][::std::mem::offset_of!(DeepepCombineParams, x) - 136usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, x) - 144usize];
     [
         "Offset of field: DeepepCombineParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepCombineParams, topk_weights) - 144usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, topk_weights) - 152usize];
     [
         "Offset of field: DeepepCombineParams::bias_0",
-    ][::std::mem::offset_of!(DeepepCombineParams, bias_0) - 152usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, bias_0) - 160usize];
     [
         "Offset of field: DeepepCombineParams::bias_1",
-    ][::std::mem::offset_of!(DeepepCombineParams, bias_1) - 160usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, bias_1) - 168usize];
     [
         "Offset of field: DeepepCombineParams::rank_prefix_matrix",
-    ][::std::mem::offset_of!(DeepepCombineParams, rank_prefix_matrix) - 168usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, rank_prefix_matrix) - 176usize];
     [
         "Offset of field: DeepepCombineParams::recv_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepCombineParams, recv_channel_prefix_matrix)
-        - 176usize];
+        - 184usize];
     [
         "Offset of field: DeepepCombineParams::send_head",
-    ][::std::mem::offset_of!(DeepepCombineParams, send_head) - 184usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, send_head) - 192usize];
     [
         "Offset of field: DeepepCombineParams::combined_x",
-    ][::std::mem::offset_of!(DeepepCombineParams, combined_x) - 192usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, combined_x) - 200usize];
     [
         "Offset of field: DeepepCombineParams::combined_topk_weights",
-    ][::std::mem::offset_of!(DeepepCombineParams, combined_topk_weights) - 200usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, combined_topk_weights) - 208usize];
     [
         "Offset of field: DeepepCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepCombineParams, num_tokens) - 208usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, num_tokens) - 216usize];
     [
         "Offset of field: DeepepCombineParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepCombineParams, num_recv_rows) - 216usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, num_recv_rows) - 224usize];
     [
         "Offset of field: DeepepCombineParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepCombineParams, hidden_bytes) - 224usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, hidden_bytes) - 232usize];
     [
         "Offset of field: DeepepCombineParams::num_topk",
-    ][::std::mem::offset_of!(DeepepCombineParams, num_topk) - 228usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, num_topk) - 236usize];
     [
         "Offset of field: DeepepCombineParams::slot_bytes",
-    ][::std::mem::offset_of!(DeepepCombineParams, slot_bytes) - 232usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, slot_bytes) - 240usize];
     [
         "Offset of field: DeepepCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepCombineParams, reserved) - 236usize];
+    ][::std::mem::offset_of!(DeepepCombineParams, reserved) - 244usize];
 };
 pub const DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_ROWS: DeepepTrafficKind = 0;
 pub const DEEPEP_TRAFFIC_DISPATCH_SCALEOUT_BYTES: DeepepTrafficKind = 1;
@@ -670,7 +682,7 @@ pub struct DeepepInternodeCommon {
 const _: () = {
     [
         "Size of DeepepInternodeCommon",
-    ][::std::mem::size_of::<DeepepInternodeCommon>() - 192usize];
+    ][::std::mem::size_of::<DeepepInternodeCommon>() - 200usize];
     [
         "Alignment of DeepepInternodeCommon",
     ][::std::mem::align_of::<DeepepInternodeCommon>() - 8usize];
@@ -724,34 +736,34 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeCommon, wait) - 120usize];
     [
         "Offset of field: DeepepInternodeCommon::rank",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 152usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rank) - 160usize];
     [
         "Offset of field: DeepepInternodeCommon::num_ranks",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 156usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_ranks) - 164usize];
     [
         "Offset of field: DeepepInternodeCommon::node_size",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 160usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, node_size) - 168usize];
     [
         "Offset of field: DeepepInternodeCommon::num_nodes",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 164usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_nodes) - 172usize];
     [
         "Offset of field: DeepepInternodeCommon::num_channels",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 168usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, num_channels) - 176usize];
     [
         "Offset of field: DeepepInternodeCommon::rdma_ring_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 172usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, rdma_ring_tokens) - 180usize];
     [
         "Offset of field: DeepepInternodeCommon::nvl_ring_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 176usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, nvl_ring_tokens) - 184usize];
     [
         "Offset of field: DeepepInternodeCommon::gin_signal_base",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 180usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, gin_signal_base) - 188usize];
     [
         "Offset of field: DeepepInternodeCommon::counter_channels",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, counter_channels) - 184usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, counter_channels) - 192usize];
     [
         "Offset of field: DeepepInternodeCommon::shrink",
-    ][::std::mem::offset_of!(DeepepInternodeCommon, shrink) - 188usize];
+    ][::std::mem::offset_of!(DeepepInternodeCommon, shrink) - 196usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -785,7 +797,7 @@ pub struct DeepepInternodeNotifyParams {
 const _: () = {
     [
         "Size of DeepepInternodeNotifyParams",
-    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 352usize];
+    ][::std::mem::size_of::<DeepepInternodeNotifyParams>() - 360usize];
     [
         "Alignment of DeepepInternodeNotifyParams",
     ][::std::mem::align_of::<DeepepInternodeNotifyParams>() - 8usize];
@@ -794,84 +806,84 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::is_token_in_rank",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 192usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, is_token_in_rank) - 200usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rank",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rank)
-        - 200usize];
+        - 208usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_rdma_rank",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_rdma_rank)
-        - 208usize];
+        - 216usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens_per_expert",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens_per_expert)
-        - 216usize];
+        - 224usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 224usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx) - 232usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, rdma_channel_prefix_matrix)
-        - 232usize];
+        - 240usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, gbl_channel_prefix_matrix)
-        - 240usize];
+        - 248usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeNotifyParams, recv_rdma_channel_prefix_matrix
-    ) - 248usize];
+    ) - 256usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_rdma_rank_prefix_sum)
-        - 256usize];
+        - 264usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_channel_prefix_matrix)
-        - 264usize];
+        - 272usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::recv_gbl_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, recv_gbl_rank_prefix_sum)
-        - 272usize];
+        - 280usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_rdma_head)
-        - 280usize];
+        - 288usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::combined_nvl_head",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 288usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, combined_nvl_head) - 296usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::counts",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 296usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, counts) - 304usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 304usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_tokens) - 312usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_rdma_rows",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 312usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_rdma_rows) - 320usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 320usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_topk) - 328usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 324usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, topk_idx_is_int32) - 332usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_experts",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 328usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_experts) - 336usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::expert_alignment",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 332usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, expert_alignment) - 340usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::cached",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 336usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, cached) - 344usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::num_worst_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 340usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, num_worst_tokens) - 348usize];
     [
         "Offset of field: DeepepInternodeNotifyParams::dispatch",
-    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 344usize];
+    ][::std::mem::offset_of!(DeepepInternodeNotifyParams, dispatch) - 352usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -909,7 +921,7 @@ pub struct DeepepInternodeDispatchParams {
 const _: () = {
     [
         "Size of DeepepInternodeDispatchParams",
-    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 384usize];
+    ][::std::mem::size_of::<DeepepInternodeDispatchParams>() - 392usize];
     [
         "Alignment of DeepepInternodeDispatchParams",
     ][::std::mem::align_of::<DeepepInternodeDispatchParams>() - 8usize];
@@ -918,97 +930,97 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::x",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 192usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x) - 200usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::x_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 200usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, x_scales) - 208usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 208usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx) - 216usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 216usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_weights) - 224usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::is_token_in_rank",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, is_token_in_rank)
-        - 224usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeDispatchParams, recv_rdma_channel_prefix_matrix
-    ) - 232usize];
+    ) - 240usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_rdma_rank_prefix_sum)
-        - 240usize];
+        - 248usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(
         DeepepInternodeDispatchParams, recv_gbl_channel_prefix_matrix
-    ) - 248usize];
+    ) - 256usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_gbl_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_gbl_rank_prefix_sum)
-        - 256usize];
+        - 264usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_x",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x) - 272usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_x_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_x_scales) - 280usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_topk_idx",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 280usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_idx) - 288usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_topk_weights)
-        - 288usize];
+        - 296usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::recv_src_meta",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 296usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, recv_src_meta) - 304usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::send_rdma_head",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 304usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_rdma_head) - 312usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::send_nvl_head",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 312usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, send_nvl_head) - 320usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 320usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_tokens) - 328usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 328usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_recv_rows) - 336usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_rdma_recv_rows)
-        - 336usize];
+        - 344usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::scale_stride_token",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_token)
-        - 344usize];
+        - 352usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::scale_stride_scale",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, scale_stride_scale)
-        - 352usize];
+        - 360usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 360usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, hidden_bytes) - 368usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_scales",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 364usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_scales) - 372usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 368usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_topk) - 376usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::topk_idx_is_int32",
     ][::std::mem::offset_of!(DeepepInternodeDispatchParams, topk_idx_is_int32)
-        - 372usize];
+        - 380usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::num_experts",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 376usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, num_experts) - 384usize];
     [
         "Offset of field: DeepepInternodeDispatchParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 380usize];
+    ][::std::mem::offset_of!(DeepepInternodeDispatchParams, row_bytes) - 388usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -1038,7 +1050,7 @@ pub struct DeepepInternodeCombineParams {
 const _: () = {
     [
         "Size of DeepepInternodeCombineParams",
-    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 328usize];
+    ][::std::mem::size_of::<DeepepInternodeCombineParams>() - 336usize];
     [
         "Alignment of DeepepInternodeCombineParams",
     ][::std::mem::align_of::<DeepepInternodeCombineParams>() - 8usize];
@@ -1047,68 +1059,68 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, common) - 0usize];
     [
         "Offset of field: DeepepInternodeCombineParams::x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 192usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, x) - 200usize];
     [
         "Offset of field: DeepepInternodeCombineParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 200usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, topk_weights) - 208usize];
     [
         "Offset of field: DeepepInternodeCombineParams::bias_0",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 208usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_0) - 216usize];
     [
         "Offset of field: DeepepInternodeCombineParams::bias_1",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 216usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, bias_1) - 224usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_channel_prefix_matrix)
-        - 224usize];
+        - 232usize];
     [
         "Offset of field: DeepepInternodeCombineParams::rdma_rank_prefix_sum",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, rdma_rank_prefix_sum)
-        - 232usize];
+        - 240usize];
     [
         "Offset of field: DeepepInternodeCombineParams::gbl_channel_prefix_matrix",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, gbl_channel_prefix_matrix)
-        - 240usize];
+        - 248usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_rdma_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_rdma_head)
-        - 248usize];
+        - 256usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_nvl_head",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_nvl_head)
-        - 256usize];
+        - 264usize];
     [
         "Offset of field: DeepepInternodeCombineParams::src_meta",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, src_meta) - 264usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, src_meta) - 272usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_x",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 272usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_x) - 280usize];
     [
         "Offset of field: DeepepInternodeCombineParams::combined_topk_weights",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, combined_topk_weights)
-        - 280usize];
+        - 288usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 288usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_tokens) - 296usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_recv_rows",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 296usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_recv_rows) - 304usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_rdma_recv_rows",
     ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_rdma_recv_rows)
-        - 304usize];
+        - 312usize];
     [
         "Offset of field: DeepepInternodeCombineParams::hidden_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 312usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, hidden_bytes) - 320usize];
     [
         "Offset of field: DeepepInternodeCombineParams::num_topk",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 316usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, num_topk) - 324usize];
     [
         "Offset of field: DeepepInternodeCombineParams::row_bytes",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 320usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, row_bytes) - 328usize];
     [
         "Offset of field: DeepepInternodeCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 324usize];
+    ][::std::mem::offset_of!(DeepepInternodeCombineParams, reserved) - 332usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -1146,7 +1158,7 @@ pub struct DeepepLlCommon {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of DeepepLlCommon"][::std::mem::size_of::<DeepepLlCommon>() - 216usize];
+    ["Size of DeepepLlCommon"][::std::mem::size_of::<DeepepLlCommon>() - 224usize];
     ["Alignment of DeepepLlCommon"][::std::mem::align_of::<DeepepLlCommon>() - 8usize];
     [
         "Offset of field: DeepepLlCommon::window",
@@ -1204,40 +1216,40 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepLlCommon, wait) - 136usize];
     [
         "Offset of field: DeepepLlCommon::rank",
-    ][::std::mem::offset_of!(DeepepLlCommon, rank) - 168usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, rank) - 176usize];
     [
         "Offset of field: DeepepLlCommon::num_ranks",
-    ][::std::mem::offset_of!(DeepepLlCommon, num_ranks) - 172usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, num_ranks) - 180usize];
     [
         "Offset of field: DeepepLlCommon::num_experts",
-    ][::std::mem::offset_of!(DeepepLlCommon, num_experts) - 176usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, num_experts) - 184usize];
     [
         "Offset of field: DeepepLlCommon::num_local_experts",
-    ][::std::mem::offset_of!(DeepepLlCommon, num_local_experts) - 180usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, num_local_experts) - 188usize];
     [
         "Offset of field: DeepepLlCommon::max_tokens",
-    ][::std::mem::offset_of!(DeepepLlCommon, max_tokens) - 184usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, max_tokens) - 192usize];
     [
         "Offset of field: DeepepLlCommon::hidden",
-    ][::std::mem::offset_of!(DeepepLlCommon, hidden) - 188usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, hidden) - 196usize];
     [
         "Offset of field: DeepepLlCommon::num_topk",
-    ][::std::mem::offset_of!(DeepepLlCommon, num_topk) - 192usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, num_topk) - 200usize];
     [
         "Offset of field: DeepepLlCommon::node_size",
-    ][::std::mem::offset_of!(DeepepLlCommon, node_size) - 196usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, node_size) - 204usize];
     [
         "Offset of field: DeepepLlCommon::shrink",
-    ][::std::mem::offset_of!(DeepepLlCommon, shrink) - 200usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, shrink) - 208usize];
     [
         "Offset of field: DeepepLlCommon::phases",
-    ][::std::mem::offset_of!(DeepepLlCommon, phases) - 204usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, phases) - 212usize];
     [
         "Offset of field: DeepepLlCommon::parity",
-    ][::std::mem::offset_of!(DeepepLlCommon, parity) - 208usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, parity) - 216usize];
     [
         "Offset of field: DeepepLlCommon::reserved",
-    ][::std::mem::offset_of!(DeepepLlCommon, reserved) - 212usize];
+    ][::std::mem::offset_of!(DeepepLlCommon, reserved) - 220usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -1265,7 +1277,7 @@ pub struct DeepepLlDispatchParams {
 const _: () = {
     [
         "Size of DeepepLlDispatchParams",
-    ][::std::mem::size_of::<DeepepLlDispatchParams>() - 320usize];
+    ][::std::mem::size_of::<DeepepLlDispatchParams>() - 328usize];
     [
         "Alignment of DeepepLlDispatchParams",
     ][::std::mem::align_of::<DeepepLlDispatchParams>() - 8usize];
@@ -1274,58 +1286,58 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepLlDispatchParams, common) - 0usize];
     [
         "Offset of field: DeepepLlDispatchParams::x",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, x) - 216usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, x) - 224usize];
     [
         "Offset of field: DeepepLlDispatchParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, topk_idx) - 224usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, topk_idx) - 232usize];
     [
         "Offset of field: DeepepLlDispatchParams::packed_recv_x",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_x) - 232usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_x) - 240usize];
     [
         "Offset of field: DeepepLlDispatchParams::packed_recv_x_scales",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_x_scales) - 240usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_x_scales) - 248usize];
     [
         "Offset of field: DeepepLlDispatchParams::packed_recv_count",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_count) - 248usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_count) - 256usize];
     [
         "Offset of field: DeepepLlDispatchParams::packed_recv_src_info",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_src_info) - 256usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_src_info) - 264usize];
     [
         "Offset of field: DeepepLlDispatchParams::packed_recv_layout_range",
     ][::std::mem::offset_of!(DeepepLlDispatchParams, packed_recv_layout_range)
-        - 264usize];
+        - 272usize];
     [
         "Offset of field: DeepepLlDispatchParams::cumulative_local_expert_recv_stats",
     ][::std::mem::offset_of!(DeepepLlDispatchParams, cumulative_local_expert_recv_stats)
-        - 272usize];
+        - 280usize];
     [
         "Offset of field: DeepepLlDispatchParams::dispatch_wait_recv_cost_stats",
     ][::std::mem::offset_of!(DeepepLlDispatchParams, dispatch_wait_recv_cost_stats)
-        - 280usize];
+        - 288usize];
     [
         "Offset of field: DeepepLlDispatchParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, num_tokens) - 288usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, num_tokens) - 296usize];
     [
         "Offset of field: DeepepLlDispatchParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, topk_idx_is_int32) - 292usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, topk_idx_is_int32) - 300usize];
     [
         "Offset of field: DeepepLlDispatchParams::use_fp8",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, use_fp8) - 296usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, use_fp8) - 304usize];
     [
         "Offset of field: DeepepLlDispatchParams::round_scale",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, round_scale) - 300usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, round_scale) - 308usize];
     [
         "Offset of field: DeepepLlDispatchParams::use_ue8m0",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, use_ue8m0) - 304usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, use_ue8m0) - 312usize];
     [
         "Offset of field: DeepepLlDispatchParams::dispatch_slot_bytes",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, dispatch_slot_bytes) - 308usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, dispatch_slot_bytes) - 316usize];
     [
         "Offset of field: DeepepLlDispatchParams::count_bytes",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, count_bytes) - 312usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, count_bytes) - 320usize];
     [
         "Offset of field: DeepepLlDispatchParams::reserved",
-    ][::std::mem::offset_of!(DeepepLlDispatchParams, reserved) - 316usize];
+    ][::std::mem::offset_of!(DeepepLlDispatchParams, reserved) - 324usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -1348,7 +1360,7 @@ pub struct DeepepLlCombineParams {
 const _: () = {
     [
         "Size of DeepepLlCombineParams",
-    ][::std::mem::size_of::<DeepepLlCombineParams>() - 296usize];
+    ][::std::mem::size_of::<DeepepLlCombineParams>() - 304usize];
     [
         "Alignment of DeepepLlCombineParams",
     ][::std::mem::align_of::<DeepepLlCombineParams>() - 8usize];
@@ -1357,41 +1369,41 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepLlCombineParams, common) - 0usize];
     [
         "Offset of field: DeepepLlCombineParams::x",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, x) - 216usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, x) - 224usize];
     [
         "Offset of field: DeepepLlCombineParams::topk_idx",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_idx) - 224usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_idx) - 232usize];
     [
         "Offset of field: DeepepLlCombineParams::topk_weights",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_weights) - 232usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_weights) - 240usize];
     [
         "Offset of field: DeepepLlCombineParams::src_info",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, src_info) - 240usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, src_info) - 248usize];
     [
         "Offset of field: DeepepLlCombineParams::layout_range",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, layout_range) - 248usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, layout_range) - 256usize];
     [
         "Offset of field: DeepepLlCombineParams::out",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, out) - 256usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, out) - 264usize];
     [
         "Offset of field: DeepepLlCombineParams::combine_wait_recv_cost_stats",
     ][::std::mem::offset_of!(DeepepLlCombineParams, combine_wait_recv_cost_stats)
-        - 264usize];
+        - 272usize];
     [
         "Offset of field: DeepepLlCombineParams::num_tokens",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, num_tokens) - 272usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, num_tokens) - 280usize];
     [
         "Offset of field: DeepepLlCombineParams::topk_idx_is_int32",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_idx_is_int32) - 276usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, topk_idx_is_int32) - 284usize];
     [
         "Offset of field: DeepepLlCombineParams::zero_copy",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, zero_copy) - 280usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, zero_copy) - 288usize];
     [
         "Offset of field: DeepepLlCombineParams::use_logfmt",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, use_logfmt) - 284usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, use_logfmt) - 292usize];
     [
         "Offset of field: DeepepLlCombineParams::reserved",
-    ][::std::mem::offset_of!(DeepepLlCombineParams, reserved) - 288usize];
+    ][::std::mem::offset_of!(DeepepLlCombineParams, reserved) - 296usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -1407,7 +1419,7 @@ pub struct DeepepLlCleanParams {
 const _: () = {
     [
         "Size of DeepepLlCleanParams",
-    ][::std::mem::size_of::<DeepepLlCleanParams>() - 296usize];
+    ][::std::mem::size_of::<DeepepLlCleanParams>() - 304usize];
     [
         "Alignment of DeepepLlCleanParams",
     ][::std::mem::align_of::<DeepepLlCleanParams>() - 8usize];
@@ -1416,19 +1428,19 @@ const _: () = {
     ][::std::mem::offset_of!(DeepepLlCleanParams, common) - 0usize];
     [
         "Offset of field: DeepepLlCleanParams::barrier_epoch",
-    ][::std::mem::offset_of!(DeepepLlCleanParams, barrier_epoch) - 216usize];
+    ][::std::mem::offset_of!(DeepepLlCleanParams, barrier_epoch) - 224usize];
     [
         "Offset of field: DeepepLlCleanParams::zero",
-    ][::std::mem::offset_of!(DeepepLlCleanParams, zero) - 224usize];
+    ][::std::mem::offset_of!(DeepepLlCleanParams, zero) - 232usize];
     [
         "Offset of field: DeepepLlCleanParams::zero_bytes",
-    ][::std::mem::offset_of!(DeepepLlCleanParams, zero_bytes) - 256usize];
+    ][::std::mem::offset_of!(DeepepLlCleanParams, zero_bytes) - 264usize];
     [
         "Offset of field: DeepepLlCleanParams::num_gin_signals",
-    ][::std::mem::offset_of!(DeepepLlCleanParams, num_gin_signals) - 288usize];
+    ][::std::mem::offset_of!(DeepepLlCleanParams, num_gin_signals) - 296usize];
     [
         "Offset of field: DeepepLlCleanParams::reserved",
-    ][::std::mem::offset_of!(DeepepLlCleanParams, reserved) - 292usize];
+    ][::std::mem::offset_of!(DeepepLlCleanParams, reserved) - 300usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Default)]

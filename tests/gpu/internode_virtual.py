@@ -28,7 +28,8 @@ from ll_virtual import SkipCase  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_LIBRARY = os.path.join(ROOT, 'target', 'internode_virtual', 'libinternode_virtual_ranks.so')
-STATE_PARTS = ('op_epoch', 'ticket', 'stall_lock', 'totals', 'stall', 'fault', 'counts', 'traffic', 'bytes')
+STATE_PARTS = ('op_epoch', 'ticket', 'stall_lock', 'fault_lock', 'totals', 'stall', 'fault', 'counts', 'traffic',
+               'bytes')
 WAIT_OPS = {9: 'notify', 10: 'rdma tail', 11: 'rdma head', 12: 'nvl slot', 13: 'nvl consumed'}  # DeepepWaitOp
 
 

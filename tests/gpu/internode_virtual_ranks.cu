@@ -12,7 +12,7 @@
 // threads) within the SMs (tests/gpu/internode_virtual.py checks R x 2C <= SMs).
 //
 // What the product's host (src/buffer.rs, src/internode) keeps per rank, the harness keeps in a
-// per-rank state block (op epoch, ticket, running totals, stall lock and record, fault record,
+// per-rank state block (op epoch, ticket, running totals, stall and fault locks and records,
 // receive counts, traffic counters), laid out here and read back by Python through inv_state_layout.
 //
 // Built into a shared library (scripts/test.sh) that tests/gpu/internode_virtual.py drives
@@ -99,13 +99,15 @@ Window window_layout(const int64_t* a) {
 
 // Per-rank state, what the product keeps in its workspace and host-mapped records (world fields
 // of `a`: the totals' size).
-enum StatePart { kOpEpoch, kTicket, kStallLock, kTotals, kStall, kFault, kCounts, kTraffic, kStateBytes, kStateParts };
+enum StatePart {
+  kOpEpoch, kTicket, kStallLock, kFaultLock, kTotals, kStall, kFault, kCounts, kTraffic, kStateBytes, kStateParts
+};
 int64_t state_offset(const int64_t* a, int part) {
   const int64_t totals = 64, stall = totals + align_up(8 * num_totals(a), 64);
   const int64_t fault = stall + align_up(sizeof(DeepepStallRecord), 64);
   const int64_t counts = fault + align_up(sizeof(DeepepFaultRecord), 64);
   const int64_t traffic = counts + align_up(sizeof(DeepepRecvCounts), 64);
-  const int64_t at[kStateParts] = {0, 4, 8, totals, stall, fault, counts, traffic, traffic + 8 * DEEPEP_TRAFFIC_KINDS};
+  const int64_t at[kStateParts] = {0, 4, 8, 12, totals, stall, fault, counts, traffic, traffic + 8 * DEEPEP_TRAFFIC_KINDS};
   return at[part];
 }
 
@@ -135,6 +137,7 @@ DeepepInternodeCommon common_for(const int64_t* a) {
   c.fault = reinterpret_cast<DeepepFaultRecord*>(state + state_offset(a, kFault));
   c.wait.stall = reinterpret_cast<DeepepStallRecord*>(state + state_offset(a, kStall));
   c.wait.stall_lock = reinterpret_cast<uint32_t*>(state + state_offset(a, kStallLock));
+  c.wait.fault_lock = reinterpret_cast<uint32_t*>(state + state_offset(a, kFaultLock));
   c.wait.timeout_ns = uint64_t(a[kArg_timeout_ns]);
   c.wait.world_rank = int32_t(rank);
   c.wait.lsa_base_rank = 0;  // one flat world: every rank is an LSA peer
@@ -186,9 +189,9 @@ __attribute__((visibility("default"))) const char* inv_arg_name(int i) {
 // Bytes of one virtual rank's window (world fields only).
 __attribute__((visibility("default"))) int64_t inv_window_bytes(const int64_t* a) { return window_layout(a).end; }
 // Per-rank state layout (world fields only): offsets of op_epoch (u32), ticket (u32), stall_lock
-// (u32), totals (u64 [2 Cb N + 1]), the stall record, the fault record, the receive counts
-// (DeepepRecvCounts), the traffic counters (u64 [DEEPEP_TRAFFIC_KINDS]), and the bytes of one
-// rank's block (9 values into `out`).
+// (u32), fault_lock (u32), totals (u64 [2 Cb N + 1]), the stall record, the fault record, the
+// receive counts (DeepepRecvCounts), the traffic counters (u64 [DEEPEP_TRAFFIC_KINDS]), and the
+// bytes of one rank's block (10 values into `out`).
 __attribute__((visibility("default"))) void inv_state_layout(const int64_t* a, int64_t* out) {
   for (int part = 0; part < kStateParts; ++part) out[part] = state_offset(a, part);
 }

@@ -75,12 +75,15 @@ class VirtualWorld:
                                      device='cuda')
         self.stall = torch.zeros(8, dtype=torch.int64, device='cuda')  # DeepepStallRecord (40 bytes)
         self.stall_lock = torch.zeros(1, dtype=torch.int32, device='cuda')
-        self.fault = torch.zeros(4, dtype=torch.int64, device='cuda')  # DeepepFaultRecord (32 bytes)
+        self.fault = torch.zeros(5, dtype=torch.int64, device='cuda')  # DeepepFaultRecord (40 bytes)
+        self.fault_lock = torch.zeros(1, dtype=torch.int32, device='cuda')
         self.base.update(world_base=self.window.data_ptr(), world_stride=stride,
                          workspace_base=self.workspace.data_ptr(), stall_record=self.stall.data_ptr(),
                          stall_lock=self.stall_lock.data_ptr())
         if 'fault_record' in self.index:
             self.base['fault_record'] = self.fault.data_ptr()
+        if 'fault_lock' in self.index:
+            self.base['fault_lock'] = self.fault_lock.data_ptr()
         self.parity = 1  # flips before every send, as the product's buffer does
         self.stride = stride
         self.workspace_stride = self.lib.llv_workspace_bytes(num_ranks)
@@ -253,6 +256,7 @@ class VirtualWorld:
         torch.cuda.synchronize()
         rec = self.fault.cpu()
         self.fault.zero_()
+        self.fault_lock.zero_()  # the record's `released` went back to 0 with it
         words = rec.view(torch.int32)
         return None if words[0].item() == 0 else (words[1].item(), rec[1].item(), rec[2].item())
 

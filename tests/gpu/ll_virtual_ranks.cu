@@ -23,7 +23,7 @@
 #define LLV_ARGS(X)                                                                                    \
   /* the virtual world (same for every call on it) */                                                 \
   X(world_base) X(world_stride) X(workspace_base) X(stall_record) X(stall_lock) X(fault_record)        \
-  X(timeout_ns)                                                                                        \
+  X(fault_lock) X(timeout_ns)                                                                          \
   X(num_ranks) X(num_experts) X(max_tokens) X(hidden) X(node_size) X(remote_kind) X(num_blocks)         \
   X(shrink)                                                                                            \
   /* one call of one rank */                                                                           \
@@ -121,6 +121,7 @@ DeepepLlCommon common_for(const int64_t* a) {
   c.fault = reinterpret_cast<DeepepFaultRecord*>(a[kArg_fault_record]);
   c.wait.stall = reinterpret_cast<DeepepStallRecord*>(a[kArg_stall_record]);
   c.wait.stall_lock = reinterpret_cast<uint32_t*>(a[kArg_stall_lock]);
+  c.wait.fault_lock = reinterpret_cast<uint32_t*>(a[kArg_fault_lock]);
   c.wait.timeout_ns = uint64_t(a[kArg_timeout_ns]);
   c.wait.world_rank = int32_t(rank);
   c.wait.lsa_base_rank = 0;
