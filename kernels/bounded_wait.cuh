@@ -54,6 +54,29 @@ __device__ __forceinline__ void record_stall(const DeepepWaitContext& w, int pee
   __threadfence_system();
 }
 
+// True once any wait of this buffer expired: later waits give up at once so a
+// dead peer costs one timeout, not one per wait.
+__device__ __forceinline__ bool buffer_failed(const DeepepWaitContext& w) {
+  return *reinterpret_cast<volatile uint32_t*>(w.stall_lock) != 0;
+}
+
+// Fills `bytes` at p with 0xff across the grid: NaN in every float dtype (and UE8M0), -1 in
+// int32/int64. A data kernel that skipped or abandoned its work after a stall leaves its
+// outputs so, because CUDA-graph replays never reach the host check that reports the stall:
+// their outputs must not look like results (review F9). Not inlined: it runs only after a
+// stall, and one copy keeps the data kernels' code as it was.
+static __device__ __noinline__ void poison_output(void* p, int64_t bytes) {
+  if (p == nullptr || bytes <= 0) return;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  uint8_t* b = static_cast<uint8_t*>(p);
+  const int64_t head = min(bytes, int64_t((16 - (reinterpret_cast<uintptr_t>(b) & 15)) & 15));
+  const int64_t words = (bytes - head) / 16;
+  for (int64_t i = first; i < head; i += step) b[i] = 0xff;
+  int4* w = reinterpret_cast<int4*>(b + head);
+  for (int64_t i = first; i < words; i += step) w[i] = make_int4(-1, -1, -1, -1);
+  for (int64_t i = head + words * 16 + first; i < bytes; i += step) b[i] = 0xff;
+}
+
 // NCCL's LSA barrier with a bounded wait. arrive() is NCCL's; the unicast wait
 // is re-implemented over the session's own inbox slots so that a dead peer
 // produces a stall record instead of a hang (NCCL < 2.30 has no timeout).

@@ -178,11 +178,9 @@ __device__ __forceinline__ void warp_release_slot(uint64_t* consumed, uint64_t v
   if (lane == 0) st_relaxed_sys(consumed, value);
 }
 
-// True once any wait of this buffer expired: later waits give up at once so a
-// dead peer costs one timeout, not one per wait.
-__device__ __forceinline__ bool buffer_failed(const DeepepWaitContext& w) {
-  return *reinterpret_cast<volatile uint32_t*>(w.stall_lock) != 0;
-}
+// bounded_wait.cuh's, shared with the LL kernels.
+using deepep::buffer_failed;
+using deepep::poison_output;
 
 // Shrink mode (docs/normal_shrink.md) is a template argument of the data kernels (kShrink, from
 // common.shrink), so that their code without it stays as it was.
@@ -275,23 +273,6 @@ __device__ __forceinline__ bool warp_wait_relaxed(const uint64_t* flag, uint64_t
 __device__ __forceinline__ bool warp_wait_relaxed(const uint64_t* flag, uint64_t expected, const DeepepWaitContext& w,
                                                   int peer, int op, int counter) {
   return warp_wait_flag<false, false>(flag, expected, w, nullptr, peer, op, counter);
-}
-
-// Fills `bytes` at p with 0xff across the grid: NaN in every float dtype (and UE8M0), -1 in
-// int32/int64. A data kernel that skipped or abandoned its work after a stall leaves its
-// outputs so, because CUDA-graph replays never reach the host check that reports the stall:
-// their outputs must not look like results (review F9). Not inlined: it runs only after a
-// stall, and one copy keeps the data kernels' code as it was.
-static __device__ __noinline__ void poison_output(void* p, int64_t bytes) {
-  if (p == nullptr || bytes <= 0) return;
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
-  uint8_t* b = static_cast<uint8_t*>(p);
-  const int64_t head = min(bytes, int64_t((16 - (reinterpret_cast<uintptr_t>(b) & 15)) & 15));
-  const int64_t words = (bytes - head) / 16;
-  for (int64_t i = first; i < head; i += step) b[i] = 0xff;
-  int4* w = reinterpret_cast<int4*>(b + head);
-  for (int64_t i = first; i < words; i += step) w[i] = make_int4(-1, -1, -1, -1);
-  for (int64_t i = head + words * 16 + first; i < bytes; i += step) b[i] = 0xff;
 }
 
 // Base of a peer's (or our own) NVL region through LSA.
