@@ -58,7 +58,10 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     // A handle entry addresses at most M rows of source j inside expert e's R*M rows; anything
     // else (a corrupted or foreign handle) is a fault, and its rows are not sent.
     if (n != 0 && (n < 0 || n > M || first < 0 || first + n > rows_per_expert)) {
-      if (blockIdx.x == 0) record_fault(c, DEEPEP_FAULT_LL_COMBINE_HANDLE, DEEPEP_HANDLE_LL_LAYOUT_RANGE, idx, range);
+      // After a stall the handle may be a failed dispatch's poison (all -1): the stall, not a
+      // fault that the host would report first, is the error.
+      if (blockIdx.x == 0 && !buffer_failed(c.wait))
+        record_fault(c, DEEPEP_FAULT_LL_COMBINE_HANDLE, DEEPEP_HANDLE_LL_LAYOUT_RANGE, idx, range);
       n = 0;
     }
     prefix[idx] = n;
@@ -110,7 +113,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     const int row = block_begin[lo] + (row_idx - prefix[lo]);
     const int t = __ldg(p.src_info + int64_t(e) * rows_per_expert + row);
     if (uint32_t(t) >= uint32_t(M)) {  // a token index the receiver's M slots cannot hold: not sent
-      if (chunk == 0 && lane == 0)
+      if (chunk == 0 && lane == 0 && !buffer_failed(c.wait))  // as for layout_range above
         record_fault(c, DEEPEP_FAULT_LL_COMBINE_HANDLE, DEEPEP_HANDLE_LL_SRC_INFO, int64_t(e) * rows_per_expert + row, t);
       if (lane == 0) atomicAdd(&home_written[j], 1);  // counted all the same: home j still gets its signal
       continue;  // warp-uniform (one t per warp)
@@ -224,8 +227,12 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       if (u < K) first_weight[u] = __ldg(p.topk_weights + int64_t(first_t) * K + u);
     }
   }
-  tr.wait_sources(kSignalCombine, active, p.combine_wait_recv_cost_stats);
-  __syncthreads();
+  if (__syncthreads_or(tr.wait_sources(kSignalCombine, active, p.combine_wait_recv_cost_stats))) {
+    // Failed outside shrink mode (review F9; ll_dispatch.cu poison_dispatch): no token's sum is
+    // known to be whole, so all of combined_x is NaN (0xff). finish_receive has nothing to do.
+    poison_output(p.out, int64_t(p.num_tokens) * H * 2);
+    return;
+  }
   const uint8_t* recv = tr.local(c.combine_recv_offset);
   const uint8_t* recv_meta = recv + int64_t(c.num_experts) * M * cslot;
   // Only shrink mode skips sources (masked ones); outside it a source that never arrived is a

@@ -318,9 +318,11 @@ struct Transport {
   }
 
   // The receive's wait, block-wide: thread j waits for source j (then j + kThreads, ...) and
-  // sets active[j]; block 0 adds each wait's cycles to `stats` (if not NULL). Returns the
-  // expected signal value, for finish_receive.
-  __device__ void wait_sources(int kind, int* active, int64_t* stats) const;
+  // sets active[j]; block 0 adds each wait's cycles to `stats` (if not NULL). Returns whether
+  // this thread found the receive failed (the caller ORs it over the block): outside shrink
+  // mode, a source it waited for did not arrive, or (thread 0) a stall was recorded before
+  // (review F9: the receive then poisons its outputs; ll_dispatch.cu poison_dispatch).
+  __device__ bool wait_sources(int kind, int* active, int64_t* stats) const;
 
   // End of a receive of op `kind` (the whole block calls, after its last read of the half).
   __device__ void finish_receive(int kind) const;
@@ -332,16 +334,23 @@ __device__ __forceinline__ void add_stat(int64_t* p, int64_t v) {
 }
 
 template <int kRemote>
-__device__ void Transport<kRemote>::wait_sources(int kind, int* active, int64_t* stats) const {
+__device__ bool Transport<kRemote>::wait_sources(int kind, int* active, int64_t* stats) const {
+  // After a stall (this buffer's, any op) a receive fails even if its own peers all signalled:
+  // an earlier timeout leaves source_state masked and later waits break at once, so whether a
+  // block saw a signal is down to timing. Loaded first, beside the polls: no round trip added.
+  bool failed = !c.shrink && threadIdx.x == 0 && buffer_failed(c.wait);
   // Each thread's first poll goes out before the block's expected value is loaded, so that the
   // two loads are in flight together: in hook mode the signal is already there, one round trip.
   const uint64_t first = threadIdx.x < c.num_ranks ? read_signal(kind, threadIdx.x) : 0u;
   const uint64_t expected = expected_signal(kind);
   for (int j = threadIdx.x; j < c.num_ranks; j += kThreads) {
     int64_t cycles = 0;
-    active[j] = wait_source(kind, j, expected, j == threadIdx.x ? first : read_signal(kind, j), &cycles);
+    const bool got = wait_source(kind, j, expected, j == threadIdx.x ? first : read_signal(kind, j), &cycles);
+    active[j] = got;
+    failed |= !c.shrink && !got;  // shrink mode skips a masked source instead
     if (blockIdx.x == 0 && stats != nullptr) add_stat(stats + j, cycles);
   }
+  return failed;
 }
 
 // Whether `peer` takes part in this call (shrink mode skips masked ranks).

@@ -329,6 +329,25 @@ __device__ __forceinline__ void publish_count(const DeepepLlDispatchParams& p, i
   if (p.cumulative_local_expert_recv_stats != nullptr) atomicAdd(p.cumulative_local_expert_recv_stats + e, total);
 }
 
+// A receive that failed outside shrink mode (Transport::wait_sources; review F9) leaves every
+// output 0xff (poison_output: NaN rows and scales, -1 ints): CUDA-graph replays never reach the
+// host's stall check, so the outputs must not look like a result. Every row, not only a missing
+// source's: its counts are unknown and the later sources' rows start after them (begin). The
+// counts read -1 (so does the handle): never a row count, the -1 ints of normal mode's poison;
+// DeepEP's consumers read packed_recv_count as signed int32 (grouped GEMMs' masked_m: no rows).
+// Blocks agree, except in the op whose wait expires if a signal lands just then: a block that saw
+// it writes its rows beside the poison (the stall is still reported); later receives all fail.
+template <bool kFp8>
+__device__ __forceinline__ void poison_dispatch(const DeepepLlDispatchParams& p) {
+  const auto& c = p.common;
+  const int64_t el = c.num_local_experts, rows = el * c.num_ranks * c.max_tokens, h = c.hidden;
+  poison_output(p.packed_recv_x, rows * (kFp8 ? h : 2 * h));
+  if (kFp8) poison_output(p.packed_recv_x_scales, rows * (p.use_ue8m0 != 0 ? h / 512 : h / 128) * 4);
+  poison_output(p.packed_recv_count, el * 4);
+  poison_output(p.packed_recv_src_info, rows * 4);
+  poison_output(p.packed_recv_layout_range, el * c.num_ranks * 8);
+}
+
 template <int kRemote, bool kFp8>
 __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<kRemote>& tr, int* smem) {
   const auto& c = p.common;
@@ -364,8 +383,10 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
   auto slot_of = [&](const ItemPlace& it) {
     return tr.local(c.dispatch_recv_offset + (uint64_t(it.j) * M + it.i) * slot_bytes);
   };
-  tr.wait_sources(kSignalDispatch, active, p.dispatch_wait_recv_cost_stats);
-  __syncthreads();
+  if (__syncthreads_or(tr.wait_sources(kSignalDispatch, active, p.dispatch_wait_recv_cost_stats))) {
+    poison_dispatch<kFp8>(p);  // outside shrink mode only: finish_receive has nothing to do
+    return;
+  }
 
   constexpr int kUnroll = kItemMaxGroups;  // a chunk is one batch of loads
   int4 v[kUnroll];
