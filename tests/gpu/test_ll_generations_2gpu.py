@@ -21,6 +21,16 @@ finds nothing yet. Each case has its own Buffer (GPU timeout 3 s; a stalled buff
                               the mask without a clean; the next op on that half, rank 1 late: exact,
                               nobody masked (before: rank 0 took the stale flag and the old data)
 
+  graph_replay_after_stall[_hooks]
+                              F9: dispatch + combine captured in a CUDA graph (_hooks: FP8 dispatch,
+                              both receives by hook; GPU timeout 1.5 s), one replay exact; then rank 1
+                              stops replaying. Rank 0's replays, the one whose waits expire and the
+                              next (graph.replay() only, no library call between), must leave recv_x
+                              (and its scales), the handle's src_info and layout_range and combined_x
+                              all 0xff bytes, packed_recv_count all -1; then is_available() is False
+                              and the next call raises naming rank 1's dispatch (before: the outputs
+                              held rank 0's own rows and counts and the last good replay's rows)
+
   corrupted_handle_combine    issue 24 item 3: low_latency_combine with a handle whose src_info holds
                               a token index >= M, then one whose layout_range addresses rows past the
                               expert's: the next call raises naming the entry, the RDMA region past the
@@ -37,13 +47,14 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import Checks, finish, skip, spawn, watchdog
+from common import Checks, expect_raises_match, finish, skip, spawn, watchdog
 from ll_reference import bf16_ulp_distance, ref_ll_combine, ref_ll_dispatch
 
 BF16 = torch.bfloat16
 M, H, E, K = 64, 2048, 16, 4
 SLEEP = 20_000_000  # GPU cycles (~10 ms)
 TIMEOUT_MS = 3000
+STALL_MS = 1500  # graph_replay_after_stall: a replay waits this long per receive kind and half
 
 
 class Case:
@@ -95,13 +106,19 @@ class Case:
         return self.buf.low_latency_combine(ys[self.rank], all_topk[self.rank], weights, dispatched[2],
                                             return_recv_hook=hook)
 
-    def check_dispatch(self, what, op, out, masked=(), num_experts=None):
+    def check_dispatch(self, what, op, out, masked=(), num_experts=None, use_fp8=False):
         all_x, all_topk = self.inputs(op, num_experts)
-        ref = ref_ll_dispatch(all_x, all_topk, self.rank, num_experts or self.E, M, masked_ranks=masked)
+        ref = ref_ll_dispatch(all_x, all_topk, self.rank, num_experts or self.E, M, use_fp8=use_fp8,
+                              masked_ranks=masked)
         recv_x, count, handle = out[0], out[1], out[2]
-        for name, got, want in (('recv_count', count, ref.count), ('layout_range', handle[1], ref.layout_range),
-                                ('src_info', handle[0][ref.valid], ref.src_info[ref.valid]),
-                                ('recv_x', recv_x[ref.valid], ref.x[ref.valid])):
+        pairs = [('recv_count', count, ref.count), ('layout_range', handle[1], ref.layout_range),
+                 ('src_info', handle[0][ref.valid], ref.src_info[ref.valid])]
+        if use_fp8:  # FP8 rows compared as bytes; the scales' view is column-major (DeepEP's)
+            pairs += [('recv_x', recv_x[0].view(torch.uint8)[ref.valid], ref.x.view(torch.uint8)[ref.valid]),
+                      ('recv_x_scales', recv_x[1][ref.valid], ref.x_scales[ref.valid])]
+        else:
+            pairs.append(('recv_x', recv_x[ref.valid], ref.x[ref.valid]))
+        for name, got, want in pairs:
             assert torch.equal(got, want), f'{what}: {name} differs from the reference'
 
     def check_combine(self, what, op, combined, num_experts=None):
@@ -261,6 +278,57 @@ def shrink_masked_rank_rejoins(case, chk):
     chk.expect(mask.tolist() == [0, 0], f'mask after the rejoin: {mask.tolist()}')
 
 
+def graph_replay_after_stall(case, chk, hook):
+    case.buf.runtime.set_gpu_timeout_ms(STALL_MS)  # before capture: each launch keeps its budget
+    case.round(chk, 1)
+    all_x, all_topk = case.inputs(2)
+    x, topk = all_x[case.rank].clone(), all_topk[case.rank].clone()
+    ys, weights = case.expert_outputs(2)
+    y = ys[case.rank].clone()
+    use_fp8 = hook  # the hook variant also covers the FP8 scales
+
+    def step():
+        d = case.buf.low_latency_dispatch(x, topk, M, case.E, use_fp8=use_fp8, return_recv_hook=hook)
+        if hook:
+            d[4]()
+        c = case.buf.low_latency_combine(y, topk, weights, d[2], return_recv_hook=hook)
+        if hook:
+            c[2]()
+        return d, c[0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside capture, as torch recommends
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode='thread_local'):
+        out, combined = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    chk(case.check_dispatch, 'replay', 2, out, use_fp8=use_fp8)
+    chk(case.check_combine, 'replay', 2, combined)
+    chk.agree(case.group)
+
+    dist.barrier(group=case.group)
+    if case.rank == 0:  # rank 1 stops replaying: it goes on to the barrier of destroy()
+        recv_x, scales = out[0] if use_fp8 else (out[0], None)
+        for replay in ('the replay whose waits expired', 'the next replay'):
+            graph.replay()  # no library call between the replays
+            torch.cuda.synchronize()
+            for name, t in (('recv_x', recv_x), ('combined_x', combined)):
+                chk.expect(bool((t.view(torch.uint8) == 0xff).all()), f'{replay}: {name} is not all 0xff bytes')
+            if scales is not None:  # same element size: the column-major view may change dtype
+                chk.expect(bool((scales.view(torch.int32) == -1).all()), f'{replay}: recv_x_scales not all 0xff')
+            for name, t in (('packed_recv_count', out[1]), ('src_info', out[2][0]), ('layout_range', out[2][1])):
+                chk.expect(bool((t == -1).all()), f'{replay}: {name} is not all -1: {t.flatten()[:8].tolist()}')
+        chk.expect(not case.buf.runtime.is_available(), 'is_available() is True after the stall')
+        chk(expect_raises_match, 'the next call after the stall', RuntimeError, lambda: case.dispatch(3),
+            r'rank 1 never sent its low-latency dispatch')
+    del graph
+
+
 def corrupted_handle_combine(case, chk):
     # DeepEP's view runs num_rdma_bytes from the offset (past the window's end): only the guard's bytes.
     guard = case.buf.get_local_buffer_tensor(torch.uint8, offset=case.ll_bytes, use_rdma_buffer=True)[:case.guard_bytes]
@@ -305,6 +373,9 @@ CASES = {
     'shape_change_without_clean': (shape_change_without_clean, dict(shapes=(64,))),
     'shrink_masked_rank_rejoins': (shrink_masked_rank_rejoins, dict(enable_shrink=True)),
     'corrupted_handle_combine': (corrupted_handle_combine, dict(guard_bytes=8 << 20)),
+    # Last: their buffers are left stalled.
+    'graph_replay_after_stall': (lambda case, chk: graph_replay_after_stall(case, chk, hook=False), {}),
+    'graph_replay_after_stall_hooks': (lambda case, chk: graph_replay_after_stall(case, chk, hook=True), {}),
 }
 
 
