@@ -1,11 +1,13 @@
-"""Normal-mode protocol regressions on 2 GPUs (issue 24: review findings F2 and F9, item 3), each
-case on fresh Buffers, run the way DeepEP's tests run (default dtype BF16, default device CUDA)
+"""Normal-mode protocol regressions on 2 GPUs (issue 24: review findings F2, F7, F8 and F9, item 3),
+each case on fresh Buffers, run the way DeepEP's tests run (default dtype BF16, default device CUDA)
 against the independent torch references of normal_reference.py.
 
 * prefilled_flags_{dispatch,combine} (F2): before a fresh buffer's first dispatch (op epoch 0)
   or combine (epoch 1), every rank fills its NVL region with 0x7f bytes (huge BF16 rows) and
   puts, at every ring slot's flag address, the int32 pair (seq + 1, epoch): small integers, as
   stale top-k ids of another ring geometry can leave there. The outputs must still be exact.
+* ring2_random_delays_sms{8,24} (F7, F8): dispatch, cached dispatch and combine on 2-slot rings
+  (the smallest Config), random GPU delays per rank before each op; every output exact.
 * handle_* (item 3): a cached dispatch or a combine with one handle entry corrupted on rank 1.
   Every output the library allocates lies between two guard regions (the ctypes host path,
   DEEPEP_NCCL_FAST=0, allocates through Python, which this test points at guarded memory);
@@ -21,6 +23,7 @@ import os
 
 os.environ['DEEPEP_NCCL_FAST'] = '0'  # before deep_ep loads: the guarded allocation is the ctypes path's
 
+import random
 import re
 import sys
 import time
@@ -29,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import Checks, expect_raises_match, finish, skip, spawn, watchdog
+from common import Checks, assert_same, expect_raises_match, finish, skip, spawn, watchdog
 from deep_ep_cpp import _lib
-from test_normal import E, check_combine, check_dispatch, expect_dispatch, layout_args, make_ctx, make_inputs
+from test_normal import (E, MAX_HIDDEN, check_cached, check_combine, check_dispatch, check_handle, expect_dispatch,
+                         late_dispatch, layout_args, make_ctx, make_inputs, make_x, sent_weights, sleep_cycles)
 from normal_reference import ref_combine
 
 HIDDEN = 4096
@@ -151,6 +155,76 @@ def prefilled_flags(ctx, which):
         chk(check_combine, combined, ref_combine(ctx.group, ref, recv_x, recv_weights))
     finally:
         buf.destroy()
+    chk.done()
+
+
+# ---------------------------------------------------------------- F7, F8
+# The smallest rings a Config allows: num_max_nvl_chunked_send_tokens >= 1 and below
+# num_max_nvl_chunked_recv_tokens (src/config.rs), which is the ring size (src/normal/mod.rs
+# channel_plan; the kernels never read the send size): 2 slots per (channel, sender, receiver).
+# 4 channels (combine batches its flag releases: normal_combine.cu, num_channels <= 6) and 12.
+RING2_SMS = (8, 24)
+RING2_TOKENS = 4096
+RING2_ITERATIONS = 5  # the last one with FP8 x
+RING2_MAX_DELAY_MS = 5
+RING2_TIMEOUT_MS = 10_000  # a stall fails the case in seconds, not at the default 60 s
+
+
+def ring2_case(num_sms):
+    return f'ring2_random_delays_sms{num_sms}'
+
+
+def ring2_random_delays(ctx, num_sms):
+    """F7 and F8 (the stress run of the review's F7 and section 7): dispatch, a cached dispatch and
+    combine on rings of 2 slots, the smallest a Config allows, 4096 tokens a rank at 7168 hidden,
+    so each (channel, peer) ring wraps about 170 (12 channels) to 510 (4) times per op and every
+    slot is rewritten by its sender as soon as the reader hands it back (F8: a relaxed store)
+    while the reader's other warps poll and read the other slot. Before each op every rank sleeps a random number of GPU cycles
+    (0 to RING2_MAX_DELAY_MS, seeded per config, iteration and rank), and the non-cached dispatch
+    once more between its notify and its data kernel (late_dispatch: the ctypes path), so the
+    ranks' kernels start in varying order. Random routing; BF16 x, FP8 (column-major scales) in the
+    last iteration; the cached dispatch carries a new BF16 payload. Every output and the handle
+    must equal normal_reference bit for bit, combine its reference sum.
+    The combine reads ring slots with ld_ring, a coherent load, since F7's fix (before, ld.global.nc,
+    whose data must stay read-only for the kernel's lifetime). On Hopper .nc worked in practice (each
+    lane's flag acquire invalidates L1, the review says), so this case could not fail there before
+    the fix: it guards the rings under maximal wrap, and would show F7 on an architecture where .nc
+    does serve stale data."""
+    name = ring2_case(num_sms)
+    config = deep_ep.Config(num_sms, 1, 2)
+    chk = Checks()
+    with watchdog(ctx.rep, name, 120):
+        buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
+        try:
+            buf.runtime.set_gpu_timeout_ms(RING2_TIMEOUT_MS)
+            max_cycles = sleep_cycles(RING2_MAX_DELAY_MS)
+            for it in range(RING2_ITERATIONS):
+                rng = random.Random(f'{num_sms}/{it}/{ctx.rank}')
+                delays = [rng.randint(0, max_cycles) for _ in range(4)]
+                kind = 'fp8_col' if it == RING2_ITERATIONS - 1 else 'bf16'
+                inp = make_inputs(ctx, tokens=RING2_TOKENS, hidden=MAX_HIDDEN, x=kind)
+                ref = expect_dispatch(ctx, inp, num_sms=num_sms)
+                torch.cuda._sleep(delays[0])  # before the notify
+                out = late_dispatch(buf, inp, delays[1], config=config)  # and between it and the data kernel
+                chk(check_dispatch, out, ref, inp.in_rank)
+                chk.agree(ctx.group)
+
+                x = make_x('bf16', inp.tokens, inp.hidden)  # the same routing, a new payload
+                want = expect_dispatch(ctx, inp, with_topk=False, num_sms=num_sms, x=x)
+                torch.cuda._sleep(delays[2])
+                chk(check_cached, buf.dispatch(x, handle=out[4], config=config), want)
+
+                y = torch.randn(ref.num_recv, inp.hidden, dtype=torch.bfloat16)  # stands in for the experts' output
+                want = ref_combine(ctx.group, ref, y, out[2])
+                torch.cuda._sleep(delays[3])
+                got = buf.combine(y, out[4], topk_weights=out[2], config=config)
+                chk(check_combine, got, want)
+                chk(assert_same, 'combined_topk_weights vs the weights sent', got[1],
+                    sent_weights(inp.topk, inp.weights))
+                chk(check_handle, out[4], ref, inp.in_rank, after_combine=True)
+                chk.agree(ctx.group)
+        finally:
+            buf.destroy()
     chk.done()
 
 
@@ -295,6 +369,8 @@ def worker(rank, world, group, rep):
     ctx = make_ctx(dist.new_group(list(range(world))), rep)
     rep.run('prefilled_flags_dispatch', prefilled_flags, ctx, 'dispatch')
     rep.run('prefilled_flags_combine', prefilled_flags, ctx, 'combine')
+    for num_sms in RING2_SMS:
+        rep.run(ring2_case(num_sms), ring2_random_delays, ctx, num_sms)
     _lib.torch = GUARDS  # every output the ctypes path allocates is guarded (not under capture: it syncs)
     try:
         for name, (op, routing, corrupt) in HANDLE_CASES.items():
