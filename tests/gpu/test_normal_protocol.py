@@ -21,7 +21,9 @@ against the independent torch references of normal_reference.py.
   and -1 (top-k ids) in the outputs, not the last good results; is_available() (one host
   read, no other call) must say False, and its next call must raise the timeout naming rank 1.
 
-Checks are collected (common.Checks) so that all ranks keep making the same collective calls."""
+Checks are collected (common.Checks) so that all ranks keep making the same collective calls.
+Run: python tests/gpu/test_normal_protocol.py (2 GPUs); NORMAL_PROTOCOL_CASES="name ..." runs only
+the cases named (the graph case, if named, still runs last)."""
 import os
 
 os.environ['DEEPEP_NCCL_FAST'] = '0'  # before deep_ep loads: the guarded allocation is the ctypes path's
@@ -458,24 +460,44 @@ def graph_replay_after_stall(ctx):
 
 
 # ---------------------------------------------------------------- worker
+GRAPH_CASE = 'graph_replay_after_stall_poisons_outputs'
+CASES = ('prefilled_flags_dispatch', 'prefilled_flags_combine', *map(ring2_case, RING2_SMS), *HANDLE_CASES,
+         *IN_RANK_CASES, GRAPH_CASE)
+
+
+def wanted(name):
+    """Whether case `name` runs: every case, or those NORMAL_PROTOCOL_CASES names (space-separated)."""
+    only = os.environ.get('NORMAL_PROTOCOL_CASES', '').split()
+    return not only or name in only
+
+
 def worker(rank, world, group, rep):
     ctx = make_ctx(dist.new_group(list(range(world))), rep)
-    rep.run('prefilled_flags_dispatch', prefilled_flags, ctx, 'dispatch')
-    rep.run('prefilled_flags_combine', prefilled_flags, ctx, 'combine')
+
+    def run(name, fn, *args):
+        if wanted(name):
+            rep.run(name, fn, *args)
+
+    run('prefilled_flags_dispatch', prefilled_flags, ctx, 'dispatch')
+    run('prefilled_flags_combine', prefilled_flags, ctx, 'combine')
     for num_sms in RING2_SMS:
-        rep.run(ring2_case(num_sms), ring2_random_delays, ctx, num_sms)
+        run(ring2_case(num_sms), ring2_random_delays, ctx, num_sms)
     _lib.torch = GUARDS  # every output the ctypes path allocates is guarded (not under capture: it syncs)
     try:
         for name, (op, routing, corrupt) in HANDLE_CASES.items():
-            rep.run(name, corrupted_handle, ctx, name, op, routing, corrupt)
+            run(name, corrupted_handle, ctx, name, op, routing, corrupt)
         for name, (routing, corrupt, named) in IN_RANK_CASES.items():
-            rep.run(name, corrupted_in_rank, ctx, name, routing, corrupt, named)
+            run(name, corrupted_in_rank, ctx, name, routing, corrupt, named)
     finally:
         _lib.torch = torch
-    rep.run('graph_replay_after_stall_poisons_outputs', graph_replay_after_stall, ctx)  # last: leaves a stall
+    run(GRAPH_CASE, graph_replay_after_stall, ctx)  # last: leaves a stall
 
 
 if __name__ == '__main__':
+    unknown = [name for name in os.environ.get('NORMAL_PROTOCOL_CASES', '').split() if name not in CASES]
+    if unknown:
+        print(f'NORMAL_PROTOCOL_CASES names unknown cases {unknown}; the cases: {" ".join(CASES)}')
+        sys.exit(2)
     if torch.cuda.device_count() < 2:
         skip('w2', f'test_normal_protocol needs 2 GPUs, found {torch.cuda.device_count()}')
         sys.exit(1)
