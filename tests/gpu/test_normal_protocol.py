@@ -13,9 +13,9 @@ against the independent torch references of normal_reference.py.
   DEEPEP_NCCL_FAST=0, allocates through Python, which this test points at guarded memory);
   the guards must stay untouched on every rank, and some rank must report an error naming the
   corrupted entry. A peer may also stall (bounded) waiting for rows that were skipped.
-  Entry 4 (is_token_in_rank, handle_is_token_in_rank_*) is checked against nothing by the
-  kernels: a dropped token shows as a peer's stall naming rank 1's dispatch data, added ones
-  go unnoticed into ring slots nobody reads (corrupted_in_rank says which).
+  Entry 4 (is_token_in_rank, handle_is_token_in_rank_*) is checked against channel_prefix_matrix
+  per channel: a channel whose count disagrees sends nothing and the fault names the entry; a
+  token fewer shows as rank 0's stall too, tokens added for a rank expecting none do not reach it.
 * graph_replay_after_stall_poisons_outputs (F9): dispatch + combine captured in a CUDA graph;
   rank 1 stops replaying. Rank 0's replays after its wait expired must leave NaN (BF16 rows)
   and -1 (top-k ids) in the outputs, not the last good results; is_available() (one host
@@ -316,44 +316,36 @@ def destroy_after(ctx, buf, name, guards):
 
 # ---------------------------------------------------------------- item 3, handle entry 4
 # is_token_in_rank (handle[4]) is read by a cached dispatch only (intranode combine does not take
-# it), and there only by the data kernel's senders (kernels/normal_dispatch.cu send_channel): they
-# number a channel's tokens for each destination by it and put token number s in slot s % ring of
-# that destination's ring, or, for this rank, at row recv_channel_prefix + s if that is below the
-# rows. The cached notify (normal_notify.cu) sends peers the handle's channel_prefix_matrix instead,
-# and a receiver takes exactly the rows those prefixes give from each (channel, source) ring.
-# Nothing compares the two (internode's notify does), so no fault names the entry: a token dropped
-# for a peer leaves that peer waiting for the channel's last row (a bounded stall naming this rank,
-# DEEPEP_WAIT_OP_DISPATCH_SLOT); tokens added for a peer go into ring slots it never reads (a
-# sender waits for a slot back, DEEPEP_WAIT_OP_DISPATCH_CONSUMED, only once a channel sends a whole
-# ring more than the peer takes) and shift which token fills which of its rows; tokens added or
-# dropped for this rank move its own rows within recv_x. Every write stays inside the outputs.
+# it), and there by the data kernel's senders (kernels/normal_dispatch.cu send_channel): they number
+# a channel's tokens for each destination by it. The cached notify sends peers the handle's
+# channel_prefix_matrix instead, and a receiver takes exactly the rows those prefixes give. So each
+# sender warp first counts the channel's marked tokens: if the count is not the prefixes' (a row
+# more or fewer would shift or leave the peer's rows silently), the channel sends that destination
+# nothing and the fault names the entry (DEEPEP_HANDLE_IS_TOKEN_IN_RANK) at the rank's next call.
 def first_token_of_rank0_dropped(in_rank):
     in_rank[int(in_rank[:, 0].nonzero()[0, 0]), 0] = False
 
 
-# name: (CORRUPT_RANK's routing, corrupt(is_token_in_rank) on CORRUPT_RANK, what some rank's error
-# must match, or None: no rank may raise). With 2 ranks 'skewed' sends every token of CORRUPT_RANK
-# (the last rank) to itself only; corrupted, every one goes to rank 0 too: 22 a channel (256 tokens,
-# 12 channels), well within CONFIG's 256-slot rings, so no sender waits.
+ENTRY4_NAMED = r'is_token_in_rank \(handle\[4\]\) against its channel_prefix_matrix'
+
+# name: (CORRUPT_RANK's routing, corrupt(is_token_in_rank) on CORRUPT_RANK, whether rank 0 still
+# gets every row it expects). With 2 ranks 'skewed' sends every token of CORRUPT_RANK (the last
+# rank) to itself only; corrupted, every one is marked for rank 0 too, whose prefixes say 0 rows.
 IN_RANK_CASES = {
-    'handle_is_token_in_rank_fewer_cached_dispatch':
-        ('random', first_token_of_rank0_dropped, rf'\brank {CORRUPT_RANK} never sent its dispatch data'),
-    'handle_is_token_in_rank_extra_cached_dispatch':
-        ('skewed', lambda in_rank: in_rank[:, 0].fill_(True), None),
+    'handle_is_token_in_rank_fewer_cached_dispatch': ('random', first_token_of_rank0_dropped, False),
+    'handle_is_token_in_rank_extra_cached_dispatch': ('skewed', lambda in_rank: in_rank[:, 0].fill_(True), True),
 }
 
 
-def corrupted_in_rank(ctx, name, routing, corrupt, named):
+def corrupted_in_rank(ctx, name, routing, corrupt, rank0_whole):
     """Handle entry 4, is_token_in_rank, corrupted on CORRUPT_RANK before a cached dispatch (what
-    the kernels do with it: above). fewer: CORRUPT_RANK no longer sends rank 0 its first token, so
-    rank 0 waits for that channel's last row until its timeout; its error (at its next call) must
-    name CORRUPT_RANK's dispatch data, the entry itself cannot be named, and no guard may change on
-    any rank. extra: CORRUPT_RANK, which kept all its tokens, sends every one to rank 0 too, into
-    ring slots rank 0 never reads (it takes the 0 rows the handle's channel prefixes say): no rank
-    may raise, no guard may change, the cached dispatch's recv_x must equal the reference of the
-    uncorrupted handle on both ranks, and a later dispatch on the same buffer must be exact (the
-    unread slots' flags are of an older op). Both pin what the kernels do today; a check of
-    is_token_in_rank against the matrices, as internode's notify has, would change them."""
+    the kernels do with it: above). On every rank no guard may change. CORRUPT_RANK's next call
+    must name the entry. fewer: one channel of CORRUPT_RANK marks a token fewer for rank 0, sends it
+    nothing, and rank 0's wait for that channel ends at its timeout: its error must name
+    CORRUPT_RANK's dispatch data. extra: every token is marked for rank 0, whose prefixes say 0 rows
+    from CORRUPT_RANK in every channel; nothing goes to rank 0, which must raise nothing and receive
+    exactly the uncorrupted handle's rows. Over a build without the check, fewer names no entry
+    and extra lets the marked tokens into rank 0's ring (both fail)."""
     chk = Checks()
     buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
     try:
@@ -371,37 +363,31 @@ def corrupted_in_rank(ctx, name, routing, corrupt, named):
             corrupt(handle[4])
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
-        call = lambda: buf.dispatch(inp.x, handle=handle, config=CONFIG)  # noqa: E731
-        next_call = lambda: buf.get_dispatch_layout(inp.topk, E)  # noqa: E731
-        if named is not None:
-            check_corrupted_call(ctx, chk, name, GUARDS, named, call, next_call)
+        errors, got = [], None
+        try:
+            got = buf.dispatch(inp.x, handle=handle, config=CONFIG)
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            errors.append(str(e))
+        try:
+            buf.get_dispatch_layout(inp.topk, E)  # reports a fault or stall the dispatch recorded
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            errors.append(str(e))
+        bad = GUARDS.violations()
+        chk.expect(not bad, f'{name}: rank {ctx.rank} has writes outside the outputs: {bad[:3]}')
+        if ctx.rank == CORRUPT_RANK:
+            chk.expect(any(re.search(ENTRY4_NAMED, e) for e in errors), f'{name}: the entry is not named: {errors}')
+        elif rank0_whole:
+            chk.expect(not errors, f'{name}: rank {ctx.rank} raised: {errors}')
+            if got is not None:
+                chk(check_cached, got, ref)
         else:
-            check_unnoticed_call(ctx, chk, name, buf, ref, call, next_call)
+            stalled = rf'\brank {CORRUPT_RANK} never sent its dispatch data'
+            chk.expect(any(re.search(stalled, e) for e in errors), f'{name}: rank {CORRUPT_RANK} not named: {errors}')
     finally:
         destroy_after(ctx, buf, name, GUARDS)
     chk.done()
-
-
-def check_unnoticed_call(ctx, chk, name, buf, ref, call, next_call):
-    """The extra case after the corruption: `call` (the cached dispatch) and `next_call` raise
-    nothing, no guard changed, the cached recv_x equals `ref`'s; then a new dispatch is exact."""
-    errors, got = [], None
-    try:
-        got = call()
-        torch.cuda.synchronize()
-        next_call()
-        torch.cuda.synchronize()
-    except RuntimeError as e:
-        errors.append(str(e))
-    chk.expect(not errors, f'{name}: rank {ctx.rank} raised: {errors}')
-    bad = GUARDS.violations()
-    chk.expect(not bad, f'{name}: rank {ctx.rank} has writes outside the outputs: {bad[:3]}')
-    if got is not None:
-        chk(check_cached, got, ref)
-    chk.agree(ctx.group)
-    inp = make_inputs(ctx, tokens=256, hidden=HIDDEN)
-    ref = expect_dispatch(ctx, inp, num_sms=CONFIG.num_sms)
-    chk(check_dispatch, buf.dispatch(inp.x, **layout_args(inp), config=CONFIG), ref, inp.in_rank)
 
 
 # ---------------------------------------------------------------- F9
@@ -486,8 +472,8 @@ def worker(rank, world, group, rep):
     try:
         for name, (op, routing, corrupt) in HANDLE_CASES.items():
             run(name, corrupted_handle, ctx, name, op, routing, corrupt)
-        for name, (routing, corrupt, named) in IN_RANK_CASES.items():
-            run(name, corrupted_in_rank, ctx, name, routing, corrupt, named)
+        for name, (routing, corrupt, rank0_whole) in IN_RANK_CASES.items():
+            run(name, corrupted_in_rank, ctx, name, routing, corrupt, rank0_whole)
     finally:
         _lib.torch = torch
     run(GRAPH_CASE, graph_replay_after_stall, ctx)  # last: leaves a stall
