@@ -131,7 +131,8 @@ step smoke_normal 200 "$PYTHON" tests/gpu/smoke_normal.py
 # ctypes path twice; the *_ctypes steps run the same tests on that path.
 step test_normal 600 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_normal.py
 step test_normal_ctypes 600 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_normal.py
-# Stale flag values, corrupted handles inside guard regions, graph replay after a stall (2 GPUs).
+# Stale flag values, 2-slot rings under random GPU delays, corrupted handles inside guard regions,
+# graph replay after a stall (2 GPUs).
 step test_normal_protocol 300 "$PYTHON" tests/gpu/test_normal_protocol.py
 # Shrink in normal mode: a silent rank masked, its traffic dropped and counted, recovery (2 GPUs).
 step test_normal_shrink 300 "$PYTHON" tests/gpu/test_normal_shrink.py

@@ -113,6 +113,7 @@ enum DeepepHandleEntry {
   DEEPEP_HANDLE_SRC_META = 13,                 // [7] recv_src_meta as int32 [rows, 2]: source node, NVLink mask
   DEEPEP_HANDLE_SEND_RDMA_HEAD = 14,           // [8] send_rdma_head [T, N]
   DEEPEP_HANDLE_SEND_NVL_HEAD = 15,            // [9] send_nvl_head [rows, G]
+  DEEPEP_HANDLE_IS_TOKEN_IN_RANK = 16,         // intranode is_token_in_rank [T, R] against channel_prefix_matrix
 };
 
 // Host-mapped: the first fault wins until the host has reported it. A fault is claimed by
@@ -221,6 +222,7 @@ typedef struct DeepepDispatchParams {
   int32_t topk_idx_is_int32;
   int32_t num_experts;           // 0 without top-k
   int32_t slot_bytes;            // bytes of one ring slot
+  int32_t cached;                // 1: is_token_in_rank and channel_prefix_matrix are a handle's
 } DeepepDispatchParams;
 
 typedef struct DeepepCombineParams {

@@ -66,6 +66,18 @@ __device__ __forceinline__ void write_side_outputs(const DeepepDispatchParams& p
   if (lane == 0) p.recv_src_idx[row] = int32_t(t);
 }
 
+// Tokens of [begin, end) that is_token_in_rank marks for dst.
+__device__ __forceinline__ int64_t marked_tokens(const uint8_t* is_token_in_rank, int R, int dst, int64_t begin,
+                                                 int64_t end, int lane) {
+  int64_t marked = 0;
+#pragma unroll 4
+  for (int64_t tile = begin; tile < end; tile += kWarp) {
+    const int64_t t = tile + lane;
+    marked += __popc(__ballot_sync(0xffffffffu, t < end && is_token_in_rank[t * R + dst] != 0));
+  }
+  return marked;
+}
+
 // Sender warps: one group per destination rank; member m takes every
 // group_size-th token of the (channel, destination) stream. Returns -1, or the sequence number
 // of the warp's first token it did not send (a wait expired, or shrink mode masks the
@@ -89,6 +101,21 @@ __device__ __forceinline__ int64_t send_channel(const DeepepDispatchParams& p, i
 
   int64_t begin, end;
   channel_range(p.num_tokens, C, ch, begin, end);
+  // A cached handle's is_token_in_rank (entry 4) must mark, per channel, the rows its
+  // channel_prefix_matrix promised dst in notify: dst takes exactly that many, so one more or
+  // fewer would shift or leave rows silently. On a mismatch the channel sends none (dst's wait
+  // expires, naming this rank) and the fault names the entry. Non-cached, notify counted the
+  // same tensor.
+  if (p.cached) {
+    const int64_t promised =
+        int64_t(p.channel_prefix_matrix[dst * C + ch]) - (ch > 0 ? p.channel_prefix_matrix[dst * C + ch - 1] : 0);
+    const int64_t marked = marked_tokens(p.is_token_in_rank, R, dst, begin, end, lane);
+    if (marked != promised) {
+      if (member == 0 && lane == 0)
+        record_fault(c, DEEPEP_FAULT_DISPATCH_HANDLE, DEEPEP_HANDLE_IS_TOKEN_IN_RANK, dst * C + ch, marked);
+      return -1;
+    }
+  }
   uint8_t* dst_nvl = dst == me ? nullptr : nvl_base(c, dst);
   uint8_t* my_nvl = nvl_base(c, me);
   const int64_t self_base = p.recv_channel_prefix_matrix[me * C + ch];

@@ -118,6 +118,11 @@ fn bad_entry(op: &str, f: &FaultRecord) -> String {
         ),
         kernels::DEEPEP_HANDLE_SEND_RDMA_HEAD => ("the handle's send_rdma_head (handle[8])", HEADS),
         kernels::DEEPEP_HANDLE_SEND_NVL_HEAD => ("the handle's send_nvl_head (handle[9])", HEADS),
+        kernels::DEEPEP_HANDLE_IS_TOKEN_IN_RANK => (
+            "the handle's is_token_in_rank (handle[4]) against its channel_prefix_matrix (handle[1])",
+            "a channel's tokens marked for a rank must be the count channel_prefix_matrix gives it; flat index = rank * \
+             channels + channel, the value is the marked count",
+        ),
         _ => ("an index entry", PREFIX),
     };
     // A cached dispatch does not skip: it sends what is_token_in_rank selects and goes by the
@@ -132,6 +137,8 @@ fn bad_entry(op: &str, f: &FaultRecord) -> String {
         );
     let after = if rewritten {
         "The dispatch went by is_token_in_rank and the counts the peers sent, and rewrote the handle's entries from them"
+    } else if f.a as kernels::DeepepHandleEntry == kernels::DEEPEP_HANDLE_IS_TOKEN_IN_RANK {
+        "That channel sent that rank no rows, so its wait for them ends at its timeout"
     } else {
         "Rows it addressed were skipped"
     };

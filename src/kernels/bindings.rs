@@ -219,6 +219,7 @@ pub const DEEPEP_HANDLE_RECV_GBL_RANK_PREFIX: DeepepHandleEntry = 12;
 pub const DEEPEP_HANDLE_SRC_META: DeepepHandleEntry = 13;
 pub const DEEPEP_HANDLE_SEND_RDMA_HEAD: DeepepHandleEntry = 14;
 pub const DEEPEP_HANDLE_SEND_NVL_HEAD: DeepepHandleEntry = 15;
+pub const DEEPEP_HANDLE_IS_TOKEN_IN_RANK: DeepepHandleEntry = 16;
 pub type DeepepHandleEntry = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Default)]
@@ -474,12 +475,13 @@ pub struct DeepepDispatchParams {
     pub topk_idx_is_int32: i32,
     pub num_experts: i32,
     pub slot_bytes: i32,
+    pub cached: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     [
         "Size of DeepepDispatchParams",
-    ][::std::mem::size_of::<DeepepDispatchParams>() - 312usize];
+    ][::std::mem::size_of::<DeepepDispatchParams>() - 320usize];
     [
         "Alignment of DeepepDispatchParams",
     ][::std::mem::align_of::<DeepepDispatchParams>() - 8usize];
@@ -559,6 +561,9 @@ const _: () = {
     [
         "Offset of field: DeepepDispatchParams::slot_bytes",
     ][::std::mem::offset_of!(DeepepDispatchParams, slot_bytes) - 308usize];
+    [
+        "Offset of field: DeepepDispatchParams::cached",
+    ][::std::mem::offset_of!(DeepepDispatchParams, cached) - 312usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]

@@ -608,6 +608,7 @@ fn data(buffer: &Buffer, res: &crate::buffer::Resources, plan: &Plan, recv: &Rec
         topk_idx_is_int32: i32_ids,
         num_experts: plan.num_experts,
         slot_bytes: plan.slot_bytes as i32,
+        cached: plan.cached as i32,
     };
     let launch = kernels::entry(res.dev_comm.build().table().launch_normal_dispatch);
     // SAFETY: params point at validated tensors, the live window and workspace.

@@ -751,7 +751,7 @@ def sleep_cycles(ms):
     return int(ms * probe / max(start.elapsed_time(end), 1e-3))
 
 
-def late_dispatch(buf, inp, cycles):
+def late_dispatch(buf, inp, cycles, config=None):
     """A dispatch whose data kernel starts `cycles` after its notify: the ctypes path, with a GPU
     sleep put between its prepare (notify + host wait) and its data kernel launch."""
     from deep_ep_cpp import _normal
@@ -766,7 +766,7 @@ def late_dispatch(buf, inp, cycles):
     runtime._fast_with_config = lambda *args, **kwargs: None  # no compiled path: the launch below is taken
     _normal.lib.deepep_intranode_dispatch = delayed
     try:
-        return buf.dispatch(inp.x, **layout_args(inp))
+        return buf.dispatch(inp.x, **layout_args(inp), config=config)
     finally:
         _normal.lib.deepep_intranode_dispatch = launch
         del runtime._fast_with_config

@@ -1,26 +1,34 @@
-"""Normal-mode protocol regressions on 2 GPUs (issue 24: review findings F2 and F9, item 3), each
-case on fresh Buffers, run the way DeepEP's tests run (default dtype BF16, default device CUDA)
+"""Normal-mode protocol regressions on 2 GPUs (issue 24: review findings F2, F7, F8 and F9, item 3),
+each case on fresh Buffers, run the way DeepEP's tests run (default dtype BF16, default device CUDA)
 against the independent torch references of normal_reference.py.
 
 * prefilled_flags_{dispatch,combine} (F2): before a fresh buffer's first dispatch (op epoch 0)
   or combine (epoch 1), every rank fills its NVL region with 0x7f bytes (huge BF16 rows) and
   puts, at every ring slot's flag address, the int32 pair (seq + 1, epoch): small integers, as
   stale top-k ids of another ring geometry can leave there. The outputs must still be exact.
+* ring2_random_delays_sms{8,24} (F7, F8): dispatch, cached dispatch and combine on 2-slot rings
+  (the smallest Config), random GPU delays per rank before each op; every output exact.
 * handle_* (item 3): a cached dispatch or a combine with one handle entry corrupted on rank 1.
   Every output the library allocates lies between two guard regions (the ctypes host path,
   DEEPEP_NCCL_FAST=0, allocates through Python, which this test points at guarded memory);
   the guards must stay untouched on every rank, and some rank must report an error naming the
   corrupted entry. A peer may also stall (bounded) waiting for rows that were skipped.
+  Entry 4 (is_token_in_rank, handle_is_token_in_rank_*) is checked against channel_prefix_matrix
+  per channel: a channel whose count disagrees sends nothing and the fault names the entry; a
+  token fewer shows as rank 0's stall too, tokens added for a rank expecting none do not reach it.
 * graph_replay_after_stall_poisons_outputs (F9): dispatch + combine captured in a CUDA graph;
   rank 1 stops replaying. Rank 0's replays after its wait expired must leave NaN (BF16 rows)
   and -1 (top-k ids) in the outputs, not the last good results; is_available() (one host
   read, no other call) must say False, and its next call must raise the timeout naming rank 1.
 
-Checks are collected (common.Checks) so that all ranks keep making the same collective calls."""
+Checks are collected (common.Checks) so that all ranks keep making the same collective calls.
+Run: python tests/gpu/test_normal_protocol.py (2 GPUs); NORMAL_PROTOCOL_CASES="name ..." runs only
+the cases named (the graph case, if named, still runs last)."""
 import os
 
 os.environ['DEEPEP_NCCL_FAST'] = '0'  # before deep_ep loads: the guarded allocation is the ctypes path's
 
+import random
 import re
 import sys
 import time
@@ -29,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import Checks, expect_raises_match, finish, skip, spawn, watchdog
+from common import Checks, assert_same, expect_raises_match, finish, skip, spawn, watchdog
 from deep_ep_cpp import _lib
-from test_normal import E, check_combine, check_dispatch, expect_dispatch, layout_args, make_ctx, make_inputs
+from test_normal import (E, MAX_HIDDEN, check_cached, check_combine, check_dispatch, check_handle, expect_dispatch,
+                         late_dispatch, layout_args, make_ctx, make_inputs, make_x, sent_weights, sleep_cycles)
 from normal_reference import ref_combine
 
 HIDDEN = 4096
@@ -154,6 +163,76 @@ def prefilled_flags(ctx, which):
     chk.done()
 
 
+# ---------------------------------------------------------------- F7, F8
+# The smallest rings a Config allows: num_max_nvl_chunked_send_tokens >= 1 and below
+# num_max_nvl_chunked_recv_tokens (src/config.rs), which is the ring size (src/normal/mod.rs
+# channel_plan; the kernels never read the send size): 2 slots per (channel, sender, receiver).
+# 4 channels (combine batches its flag releases: normal_combine.cu, num_channels <= 6) and 12.
+RING2_SMS = (8, 24)
+RING2_TOKENS = 4096
+RING2_ITERATIONS = 5  # the last one with FP8 x
+RING2_MAX_DELAY_MS = 5
+RING2_TIMEOUT_MS = 10_000  # a stall fails the case in seconds, not at the default 60 s
+
+
+def ring2_case(num_sms):
+    return f'ring2_random_delays_sms{num_sms}'
+
+
+def ring2_random_delays(ctx, num_sms):
+    """F7 and F8 (the stress run of the review's F7 and section 7): dispatch, a cached dispatch and
+    combine on rings of 2 slots, the smallest a Config allows, 4096 tokens a rank at 7168 hidden,
+    so each (channel, peer) ring wraps about 170 (12 channels) to 510 (4) times per op and every
+    slot is rewritten by its sender as soon as the reader hands it back (F8: a relaxed store)
+    while the reader's other warps poll and read the other slot. Before each op every rank sleeps a random number of GPU cycles
+    (0 to RING2_MAX_DELAY_MS, seeded per config, iteration and rank), and the non-cached dispatch
+    once more between its notify and its data kernel (late_dispatch: the ctypes path), so the
+    ranks' kernels start in varying order. Random routing; BF16 x, FP8 (column-major scales) in the
+    last iteration; the cached dispatch carries a new BF16 payload. Every output and the handle
+    must equal normal_reference bit for bit, combine its reference sum.
+    The combine reads ring slots with ld_ring, a coherent load, since F7's fix (before, ld.global.nc,
+    whose data must stay read-only for the kernel's lifetime). On Hopper .nc worked in practice (each
+    lane's flag acquire invalidates L1, the review says), so this case could not fail there before
+    the fix: it guards the rings under maximal wrap, and would show F7 on an architecture where .nc
+    does serve stale data."""
+    name = ring2_case(num_sms)
+    config = deep_ep.Config(num_sms, 1, 2)
+    chk = Checks()
+    with watchdog(ctx.rep, name, 120):
+        buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
+        try:
+            buf.runtime.set_gpu_timeout_ms(RING2_TIMEOUT_MS)
+            max_cycles = sleep_cycles(RING2_MAX_DELAY_MS)
+            for it in range(RING2_ITERATIONS):
+                rng = random.Random(f'{num_sms}/{it}/{ctx.rank}')
+                delays = [rng.randint(0, max_cycles) for _ in range(4)]
+                kind = 'fp8_col' if it == RING2_ITERATIONS - 1 else 'bf16'
+                inp = make_inputs(ctx, tokens=RING2_TOKENS, hidden=MAX_HIDDEN, x=kind)
+                ref = expect_dispatch(ctx, inp, num_sms=num_sms)
+                torch.cuda._sleep(delays[0])  # before the notify
+                out = late_dispatch(buf, inp, delays[1], config=config)  # and between it and the data kernel
+                chk(check_dispatch, out, ref, inp.in_rank)
+                chk.agree(ctx.group)
+
+                x = make_x('bf16', inp.tokens, inp.hidden)  # the same routing, a new payload
+                want = expect_dispatch(ctx, inp, with_topk=False, num_sms=num_sms, x=x)
+                torch.cuda._sleep(delays[2])
+                chk(check_cached, buf.dispatch(x, handle=out[4], config=config), want)
+
+                y = torch.randn(ref.num_recv, inp.hidden, dtype=torch.bfloat16)  # stands in for the experts' output
+                want = ref_combine(ctx.group, ref, y, out[2])
+                torch.cuda._sleep(delays[3])
+                got = buf.combine(y, out[4], topk_weights=out[2], config=config)
+                chk(check_combine, got, want)
+                chk(assert_same, 'combined_topk_weights vs the weights sent', got[1],
+                    sent_weights(inp.topk, inp.weights))
+                chk(check_handle, out[4], ref, inp.in_rank, after_combine=True)
+                chk.agree(ctx.group)
+        finally:
+            buf.destroy()
+    chk.done()
+
+
 # ---------------------------------------------------------------- item 3
 def self_row_past_end(handle, out, ctx):
     """send_head[t][us] for a token we keep: the value that puts our own row at N + 2."""
@@ -235,6 +314,82 @@ def destroy_after(ctx, buf, name, guards):
     guards.blocks.clear()
 
 
+# ---------------------------------------------------------------- item 3, handle entry 4
+# is_token_in_rank (handle[4]) is read by a cached dispatch only (intranode combine does not take
+# it), and there by the data kernel's senders (kernels/normal_dispatch.cu send_channel): they number
+# a channel's tokens for each destination by it. The cached notify sends peers the handle's
+# channel_prefix_matrix instead, and a receiver takes exactly the rows those prefixes give. So each
+# sender warp first counts the channel's marked tokens: if the count is not the prefixes' (a row
+# more or fewer would shift or leave the peer's rows silently), the channel sends that destination
+# nothing and the fault names the entry (DEEPEP_HANDLE_IS_TOKEN_IN_RANK) at the rank's next call.
+def first_token_of_rank0_dropped(in_rank):
+    in_rank[int(in_rank[:, 0].nonzero()[0, 0]), 0] = False
+
+
+ENTRY4_NAMED = r'is_token_in_rank \(handle\[4\]\) against its channel_prefix_matrix'
+
+# name: (CORRUPT_RANK's routing, corrupt(is_token_in_rank) on CORRUPT_RANK, whether rank 0 still
+# gets every row it expects). With 2 ranks 'skewed' sends every token of CORRUPT_RANK (the last
+# rank) to itself only; corrupted, every one is marked for rank 0 too, whose prefixes say 0 rows.
+IN_RANK_CASES = {
+    'handle_is_token_in_rank_fewer_cached_dispatch': ('random', first_token_of_rank0_dropped, False),
+    'handle_is_token_in_rank_extra_cached_dispatch': ('skewed', lambda in_rank: in_rank[:, 0].fill_(True), True),
+}
+
+
+def corrupted_in_rank(ctx, name, routing, corrupt, rank0_whole):
+    """Handle entry 4, is_token_in_rank, corrupted on CORRUPT_RANK before a cached dispatch (what
+    the kernels do with it: above). On every rank no guard may change. CORRUPT_RANK's next call
+    must name the entry. fewer: one channel of CORRUPT_RANK marks a token fewer for rank 0, sends it
+    nothing, and rank 0's wait for that channel ends at its timeout: its error must name
+    CORRUPT_RANK's dispatch data. extra: every token is marked for rank 0, whose prefixes say 0 rows
+    from CORRUPT_RANK in every channel; nothing goes to rank 0, which must raise nothing and receive
+    exactly the uncorrupted handle's rows. Over a build without the check, fewer names no entry
+    and extra lets the marked tokens into rank 0's ring (both fail)."""
+    chk = Checks()
+    buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
+    try:
+        inp = make_inputs(ctx, routing=routing if ctx.rank == CORRUPT_RANK else 'random', tokens=256, hidden=HIDDEN)
+        ref = expect_dispatch(ctx, inp, num_sms=CONFIG.num_sms)  # before the corruption: handle[4] is inp.in_rank
+        out = buf.dispatch(inp.x, **layout_args(inp), config=CONFIG)
+        torch.cuda.synchronize()
+        chk(check_dispatch, out, ref, inp.in_rank)
+        bad = GUARDS.violations()
+        chk.expect(not bad, f'the healthy dispatch wrote outside its outputs: {bad}')
+        chk.agree(ctx.group)
+        buf.runtime.set_gpu_timeout_ms(STALL_MS)  # a peer waiting for a row never sent gives up soon
+        handle = out[4]
+        if ctx.rank == CORRUPT_RANK:
+            corrupt(handle[4])
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        errors, got = [], None
+        try:
+            got = buf.dispatch(inp.x, handle=handle, config=CONFIG)
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            errors.append(str(e))
+        try:
+            buf.get_dispatch_layout(inp.topk, E)  # reports a fault or stall the dispatch recorded
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            errors.append(str(e))
+        bad = GUARDS.violations()
+        chk.expect(not bad, f'{name}: rank {ctx.rank} has writes outside the outputs: {bad[:3]}')
+        if ctx.rank == CORRUPT_RANK:
+            chk.expect(any(re.search(ENTRY4_NAMED, e) for e in errors), f'{name}: the entry is not named: {errors}')
+        elif rank0_whole:
+            chk.expect(not errors, f'{name}: rank {ctx.rank} raised: {errors}')
+            if got is not None:
+                chk(check_cached, got, ref)
+        else:
+            stalled = rf'\brank {CORRUPT_RANK} never sent its dispatch data'
+            chk.expect(any(re.search(stalled, e) for e in errors), f'{name}: rank {CORRUPT_RANK} not named: {errors}')
+    finally:
+        destroy_after(ctx, buf, name, GUARDS)
+    chk.done()
+
+
 # ---------------------------------------------------------------- F9
 def graph_replay_after_stall(ctx):
     chk = Checks()
@@ -291,20 +446,44 @@ def graph_replay_after_stall(ctx):
 
 
 # ---------------------------------------------------------------- worker
+GRAPH_CASE = 'graph_replay_after_stall_poisons_outputs'
+CASES = ('prefilled_flags_dispatch', 'prefilled_flags_combine', *map(ring2_case, RING2_SMS), *HANDLE_CASES,
+         *IN_RANK_CASES, GRAPH_CASE)
+
+
+def wanted(name):
+    """Whether case `name` runs: every case, or those NORMAL_PROTOCOL_CASES names (space-separated)."""
+    only = os.environ.get('NORMAL_PROTOCOL_CASES', '').split()
+    return not only or name in only
+
+
 def worker(rank, world, group, rep):
     ctx = make_ctx(dist.new_group(list(range(world))), rep)
-    rep.run('prefilled_flags_dispatch', prefilled_flags, ctx, 'dispatch')
-    rep.run('prefilled_flags_combine', prefilled_flags, ctx, 'combine')
+
+    def run(name, fn, *args):
+        if wanted(name):
+            rep.run(name, fn, *args)
+
+    run('prefilled_flags_dispatch', prefilled_flags, ctx, 'dispatch')
+    run('prefilled_flags_combine', prefilled_flags, ctx, 'combine')
+    for num_sms in RING2_SMS:
+        run(ring2_case(num_sms), ring2_random_delays, ctx, num_sms)
     _lib.torch = GUARDS  # every output the ctypes path allocates is guarded (not under capture: it syncs)
     try:
         for name, (op, routing, corrupt) in HANDLE_CASES.items():
-            rep.run(name, corrupted_handle, ctx, name, op, routing, corrupt)
+            run(name, corrupted_handle, ctx, name, op, routing, corrupt)
+        for name, (routing, corrupt, rank0_whole) in IN_RANK_CASES.items():
+            run(name, corrupted_in_rank, ctx, name, routing, corrupt, rank0_whole)
     finally:
         _lib.torch = torch
-    rep.run('graph_replay_after_stall_poisons_outputs', graph_replay_after_stall, ctx)  # last: leaves a stall
+    run(GRAPH_CASE, graph_replay_after_stall, ctx)  # last: leaves a stall
 
 
 if __name__ == '__main__':
+    unknown = [name for name in os.environ.get('NORMAL_PROTOCOL_CASES', '').split() if name not in CASES]
+    if unknown:
+        print(f'NORMAL_PROTOCOL_CASES names unknown cases {unknown}; the cases: {" ".join(CASES)}')
+        sys.exit(2)
     if torch.cuda.device_count() < 2:
         skip('w2', f'test_normal_protocol needs 2 GPUs, found {torch.cuda.device_count()}')
         sys.exit(1)
