@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import Checks, assert_same, finish, ref_layout, skip, spawn, watchdog
+from common import Checks, assert_same, destroy_after_stall, finish, ref_layout, skip, spawn, watchdog
 from ll_reference import (FP8, MODES, bf16_ulp_distance, calc_diff, expert_scales, per_token_cast_back,
                           received_rows, ref_ll_combine, ref_ll_combine_local, ref_ll_dispatch, valid_rows)
 from normal_reference import gather_rows, ref_combine, ref_dispatch
@@ -1294,11 +1294,7 @@ def stalled_peer(ctx):
                                      f'{STALL_TIMEOUT_MS} ms)')
     finally:
         dist.barrier(group=ctx.group)
-        with watchdog(ctx.rep, STALL_CASE, 60):
-            try:
-                destroy(ctx, buf)
-            except RuntimeError as e:  # a poisoned buffer may report the stall again: tolerated
-                ctx.rep.info(f'destroy() after the stall raised: {e}')
+        destroy_after_stall(ctx.rep, STALL_CASE, lambda: destroy(ctx, buf))
     chk.done()
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import Checks, assert_same, expect_raises_match, finish, skip, spawn, watchdog
+from common import Checks, assert_same, destroy_after_stall, expect_raises_match, finish, skip, spawn, watchdog
 from deep_ep_cpp import _lib
 from test_normal import (E, MAX_HIDDEN, check_cached, check_combine, check_dispatch, check_handle, expect_dispatch,
                          late_dispatch, layout_args, make_ctx, make_inputs, make_x, sent_weights, sleep_cycles)
@@ -184,8 +184,8 @@ def ring2_random_delays(ctx, num_sms):
     combine on rings of 2 slots, the smallest a Config allows, 4096 tokens a rank at 7168 hidden,
     so each (channel, peer) ring wraps about 170 (12 channels) to 510 (4) times per op and every
     slot is rewritten by its sender as soon as the reader hands it back (F8: a relaxed store)
-    while the reader's other warps poll and read the other slot. Before each op every rank sleeps a random number of GPU cycles
-    (0 to RING2_MAX_DELAY_MS, seeded per config, iteration and rank), and the non-cached dispatch
+    while the reader's other warps poll and read the other slot. Before each op every rank sleeps
+    a random number of GPU cycles (0 to RING2_MAX_DELAY_MS, seeded per config, iteration and rank), and the non-cached dispatch
     once more between its notify and its data kernel (late_dispatch: the ctypes path), so the
     ranks' kernels start in varying order. Random routing; BF16 x, FP8 (column-major scales) in the
     last iteration; the cached dispatch carries a new BF16 payload. Every output and the handle
@@ -306,11 +306,7 @@ def destroy_after(ctx, buf, name, guards):
     """Destroys a case's buffer on every rank under a watchdog (a buffer that stalled may report it
     again) and forgets the case's guarded allocations."""
     dist.barrier(group=ctx.group)
-    with watchdog(ctx.rep, name, 60):
-        try:
-            buf.destroy()
-        except RuntimeError as e:
-            ctx.rep.info(f'destroy() after {name} raised: {e}')
+    destroy_after_stall(ctx.rep, name, buf.destroy)
     guards.blocks.clear()
 
 
@@ -437,11 +433,7 @@ def graph_replay_after_stall(ctx):
     finally:
         dist.barrier(group=ctx.group)
         del graph
-        with watchdog(ctx.rep, name, 60):
-            try:
-                buf.destroy()
-            except RuntimeError as e:
-                ctx.rep.info(f'destroy() after the stall raised: {e}')
+        destroy_after_stall(ctx.rep, name, buf.destroy)
     chk.done()
 
 
