@@ -19,7 +19,17 @@ streams as above), counting the torch calls made from Python: those a TorchFunct
 of them (also those under the package's DisableTorchFunction). Times each op with and without
 set_default_device('cuda') (no GPU needed: nothing on these paths allocates through it). The
 ctypes path's C ABI calls are Python stand-ins here (clean_low_latency_buffer's too), so a real
-ctypes call's cost (~0.5-1 us) is not in these times."""
+ctypes call's cost (~0.5-1 us) is not in these times.
+
+--compiled: the same LL ops (bench_ll_host.py's: dispatch, dispatch + hook(), combine, combine +
+hook(), the hooks alone, clean_low_latency_buffer) through deep_ep.Buffer's public API and the
+real compiled module, built here from PACKAGE_DIR's deep_ep_cpp/_fast*.{cpp,h} against the real
+(CPU) torch with two substitutions (CPU tensors pass its device check; it allocates on the CPU).
+Below it, C stand-ins (compiled here) of the five C ABI entries of LlOps (each returns 0 at once)
+and of the six CUDA driver entry points of _fast_streams.h (a libcuda.so.1 whose calls return 0).
+So the times are the package's Python, pybind11, the compiled op and hook objects and torch's CPU
+allocations (a small shape: no large malloc); the library's own work and a real launch are not in
+them (bench_ll_host.py on a GPU has both)."""
 import collections
 import contextlib
 import ctypes
@@ -314,9 +324,218 @@ def torch_calls(pkg, calls):
     rt._handle = None  # nothing to free
 
 
+# --- --compiled: the LL ops through the real compiled module ---------------------------------
+
+# C stand-ins of LlOps' C ABI entries (each returns 0 at once; a send flips the half as the library
+# does) and of the CUDA driver entry points _fast_streams.h looks up in libcuda.so.1.
+_STUB_ABI = r"""
+#include "deepep_nccl.h"
+static int half;
+DeepepStatus deepep_low_latency_dispatch(const DeepepBuffer* b, const DeepepLowLatencyDispatchArgs* a, void* s,
+                                         int* idx) {
+  (void)b; (void)s;
+  if (a->phases & DEEPEP_LL_PHASE_SEND) *idx = half ^= 1;
+  return 0;
+}
+DeepepStatus deepep_low_latency_combine(const DeepepBuffer* b, const DeepepLowLatencyCombineArgs* a, void* s,
+                                        int* idx) {
+  (void)b; (void)s;
+  if (a->phases & DEEPEP_LL_PHASE_SEND) *idx = half ^= 1;
+  return 0;
+}
+DeepepStatus deepep_low_latency_combine_outputs(const DeepepBuffer* b, int64_t t, int64_t h, DeepepOutputs* o) {
+  (void)b;
+  DeepepOutputs z = {0};
+  *o = z;
+  o->count = o->num_allocations = 1;
+  o->tensors[0].dtype = o->allocation_dtype[0] = DEEPEP_DTYPE_BFLOAT16;
+  o->tensors[0].ndim = 2;
+  o->tensors[0].shape[0] = t;
+  o->tensors[0].shape[1] = o->tensors[0].strides[0] = h;
+  o->tensors[0].strides[1] = 1;
+  o->allocation_elems[0] = t * h;
+  return 0;
+}
+DeepepStatus deepep_clean_low_latency_buffer(const DeepepBuffer* b, int m, int h, int e, void* s) {
+  (void)b; (void)m; (void)h; (void)e; (void)s;
+  half = 0;
+  return 0;
+}
+DeepepStatus deepep_get_next_low_latency_combine_buffer(const DeepepBuffer* b, int m, int h, int e, DeepepTensor* o) {
+  (void)b; (void)m; (void)h; (void)e; (void)o;
+  return 1;
+}
+"""
+_STUB_DRIVER = r"""
+int cuEventCreate(void** e, unsigned f) { (void)f; *e = (void*)16; return 0; }
+int cuEventDestroy_v2(void* e) { (void)e; return 0; }
+int cuEventRecord(void* e, void* s) { (void)e; (void)s; return 0; }
+int cuStreamWaitEvent(void* s, void* e, unsigned f) { (void)s; (void)e; (void)f; return 0; }
+int cuStreamSynchronize(void* s) { (void)s; return 0; }
+int cuCtxGetDevice(int* d) { *d = 0; return 0; }
+"""
+# What makes the module run on CPU tensors: (source, text, replacement), each found exactly as given.
+_CPU_SUBSTITUTIONS = (
+    ("_fast_common.h", "return t.is_cuda() && t.get_device() == device;", "return t.is_cpu() && device == 0;"),
+    ("*", "at::kCUDA", "at::kCPU"),
+)
+
+
+def build_cpu_module(package_dir):
+    """The compiled module of package_dir/deep_ep_cpp, with _CPU_SUBSTITUTIONS, built against the
+    running torch (cached in the temporary directory by its sources); also loads the stand-in
+    libcuda.so.1 first (_fast_streams.h finds it by its soname). Returns (module, the stand-in C
+    ABI library)."""
+    import hashlib
+    import subprocess
+    import sysconfig
+    import tempfile
+    from torch.utils import cpp_extension
+
+    import torch
+    from deep_ep_cpp import _fast, _fast_build
+
+    src = package_dir / "deep_ep_cpp"
+    header_dir = _fast._header_dir()
+    texts = {}
+    for name in _fast_build.SOURCES:
+        text = (src / name).read_text()
+        for target, old, new in _CPU_SUBSTITUTIONS:
+            if target in (name, "*"):
+                if target != "*":
+                    assert text.count(old) == 1, (name, old)
+                text = text.replace(old, new)
+        texts[name] = text
+    key = hashlib.sha256("\0".join((torch.__version__, sys.version, _STUB_ABI, _STUB_DRIVER,
+                                    (header_dir / _fast_build.HEADER).read_text(), *texts.values())).encode())
+    work = Path(tempfile.gettempdir()) / f"host_steps_compiled_{key.hexdigest()[:16]}"
+    work.mkdir(exist_ok=True)
+    for name, text in texts.items():
+        (work / name).write_text(text)
+    compiler = cpp_extension.get_cxx_compiler()
+
+    def cc(source, target, *flags):
+        (work / (target + ".c")).write_text(source)
+        subprocess.run([compiler, "-x", "c", "-O2", "-shared", "-fPIC", f"-I{header_dir}", str(work / (target + ".c")),
+                        "-o", str(work / target), *flags], check=True)
+        return work / target
+
+    ctypes.CDLL(str(cc(_STUB_DRIVER, "libcuda.so.1", "-Wl,-soname,libcuda.so.1")), mode=ctypes.RTLD_GLOBAL)
+    abi = ctypes.CDLL(str(cc(_STUB_ABI, "libstub_abi.so")))
+    target = work / (_fast_build.NAME + sysconfig.get_config_var("EXT_SUFFIX"))
+    if target.is_file():
+        return _fast._import(target), abi
+    lib_dirs = cpp_extension.library_paths()
+    partial = work / f"partial-{os.getpid()}.so"
+    cmd = _fast_build.command(compiler, work / _fast_build.SOURCES[0], partial, header_dir=header_dir,
+                              python_include=sysconfig.get_paths()["include"],
+                              torch_includes=cpp_extension.include_paths(), cxx11_abi=torch._C._GLIBCXX_USE_CXX11_ABI,
+                              lib_dirs=lib_dirs, rpaths=lib_dirs)
+    subprocess.run(cmd, check=True)
+    os.replace(partial, target)
+    return _fast._import(target), abi
+
+
+def compiled_ll_setup(pkg):
+    """deep_ep.Buffer over the compiled module built from pkg (build_cpu_module), on CPU tensors of
+    a small LL shape: a namespace of the buffer, its runtime, the inputs and the ops to time."""
+    import torch
+
+    os.environ["DEEPEP_NCCL_FAST"] = "0"  # the module built below is put in place by hand
+    sys.path.insert(0, str(pkg))
+    import deep_ep
+    import deep_ep_cpp
+    from deep_ep_cpp import _fast, _lib, _streams
+    lib = _lib.lib
+
+    # A small shape: the CPU allocator's cost stays small, as the CUDA caching allocator's does.
+    R, E, T, H, K, M = 2, 8, 4, 256, 2, 8
+    el = E // R
+    fast, abi = build_cpu_module(pkg)
+    for name in _fast.LL_OPS_ENTRIES:
+        setattr(lib, name, getattr(abi, name))  # what _ll_sync() takes the addresses of
+
+    def dispatch_outputs(handle, m, hidden, num_experts, use_fp8, use_ue8m0, out):
+        ctypes.memset(ctypes.addressof(out._obj), 0, ctypes.sizeof(out._obj))
+        o = fakes._Outputs(_lib, out._obj)
+        o.push(_lib.DTYPE_FLOAT8_E4M3 if use_fp8 else _lib.DTYPE_BFLOAT16, (el, R * m, hidden))
+        o.push_strided(_lib.DTYPE_FLOAT32, (el, R * m, hidden // 128), (hidden // 128 * R * m, 1, R * m))
+        o.push(_lib.DTYPE_INT32, (el,))
+        o.push(_lib.DTYPE_INT32, (el, R * m))
+        o.push(_lib.DTYPE_INT64, (el, R))
+        return 0
+
+    lib.deepep_low_latency_dispatch_outputs = dispatch_outputs
+    # No GPU: the current stream is a made-up one (its lookup is still a call).
+    _streams._current_stream_key = lambda device: (7, 0, 1)
+    torch.cuda.Stream = _Stream
+    rt = deep_ep_cpp.Buffer(0, R, 0, 1 << 30, True, True, False, False)
+    rt._handle, rt._device_id, rt._device = 0x1234, 0, torch.device("cpu")
+    rt._comm_stream, rt._comm_stream_ptr, rt._sync_event = _Stream(9), 9, _Event()
+    rt._fast = fast
+    rt._stream_order = fast.StreamOrder(0)
+    assert rt._stream_order.usable(), "the stand-in libcuda.so.1 was not found"
+    rt._ll_init()
+    rt._ll_sync()
+    rt._check_ll_x = lambda x: None  # a new dispatch shape's check (the CPU tensors are not on cuda:0)
+    buffer = object.__new__(deep_ep.Buffer)
+    buffer.runtime, buffer.rank, buffer.group_size = rt, 0, R
+
+    x = torch.randn(T, H).to(torch.bfloat16)
+    topk_idx = torch.randint(0, E, (T, K))
+    topk_weights = torch.ones(T, K)
+    stats = torch.zeros(el, dtype=torch.int32)
+    handle = buffer.low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats)[2]
+    expert_out = torch.zeros(el, R * M, H, dtype=torch.bfloat16)
+
+    def hooked(op):
+        hook = op()[-1]
+        assert type(hook).__module__ != __name__, "not the compiled hook"
+        return hook
+
+    hooks = {"dispatch": hooked(lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, return_recv_hook=True)),
+             "combine": hooked(lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle,
+                                                                   return_recv_hook=True))}
+    ll_ops = {
+        "dispatch": lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats),
+        "dispatch hook (send + hook())": lambda: buffer.low_latency_dispatch(
+            x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats, return_recv_hook=True)[-1](),
+        "dispatch hook() alone": hooks["dispatch"],
+        "combine": lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle),
+        "combine hook (send + hook())": lambda: buffer.low_latency_combine(
+            expert_out, topk_idx, topk_weights, handle, return_recv_hook=True)[-1](),
+        "combine hook() alone": hooks["combine"],
+        "clean_low_latency_buffer": lambda: buffer.clean_low_latency_buffer(M, H, E),
+    }
+    return types.SimpleNamespace(torch=torch, fast=fast, buffer=buffer, rt=rt, x=x, topk_idx=topk_idx,
+                                 topk_weights=topk_weights, stats=stats, handle=handle, expert_out=expert_out,
+                                 shape=(R, E, T, H, K, M), ops=ll_ops)
+
+
+def compiled_ll(pkg, calls):
+    s = compiled_ll_setup(pkg)
+    torch, ops = s.torch, s.ops
+    print(f"torch {torch.__version__}; compiled module of {pkg}; {calls} calls per op, best of 5")
+    print("| op | us plain | us under set_default_device('cuda') |")
+    print("| --- | --- | --- |")
+    for name, op in ops.items():
+        op()
+        plain = fakes.best_us_per_call(op, calls)
+        torch.set_default_device("cuda")
+        try:
+            under = fakes.best_us_per_call(op, calls)
+        finally:
+            torch.set_default_device(None)
+        print(f"| {name} | {plain:.2f} | {under:.2f} |")
+    s.rt._handle = None  # nothing to free
+
+
 def main():
     args = sys.argv[1:]
     calls = fakes.pop_calls(args)
+    if "--compiled" in args:
+        args.remove("--compiled")
+        return compiled_ll(Path(args[0]).resolve() if args else REPO / "compat" / "python", calls)
     if "--torch-calls" in args:
         args.remove("--torch-calls")
         return torch_calls(Path(args[0]).resolve() if args else REPO / "compat" / "python", calls)

@@ -1307,6 +1307,84 @@ def test_ll_combine_names_a_hidden_size_other_than_the_handles_on_the_ctypes_pat
     buffer._handle = None
 
 
+def test_compiled_ll_hook_launches_the_receive_once_per_call_and_raises_the_librarys_error(tmp_path, monkeypatch):
+    """The compiled path's receive hook (_fast_ll.h's LlRecvHook, a Python type of its own): a
+    send-only combine returns it; each call launches the receive phase with the send's args, stream
+    and half; a failed launch raises the library's error through raise_status (as a doubled hook's
+    "runs once" does on a GPU); it takes no arguments, cannot be made from Python, and keeps the
+    Buffer alive until it dies. On CPU tensors, under a C stand-in of deepep_low_latency_combine: its
+    send takes half 1, its receive is recorded, then handed to `forward` when set (the library)."""
+    from deep_ep_cpp import _fast, _lib
+
+    torch = _fast.torch
+    if torch is None:
+        pytest.skip("needs torch (and a C++ compiler for the compiled host path)")
+    buffer = _synced(monkeypatch, low_latency_mode=True)
+    fast = buffer._fast
+    if fast is None:
+        pytest.skip("the compiled host path did not build here")
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no gcc")
+    source = tmp_path / "stub.c"
+    source.write_text("""#include "deepep_nccl.h"
+typedef DeepepStatus (*Combine)(const DeepepBuffer*, const DeepepLowLatencyCombineArgs*, void*, int*);
+Combine forward;
+long receives[5];  /* count, then the last receive's buffer, stream, half and x address */
+DeepepStatus deepep_low_latency_combine(const DeepepBuffer* b, const DeepepLowLatencyCombineArgs* a, void* s,
+                                        int* idx) {
+  if (a->phases == DEEPEP_LL_PHASE_SEND) {
+    *idx = 1;
+    return DEEPEP_SUCCESS;
+  }
+  receives[0] += a->phases == DEEPEP_LL_PHASE_RECV;
+  receives[1] = (long)b;
+  receives[2] = (long)s;
+  receives[3] = *idx;
+  receives[4] = (long)a->x.data;
+  return forward ? forward(b, a, s, idx) : DEEPEP_SUCCESS;
+}
+""")
+    stub_path = tmp_path / "libstub.so"
+    subprocess.run([gcc, "-shared", "-fPIC", f"-I{_fast._header_dir()}", str(source), "-o", str(stub_path)],
+                   check=True)
+    stub = ctypes.CDLL(str(stub_path))
+    combine_fn = ctypes.cast(stub.deepep_low_latency_combine, ctypes.c_void_p).value
+    handle = 0x4445_0100_0001_0000
+    ops = fast.LlOps(0, combine_fn, 0, 0, 0, handle, 0, fast.StreamOrder(0))
+    y = torch.zeros(2, 4, 256, dtype=torch.bfloat16)
+    topk_idx, weights = torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    src_info, layout_range = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int64)
+    out = torch.zeros(3, 256, dtype=torch.bfloat16)
+    owner = object()
+    owned = sys.getrefcount(owner)
+    status, combined_x, hook = ops.combine(y, topk_idx, weights, src_info, layout_range, None, out, 2, 4, False, False,
+                                           256, 1, 77, 77, 0, owner)
+    assert status == 0 and combined_x is out and sys.getrefcount(owner) == owned + 1
+    assert type(hook).__name__ == "LlCombineHook" and type(hook) is fast.LlCombineHook
+    receives = (ctypes.c_long * 5).in_dll(stub, "receives")
+    assert receives[0] == 0  # the send alone
+    assert hook() is None and hook() is None  # the library, not the hook, says a receive runs once
+    assert list(receives) == [2, handle, 77, 1, y.data_ptr()]
+    with pytest.raises(TypeError, match="takes no arguments"):
+        hook(1)
+    with pytest.raises(TypeError, match="cannot create"):
+        type(hook)()
+    # A failed receive: the library's status and message, as raise_status gives them.
+    ctypes.c_void_p.in_dll(stub, "forward").value = ctypes.cast(_lib.lib.deepep_low_latency_combine,
+                                                                 ctypes.c_void_p).value
+    with pytest.raises(RuntimeError, match=r"\(0x4445010000010000\) was never created") as failed:
+        hook()
+    with pytest.raises(RuntimeError) as direct:
+        _lib.raise_status(_lib.lib.deepep_low_latency_combine(handle, None, None, None))
+    assert failed.value.args[0].split(":")[0] == direct.value.args[0].split(":")[0]
+    assert receives[0] == 3
+    del hook
+    gc.collect()
+    assert sys.getrefcount(owner) == owned
+    buffer._handle = None
+
+
 def test_compiled_ll_ops_check_ints_and_hidden_before_the_library(monkeypatch):
     """The compiled LlOps on CPU tensors and a made-up handle: what it refuses (BAD_INPUT: the
     ctypes path then names it) and what it hands to the library (which names the handle)."""

@@ -28,8 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clean", &LlOps::clean)
       .def("next_combine_buffer", &LlOps::next_combine_buffer);
   m.def("set_status_raiser", &set_status_raiser);
-  py::class_<LlDispatchHook>(m, "LlDispatchHook").def("__call__", &LlDispatchHook::operator());
-  py::class_<LlCombineHook>(m, "LlCombineHook").def("__call__", &LlCombineHook::operator());
+  LlDispatchHook::add_to(m, PYBIND11_TOSTRING(TORCH_EXTENSION_NAME) ".LlDispatchHook");
+  LlCombineHook::add_to(m, PYBIND11_TOSTRING(TORCH_EXTENSION_NAME) ".LlCombineHook");
   py::class_<NormalOps>(m, "NormalOps")
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
                     int64_t, int>())

@@ -4,6 +4,8 @@
 // from Python (x's shape is read here).
 #pragma once
 
+#include <cstring>
+#include <new>
 #include <type_traits>
 
 #include "_fast_hook.h"
@@ -33,33 +35,92 @@ inline void set_status_raiser(py::object raiser) {
 // DeepEP's `hook` of a return_recv_hook=True LL op: the receive launch of _fast_hook.h (see there
 // why the protocol has three copies). Like DeepEP's, it keeps the op's tensors alive (the receive
 // reads and writes them even if the caller dropped its references), and the deep_ep_cpp.Buffer
-// (`owner`), whose handle must stay valid. Hidden, as pybind's own types are: it holds a py::object.
+// (`owner`), whose handle must stay valid. A Python type of its own, not a pybind class: pybind's
+// instance registry (an insert per hook, an erase when it dies) and its call dispatch cost about
+// 0.4 us per hook (bench/host_steps_cpu.py --compiled); this one is one allocation, its launch and
+// a free. One type per Args (LlDispatchHook, LlCombineHook), made by add_to() at module import.
+// Hidden, as pybind's own types are: it holds a py::object.
 template <typename Args>
 class __attribute__((visibility("hidden"))) LlRecvHook {
  public:
-  LlRecvHook(LlRecvLaunch<Args> launch, py::object owner, std::vector<at::Tensor> tensors)
-      : launch_(launch), owner_(std::move(owner)), tensors_(std::move(tensors)) {}
+  // The most tensors a hook keeps (dispatch's: x, topk_idx, the two stats, the five outputs).
+  static constexpr size_t kMaxTensors = 9;
+  using Tensors = std::array<at::Tensor, kMaxTensors>;  // absent ones undefined
 
-  void operator()() {
-    const int status = launch_();
-    if (status == 0) return;
-    if (status_raiser() == nullptr) throw std::runtime_error("deepep-nccl: LL receive failed (no status raiser)");
-    (*status_raiser())(status);
+  // Makes the type `name` ("module.Type", static storage) and adds it to `m`. Once, at import.
+  static void add_to(py::module_& m, const char* name) {
+    PyType_Slot slots[] = {{Py_tp_call, reinterpret_cast<void*>(&call)},
+                           {Py_tp_dealloc, reinterpret_cast<void*>(&dealloc)},
+                           {Py_tp_new, reinterpret_cast<void*>(&refuse_new)},
+                           {Py_tp_doc, const_cast<char*>("DeepEP's receive hook: call it once to launch the receive")},
+                           {0, nullptr}};
+    PyType_Spec spec{name, int(sizeof(Object)), 0, Py_TPFLAGS_DEFAULT, slots};
+    PyObject* made = PyType_FromSpec(&spec);
+    if (made == nullptr) throw py::error_already_set();
+    type() = reinterpret_cast<PyTypeObject*>(made);  // never released: hooks may outlive the module's dict
+    m.attr(std::strrchr(name, '.') + 1) = py::reinterpret_borrow<py::object>(made);
+  }
+
+  // A new hook launching `launch`, keeping `owner` and `tensors` until it dies.
+  static py::object make(const LlRecvLaunch<Args>& launch, py::object owner, Tensors&& tensors) {
+    void* memory = PyObject_Malloc(sizeof(Object));
+    if (memory == nullptr) throw std::bad_alloc();
+    PyObject* self = PyObject_Init(static_cast<PyObject*>(memory), type());  // holds a reference to the type
+    new (state(self)) State{launch, std::move(owner), std::move(tensors)};
+    return py::reinterpret_steal<py::object>(self);
   }
 
  private:
-  LlRecvLaunch<Args> launch_;
-  py::object owner_;
-  std::vector<at::Tensor> tensors_;
+  struct State {
+    LlRecvLaunch<Args> launch;
+    py::object owner;
+    Tensors tensors;
+  };
+  struct Object {
+    PyObject head;
+    alignas(State) unsigned char state[sizeof(State)];
+  };
+
+  static PyTypeObject*& type() {
+    static PyTypeObject* made = nullptr;
+    return made;
+  }
+
+  static State* state(PyObject* self) {
+    return std::launder(reinterpret_cast<State*>(reinterpret_cast<Object*>(self)->state));
+  }
+
+  // hook(): launches the receive; a failed launch raises the library's error (raise_status).
+  static PyObject* call(PyObject* self, PyObject* args, PyObject* kwargs) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
+      PyErr_SetString(PyExc_TypeError, "a receive hook takes no arguments");
+      return nullptr;
+    }
+    const int status = state(self)->launch();
+    if (status == 0) Py_RETURN_NONE;
+    if (status_raiser() == nullptr) {
+      PyErr_SetString(PyExc_RuntimeError, "deepep-nccl: LL receive failed (no status raiser)");
+      return nullptr;
+    }
+    return PyObject_CallFunction(status_raiser()->ptr(), "i", status);  // raises: nullptr
+  }
+
+  static void dealloc(PyObject* self) {
+    PyTypeObject* type = Py_TYPE(self);
+    state(self)->~State();
+    PyObject_Free(self);
+    Py_DECREF(type);
+  }
+
+  static PyObject* refuse_new(PyTypeObject* type, PyObject*, PyObject*) {
+    PyErr_Format(PyExc_TypeError, "cannot create '%s' instances (a return_recv_hook=True LL op returns one)",
+                 type->tp_name);
+    return nullptr;
+  }
 };
 
-// The tensors among `all` that are present.
-inline std::vector<at::Tensor> present(std::initializer_list<c10::optional<at::Tensor>> all) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : all)
-    if (t.has_value()) out.push_back(*t);
-  return out;
-}
+// t, or an undefined tensor when absent (a hook's slot for it stays empty).
+inline at::Tensor held(const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 
 using LlDispatchHook = LlRecvHook<DeepepLowLatencyDispatchArgs>;
 using LlCombineHook = LlRecvHook<DeepepLowLatencyCombineArgs>;
@@ -159,10 +220,10 @@ class __attribute__((visibility("hidden"))) LlOps {
     if (const int error = ordering.after(stream)) return driver_error(error);
     py::object hook = py::none();
     if (phases == kPhaseSend)
-      hook = py::cast(LlDispatchHook(
-          {dispatch_fn_, buffer_, a, stream, buffer_idx_}, std::move(owner),
-          present({x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, out[0], out[1],
-                   out[2], out[3], out[4]})));
+      hook = LlDispatchHook::make({dispatch_fn_, buffer_, a, stream, buffer_idx_}, std::move(owner),
+                                  {x, topk_idx, held(cumulative_local_expert_recv_stats),
+                                   held(dispatch_wait_recv_cost_stats), held(out[0]), held(out[1]), held(out[2]),
+                                   held(out[3]), held(out[4])});
     return py::make_tuple(status, optional_tensor(out[0]), optional_tensor(out[1]), optional_tensor(out[2]),
                           optional_tensor(out[3]), optional_tensor(out[4]), hook, hidden);
   }
@@ -206,9 +267,9 @@ class __attribute__((visibility("hidden"))) LlOps {
     if (const int error = ordering.after(stream)) return driver_error(error);
     py::object hook = py::none();
     if (phases == kPhaseSend)
-      hook = py::cast(LlCombineHook(
-          {combine_fn_, buffer_, a, stream, buffer_idx_}, std::move(owner),
-          present({x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, combined_x})));
+      hook = LlCombineHook::make({combine_fn_, buffer_, a, stream, buffer_idx_}, std::move(owner),
+                                 {x, topk_idx, topk_weights, src_info, layout_range,
+                                  held(combine_wait_recv_cost_stats), combined_x});
     return py::make_tuple(status, combined_x, hook);
   }
 

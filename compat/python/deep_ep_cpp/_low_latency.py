@@ -185,9 +185,12 @@ class LowLatencyMode(StreamProtocol):
         ops = self._ll_ops
         if ops is not None:
             self._current_stream()  # sets _compute_handle
-            if self._fast_call(ops.clean, num_max_dispatch_tokens_per_rank, hidden, num_experts,
-                               self._compute_handle) is not None:
-                return
+            try:
+                result = ops.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, self._compute_handle)
+            except TypeError:  # an argument pybind cannot convert: the ctypes path names it
+                result = None
+            if result is not None and (not result[0] or self._fast_result(result) is not None):
+                return  # launched (a failed launch raised in _fast_result)
             # A value the C ABI's int does not hold: the ctypes path names it.
         check(lib.deepep_clean_low_latency_buffer(
             self._live_handle(), int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
@@ -209,22 +212,23 @@ class LowLatencyMode(StreamProtocol):
         ops = self._ll_ops
         if ops is not None:
             compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
-            args = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                    num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, phases, stream_ptr,
-                    self._compute_handle, order, self)
             try:
-                result = ops.dispatch(*args)
+                result = ops.dispatch(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                      num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                                      phases, stream_ptr, self._compute_handle, order, self)
                 if result[0] == _NEW_SHAPE:  # described once per shape, through the ctypes path's query
                     key, shape = self._ll_dispatch_shape(x, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                                          round_scale, use_ue8m0)
                     ops.add_dispatch_shape(*key, ctypes.addressof(shape.args), ctypes.addressof(shape.outputs))
-                    result = ops.dispatch(*args)
+                    result = ops.dispatch(x, topk_idx, cumulative_local_expert_recv_stats,
+                                          dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
+                                          num_experts, use_fp8, round_scale, use_ue8m0, phases, stream_ptr,
+                                          self._compute_handle, order, self)
             except TypeError:  # an argument pybind cannot convert: the ctypes path names it
                 result = None
-            else:
-                result = self._fast_result(result)
-            if result is not None:  # the compiled path did the waits and made the hook
-                return result[:5] + (EventHandle(stream) if async_ else None,) + result[5:]
+            if result is not None and (not result[0] or self._fast_result(result) is not None):
+                # The compiled path did the waits and made the hook; a failed call raised above.
+                return result[1:6] + (EventHandle(stream) if async_ else None,) + result[6:]
             # Input the compiled path does not take: the ctypes path below names the argument.
         return self._ll_dispatch_ctypes(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                                         num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
@@ -302,12 +306,15 @@ class LowLatencyMode(StreamProtocol):
         ops = self._ll_ops
         if ops is not None:
             compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
-            result = self._fast_call(
-                ops.combine, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, out,
-                num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, hidden, phases, stream_ptr,
-                self._compute_handle, order, self)
-            if result is not None:  # the compiled path did the waits and made the hook
-                return result[0], EventHandle(stream) if async_ else None, result[1]
+            try:
+                result = ops.combine(x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+                                     out, num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, hidden,
+                                     phases, stream_ptr, self._compute_handle, order, self)
+            except TypeError:  # an argument pybind cannot convert: the ctypes path names it
+                result = None
+            if result is not None and (not result[0] or self._fast_result(result) is not None):
+                # The compiled path did the waits and made the hook; a failed call raised above.
+                return result[1], EventHandle(stream) if async_ else None, result[2]
             # Input the compiled path does not take: the ctypes path below names the argument.
         return self._ll_combine_ctypes(x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
                                        num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_,
