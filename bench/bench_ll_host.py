@@ -58,6 +58,20 @@ def host_us(fn, calls, rounds):
     return statistics.median(means), min(means)
 
 
+def process_state(args):
+    """What slows this process's CPU thread whatever the op: the CPUs it may run on, its threads,
+    and the torch yardstick's (median, min) us at T=1 (a buffer's communicator adds threads;
+    timed before and after Buffer creation to tell the op from the process)."""
+    yard = torch.zeros(1, args.hidden, dtype=torch.bfloat16, device='cuda')
+
+    def yardstick():
+        torch.empty(1, args.hidden, dtype=torch.bfloat16, device='cuda')
+        yard.add_(1)
+
+    return {'cpus_allowed': len(os.sched_getaffinity(0)), 'threads': len(os.listdir('/proc/self/task')),
+            'yardstick_us': host_us(yardstick, args.calls, args.rounds)}
+
+
 def ops(buffer, num_tokens, args):
     """name -> a zero-argument callable issuing one call (or one pair) of that op."""
     inp = Inputs(args, num_tokens, dist.get_rank(), dist.get_world_size())
@@ -100,7 +114,10 @@ def ops(buffer, num_tokens, args):
 def worker(rank, world, port, args):
     init_worker(rank, world, port)
     group = dist.new_group(list(range(world)))
+    before = process_state(args)
     buffer, _ = make_buffer(group, max(max_tokens_for(T, world, 't') for T in args.tokens), args, world)
+    states = [None] * world
+    dist.all_gather_object(states, {'before_buffer': before, 'after_buffer': process_state(args)}, group=group)
     results = []
     # Ours: both host paths side by side when the compiled one loaded (deep_ep_cpp/_fast.py).
     paths, restore = host_paths(buffer, args.package, '_ll_ops', group)
@@ -125,7 +142,7 @@ def worker(rank, world, port, args):
     finally:
         buffer.destroy()
     if rank == 0:
-        report(results, world, args)
+        report(results, states, world, args)
     dist.barrier(group)
     dist.destroy_process_group()
 
@@ -144,7 +161,7 @@ def profile(fn, deepep_defaults):
     print(out.getvalue())
 
 
-def report(results, world, args):
+def report(results, states, world, args):
     gpu = torch.cuda.get_device_name()
     print(f'\n{args.package}: host time per call, us (median of {args.rounds} rounds of {args.calls} calls; rank average, '
           f'min-max over {world} rank(s)); {gpu}, hidden {args.hidden}, top-{args.num_topk} of '
@@ -164,10 +181,15 @@ def report(results, world, args):
 
     for (path, op, T), by_mode in table.items():
         print(f'| {path} | {op} | {T} | {cells(by_mode[False])} | {cells(by_mode[True])} |')
+    for rank, st in enumerate(states):
+        b, a = st['before_buffer'], st['after_buffer']
+        print(f'rank {rank}: CPUs allowed {b["cpus_allowed"]} -> {a["cpus_allowed"]}, threads {b["threads"]} -> '
+              f'{a["threads"]}, yardstick T=1 median/min {b["yardstick_us"][0]:.1f}/{b["yardstick_us"][1]:.1f} -> '
+              f'{a["yardstick_us"][0]:.1f}/{a["yardstick_us"][1]:.1f} us (before -> after Buffer creation)')
     if args.json:
         with open(args.json, 'w') as f:
             json.dump({'tool': 'bench/bench_ll_host.py', 'package': args.package, 'gpu': gpu, 'world_size': world,
-                       'settings': vars(args), 'results': results}, f, indent=1)
+                       'settings': vars(args), 'process_state': states, 'results': results}, f, indent=1)
 
 
 def main():
