@@ -216,6 +216,24 @@ class FakeLlFast(types.ModuleType):
         self.set_status_raiser = lambda fn: None
 
 
+def ll_dispatch_outputs(R, el):
+    """A stand-in of deepep_low_latency_dispatch_outputs for R ranks of el local experts: DeepEP's
+    five LL dispatch outputs (FP8 or BF16 rows, column-major scales, counts, src_info, layout_range)."""
+    from deep_ep_cpp import _lib
+
+    def dispatch_outputs(handle, m, hidden, num_experts, use_fp8, use_ue8m0, out):
+        ctypes.memset(ctypes.addressof(out._obj), 0, ctypes.sizeof(out._obj))
+        o = fakes._Outputs(_lib, out._obj)
+        o.push(_lib.DTYPE_FLOAT8_E4M3 if use_fp8 else _lib.DTYPE_BFLOAT16, (el, R * m, hidden))
+        o.push_strided(_lib.DTYPE_FLOAT32, (el, R * m, hidden // 128), (hidden // 128 * R * m, 1, R * m))
+        o.push(_lib.DTYPE_INT32, (el,))
+        o.push(_lib.DTYPE_INT32, (el, R * m))
+        o.push(_lib.DTYPE_INT64, (el, R))
+        return 0
+
+    return dispatch_outputs
+
+
 def torch_calls(pkg, calls):
     import torch
     from torch.overrides import TorchFunctionMode
@@ -234,16 +252,7 @@ def torch_calls(pkg, calls):
     torch.cuda.Stream = _Stream
     torch.cuda.Event = _Event
 
-    def dispatch_outputs(handle, m, hidden, num_experts, use_fp8, use_ue8m0, out):
-        ctypes.memset(ctypes.addressof(out._obj), 0, ctypes.sizeof(out._obj))
-        o = fakes._Outputs(_lib, out._obj)
-        o.push(_lib.DTYPE_FLOAT8_E4M3 if use_fp8 else _lib.DTYPE_BFLOAT16, (el, R * m, hidden))
-        o.push_strided(_lib.DTYPE_FLOAT32, (el, R * m, hidden // 128), (hidden // 128 * R * m, 1, R * m))
-        o.push(_lib.DTYPE_INT32, (el,))
-        o.push(_lib.DTYPE_INT32, (el, R * m))
-        o.push(_lib.DTYPE_INT64, (el, R))
-        return 0
-
+    dispatch_outputs = ll_dispatch_outputs(R, el)
     fast = FakeLlFast(torch, T, H, R, M, E, K)
     rt = deep_ep_cpp.Buffer(0, R, 0, 1 << 30, True, True, False, False)
     # CPU tensors: device -1 (what their get_device() says) passes the ctypes path's device check.
@@ -455,16 +464,7 @@ def compiled_ll_setup(pkg):
     for name in _fast.LL_OPS_ENTRIES:
         setattr(lib, name, getattr(abi, name))  # what _ll_sync() takes the addresses of
 
-    def dispatch_outputs(handle, m, hidden, num_experts, use_fp8, use_ue8m0, out):
-        ctypes.memset(ctypes.addressof(out._obj), 0, ctypes.sizeof(out._obj))
-        o = fakes._Outputs(_lib, out._obj)
-        o.push(_lib.DTYPE_FLOAT8_E4M3 if use_fp8 else _lib.DTYPE_BFLOAT16, (el, R * m, hidden))
-        o.push_strided(_lib.DTYPE_FLOAT32, (el, R * m, hidden // 128), (hidden // 128 * R * m, 1, R * m))
-        o.push(_lib.DTYPE_INT32, (el,))
-        o.push(_lib.DTYPE_INT32, (el, R * m))
-        o.push(_lib.DTYPE_INT64, (el, R))
-        return 0
-
+    dispatch_outputs = ll_dispatch_outputs(R, el)
     lib.deepep_low_latency_dispatch_outputs = dispatch_outputs
     # No GPU: the current stream is a made-up one (its lookup is still a call).
     _streams._current_stream_key = lambda device: (7, 0, 1)

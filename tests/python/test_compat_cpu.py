@@ -1299,6 +1299,18 @@ def test_deep_ep_ll_ops_make_no_torch_call_from_python(monkeypatch):
     assert _fast.torch is torch
 
 
+def _compiled_ll_buffer(monkeypatch):
+    """(torch, an LL _synced buffer, its compiled module), or a skip where the module cannot be had."""
+    from deep_ep_cpp import _fast
+
+    if _fast.torch is None:
+        pytest.skip("needs torch (and a C++ compiler for the compiled host path)")
+    buffer = _synced(monkeypatch, low_latency_mode=True)
+    if buffer._fast is None:
+        pytest.skip("the compiled host path did not build here")
+    return _fast.torch, buffer, buffer._fast
+
+
 def test_ll_combine_names_a_hidden_size_other_than_the_handles_on_the_ctypes_path(monkeypatch):
     buffer = _synced(monkeypatch, low_latency_mode=True)
     with pytest.raises(RuntimeError, match=r"^deepep-nccl: x has hidden size 7168, the dispatch \(handle\) had 4096$"):
@@ -1316,13 +1328,7 @@ def test_compiled_ll_hook_launches_the_receive_once_per_call_and_raises_the_libr
     send takes half 1, its receive is recorded, then handed to `forward` when set (the library)."""
     from deep_ep_cpp import _fast, _lib
 
-    torch = _fast.torch
-    if torch is None:
-        pytest.skip("needs torch (and a C++ compiler for the compiled host path)")
-    buffer = _synced(monkeypatch, low_latency_mode=True)
-    fast = buffer._fast
-    if fast is None:
-        pytest.skip("the compiled host path did not build here")
+    torch, buffer, fast = _compiled_ll_buffer(monkeypatch)
     gcc = shutil.which("gcc")
     if gcc is None:
         pytest.skip("no gcc")
@@ -1388,15 +1394,7 @@ DeepepStatus deepep_low_latency_combine(const DeepepBuffer* b, const DeepepLowLa
 def test_compiled_ll_ops_check_ints_and_hidden_before_the_library(monkeypatch):
     """The compiled LlOps on CPU tensors and a made-up handle: what it refuses (BAD_INPUT: the
     ctypes path then names it) and what it hands to the library (which names the handle)."""
-    from deep_ep_cpp import _fast
-
-    torch = _fast.torch
-    if torch is None:
-        pytest.skip("needs torch (and a C++ compiler for the compiled host path)")
-    buffer = _synced(monkeypatch, low_latency_mode=True)
-    fast = buffer._fast
-    if fast is None:
-        pytest.skip("the compiled host path did not build here")
+    torch, buffer, fast = _compiled_ll_buffer(monkeypatch)
     monkeypatch.setattr(buffer, "_stream_order", fast.StreamOrder(0), raising=False)
     buffer._ll_sync()
     monkeypatch.setattr(buffer, "_compute_handle", 1, raising=False)
