@@ -234,6 +234,22 @@ def ll_dispatch_outputs(R, el):
     return dispatch_outputs
 
 
+def ll_ops_to_time(buffer, x, topk_idx, topk_weights, stats, expert_out, handle, M, H, E, hooks):
+    """The LL ops both proxies time, named as bench_ll_host.py names them; `hooks` holds a
+    zero-argument callable per kind that calls one fresh receive hook."""
+    return {
+        "dispatch": lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats),
+        "dispatch hook (send + hook())": lambda: buffer.low_latency_dispatch(
+            x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats, return_recv_hook=True)[-1](),
+        "dispatch hook() alone": hooks["dispatch"],
+        "combine": lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle),
+        "combine hook (send + hook())": lambda: buffer.low_latency_combine(
+            expert_out, topk_idx, topk_weights, handle, return_recv_hook=True)[-1](),
+        "combine hook() alone": hooks["combine"],
+        "clean_low_latency_buffer": lambda: buffer.clean_low_latency_buffer(M, H, E),
+    }
+
+
 def torch_calls(pkg, calls):
     import torch
     from torch.overrides import TorchFunctionMode
@@ -279,18 +295,7 @@ def torch_calls(pkg, calls):
     hooks = {"dispatch": buffer.low_latency_dispatch(x, topk_idx, M, E, return_recv_hook=True)[-1],
              "combine": buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle,
                                                    return_recv_hook=True)[-1]}
-    ops = {
-        "low_latency_dispatch": lambda: buffer.low_latency_dispatch(
-            x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats),
-        "low_latency_dispatch (send) + hook()": lambda: buffer.low_latency_dispatch(
-            x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats, return_recv_hook=True)[-1](),
-        "dispatch hook() alone": hooks["dispatch"],
-        "low_latency_combine": lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle),
-        "low_latency_combine (send) + hook()": lambda: buffer.low_latency_combine(
-            expert_out, topk_idx, topk_weights, handle, return_recv_hook=True)[-1](),
-        "combine hook() alone": hooks["combine"],
-        "clean_low_latency_buffer": lambda: buffer.clean_low_latency_buffer(M, H, E),
-    }
+    ops = ll_ops_to_time(buffer, x, topk_idx, topk_weights, stats, expert_out, handle, M, H, E, hooks)
 
     seen = collections.Counter()
 
@@ -496,17 +501,7 @@ def compiled_ll_setup(pkg):
     hooks = {"dispatch": hooked(lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, return_recv_hook=True)),
              "combine": hooked(lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle,
                                                                    return_recv_hook=True))}
-    ll_ops = {
-        "dispatch": lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats),
-        "dispatch hook (send + hook())": lambda: buffer.low_latency_dispatch(
-            x, topk_idx, M, E, cumulative_local_expert_recv_stats=stats, return_recv_hook=True)[-1](),
-        "dispatch hook() alone": hooks["dispatch"],
-        "combine": lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle),
-        "combine hook (send + hook())": lambda: buffer.low_latency_combine(
-            expert_out, topk_idx, topk_weights, handle, return_recv_hook=True)[-1](),
-        "combine hook() alone": hooks["combine"],
-        "clean_low_latency_buffer": lambda: buffer.clean_low_latency_buffer(M, H, E),
-    }
+    ll_ops = ll_ops_to_time(buffer, x, topk_idx, topk_weights, stats, expert_out, handle, M, H, E, hooks)
     return types.SimpleNamespace(torch=torch, fast=fast, buffer=buffer, rt=rt, x=x, topk_idx=topk_idx,
                                  topk_weights=topk_weights, stats=stats, handle=handle, expert_out=expert_out,
                                  shape=(R, E, T, H, K, M), ops=ll_ops)
