@@ -213,17 +213,16 @@ class LowLatencyMode(StreamProtocol):
         if ops is not None:
             compute, stream, stream_ptr, phases, order = self._ll_streams(async_, return_recv_hook)
             try:
-                result = ops.dispatch(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                                      num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
-                                      phases, stream_ptr, self._compute_handle, order, self)
-                if result[0] == _NEW_SHAPE:  # described once per shape, through the ctypes path's query
-                    key, shape = self._ll_dispatch_shape(x, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                                                         round_scale, use_ue8m0)
-                    ops.add_dispatch_shape(*key, ctypes.addressof(shape.args), ctypes.addressof(shape.outputs))
+                for described in (False, True):  # a new shape is described once, then the call is made again
                     result = ops.dispatch(x, topk_idx, cumulative_local_expert_recv_stats,
                                           dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
                                           num_experts, use_fp8, round_scale, use_ue8m0, phases, stream_ptr,
                                           self._compute_handle, order, self)
+                    if result[0] != _NEW_SHAPE or described:  # NEW_SHAPE twice: _fast_result raises it
+                        break
+                    key, shape = self._ll_dispatch_shape(x, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                                         round_scale, use_ue8m0)  # through the ctypes path's query
+                    ops.add_dispatch_shape(*key, ctypes.addressof(shape.args), ctypes.addressof(shape.outputs))
             except TypeError:  # an argument pybind cannot convert: the ctypes path names it
                 result = None
             if result is not None and (not result[0] or self._fast_result(result) is not None):
