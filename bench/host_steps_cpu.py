@@ -268,7 +268,6 @@ def torch_calls(pkg, calls):
     torch.cuda.Stream = _Stream
     torch.cuda.Event = _Event
 
-    dispatch_outputs = ll_dispatch_outputs(R, el)
     fast = FakeLlFast(torch, T, H, R, M, E, K)
     rt = deep_ep_cpp.Buffer(0, R, 0, 1 << 30, True, True, False, False)
     # CPU tensors: device -1 (what their get_device() says) passes the ctypes path's device check.
@@ -279,7 +278,7 @@ def torch_calls(pkg, calls):
     rt._ll_init()
     if hasattr(rt, "_ll_sync"):
         rt._ll_sync()  # what sync() does for the LL ops
-    lib.deepep_low_latency_dispatch_outputs = dispatch_outputs
+    lib.deepep_low_latency_dispatch_outputs = ll_dispatch_outputs(R, el)
     lib.deepep_clean_low_latency_buffer = counted("C ABI call (ctypes)", lambda *a: 0)
     buffer = object.__new__(deep_ep.Buffer)
     buffer.runtime, buffer.rank, buffer.group_size = rt, 0, R
@@ -469,8 +468,7 @@ def compiled_ll_setup(pkg):
     for name in _fast.LL_OPS_ENTRIES:
         setattr(lib, name, getattr(abi, name))  # what _ll_sync() takes the addresses of
 
-    dispatch_outputs = ll_dispatch_outputs(R, el)
-    lib.deepep_low_latency_dispatch_outputs = dispatch_outputs
+    lib.deepep_low_latency_dispatch_outputs = ll_dispatch_outputs(R, el)
     # No GPU: the current stream is a made-up one (its lookup is still a call).
     _streams._current_stream_key = lambda device: (7, 0, 1)
     torch.cuda.Stream = _Stream
