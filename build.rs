@@ -4,7 +4,8 @@
 //!
 //! Env: CUDA_HOME (nvcc at $CUDA_HOME/bin/nvcc; else nvcc on PATH), DEEPEP_CUDA_ARCHS (comma
 //! list, default "90a"), NCCL_HOME (the linked NCCL, via nccl-sys), DEEPEP_NCCL_HEADERS (default
-//! .nccl-headers), DEEPEP_NCCL_BUILDS (a subset of the builds, for development).
+//! .nccl-headers), DEEPEP_NCCL_BUILDS (a subset of the builds, for development),
+//! DEEPEP_KERNEL_DEFINES (extra -D flags of the NCCL-dependent compiles, for instrumented builds).
 use std::path::{Path, PathBuf};
 
 fn cuda_home() -> Option<PathBuf> {
@@ -52,6 +53,16 @@ fn nccl_builds() -> Vec<NcclBuild> {
         assert!(all.iter().any(|b| b.version == *v), "DEEPEP_NCCL_BUILDS names {v}, not a build in kernels/nccl_builds.txt");
     }
     all.into_iter().filter(|b| wanted.contains(&b.version.as_str())).collect()
+}
+
+/// DEEPEP_KERNEL_DEFINES (a comma list of NAME or NAME=VALUE): extra -D flags for the NCCL-dependent
+/// kernel compiles, for instrumented development builds (e.g. DEEPEP_PROFILE_INTERNODE,
+/// kernels/internode_prof.cuh). Unset or empty: the product's compile commands, unchanged.
+fn extra_defines() -> Vec<String> {
+    println!("cargo:rerun-if-env-changed=DEEPEP_KERNEL_DEFINES");
+    std::env::var("DEEPEP_KERNEL_DEFINES")
+        .map(|v| v.split(',').map(str::trim).filter(|d| !d.is_empty()).map(String::from).collect())
+        .unwrap_or_default()
 }
 
 fn headers_dir(version: &str) -> PathBuf {
@@ -221,7 +232,8 @@ fn build_kernels(nccl_root: &str) {
         let dir = out_dir.join(format!("nccl-{}", build.version));
         std::fs::create_dir_all(&dir).expect("build directory");
         let headers = headers_dir(&build.version);
-        let defines = [format!("DEEPEP_NCCL_SERVES_BELOW={}", version_code(&build.serves_below))];
+        let mut defines = vec![format!("DEEPEP_NCCL_SERVES_BELOW={}", version_code(&build.serves_below))];
+        defines.extend(extra_defines());
         let objects: Vec<PathBuf> = per_build.iter().map(|s| object_path(&dir, s)).collect();
         let newest = newest_mtime(&[inputs.clone(), vec![headers.clone()]].concat());
         for (source, object) in per_build.iter().zip(&objects) {

@@ -230,12 +230,18 @@ __device__ __forceinline__ void combine_reduce(const DeepepCombineParams& p, int
   }
 }
 
-// Both blocks of a channel barrier, then send with half their warps and reduce
-// with the rest, each taking every other row/token. (Measured on 4x H200: this
-// beat one sending and one reducing block per channel.)
+// Send warps per block. Reducing, not sending, bounds a 2-rank combine: on 2x H100 (4096 tokens)
+// 8 of 24 took 267 -> 254 us at 24 SMs and 366 -> 320 at 12 (16 and 6 were slower). More ranks
+// keep the half that 4x H200 measured.
+template <int kMaxRanks>
+constexpr int kCombineSendWarps = kMaxRanks == 2 ? 8 : kDataWarps / 2;
+
+// Both blocks of a channel barrier, then send with kCombineSendWarps warps and reduce with the
+// rest, each taking every other row/token. (Measured on 4x H200: this beat one sending and one
+// reducing block per channel.)
 template <int kMaxRanks, int kUnroll, int kBatch, bool kShrink>
 __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(ncclDevComm dev_comm, DeepepCombineParams p) {
-  constexpr int kSendWarps = kDataWarps / 2;
+  constexpr int kSendWarps = kCombineSendWarps<kMaxRanks>;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int ch = int(blockIdx.x) / 2, part = int(blockIdx.x) % 2;
   if (!buffer_failed(p.common.wait)) {

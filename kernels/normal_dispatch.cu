@@ -1,12 +1,15 @@
-// Normal-mode dispatch. 2C blocks: block c < C sends channel c's tokens,
-// block C + c drains channel c's rings. (Measured on 4x H200: mixing senders
-// and receivers in every block was slower, and so were copy-engine sends.)
+// Normal-mode dispatch. 2C blocks: block c < C sends channel c's tokens to the other ranks,
+// block C + c copies the channel's tokens for this rank and drains channel c's rings. (Measured
+// on 4x H200: mixing senders and receivers in every block was slower, and so were copy-engine
+// sends. On 2x H100, 4096 tokens, 24 SMs: the own rows on the sender blocks took as long per warp
+// as the NVLink rows and kept half their warps off NVLink; on the receiver blocks, by TMA, BF16
+// dispatch went 293 -> 268 us and FP8 192 -> 160.)
 //
-// Sender: warps form one group per destination rank. A group walks the
-// channel's tokens in order (32 at a time, ballot + popc give each token its
-// sequence number in the (channel, destination) stream) and its warps take
-// every G-th token. Remote tokens go straight into the destination's ring slot
-// over NVLink; tokens for this rank skip the ring and land in recv_x directly.
+// Sender: warps form one group per remote destination rank. A group walks the channel's tokens
+// in order (32 at a time, ballot + popc give each token its sequence number in the (channel,
+// destination) stream) and its warps take every G-th token into the destination's ring slot
+// over NVLink. The receiver block's first kDataWarps / R warps walk the same way for this rank
+// and copy its tokens from x straight into recv_x (no ring).
 // Receiver: one warp group per remote source copies slots out into the final
 // rows (start of the (source, channel) block + sequence), converts top-k ids to
 // local ids, and hands the slot back. Per-slot flags, no group barriers: any
@@ -66,6 +69,11 @@ __device__ __forceinline__ void write_side_outputs(const DeepepDispatchParams& p
   if (lane == 0) p.recv_src_idx[row] = int32_t(t);
 }
 
+// Dynamic shared memory: two bulk-copy stages per warp (own rows and drained slots move by TMA),
+// then their barriers.
+constexpr int kCopyChunk = 4096;
+constexpr size_t kDispatchSmemBytes = size_t(kDataWarps) * (2 * kCopyChunk + 2 * sizeof(uint64_t));
+
 // Tokens of [begin, end) that is_token_in_rank marks for dst.
 __device__ __forceinline__ int64_t marked_tokens(const uint8_t* is_token_in_rank, int R, int dst, int64_t begin,
                                                  int64_t end, int lane) {
@@ -78,19 +86,36 @@ __device__ __forceinline__ int64_t marked_tokens(const uint8_t* is_token_in_rank
   return marked;
 }
 
-// Sender warps: one group per destination rank; member m takes every
-// group_size-th token of the (channel, destination) stream. Returns -1, or the sequence number
-// of the warp's first token it did not send (a wait expired, or shrink mode masks the
-// destination: then 0), for drop_sends, which is kept out of this loop.
+// A walking warp's destination (-1: a leftover warp, when R - 1 does not divide the warps), its
+// index in the destination's group and the group's size.
+struct SendRole {
+  int dst, member, stride;
+};
+// Warps of a receiver block that copy this rank's own tokens; the rest drain the rings. Own rows
+// are 1/R of what a rank receives and cost per row what a drained slot does.
+__device__ __forceinline__ int own_warps(int num_ranks) { return kDataWarps / num_ranks; }
+// Sender block warp `warp`: one group per remote destination.
+__device__ __forceinline__ SendRole remote_role(int warp, int num_ranks, int me) {
+  if (num_ranks < 2) return {-1, 0, 1};
+  const int group_size = kDataWarps / (num_ranks - 1), peer_idx = warp / group_size;
+  if (peer_idx >= num_ranks - 1) return {-1, 0, 1};
+  return {peer_idx < me ? peer_idx : peer_idx + 1, warp % group_size, group_size};
+}
+
+// Walks channel ch's tokens for role.dst; member m takes every stride-th token of the (channel,
+// destination) stream: into dst's ring, or (dst == this rank) by TMA into recv_x. Returns -1, or
+// the sequence number of the warp's first token it did not send (a wait expired, or shrink mode
+// masks the destination: then 0), for drop_sends, which is kept out of this loop.
 template <bool kShrink>
-__device__ __forceinline__ int64_t send_channel(const DeepepDispatchParams& p, int ch, int warp, int lane) {
+__device__ __forceinline__ int64_t send_channel(const DeepepDispatchParams& p, int ch, const SendRole role, int lane,
+                                             uint8_t* stages, uint64_t* bars) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
-  const int group_size = kDataWarps / R;
-  const int dst = warp / group_size;
-  if (dst >= R) return -1;  // leftover warps when R does not divide the warp count
+  const int dst = role.dst;
+  if (dst < 0) return -1;
   if ((masked_ranks<kShrink>(c) >> dst) & 1u) return 0;
-  const int stride = group_size, member = warp % group_size;
+  const int stride = role.stride, member = role.member;
+  uint32_t phases[2] = {0, 0};
   FlagBatch<> flags;
   const uint32_t generation = flag_generation(*c.op_epoch);
   const RingLayout ring{p.slot_bytes, c.ring_tokens, R};
@@ -145,9 +170,8 @@ __device__ __forceinline__ int64_t send_channel(const DeepepDispatchParams& p, i
       if (dst == me) {
         const int64_t row = self_base + s;
         if (uint64_t(row) < uint64_t(p.num_recv_rows)) {  // the handle's self_base may be anything
-          warp_copy<4, CopyLoad::kStream>(
-              reinterpret_cast<int4*>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes),
-              reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
+          warp_bulk_copy<kCopyChunk>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes, src, p.hidden_bytes,
+                                     stages, bars, phases, lane);
           write_side_outputs(p, t, row, lane);
         }
       } else {
@@ -189,8 +213,8 @@ __device__ __forceinline__ int64_t send_channel(const DeepepDispatchParams& p, i
           }
         }
         if (lane == 0) reinterpret_cast<int32_t*>(slot_ptr + 8)[0] = int32_t(t);
-        // The row goes by the copy engine; its flag is released once it has landed
-        // (side data above is ordered before it by the warp sync).
+        // FlagBatch releases the row's flag after the fence (side data is ordered before it by
+        // the warp sync).
         warp_copy<4, CopyLoad::kStream>(reinterpret_cast<int4*>(slot_ptr + layout.x_off()),
                                         reinterpret_cast<const int4*>(src), p.hidden_bytes / 16, lane);
         flags.add(int32_t(s), lane, flag_of);
@@ -210,12 +234,12 @@ __device__ __forceinline__ int64_t send_channel(const DeepepDispatchParams& p, i
 // first row it did not receive (a wait expired, or shrink mode masks the source), for
 // drop_receives, which is kept out of this loop.
 template <int kChunk, bool kShrink>
-__device__ __forceinline__ int64_t receive_channel(const DeepepDispatchParams& p, int ch, int warp, int lane,
-                                                uint8_t* stages, uint64_t* bars) {
+__device__ __forceinline__ int64_t receive_channel(const DeepepDispatchParams& p, int ch, int warp, int num_warps,
+                                                int lane, uint8_t* stages, uint64_t* bars) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
   if (R < 2) return -1;
-  const int group_size = kDataWarps / (R - 1);
+  const int group_size = num_warps / (R - 1);
   const int peer_idx = warp / group_size;
   if (peer_idx >= R - 1) return -1;
   const int stride = group_size, member = warp % group_size;
@@ -298,7 +322,8 @@ __device__ __forceinline__ void empty_row(const DeepepDispatchParams& p, int64_t
 __device__ __forceinline__ void drop_sends(const DeepepDispatchParams& p, int ch, int warp, int lane, int64_t from) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, C = c.num_channels;
-  const int stride = kDataWarps / R, dst = warp / stride, member = warp % stride;
+  const SendRole role = remote_role(warp, R, c.rank);
+  const int stride = role.stride, dst = role.dst, member = role.member;
   int64_t begin, end, dropped = 0;
   channel_range(p.num_tokens, C, ch, begin, end);
   if ((masked_ranks<true>(c) >> dst) & 1u) {
@@ -316,10 +341,11 @@ __device__ __forceinline__ void drop_sends(const DeepepDispatchParams& p, int ch
 
 // A receiver warp (receive_channel's geometry) that stopped at sequence number `from`: its rows
 // from there on are left empty and counted.
-__device__ __forceinline__ void drop_receives(const DeepepDispatchParams& p, int ch, int warp, int lane, int64_t from) {
+__device__ __forceinline__ void drop_receives(const DeepepDispatchParams& p, int ch, int warp, int num_warps, int lane,
+                                              int64_t from) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
-  const int stride = kDataWarps / (R - 1), peer_idx = warp / stride;
+  const int stride = num_warps / (R - 1), peer_idx = warp / stride;
   const int src = peer_idx < me ? peer_idx : peer_idx + 1;
   const int64_t start = p.recv_channel_prefix_matrix[src * C + ch];
   const int64_t count = (ch + 1 < C ? p.recv_channel_prefix_matrix[src * C + ch + 1] : p.rank_prefix_matrix[src * R + me]) - start;
@@ -327,31 +353,32 @@ __device__ __forceinline__ void drop_receives(const DeepepDispatchParams& p, int
   if (lane == 0 && from < count) count_dropped(c, DEEPEP_DROPPED_DISPATCH_RECV, (count - from + stride - 1) / stride);
 }
 
-// Dynamic shared memory: two bulk-copy stages per receiver warp, then their barriers.
-constexpr int kRecvChunk = 4096;
-constexpr size_t kDispatchSmemBytes = size_t(kDataWarps) * (2 * kRecvChunk + 2 * sizeof(uint64_t));
-
 template <bool kShrink>
 __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatchParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int C = p.common.num_channels;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   if (!buffer_failed(p.common.wait)) {
+    const int R = p.common.num_ranks, own = own_warps(R);
     if (int(blockIdx.x) < C) {
-      const int64_t unsent = send_channel<kShrink>(p, blockIdx.x, warp, lane);
+      const int64_t unsent = send_channel<kShrink>(p, blockIdx.x, remote_role(warp, R, p.common.rank), lane, nullptr, nullptr);
       if (kShrink && unsent >= 0) drop_sends(p, blockIdx.x, warp, lane, unsent);
     } else {
-      uint8_t* stages = smem + size_t(warp) * 2 * kRecvChunk;
-      uint64_t* bars = reinterpret_cast<uint64_t*>(smem + size_t(kDataWarps) * 2 * kRecvChunk) + 2 * warp;
+      uint8_t* stages = smem + size_t(warp) * 2 * kCopyChunk;
+      uint64_t* bars = reinterpret_cast<uint64_t*>(smem + size_t(kDataWarps) * 2 * kCopyChunk) + 2 * warp;
       if (lane == 0) {
         mbarrier_init(&bars[0]);
         mbarrier_init(&bars[1]);
       }
       __syncwarp();
-      const int64_t missed = receive_channel<kRecvChunk, kShrink>(p, blockIdx.x - C, warp, lane, stages, bars);
+      int64_t missed = -1;
+      if (warp < own)  // this rank is never masked: nothing to drop
+        send_channel<kShrink>(p, blockIdx.x - C, SendRole{p.common.rank, warp, own}, lane, stages, bars);
+      else
+        missed = receive_channel<kCopyChunk, kShrink>(p, blockIdx.x - C, warp - own, kDataWarps - own, lane, stages, bars);
       if (lane == 0) bulk_wait_all();  // every row has landed when the kernel ends
       __syncwarp();
-      if (kShrink && missed >= 0) drop_receives(p, blockIdx.x - C, warp, lane, missed);
+      if (kShrink && missed >= 0) drop_receives(p, blockIdx.x - C, warp - own, kDataWarps - own, lane, missed);
     }
   }
   // num_worst_tokens: rows past the received ones carry no expert.
