@@ -8,8 +8,9 @@
 // Sender: warps form one group per remote destination rank. A group walks the channel's tokens
 // in order (32 at a time, ballot + popc give each token its sequence number in the (channel,
 // destination) stream) and its warps take every G-th token into the destination's ring slot
-// over NVLink. The receiver block's first kDataWarps / R warps walk the same way for this rank
-// and copy its tokens from x straight into recv_x (no ring).
+// over NVLink. This rank's own tokens go by TMA from x straight into recv_x (no ring), walked
+// the same way by one group: the receiver block's first kDataWarps / R warps, and at 2 ranks also
+// the sender block's first sender_own_warps.
 // Receiver: one warp group per remote source copies slots out into the final
 // rows (start of the (source, channel) block + sequence), converts top-k ids to
 // local ids, and hands the slot back. Per-slot flags, no group barriers: any
@@ -94,10 +95,16 @@ struct SendRole {
 // Warps of a receiver block that copy this rank's own tokens; the rest drain the rings. Own rows
 // are 1/R of what a rank receives and cost per row what a drained slot does.
 __device__ __forceinline__ int own_warps(int num_ranks) { return kDataWarps / num_ranks; }
-// Sender block warp `warp`: one group per remote destination.
+// Sender block warps [0, n) copy own rows too (members own_warps(R) + warp of the own group): at 2
+// ranks the receiver blocks move twice the rows the sender blocks do. 2x H100, 4096 tokens, BF16 /
+// FP8 dispatch us with 0 / 2 / 4 / 6 such warps: 24 SMs 272 / 255-263 / 258-268 / 259-266 and
+// 159 / 160 / 160 / 157-160; 12 SMs 485 / 455-459 / 435-439 / 419-423 and 280 / 265-267 / 254-256
+// / 248-250. More ranks (more NVLink rows per sender block) were not measured: none there.
+__device__ __forceinline__ int sender_own_warps(int num_ranks) { return num_ranks == 2 ? kDataWarps / 4 : 0; }
+// Sender block warp `warp` (of the warps past sender_own_warps): one group per remote destination.
 __device__ __forceinline__ SendRole remote_role(int warp, int num_ranks, int me) {
   if (num_ranks < 2) return {-1, 0, 1};
-  const int group_size = kDataWarps / (num_ranks - 1), peer_idx = warp / group_size;
+  const int group_size = (kDataWarps - sender_own_warps(num_ranks)) / (num_ranks - 1), peer_idx = warp / group_size;
   if (peer_idx >= num_ranks - 1) return {-1, 0, 1};
   return {peer_idx < me ? peer_idx : peer_idx + 1, warp % group_size, group_size};
 }
@@ -322,7 +329,7 @@ __device__ __forceinline__ void empty_row(const DeepepDispatchParams& p, int64_t
 __device__ __forceinline__ void drop_sends(const DeepepDispatchParams& p, int ch, int warp, int lane, int64_t from) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, C = c.num_channels;
-  const SendRole role = remote_role(warp, R, c.rank);
+  const SendRole role = remote_role(warp - sender_own_warps(R), R, c.rank);
   const int stride = role.stride, dst = role.dst, member = role.member;
   int64_t begin, end, dropped = 0;
   channel_range(p.num_tokens, C, ch, begin, end);
@@ -359,21 +366,28 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatc
   const int C = p.common.num_channels;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   if (!buffer_failed(p.common.wait)) {
-    const int R = p.common.num_ranks, own = own_warps(R);
+    const int R = p.common.num_ranks, own = own_warps(R), sender_own = sender_own_warps(R);
+    uint8_t* stages = smem + size_t(warp) * 2 * kCopyChunk;
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + size_t(kDataWarps) * 2 * kCopyChunk) + 2 * warp;
+    if (lane == 0) {
+      mbarrier_init(&bars[0]);
+      mbarrier_init(&bars[1]);
+    }
+    __syncwarp();
     if (int(blockIdx.x) < C) {
-      const int64_t unsent = send_channel<kShrink>(p, blockIdx.x, remote_role(warp, R, p.common.rank), lane, nullptr, nullptr);
-      if (kShrink && unsent >= 0) drop_sends(p, blockIdx.x, warp, lane, unsent);
-    } else {
-      uint8_t* stages = smem + size_t(warp) * 2 * kCopyChunk;
-      uint64_t* bars = reinterpret_cast<uint64_t*>(smem + size_t(kDataWarps) * 2 * kCopyChunk) + 2 * warp;
-      if (lane == 0) {
-        mbarrier_init(&bars[0]);
-        mbarrier_init(&bars[1]);
+      if (warp < sender_own) {
+        send_channel<kShrink>(p, blockIdx.x, SendRole{p.common.rank, own + warp, own + sender_own}, lane, stages, bars);
+        if (lane == 0) bulk_wait_all();
+        __syncwarp();
+      } else {
+        const int64_t unsent =
+            send_channel<kShrink>(p, blockIdx.x, remote_role(warp - sender_own, R, p.common.rank), lane, nullptr, nullptr);
+        if (kShrink && unsent >= 0) drop_sends(p, blockIdx.x, warp, lane, unsent);
       }
-      __syncwarp();
+    } else {
       int64_t missed = -1;
       if (warp < own)  // this rank is never masked: nothing to drop
-        send_channel<kShrink>(p, blockIdx.x - C, SendRole{p.common.rank, warp, own}, lane, stages, bars);
+        send_channel<kShrink>(p, blockIdx.x - C, SendRole{p.common.rank, warp, own + sender_own}, lane, stages, bars);
       else
         missed = receive_channel<kCopyChunk, kShrink>(p, blockIdx.x - C, warp - own, kDataWarps - own, lane, stages, bars);
       if (lane == 0) bulk_wait_all();  // every row has landed when the kernel ends
