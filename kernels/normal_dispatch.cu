@@ -326,10 +326,10 @@ __device__ __forceinline__ void empty_row(const DeepepDispatchParams& p, int64_t
 // destination masked at the kernel's start the warp's tiles get send_head -1 and all their
 // tokens count; for one that went silent during it the warp's tokens from `from` on count
 // (send_head stays unspecified there: combine ignores a masked rank's entries).
-__device__ __forceinline__ void drop_sends(const DeepepDispatchParams& p, int ch, int warp, int lane, int64_t from) {
+__device__ __forceinline__ void drop_sends(const DeepepDispatchParams& p, int ch, const SendRole& role, int lane,
+                                           int64_t from) {
   const DeepepNormalCommon& c = p.common;
   const int R = c.num_ranks, C = c.num_channels;
-  const SendRole role = remote_role(warp - sender_own_warps(R), R, c.rank);
   const int stride = role.stride, dst = role.dst, member = role.member;
   int64_t begin, end, dropped = 0;
   channel_range(p.num_tokens, C, ch, begin, end);
@@ -374,26 +374,23 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DeepepDispatc
       mbarrier_init(&bars[1]);
     }
     __syncwarp();
+    int64_t missed = -1;  // a receive warp stopped by a masked source: its first row not received
     if (int(blockIdx.x) < C) {
       if (warp < sender_own) {
         send_channel<kShrink>(p, blockIdx.x, SendRole{p.common.rank, own + warp, own + sender_own}, lane, stages, bars);
-        if (lane == 0) bulk_wait_all();
-        __syncwarp();
       } else {
-        const int64_t unsent =
-            send_channel<kShrink>(p, blockIdx.x, remote_role(warp - sender_own, R, p.common.rank), lane, nullptr, nullptr);
-        if (kShrink && unsent >= 0) drop_sends(p, blockIdx.x, warp, lane, unsent);
+        const SendRole role = remote_role(warp - sender_own, R, p.common.rank);
+        const int64_t unsent = send_channel<kShrink>(p, blockIdx.x, role, lane, nullptr, nullptr);
+        if (kShrink && unsent >= 0) drop_sends(p, blockIdx.x, role, lane, unsent);
       }
+    } else if (warp < own) {  // this rank is never masked: nothing to drop
+      send_channel<kShrink>(p, blockIdx.x - C, SendRole{p.common.rank, warp, own + sender_own}, lane, stages, bars);
     } else {
-      int64_t missed = -1;
-      if (warp < own)  // this rank is never masked: nothing to drop
-        send_channel<kShrink>(p, blockIdx.x - C, SendRole{p.common.rank, warp, own + sender_own}, lane, stages, bars);
-      else
-        missed = receive_channel<kCopyChunk, kShrink>(p, blockIdx.x - C, warp - own, kDataWarps - own, lane, stages, bars);
-      if (lane == 0) bulk_wait_all();  // every row has landed when the kernel ends
-      __syncwarp();
-      if (kShrink && missed >= 0) drop_receives(p, blockIdx.x - C, warp - own, kDataWarps - own, lane, missed);
+      missed = receive_channel<kCopyChunk, kShrink>(p, blockIdx.x - C, warp - own, kDataWarps - own, lane, stages, bars);
     }
+    if (lane == 0) bulk_wait_all();  // every row this warp copied by TMA has landed when the kernel ends
+    __syncwarp();
+    if (kShrink && missed >= 0) drop_receives(p, blockIdx.x - C, warp - own, kDataWarps - own, lane, missed);
   }
   // num_worst_tokens: rows past the received ones carry no expert.
   if (p.recv_topk_idx != nullptr) {
