@@ -56,8 +56,8 @@ fn nccl_builds() -> Vec<NcclBuild> {
 }
 
 /// DEEPEP_KERNEL_DEFINES (a comma list of NAME or NAME=VALUE): extra -D flags for the NCCL-dependent
-/// kernel compiles, for instrumented or variant development builds (the branches prof-internode and
-/// tune-ht define their knobs this way). Unset or empty: the product's compile commands, unchanged.
+/// kernel compiles, for instrumented or variant development builds (DEEPEP_PROFILE_LL=1: the LL stage
+/// timers of kernels/ll_prof.cuh). Unset or empty: the product's compile commands, unchanged.
 fn extra_defines() -> Vec<String> {
     println!("cargo:rerun-if-env-changed=DEEPEP_KERNEL_DEFINES");
     std::env::var("DEEPEP_KERNEL_DEFINES")

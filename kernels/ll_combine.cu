@@ -9,6 +9,7 @@
 // slots in fp32 with fma in top-k order (DeepEP's order), then rounds to BF16.
 #include "ll_common.cuh"
 #include "ll_work_items.cuh"
+#include "ll_prof.cuh"
 #if DEEPEP_HAVE_LOGFMT
 #include "ll_logfmt.cuh"
 #endif
@@ -87,6 +88,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   }
   __syncthreads();
   const int total_rows = prefix[El * R];
+  LL_PROF_STAGE(prof::kPrefixed);
   const int row_vec = H / 8;  // 16-byte groups of a BF16 row
   const int total_warps = gridDim.x * kWarps;
   // Chunks of whole 256-channel groups (one int4 per lane per step); when H % 256 == 128
@@ -185,9 +187,11 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   // One release per (block, home) at the end, not one round trip per chunk: the barrier makes
   // every warp's stores part of what thread j releases.
   __syncthreads();
+  LL_PROF_STAGE(prof::kRowsSent);
   for (int j = threadIdx.x; j < R; j += kThreads)
     if (home_written[j] > 0) combine_done(tr, j, home_written[j], home_rows[j] * chunks, tr.signal_of(send));
   tr.end_send(kSignalCombine, send);
+  LL_PROF_STAGE(prof::kCombineSendEnd);
 }
 
 // An item is kSub consecutive 256-channel groups of one token (LogFMT: kSub = 1; see
@@ -233,6 +237,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
     poison_output(p.out, int64_t(p.num_tokens) * H * 2);
     return;
   }
+  LL_PROF_STAGE(prof::kCombineWaited);
   const uint8_t* recv = tr.local(c.combine_recv_offset);
   const uint8_t* recv_meta = recv + int64_t(c.num_experts) * M * cslot;
   // Only shrink mode skips sources (masked ones); outside it a source that never arrived is a
@@ -319,6 +324,7 @@ __device__ void combine_recv(const DeepepLlCombineParams& p, const Transport<kRe
       st_stream(static_cast<int4*>(p.out) + int64_t(t) * (H / 8) + (g0 + sub) * kWarp + lane, packed);
     }
   }
+  LL_PROF_STAGE(prof::kReduced);
   tr.finish_receive(kSignalCombine);
 }
 
@@ -326,9 +332,11 @@ template <int kRemote, bool kLogfmt, int kSub>
 __global__ void __launch_bounds__(kThreads, 1) combine(ncclDevComm dev_comm, DeepepLlCombineParams p) {
   extern __shared__ int smem[];
   Transport<kRemote> tr(p.common, dev_comm);
+  LL_PROF_BEGIN();
   if (runs_phase(p.common, DEEPEP_LL_PHASE_SEND)) combine_send<kRemote, kLogfmt>(p, tr, smem);
   if (runs_both_phases(p.common)) __syncthreads();
   if (runs_phase(p.common, DEEPEP_LL_PHASE_RECV)) combine_recv<kRemote, kLogfmt, kSub>(p, tr, smem);
+  LL_PROF_END(prof::kCombine, p.common.phases);
 }
 
 // The launcher's BF16 kernels, by [remote kind][receive groups per item: 1, 2]. The receive's

@@ -23,6 +23,7 @@
 // than loops unrolled over the largest top-k.
 #include "ll_common.cuh"
 #include "ll_work_items.cuh"
+#include "ll_prof.cuh"
 
 namespace deepep {
 namespace ll {
@@ -200,11 +201,13 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     __syncthreads();
   }
   __syncthreads();  // expert_hist cleared
+  LL_PROF_STAGE(prof::kCounted);
 
   __shared__ TokenRoute route;
   const int hidden_vec = H / 8;  // 16-byte groups of 8 bf16
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     route_token(p, tr, t, route, expert_hist);
+    LL_PROF_STAGE(prof::kRouted);
     const int nd = route.num_dst;
     const bool staged = kRemote != kRemoteNone && route.staged != 0;
     const uint64_t stage_offset = c.staging_offset + uint64_t(t) * slot_bytes;
@@ -290,6 +293,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
         }
       }
     }
+    LL_PROF_STAGE(prof::kStored);
     __syncthreads();
     if (staged) {
       // Remote destinations: put the staged slot, one warp per destination.
@@ -305,6 +309,7 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
       count_done(tr, route.dst[threadIdx.x], 1, tr.signal_of(send));
     }
     __syncthreads();
+    LL_PROF_STAGE(prof::kTokenDone);
   }
   // The count messages' done adds (kDoneTag - tokens): whoever completes done[d] signals d.
   for (int d = count_block + threadIdx.x * gridDim.x, i = threadIdx.x; d < c.num_ranks;
@@ -312,7 +317,9 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
     if (!peer_active(c, d)) continue;
     count_done(tr, d, kDoneTag - owned_tokens[i], tr.signal_of(send));
   }
+  LL_PROF_STAGE(prof::kSent);
   tr.end_send(kSignalDispatch, send);
+  LL_PROF_STAGE(prof::kSendEnd);
 }
 
 static_assert(kItemGroupWords == kWarp, "an item group is one 16-byte word per lane");
@@ -387,6 +394,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     poison_dispatch<kFp8>(p);  // outside shrink mode only: finish_receive has nothing to do
     return;
   }
+  LL_PROF_STAGE(prof::kWaited);
 
   constexpr int kUnroll = kItemMaxGroups;  // a chunk is one batch of loads
   int4 v[kUnroll];
@@ -475,6 +483,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     }
   }
   __syncthreads();
+  LL_PROF_STAGE(prof::kBegins);
 
   for (bool is_first = true; w < num_items; w += total_warps, is_first = false) {
     const ItemPlace it = is_first ? first : place_of(w);
@@ -525,6 +534,7 @@ __device__ void dispatch_recv(const DeepepLlDispatchParams& p, const Transport<k
     if (it.chunk == 0 && mine) p.packed_recv_src_info[int64_t(my_e) * rows_per_expert + my_row] = int(head_token);
   }
 
+  LL_PROF_STAGE(prof::kCopied);
   tr.finish_receive(kSignalDispatch);
 }
 
@@ -532,9 +542,11 @@ template <int kRemote, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) dispatch(ncclDevComm dev_comm, DeepepLlDispatchParams p) {
   extern __shared__ int smem[];
   Transport<kRemote> tr(p.common, dev_comm);
+  LL_PROF_BEGIN();
   if (runs_phase(p.common, DEEPEP_LL_PHASE_SEND)) dispatch_send<kRemote, kFp8>(p, tr, smem);
   if (runs_both_phases(p.common)) __syncthreads();
   if (runs_phase(p.common, DEEPEP_LL_PHASE_RECV)) dispatch_recv<kRemote, kFp8>(p, tr, smem);
+  LL_PROF_END(prof::kDispatch, p.common.phases);
 }
 
 // The launcher's kernels, by [remote kind][FP8].

@@ -64,6 +64,10 @@ mkdir -p target/host_tests
   -o target/host_tests/ll_work_items
 target/host_tests/ll_work_items
 
+echo "== the LL stage-timer build (kernels/ll_prof.cuh, DEEPEP_PROFILE_LL) compiles, for one NCCL build"
+DEEPEP_NCCL_BUILDS=$DEEPEP_NCCL_VERSION DEEPEP_KERNEL_DEFINES=DEEPEP_PROFILE_LL=1 CARGO_TARGET_DIR=target-ll-prof \
+  cargo build --release --locked --quiet
+
 echo "== Python drop-in (CPU parts, no torch needed)"
 DEEPEP_NCCL_LIBRARY="$PWD/target/release/libdeepep_nccl.so" PYTHONPATH="$PWD/compat/python" \
   "$DEEPEP_VENV/bin/python" -m pytest -q tests/python
