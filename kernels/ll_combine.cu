@@ -31,6 +31,36 @@ __device__ __forceinline__ void combine_done(const Transport<kRemote>& tr, int h
   }
 }
 
+// In-place exclusive prefix sum of a[0, n) in shared memory, the total into a[n]; the whole block
+// calls. Every warp scans 32 entries of a 512-entry round (one round at DeepEP's shapes: El*R is
+// 288 at 288 experts); one warp walking all of them took 270 cycles more (2x H200, T=128).
+__device__ __forceinline__ void block_exclusive_scan(int* a, int n) {
+  __shared__ int warp_sums[kWarps];
+  __shared__ int carry;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (threadIdx.x == 0) carry = 0;
+  for (int base = 0; base < n; base += kThreads) {
+    const int idx = base + threadIdx.x;
+    const int v = idx < n ? a[idx] : 0;
+    int incl = v;
+#pragma unroll
+    for (int s = 1; s < kWarp; s <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, s);
+      if (lane >= s) incl += y;
+    }
+    if (lane == kWarp - 1) warp_sums[warp] = incl;
+    __syncthreads();  // warp_sums written; carry of the round before
+    int before = carry;
+    for (int w = 0; w < warp; ++w) before += warp_sums[w];
+    if (idx < n) a[idx] = before + incl - v;
+    __syncthreads();  // every thread read carry and warp_sums
+    if (threadIdx.x == kThreads - 1) carry = before + incl;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) a[n] = carry;
+  __syncthreads();
+}
+
 template <int kRemote, bool kLogfmt>
 __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRemote>& tr, int* smem) {
   const auto& c = p.common;
@@ -49,7 +79,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
   int* home_written = home_rows + R;
   for (int j = threadIdx.x; j < 2 * R; j += kThreads) home_rows[j] = 0;
   __syncthreads();
-  // All threads load the El*R ranges at once (one memory round trip), then one warp scans the
+  // All threads load the El*R ranges at once (one memory round trip), then the block scans the
   // counts in shared memory.
   for (int idx = threadIdx.x; idx < El * R; idx += kThreads) {
     const int j = idx % R;
@@ -70,23 +100,7 @@ __device__ void combine_send(const DeepepLlCombineParams& p, const Transport<kRe
     if (n) atomicAdd(&home_rows[j], n);
   }
   __syncthreads();
-  if (threadIdx.x < kWarp) {
-    int carry = 0;
-    for (int base = 0; base < El * R; base += kWarp) {
-      const int idx = base + lane;
-      const int n = idx < El * R ? prefix[idx] : 0;
-      int incl = n;
-#pragma unroll
-      for (int s = 1; s < kWarp; s <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, s);
-        if (lane >= s) incl += y;
-      }
-      if (idx < El * R) prefix[idx] = carry + incl - n;
-      carry += __shfl_sync(0xffffffffu, incl, kWarp - 1);
-    }
-    if (lane == 0) prefix[El * R] = carry;
-  }
-  __syncthreads();
+  block_exclusive_scan(prefix, El * R);
   const int total_rows = prefix[El * R];
   LL_PROF_STAGE(prof::kPrefixed);
   const int row_vec = H / 8;  // 16-byte groups of a BF16 row
