@@ -18,6 +18,8 @@
 #                     example_ll bench_ll test_ll_virtual test_ll_generations test_ll_generations_2gpu
 #                     bench_ll_virtual bench_ll_host test_buffer
 #                     test_soak test_layout test_layout_ctypes test_python quickstart bench_layout
+#                     bench_nvlink (bench/nvlink_store_sweep.cu, built with the machine's nvcc: NVLink
+#                     GB/s of SM stores vs TMA bulk stores vs the copy engine by CTA count; 2 GPUs)
 #                     deepep_test_intranode deepep_test_low_latency (DeepEP V1's own tests; they
 #                     need DEEPEP_V1_SRC, a DeepEP source tree at 567632d, and are skipped without)
 #                     memcheck_smoke racecheck_smoke soak_long
@@ -45,7 +47,7 @@ ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_normal_protocol test
            test_internode_ctypes test_internode_protocol test_internode_stall bench_internode test_internode_virtual
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
            test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host
-           test_buffer test_soak test_layout test_layout_ctypes test_python quickstart bench_layout
+           test_buffer test_soak test_layout test_layout_ctypes test_python quickstart bench_layout bench_nvlink
            deepep_test_intranode deepep_test_low_latency memcheck_smoke racecheck_smoke soak_long)
 SUITE_STEPS=${SUITE_STEPS:-}
 for s in $SUITE_STEPS; do
@@ -182,6 +184,8 @@ step test_layout_ctypes 270 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_layo
 step test_python 120 "$PYTHON" -m pytest -q tests/python
 step quickstart 120 "$PYTHON" examples/quickstart.py
 step bench_layout 180 "$PYTHON" bench/bench_layout.py --json "$LOG_DIR/bench_layout.json"
+step bench_nvlink 180 bash -c 'nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o "$1" bench/nvlink_store_sweep.cu && "$1"' \
+    bench_nvlink "$STEP_DIR/nvlink_store_sweep"
 
 # deepep_test NAME SCRIPT ARGS...: DeepEP V1's own test SCRIPT, unmodified, over our deep_ep_cpp
 # with DeepEP's deep_ep package on top (a folder holding only our deep_ep_cpp comes first on

@@ -64,6 +64,11 @@ mkdir -p target/host_tests
   -o target/host_tests/ll_work_items
 target/host_tests/ll_work_items
 
+echo "== bench/nvlink_store_sweep.cu builds (the GPU suite's bench_nvlink runs it)"
+mkdir -p target/bench
+"$CUDA_HOME/bin/nvcc" -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a bench/nvlink_store_sweep.cu \
+  -L"$CUDA_HOME/lib" -o target/bench/nvlink_store_sweep
+
 echo "== the LL stage-timer build (kernels/ll_prof.cuh, DEEPEP_PROFILE_LL) compiles, for one NCCL build"
 DEEPEP_NCCL_BUILDS=$DEEPEP_NCCL_VERSION DEEPEP_KERNEL_DEFINES=DEEPEP_PROFILE_LL=1 CARGO_TARGET_DIR=target-ll-prof \
   cargo build --release --locked --quiet

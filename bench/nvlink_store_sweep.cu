@@ -1,0 +1,121 @@
+// NVLink bandwidth of the ways a kernel can write a peer's memory, by CTA count: plain 16-byte SM
+// stores (4 loads in flight per thread, 512 threads), TMA bulk copies (local HBM -> smem -> peer,
+// one lane per warp driving `stages` smem stages of `chunk` bytes), and the copy engine. GPUs 0
+// and 1 write to each other at once, as an all-to-all does; the figure is one-way GB/s per GPU
+// (best of 5 of 256 MiB). Decides how HT/LL senders should move rows (bench/RESULTS.md).
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o nvlink_store_sweep bench/nvlink_store_sweep.cu
+// (bench/gpu_suite.sh step bench_nvlink builds and runs it.)
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <cuda_runtime.h>
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); return 1; } } while (0)
+
+__global__ void plain(const int4* __restrict__ src, int4* dst, size_t n) {
+  const size_t per = (n + gridDim.x - 1) / gridDim.x, beg = blockIdx.x * per, end = beg + per < n ? beg + per : n;
+  for (size_t i = beg + threadIdx.x; i < end; i += blockDim.x * 4) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) if (i + u * blockDim.x < end) v[u] = src[i + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) if (i + u * blockDim.x < end) dst[i + u * blockDim.x] = v[u];
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void bar_init(uint64_t* b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(b))); }
+__device__ __forceinline__ void tma_load(void* s, const void* g, uint32_t bytes, uint64_t* b) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(s)), "l"(g), "r"(bytes), "r"(smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t phase) {
+  asm volatile("{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}" ::"r"(smem_addr(b)), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void tma_store(void* g, const void* s, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(g), "r"(smem_addr(s)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Each warp's lane 0 streams its slice in `chunk`-byte pieces through `stages` smem stages.
+template <int kStages>
+__global__ void tma(const char* __restrict__ src, char* dst, size_t bytes, int chunk) {
+  extern __shared__ __align__(128) char sm[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sm) + warp * kStages;
+  char* stage = sm + 1024 + size_t(warp) * kStages * chunk;
+  if (lane != 0) return;
+  const size_t W = size_t(gridDim.x) * warps, wid = size_t(blockIdx.x) * warps + warp;
+  const size_t nchunks_total = bytes / chunk, per = (nchunks_total + W - 1) / W;
+  const size_t c0 = wid * per, c1 = c0 + per < nchunks_total ? c0 + per : nchunks_total;
+  if (c0 >= c1) return;
+  const size_t n = c1 - c0;
+  for (int s = 0; s < kStages; ++s) bar_init(&bars[s]);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  for (size_t i = 0; i < n && i < kStages; ++i) tma_load(stage + i * chunk, src + (c0 + i) * chunk, chunk, &bars[i]);
+  for (size_t i = 0; i < n; ++i) {
+    const int s = int(i % kStages);
+    bar_wait(&bars[s], uint32_t((i / kStages) & 1));
+    tma_store(dst + (c0 + i) * chunk, stage + size_t(s) * chunk, chunk);
+    if (i >= 1 && i - 1 + kStages < n) {  // refill the previous chunk's stage once its store read it
+      store_wait_read<1>();
+      const int sp = int((i - 1) % kStages);
+      tma_load(stage + size_t(sp) * chunk, src + (c0 + i - 1 + kStages) * chunk, chunk, &bars[sp]);
+    }
+  }
+  store_wait_all();
+}
+
+int main() {
+  int ng; CK(cudaGetDeviceCount(&ng));
+  if (ng < 2) { printf("need 2 GPUs\n"); return 1; }
+  const size_t bytes = 256ull << 20, n16 = bytes / 16;
+  std::vector<char*> src(2), recv(2);
+  std::vector<cudaStream_t> st(2); std::vector<cudaEvent_t> e0(2), e1(2);
+  for (int g = 0; g < 2; ++g) {
+    CK(cudaSetDevice(g));
+    cudaDeviceEnablePeerAccess(1 - g, 0);
+    CK(cudaMalloc(&src[g], bytes)); CK(cudaMalloc(&recv[g], bytes)); CK(cudaMemset(src[g], 1 + g, bytes));
+    CK(cudaStreamCreate(&st[g])); CK(cudaEventCreate(&e0[g])); CK(cudaEventCreate(&e1[g]));
+    CK(cudaFuncSetAttribute(tma<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(tma<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  }
+  auto run = [&](const char* name, int blocks, auto launch) -> int {
+    float best = 1e9;
+    for (int it = 0; it < 5; ++it) {
+      for (int g = 0; g < 2; ++g) { CK(cudaSetDevice(g)); CK(cudaDeviceSynchronize()); }
+      for (int g = 0; g < 2; ++g) {
+        CK(cudaSetDevice(g)); CK(cudaEventRecord(e0[g], st[g])); launch(g); CK(cudaGetLastError()); CK(cudaEventRecord(e1[g], st[g]));
+      }
+      float worst = 0;
+      for (int g = 0; g < 2; ++g) { CK(cudaSetDevice(g)); CK(cudaEventSynchronize(e1[g])); float ms; CK(cudaEventElapsedTime(&ms, e0[g], e1[g])); worst = ms > worst ? ms : worst; }
+      best = worst < best ? worst : best;
+    }
+    printf("%-28s ctas %3d  %6.1f GB/s one way per GPU\n", name, blocks, bytes / (best * 1e-3) / 1e9);
+    return 0;
+  };
+  run("copy engine", 0, [&](int g) { cudaMemcpyPeerAsync(recv[1 - g], 1 - g, src[g], g, bytes, st[g]); });
+  for (int blocks : {8, 12, 16, 24, 32, 66, 132}) {
+    run("plain st.v4 x4 (512 thr)", blocks, [&](int g) { plain<<<blocks, 512, 0, st[g]>>>((const int4*)src[g], (int4*)recv[1 - g], n16); });
+    for (int chunk : {4096, 8192, 16384}) {
+      for (int warps : {1, 4}) {
+        const int stages = chunk <= 8192 ? 4 : 2;
+        const size_t smem = 1024 + size_t(warps) * stages * chunk;
+        if (smem > 200 * 1024) continue;
+        char name[64]; snprintf(name, sizeof name, "tma %dKB x%d st, %d warps", chunk / 1024, stages, warps);
+        if (stages == 4) run(name, blocks, [&](int g) { tma<4><<<blocks, 32 * warps, smem, st[g]>>>(src[g], recv[1 - g], bytes, chunk); });
+        else run(name, blocks, [&](int g) { tma<2><<<blocks, 32 * warps, smem, st[g]>>>(src[g], recv[1 - g], bytes, chunk); });
+      }
+    }
+  }
+  // Check: recv[1] holds GPU 0's bytes (1), recv[0] GPU 1's (2).
+  for (int g = 0; g < 2; ++g) {
+    std::vector<unsigned char> h(1 << 20);
+    CK(cudaSetDevice(g)); CK(cudaMemcpy(h.data(), recv[g] + bytes - h.size(), h.size(), cudaMemcpyDeviceToHost));
+    int bad = 0; for (auto c : h) bad += c != (unsigned char)(2 - g);
+    printf("gpu %d recv tail check: %d bad bytes\n", g, bad);
+  }
+  return 0;
+}
