@@ -559,6 +559,8 @@ GENERIC = {
     'topk_idx_int32': dict(topk_int32=True, modes=('bf16', 'fp8'), hooks=(False, True), zero_copy=(False, True)),
     'experts256_all_modes': dict(E='256', modes=ALL_MODES, hooks=(False, True)),
     'experts256_rank_valued_deepep_checks': dict(E='256', xkind='rank', modes=ALL_MODES, y_kind='deq', deepep=True),
+    # more than 512 (expert, source) blocks: combine's block-wide scan of the handle takes several rounds
+    'experts1152_M16_T16_H1024': dict(E=1152, T=16, H=1024, m=16, modes=('bf16', 'fp8'), hooks=(False, True)),
     # routings
     'skewed_one_expert_gets_every_token': dict(routing='skewed_expert', modes=('bf16', 'fp8'), hooks=(False, True)),
     'skewed_one_rank_gets_everything': dict(routing='skewed_rank', modes=('bf16', 'fp8_ue8m0'), xkind='rank',
