@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine(ncclDevComm dev_comm, Dee
   if (runs_phase(p.common, DEEPEP_LL_PHASE_SEND)) combine_send<kRemote, kLogfmt>(p, tr, smem);
   if (runs_both_phases(p.common)) __syncthreads();
   if (runs_phase(p.common, DEEPEP_LL_PHASE_RECV)) combine_recv<kRemote, kLogfmt, kSub>(p, tr, smem);
-  LL_PROF_END(prof::kCombine, p.common.phases);
+  LL_PROF_END(prof::kCombine, p.common.phases, p.common.rank);
 }
 
 // The launcher's BF16 kernels, by [remote kind][receive groups per item: 1, 2]. The receive's

@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch(ncclDevComm dev_comm, De
   if (runs_phase(p.common, DEEPEP_LL_PHASE_SEND)) dispatch_send<kRemote, kFp8>(p, tr, smem);
   if (runs_both_phases(p.common)) __syncthreads();
   if (runs_phase(p.common, DEEPEP_LL_PHASE_RECV)) dispatch_recv<kRemote, kFp8>(p, tr, smem);
-  LL_PROF_END(prof::kDispatch, p.common.phases);
+  LL_PROF_END(prof::kDispatch, p.common.phases, p.common.rank);
 }
 
 // The launcher's kernels, by [remote kind][FP8].

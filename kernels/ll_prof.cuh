@@ -4,7 +4,8 @@
 // kernel's end the stamps are summed over blocks and maxed per call, and the last block prints,
 // every kPrintEvery calls of one (op, phases), the window's mean and mean-of-max per stage, the
 // span from the first block's entry to the last block's end, and the entry spread (globaltimer,
-// ns). A stamp inside the token loop keeps the block's last token. Without the define the macros
+// ns). Only rank DEEPEP_PROFILE_LL_RANK (default 0) prints: ranks share stdout, and their device
+// printfs interleave mid-line. A stamp inside the token loop keeps the block's last token. Without the define the macros
 // are empty and the kernels compile as the product's. docs/low_latency.md "Where the time goes"
 // has a reading.
 #pragma once
@@ -21,6 +22,9 @@ enum CombineStage { kPrefixed, kRowsSent, kCombineSendEnd, kCombineWaited, kRedu
 
 #if DEEPEP_PROFILE_LL
 #include <cstdio>
+#ifndef DEEPEP_PROFILE_LL_RANK
+#define DEEPEP_PROFILE_LL_RANK 0
+#endif
 namespace deepep {
 namespace ll {
 namespace prof {
@@ -51,7 +55,7 @@ __device__ __forceinline__ void begin() {
 __device__ __forceinline__ void stage(int i) {
   if (threadIdx.x == 0) stamps()[i] = clock64() - stamps()[kStages];
 }
-__device__ inline void end(int op, int phases) {
+__device__ inline void end(int op, int phases, int rank) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   const int k = op * 3 + (phases - 1);
@@ -80,24 +84,26 @@ __device__ inline void end(int op, int phases) {
   a.entry_min[k] = ~0ull;
   a.entry_max[k] = a.end_max[k] = 0;
   if (++a.calls[k] % kPrintEvery != 0) return;
-  // One printf per line (ranks share stdout); a stage not reached reads -1.
-  double mean[kStages], max[kStages];
-  for (int i = 0; i < kStages; ++i) {
-    mean[i] = a.n[k][i] ? double(a.sum[k][i]) / a.n[k][i] : -1.0;
-    max[i] = a.n[k][i] ? double(a.max_sum[k][i]) / kPrintEvery : -1.0;
+  if (rank == DEEPEP_PROFILE_LL_RANK) {
+    // A stage not reached reads -1.
+    double mean[kStages], max[kStages];
+    for (int i = 0; i < kStages; ++i) {
+      mean[i] = a.n[k][i] ? double(a.sum[k][i]) / a.n[k][i] : -1.0;
+      max[i] = a.n[k][i] ? double(a.max_sum[k][i]) / kPrintEvery : -1.0;
+    }
+    const double span = double(a.span_sum[k]) / kPrintEvery, spread = double(a.spread_sum[k]) / kPrintEvery;
+    if (op == kDispatch)
+      printf("[llprof] dispatch phases=%d calls=%llu grid=%u span_ns=%.0f entry_spread_ns=%.0f cycles mean/max: "
+             "counted %.0f/%.0f routed %.0f/%.0f stored %.0f/%.0f token_done %.0f/%.0f sent %.0f/%.0f "
+             "send_end %.0f/%.0f waited %.0f/%.0f begins %.0f/%.0f copied %.0f/%.0f\n",
+             phases, a.calls[k], gridDim.x, span, spread, mean[0], max[0], mean[1], max[1], mean[2], max[2], mean[3],
+             max[3], mean[4], max[4], mean[5], max[5], mean[6], max[6], mean[7], max[7], mean[8], max[8]);
+    else
+      printf("[llprof] combine phases=%d calls=%llu grid=%u span_ns=%.0f entry_spread_ns=%.0f cycles mean/max: "
+             "prefixed %.0f/%.0f rows_sent %.0f/%.0f send_end %.0f/%.0f waited %.0f/%.0f reduced %.0f/%.0f\n",
+             phases, a.calls[k], gridDim.x, span, spread, mean[0], max[0], mean[1], max[1], mean[2], max[2], mean[3],
+             max[3], mean[4], max[4]);
   }
-  const double span = double(a.span_sum[k]) / kPrintEvery, spread = double(a.spread_sum[k]) / kPrintEvery;
-  if (op == kDispatch)
-    printf("[llprof] dispatch phases=%d calls=%llu grid=%u span_ns=%.0f entry_spread_ns=%.0f cycles mean/max: "
-           "counted %.0f/%.0f routed %.0f/%.0f stored %.0f/%.0f token_done %.0f/%.0f sent %.0f/%.0f "
-           "send_end %.0f/%.0f waited %.0f/%.0f begins %.0f/%.0f copied %.0f/%.0f\n",
-           phases, a.calls[k], gridDim.x, span, spread, mean[0], max[0], mean[1], max[1], mean[2], max[2], mean[3],
-           max[3], mean[4], max[4], mean[5], max[5], mean[6], max[6], mean[7], max[7], mean[8], max[8]);
-  else
-    printf("[llprof] combine phases=%d calls=%llu grid=%u span_ns=%.0f entry_spread_ns=%.0f cycles mean/max: "
-           "prefixed %.0f/%.0f rows_sent %.0f/%.0f send_end %.0f/%.0f waited %.0f/%.0f reduced %.0f/%.0f\n",
-           phases, a.calls[k], gridDim.x, span, spread, mean[0], max[0], mean[1], max[1], mean[2], max[2], mean[3],
-           max[3], mean[4], max[4]);
   for (int i = 0; i < kStages; ++i) a.sum[k][i] = a.n[k][i] = a.max_sum[k][i] = 0;
   a.span_sum[k] = a.spread_sum[k] = 0;
 }
@@ -106,9 +112,9 @@ __device__ inline void end(int op, int phases) {
 }  // namespace deepep
 #define LL_PROF_BEGIN() ::deepep::ll::prof::begin()
 #define LL_PROF_STAGE(i) ::deepep::ll::prof::stage(i)
-#define LL_PROF_END(op, phases) ::deepep::ll::prof::end(op, phases)
+#define LL_PROF_END(op, phases, rank) ::deepep::ll::prof::end(op, phases, rank)
 #else
 #define LL_PROF_BEGIN() ((void)0)
 #define LL_PROF_STAGE(i) ((void)0)
-#define LL_PROF_END(op, phases) ((void)0)
+#define LL_PROF_END(op, phases, rank) ((void)0)
 #endif
