@@ -184,7 +184,7 @@ step test_layout_ctypes 270 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_layo
 step test_python 120 "$PYTHON" -m pytest -q tests/python
 step quickstart 120 "$PYTHON" examples/quickstart.py
 step bench_layout 180 "$PYTHON" bench/bench_layout.py --json "$LOG_DIR/bench_layout.json"
-step bench_nvlink 180 bash -c 'nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o "$1" bench/nvlink_store_sweep.cu && "$1"' \
+step bench_nvlink 180 bash -c 'nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Ikernels -o "$1" bench/nvlink_store_sweep.cu && "$1"' \
     bench_nvlink "$STEP_DIR/nvlink_store_sweep"
 
 # deepep_test NAME SCRIPT ARGS...: DeepEP V1's own test SCRIPT, unmodified, over our deep_ep_cpp

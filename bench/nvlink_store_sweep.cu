@@ -3,12 +3,14 @@
 // one lane per warp driving `stages` smem stages of `chunk` bytes), and the copy engine. GPUs 0
 // and 1 write to each other at once, as an all-to-all does; the figure is one-way GB/s per GPU
 // (best of 5 of 256 MiB). Decides how HT/LL senders should move rows (bench/RESULTS.md).
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o nvlink_store_sweep bench/nvlink_store_sweep.cu
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Ikernels -o nvlink_store_sweep bench/nvlink_store_sweep.cu
 // (bench/gpu_suite.sh step bench_nvlink builds and runs it.)
 #include <cstdio>
 #include <cstdint>
 #include <vector>
 #include <cuda_runtime.h>
+
+#include "bulk_copy.cuh"  // the kernels' own TMA wrappers (kernels/, on the include path)
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); return 1; } } while (0)
 
 __global__ void plain(const int4* __restrict__ src, int4* dst, size_t n) {
@@ -21,23 +23,6 @@ __global__ void plain(const int4* __restrict__ src, int4* dst, size_t n) {
     for (int u = 0; u < 4; ++u) if (i + u * blockDim.x < end) dst[i + u * blockDim.x] = v[u];
   }
 }
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void bar_init(uint64_t* b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(b))); }
-__device__ __forceinline__ void tma_load(void* s, const void* g, uint32_t bytes, uint64_t* b) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(s)), "l"(g), "r"(bytes), "r"(smem_addr(b)) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t phase) {
-  asm volatile("{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}" ::"r"(smem_addr(b)), "r"(phase) : "memory");
-}
-__device__ __forceinline__ void tma_store(void* g, const void* s, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(g), "r"(smem_addr(s)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // Each warp's lane 0 streams its slice in `chunk`-byte pieces through `stages` smem stages.
 template <int kStages>
@@ -52,20 +37,23 @@ __global__ void tma(const char* __restrict__ src, char* dst, size_t bytes, int c
   const size_t c0 = wid * per, c1 = c0 + per < nchunks_total ? c0 + per : nchunks_total;
   if (c0 >= c1) return;
   const size_t n = c1 - c0;
-  for (int s = 0; s < kStages; ++s) bar_init(&bars[s]);
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  for (size_t i = 0; i < n && i < kStages; ++i) tma_load(stage + i * chunk, src + (c0 + i) * chunk, chunk, &bars[i]);
+  uint32_t phase[kStages];
+  for (int s = 0; s < kStages; ++s) {
+    deepep::mbarrier_init(&bars[s]);
+    phase[s] = 0;
+  }
+  for (size_t i = 0; i < n && i < kStages; ++i) deepep::bulk_load(stage + i * chunk, src + (c0 + i) * chunk, chunk, &bars[i]);
   for (size_t i = 0; i < n; ++i) {
     const int s = int(i % kStages);
-    bar_wait(&bars[s], uint32_t((i / kStages) & 1));
-    tma_store(dst + (c0 + i) * chunk, stage + size_t(s) * chunk, chunk);
+    deepep::mbarrier_wait(&bars[s], phase[s]);
+    deepep::bulk_store(dst + (c0 + i) * chunk, stage + size_t(s) * chunk, chunk);
     if (i >= 1 && i - 1 + kStages < n) {  // refill the previous chunk's stage once its store read it
-      store_wait_read<1>();
+      deepep::bulk_wait_smem_read<1>();
       const int sp = int((i - 1) % kStages);
-      tma_load(stage + size_t(sp) * chunk, src + (c0 + i - 1 + kStages) * chunk, chunk, &bars[sp]);
+      deepep::bulk_load(stage + size_t(sp) * chunk, src + (c0 + i - 1 + kStages) * chunk, chunk, &bars[sp]);
     }
   }
-  store_wait_all();
+  deepep::bulk_wait_all();
 }
 
 int main() {

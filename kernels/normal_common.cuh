@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "bounded_wait.cuh"
+#include "bulk_copy.cuh"
 #include "deepep_kernels.h"
 #include "memory_order.cuh"
 #include "stream_ops.cuh"
@@ -59,50 +60,7 @@ __device__ __forceinline__ uint64_t make_flag(uint32_t generation, int64_t seq) 
   return (uint64_t(generation) << 32) | uint64_t(uint32_t(seq + 1));
 }
 
-// ---------------------------------------------------------------- bulk copies (TMA)
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t& phase) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(phase)
-        : "memory");
-  }
-  phase ^= 1u;
-}
-
-// Global -> shared, completing on `bar` (which expects `bytes`).
-__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_addr(smem)),
-               "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-
-// Shared -> global, as one bulk group.
-__device__ __forceinline__ void bulk_store(void* gmem, const void* smem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(smem_addr(smem)),
-               "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-// Waits until earlier bulk stores have read their shared memory (it may be reused).
-__device__ __forceinline__ void bulk_wait_smem_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
-// Makes data other threads/peers wrote (observed through an acquire) visible to bulk copies.
-__device__ __forceinline__ void fence_generic_to_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-
+// ---------------------------------------------------------------- bulk copies (TMA; primitives: bulk_copy.cuh)
 // Copies `bytes` (multiple of 16, 16-byte aligned ends) from src to dst through
 // two shared-memory stages of kChunk bytes; lane 0 drives the copy engine.
 // Returns once src has been read (dst writes may still be in flight).

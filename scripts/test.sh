@@ -66,7 +66,7 @@ target/host_tests/ll_work_items
 
 echo "== bench/nvlink_store_sweep.cu builds (the GPU suite's bench_nvlink runs it)"
 mkdir -p target/bench
-"$CUDA_HOME/bin/nvcc" -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a bench/nvlink_store_sweep.cu \
+"$CUDA_HOME/bin/nvcc" -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels bench/nvlink_store_sweep.cu \
   -L"$CUDA_HOME/lib" -o target/bench/nvlink_store_sweep
 
 echo "== the LL stage-timer build (kernels/ll_prof.cuh, DEEPEP_PROFILE_LL) compiles, for one NCCL build"
