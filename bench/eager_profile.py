@@ -6,6 +6,10 @@ Parts, each on its own buffer, one process per GPU (NCCL process group):
                shape as bench_low_latency.py (hidden 7168, top-8 of 288 experts, 10 masked slots, M = T);
   normal:      one get_dispatch_layout + non-cached dispatch (BF16, top-k) + combine, shape as
                bench_normal.py (hidden 7168, top-8 of 256 experts), 24 SMs.
+  cached_loop: --loop-calls cached BF16 dispatches (normal's shape), each between two CUDA event
+               records as DeepEP's tests/utils.bench times them (its e2e figure is that span).
+  ll_loop:     --loop-calls LL dispatch + combine pairs (low_latency's shape), as DeepEP's
+               test_low_latency.py benches them plain (events around each pair).
 After --warmups plain calls, torch.profiler (CPU + CUDA activities) records one warm-up step (so that
 CUPTI's start-up stays out) and then the measured step; each call runs in a record_function range.
 Per part and rank it writes the chrome trace (--trace-dir), and rank 0 prints:
@@ -44,7 +48,7 @@ RANGE = 'eager:'
 LAUNCH_CATS = ('cuda_runtime', 'cuda_driver')
 HOST_CATS = ('cpu_op',) + LAUNCH_CATS
 GPU_CATS = ('kernel', 'gpu_memcpy', 'gpu_memset')
-PARTS = ('low_latency', 'normal')
+PARTS = ('low_latency', 'normal', 'cached_loop', 'll_loop')
 TOP_OPS = 20  # CPU op rows printed (the JSON has all)
 
 
@@ -61,11 +65,7 @@ def low_latency_steps(group, args, rank, world):
 
 def normal_steps(group, args, rank, world):
     """(buffer, [(call name, fn)]): get_dispatch_layout, non-cached dispatch with top-k, combine."""
-    dcfg = deep_ep.Config(HOST_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
-    ccfg = deep_ep.Config(HOST_SMS, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
-    num_nvl_bytes = max([int(1e9)] + [c.get_nvl_buffer_size_hint(HIDDEN * 2, world) for c in (dcfg, ccfg)])
-    buffer = deep_ep.Buffer(group, num_nvl_bytes, 0, low_latency_mode=False, num_qps_per_rank=1,
-                            explicitly_destroy=True)
+    buffer, dcfg, ccfg = normal_buffer(group, world)
     inp = NormalInputs(buffer, args.tokens, rank)
     state = {}
 
@@ -84,6 +84,47 @@ def normal_steps(group, args, rank, world):
         buffer.combine(recv_x, handle, config=ccfg)
 
     return buffer, [('get_dispatch_layout', layout), ('dispatch', dispatch), ('combine', combine)]
+
+
+def normal_buffer(group, world):
+    dcfg = deep_ep.Config(HOST_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
+    ccfg = deep_ep.Config(HOST_SMS, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
+    num_nvl_bytes = max([int(1e9)] + [c.get_nvl_buffer_size_hint(HIDDEN * 2, world) for c in (dcfg, ccfg)])
+    buffer = deep_ep.Buffer(group, num_nvl_bytes, 0, low_latency_mode=False, num_qps_per_rank=1,
+                            explicitly_destroy=True)
+    return buffer, dcfg, ccfg
+
+
+def timed(fn):
+    """fn between two event records, as DeepEP's bench times one call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def call():
+        start.record()
+        fn()
+        end.record()
+    return call
+
+
+def cached_loop_steps(group, args, rank, world):
+    """(buffer, [(call name, fn)] * loop_calls): cached BF16 dispatches back to back."""
+    buffer, dcfg, _ = normal_buffer(group, world)
+    inp = NormalInputs(buffer, args.tokens, rank)
+    handle = buffer.dispatch(inp.x, config=dcfg, **inp.layout)[4]
+    call = timed(lambda: buffer.dispatch(inp.x, handle=handle, config=dcfg))
+    return buffer, [(f'cached_dispatch#{i}', call) for i in range(args.loop_calls)]
+
+
+def ll_loop_steps(group, args, rank, world):
+    """(buffer, [(call name, fn)] * loop_calls): LL dispatch + combine pairs back to back."""
+    buffer, steps = low_latency_steps(group, args, rank, world)
+    (_, dispatch), (_, combine) = steps
+
+    def pair():
+        dispatch()
+        combine()
+    call = timed(pair)
+    return buffer, [(f'll_dispatch_combine#{i}', call) for i in range(args.loop_calls)]
 
 
 def profile(steps, warmups, trace_path):
@@ -203,7 +244,9 @@ def worker(rank, world, port, args):
     group = dist.group.WORLD
     results = {}
     for part in args.parts:
-        buffer, steps = (low_latency_steps if part == 'low_latency' else normal_steps)(group, args, rank, world)
+        make = {'low_latency': low_latency_steps, 'normal': normal_steps, 'cached_loop': cached_loop_steps,
+                'll_loop': ll_loop_steps}[part]
+        buffer, steps = make(group, args, rank, world)
         try:
             path = os.path.join(args.trace_dir, f'eager_{args.package}_{part}_T{args.tokens}_rank{rank}.json')
             summary = analyze(profile(steps, args.warmups, path))
@@ -230,6 +273,7 @@ def main():
     parser.add_argument('--tokens', type=int, default=128, help='tokens per rank (both parts)')
     parser.add_argument('--parts', nargs='+', choices=PARTS, default=list(PARTS))
     parser.add_argument('--warmups', type=int, default=20, help='plain steps before the profiler')
+    parser.add_argument('--loop-calls', type=int, default=8, help='calls of the *_loop parts')
     parser.add_argument('--trace-dir', default=os.environ.get('OUT') or '.')
     parser.add_argument('--json', default=None)
     add_package_arg(parser)
