@@ -87,6 +87,7 @@ def normal_steps(group, args, rank, world):
 
 
 def normal_buffer(group, world):
+    """(buffer, dispatch config, combine config) of the normal parts: 24 SMs, NVL bytes by DeepEP's hint."""
     dcfg = deep_ep.Config(HOST_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
     ccfg = deep_ep.Config(HOST_SMS, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
     num_nvl_bytes = max([int(1e9)] + [c.get_nvl_buffer_size_hint(HIDDEN * 2, world) for c in (dcfg, ccfg)])

@@ -175,7 +175,7 @@ step test_ll_generations_2gpu 300 "$PYTHON" tests/gpu/test_ll_generations_2gpu.p
 step bench_ll_virtual 300 "$PYTHON" bench/bench_ll_virtual_ranks.py --large-m 512 --json "$LOG_DIR/bench_ll_virtual.json"
 step bench_ll_host 300 "$PYTHON" bench/bench_ll_host.py --json "$LOG_DIR/bench_ll_host.json"
 # DeepEP's plain loops per rank without a profiler: e2e against host call time (2 GPUs).
-step bench_plain_loop 120 env PKG=deepep-nccl "$PYTHON" bench/plain_loop_probe.py
+step bench_plain_loop 120 "$PYTHON" bench/plain_loop_probe.py
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py
 # Create/destroy cycles with flat device memory, then a soak mixing normal and LL ops on one
 # auto-mode buffer (every result checked, every op repeated bit-identically); soak_long below

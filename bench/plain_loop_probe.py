@@ -1,87 +1,112 @@
-"""Where DeepEP's plain e2e goes, without a profiler: per call of a back-to-back loop (DeepEP's
-bench), the host call's start/end (perf_counter) and the GPU times of the events around it
-(relative to a reference event recorded at the loop's start), per rank: e2e, host call, how far
-the GPU runs behind the host, the GPU gap between calls. Loops: cached BF16 dispatch and LL
-dispatch + combine at T=128, 2 ranks. For ours it also counts calls that fell back from the
-compiled host path to ctypes. PKG labels the lines.
+"""Where DeepEP's plain e2e goes, without a profiler. DeepEP's bench loop (events around each call,
+calls back to back) of a cached BF16 dispatch and of an LL dispatch + combine, at eager_profile.py's
+shapes; per call the host call's start/end (perf_counter) and the GPU times of its events (from a
+reference event recorded at the loop's start). Rank 0 prints each rank's medians: e2e, host call,
+loop period, how far the GPU runs behind the host at a call's start and end, the GPU gap between
+calls. For ours it also counts cached dispatches that fell back from the compiled host path to ctypes
+(the LL ops select their path elsewhere).
 
-Run: PKG=ours python bench/plain_loop_probe.py   (V1: PYTHONPATH=/tmp/deepep_v1 PKG=v1 ...)"""
-import os, sys, time, statistics
+Run: python bench/plain_loop_probe.py [--tokens 128] [--package auto|deepep-nccl|deepep_v1]"""
 import argparse
-import torch, torch.distributed as dist
-import deep_ep
-from bench_common import init_worker, spawn_workers
-from bench_normal import Inputs, NVL_RECV_TOKENS, DISPATCH_CHUNKS
-import bench_low_latency as bll
+import statistics
+import sys
+import time
 
-N = 40
+import torch
+import torch.distributed as dist
 
-def probe(name, fn, say, rank):
-    """One loop of N calls after 30 warm-up calls; rank 0 prints every rank's medians."""
-    for _ in range(30): fn()
-    torch.cuda.synchronize(); dist.barrier(); torch.cuda.synchronize()
-    ref = torch.cuda.Event(enable_timing=True)
-    st = [torch.cuda.Event(enable_timing=True) for _ in range(N)]
-    en = [torch.cuda.Event(enable_timing=True) for _ in range(N)]
-    hs, he = [0.0] * N, [0.0] * N
-    t0 = time.perf_counter(); ref.record()
-    for i in range(N):
-        hs[i] = time.perf_counter()
-        st[i].record(); fn(); en[i].record()
-        he[i] = time.perf_counter()
+from bench_common import add_package_arg, init_worker, resolve_package, spawn_workers
+from bench_normal import Inputs as NormalInputs
+from eager_profile import low_latency_steps, normal_buffer
+
+NUM_CALLS, NUM_WARMUPS, SKIPPED = 40, 30, 5  # the first SKIPPED calls of the loop are not counted
+
+
+def probe(label, fn, rank):
+    """One loop of NUM_CALLS calls after NUM_WARMUPS; rank 0 prints every rank's medians (us)."""
+    for _ in range(NUM_WARMUPS):
+        fn()
     torch.cuda.synchronize()
-    rows = []
-    for i in range(N):
-        gs, ge = ref.elapsed_time(st[i]) * 1e3, ref.elapsed_time(en[i]) * 1e3
-        rows.append(((hs[i] - t0) * 1e6, (he[i] - t0) * 1e6, gs, ge))
-    rows = rows[5:]
-    med = lambda xs: statistics.median(xs)
-    e2e = med([r[3] - r[2] for r in rows]); host = med([r[1] - r[0] for r in rows])
-    period = (rows[-1][0] - rows[0][0]) / (len(rows) - 1)
-    lag = med([r[2] - r[0] for r in rows]); tail = med([r[3] - r[1] for r in rows])
-    gap = med([rows[i][2] - rows[i - 1][3] for i in range(1, len(rows))])
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (e2e, host, period, lag, tail, gap, rows[:6]))
+    dist.barrier()
+    torch.cuda.synchronize()
+    ref = torch.cuda.Event(enable_timing=True)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(NUM_CALLS)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(NUM_CALLS)]
+    host = []
+    t0 = time.perf_counter()
+    ref.record()
+    for start, end in zip(starts, ends):
+        h0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        host.append((h0 - t0, time.perf_counter() - t0))
+    torch.cuda.synchronize()
+    rows = [(hs * 1e6, he * 1e6, ref.elapsed_time(s) * 1e3, ref.elapsed_time(e) * 1e3)
+            for (hs, he), s, e in zip(host, starts, ends)][SKIPPED:]
+    med = statistics.median
+    summary = {'e2e': med(ge - gs for _, _, gs, ge in rows), 'host call': med(he - hs for hs, he, _, _ in rows),
+               'period': (rows[-1][0] - rows[0][0]) / (len(rows) - 1),
+               'GPU behind at start': med(gs - hs for hs, _, gs, _ in rows),
+               'GPU behind at end': med(ge - he for _, he, _, ge in rows),
+               'GPU gap': med(b[2] - a[3] for a, b in zip(rows, rows[1:]))}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, summary)
     if rank == 0:
-        for r, (e2e, host, period, lag, tail, gap, first) in enumerate(out):
-            print(f'{os.environ.get("PKG","?")} {name} rank{r}: e2e {e2e:.1f} | host call {host:.1f} period {period:.1f} | '
-                  f'GPU start - host start {lag:.1f} | GPU end - host end {tail:.1f} | GPU gap between calls {gap:.1f}', flush=True)
-            print('   first rows (host s,e / gpu s,e): ' + ' ; '.join(f'{a:.0f},{b:.0f}/{c:.0f},{d:.0f}' for a, b, c, d in first), flush=True)
+        for r, s in enumerate(gathered):
+            print(f'{label} rank {r}: ' + ' | '.join(f'{k} {v:.1f}' for k, v in s.items()), flush=True)
+
+
+def count_fallbacks(buffer):
+    """Normal-mode calls of ours that left the compiled host path for ctypes (its _fast_call answered None)."""
+    runtime, fell = buffer.runtime, []
+    fast_call = getattr(runtime, '_fast_call', None)
+    if fast_call is not None:
+        def counted(op, *args):
+            result = fast_call(op, *args)
+            if result is None:
+                fell.append(getattr(op, '__name__', str(op)))
+            return result
+        runtime._fast_call = counted
+    return fell
+
 
 def worker(rank, world, port, args):
-    say = init_worker(rank, world, port)
-    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True)
-    rt = getattr(buf, 'runtime', None)
-    if rank == 0 and rt is not None and hasattr(rt, '_normal_fast'):
-        import deep_ep_cpp._fast as f
-        print('host path:', 'compiled' if rt._normal_fast is not None else 'ctypes', '|', getattr(f, 'describe', lambda: '')(), flush=True)
-    fell = []
-    if rt is not None and hasattr(rt, '_fast_call'):
-        orig = rt._fast_call
-        def counted(op, *a):
-            r = orig(op, *a)
-            if r is None:
-                fell.append(getattr(op, '__name__', str(op)))
-            return r
-        rt._fast_call = counted
-    dcfg = deep_ep.Config(24, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
-    inp = Inputs(buf, 128, rank)
-    handle = buf.dispatch(inp.x, config=dcfg, **inp.layout)[4]
-    probe('cached_dispatch_T128', lambda: buf.dispatch(inp.x, handle=handle, config=dcfg), say, rank)
+    init_worker(rank, world, port)
+    group = dist.group.WORLD
+    buffer, dcfg, _ = normal_buffer(group, world)
+    fell = count_fallbacks(buffer)
+    inp = NormalInputs(buffer, args.tokens, rank)
+    handle = buffer.dispatch(inp.x, config=dcfg, **inp.layout)[4]
+    probe(f'{args.package} cached BF16 dispatch T={args.tokens}',
+          lambda: buffer.dispatch(inp.x, handle=handle, config=dcfg), rank)
     if rank == 0:
-        print(f'compiled-path fallbacks to ctypes: {len(fell)} {sorted(set(fell))[:5]}', flush=True)
-    torch.cuda.synchronize(); buf.destroy()
-    M = bll.max_tokens_for(128, world, 't')
-    ll_args = argparse.Namespace(hidden=bll.HIDDEN, num_experts=bll.NUM_EXPERTS, num_topk=bll.NUM_TOPK, masked_slots=bll.NUM_MASKED, seed=0)
-    lbuf, _ = bll.make_buffer(dist.group.WORLD, M, ll_args, world)
-    ll = bll.LowLatency(lbuf, bll.Inputs(ll_args, 128, rank, world), M, ll_args)
-    ll.sim_x = torch.randn(bll.NUM_EXPERTS // world, world * M, bll.HIDDEN, dtype=torch.bfloat16, device='cuda')
-    def pair():
-        ll.dispatch_step(); ll.combine_step()
-    probe('ll_dispatch_combine_T128', pair, say, rank)
-    torch.cuda.synchronize(); lbuf.destroy(); dist.barrier(); dist.destroy_process_group()
+        print(f'cached dispatches that fell back to ctypes (rank 0): {len(fell)} {sorted(set(fell))[:5]}', flush=True)
+    torch.cuda.synchronize()
+    buffer.destroy()
 
-if __name__ == '__main__':
+    buffer, ((_, dispatch), (_, combine)) = low_latency_steps(group, args, rank, world)
+
+    def pair():
+        dispatch()
+        combine()
+    probe(f'{args.package} LL dispatch + combine T={args.tokens}', pair, rank)
+    torch.cuda.synchronize()
+    buffer.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--tokens', type=int, default=128, help='tokens per rank')
+    add_package_arg(parser)
+    args = parser.parse_args()
+    resolve_package(args)
     if torch.cuda.device_count() < 2:
         sys.exit(f'plain_loop_probe: needs 2 GPUs, {torch.cuda.device_count()} visible')
-    spawn_workers(worker, 2, None)
+    spawn_workers(worker, 2, args)
+
+
+if __name__ == '__main__':
+    main()
