@@ -4,6 +4,7 @@ import ctypes
 import struct
 import sys
 import warnings
+import weakref
 from ctypes import byref, c_bool, c_int, c_int64, c_void_p
 
 from . import _fast, _lib
@@ -11,7 +12,8 @@ from ._fast import INTERNODE_OPS_ENTRIES, NORMAL_OPS_ENTRIES, entry_addresses
 from ._internode import InternodeMode
 from ._low_latency import LowLatencyMode
 from ._normal import NormalMode
-from ._streams import without_torch_function
+from ._config import Config
+from ._streams import CUDA_STREAM_LEGACY, without_torch_function
 from ._lib import (
     INT32,
     INT64,
@@ -25,6 +27,7 @@ from ._lib import (
     int_arg,
     int_range_error,
     lib,
+    raise_driver_error,
     raise_status,
     require_torch,
 )
@@ -126,6 +129,10 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
         # The compiled host path: built (once per machine) or loaded here, in the collective
         # constructor, not in a first op that peers may already wait on.
         self._fast = _fast.module()
+        if self._fast is not None:
+            assert self._fast.CUDA_STREAM_LEGACY == CUDA_STREAM_LEGACY
+            # What the compiled path raises for a failed call, and the configs it reads (_fast_direct.h).
+            self._fast.set_python_helpers(raise_status, raise_driver_error, Config)
         self._normal_init()
         self._internode_init()
         self._ll_init()
@@ -272,7 +279,8 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
         if self._fast is not None:
             with _on_device(self._device_id):  # the event of the compiled path's stream ordering
                 self._stream_order = self._fast.StreamOrder(self._device_id)
-                if not self._stream_order.usable():  # no libcuda entry points or no event
+                orderable = self._stream_order.usable()
+                if not orderable:  # no libcuda entry points or no event
                     warnings.warn("deepep-nccl: the compiled host path cannot order streams through the CUDA "
                                   "driver; the ops take the ctypes path", RuntimeWarning, stacklevel=2)
             self._normal_fast = self._fast.NormalOps(*entry_addresses(lib, NORMAL_OPS_ENTRIES),
@@ -280,6 +288,25 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
             self._internode_fast = self._fast.InternodeOps(*entry_addresses(lib, INTERNODE_OPS_ENTRIES),
                                                            self._num_ranks, self._device_id)
             self._ll_sync()
+            if orderable:  # else every op takes the ctypes path
+                self._bind_direct_entries()
+
+    def _bind_direct_entries(self):
+        """Makes the compiled ops' direct entries (_fast_direct.h) this buffer's methods of DeepEP's
+        names: a call then goes from Python straight into C++, without the class method's 4-9 us.
+        They take the fast case and call the class method for anything else; a subclass's
+        override stays in charge."""
+        self.get_comm_stream()  # as DeepEP's constructor: the direct entries launch on it
+        # A weak reference: the buffer owns the ops, so a strong one would be a cycle.
+        buffer_ref = weakref.ref(self)
+        self._normal_fast.bind_buffer(buffer_ref, self._handle, self._comm_stream_ptr, self._stream_order)
+        self._ll_ops.bind_buffer(buffer_ref, self._comm_stream_ptr)
+        cls = type(self)
+        for ops, names in ((self._normal_fast, self._fast.NORMAL_DIRECT_ENTRIES),
+                           (self._ll_ops, self._fast.LL_DIRECT_ENTRIES)):
+            for name in names:
+                if getattr(cls, name) is getattr(Buffer, name):
+                    setattr(self, name, getattr(ops, name))
 
     def _check_shared_args(self, handles):
         """Before anything collective: every rank sees the same handles, so either all raise or none."""

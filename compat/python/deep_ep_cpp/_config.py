@@ -1,5 +1,5 @@
 """DeepEP's Config, its buffer-size hints and the tuned default tables, all from the C ABI."""
-from ctypes import byref, c_int64
+from ctypes import addressof, byref, c_int64
 
 from ._lib import CONFIG_COMBINE, CONFIG_DISPATCH, INT64, DeepepConfig, check, int_arg, lib
 
@@ -13,7 +13,8 @@ class Config:
     multiple of rdma send, as in DeepEP.
     """
 
-    __slots__ = ("_c",)
+    # _address: _c's, which the compiled path's direct entries read (one attribute, no ctypes call).
+    __slots__ = ("_c", "_address")
 
     def __init__(
         self,
@@ -24,6 +25,7 @@ class Config:
         num_max_rdma_chunked_recv_tokens=256,
     ):
         self._c = DeepepConfig()
+        self._address = addressof(self._c)
         check(
             lib.deepep_config_init(
                 byref(self._c),
@@ -39,6 +41,7 @@ class Config:
     def _from_c(cls, c):
         config = cls.__new__(cls)
         config._c = c
+        config._address = addressof(c)
         return config
 
     num_sms = property(lambda self: self._c.num_sms)

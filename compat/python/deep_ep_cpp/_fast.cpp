@@ -3,10 +3,23 @@
 // call, with the waits of DeepEP's stream protocol (_fast_streams.h). The ctypes path does the same
 // in about 1.3-2x the host time (bench/bench_ll_host.py, bench/bench_normal.py's host rows). The
 // ops: _fast_ll.h (low-latency), _fast_normal.h (layout, normal dispatch and combine),
-// _fast_internode.h (internode dispatch and combine).
+// _fast_internode.h (internode dispatch and combine); _fast_direct.h: the ops' direct entries, which
+// sync() binds as the Buffer's methods of DeepEP's names (no Python between the caller and C++).
 #include "_fast_internode.h"
 #include "_fast_ll.h"
 #include "_fast_normal.h"
+
+namespace {
+
+// Defines the direct entry `name` (_fast_direct.h) of `cls` and lists it in `names` (what sync() binds).
+template <typename Ops>
+void def_direct(py::class_<Ops>& cls, py::list& names, const char* name,
+                py::object (Ops::*entry)(const py::args&, const py::kwargs&)) {
+  cls.def(name, entry, "DeepEP's Buffer method of that name (the fast case; anything else: the Buffer class's)");
+  names.append(name);
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace deepep_fast;
@@ -17,25 +30,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("DRIVER_ERROR") = py::int_(kDriverError);
   m.attr("ORDER_BEFORE") = py::int_(kOrderBefore);
   m.attr("ORDER_AFTER") = py::int_(kOrderAfter);
+  m.attr("CUDA_STREAM_LEGACY") = py::int_(kCudaStreamLegacy);
   py::class_<StreamOrder>(m, "StreamOrder").def(py::init<int>()).def("usable", &StreamOrder::usable);
   m.attr("NEW_SHAPE") = py::int_(kNewShape);
   m.attr("MAX_DISPATCH_SHAPES") = py::int_(kMaxDispatchShapes);
-  py::class_<LlOps>(m, "LlOps")
-      .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int, py::object>())
+  py::class_<LlOps> ll_ops(m, "LlOps");
+  ll_ops.def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int, py::object>())
       .def("add_dispatch_shape", &LlOps::add_dispatch_shape)
       .def("dispatch", &LlOps::dispatch)
       .def("combine", &LlOps::combine)
       .def("clean", &LlOps::clean)
-      .def("next_combine_buffer", &LlOps::next_combine_buffer);
-  m.def("set_status_raiser", &set_status_raiser);
+      .def("next_combine_buffer", &LlOps::next_combine_buffer)
+      .def("bind_buffer", &LlOps::bind_buffer);
+  py::list ll_direct;
+  def_direct(ll_ops, ll_direct, kLowLatencyDispatch, &LlOps::low_latency_dispatch);
+  def_direct(ll_ops, ll_direct, kLlDispatch, &LlOps::ll_dispatch);
+  def_direct(ll_ops, ll_direct, kLowLatencyCombine, &LlOps::low_latency_combine);
+  def_direct(ll_ops, ll_direct, kLlCombine, &LlOps::ll_combine);
+  m.attr("LL_DIRECT_ENTRIES") = py::tuple(ll_direct);
+  m.def("set_python_helpers", &set_python_helpers, py::arg("raise_status"), py::arg("raise_driver_error"),
+        py::arg("config_type"));
   LlDispatchHook::add_to(m, PYBIND11_TOSTRING(TORCH_EXTENSION_NAME) ".LlDispatchHook");
   LlCombineHook::add_to(m, PYBIND11_TOSTRING(TORCH_EXTENSION_NAME) ".LlCombineHook");
-  py::class_<NormalOps>(m, "NormalOps")
+  py::class_<NormalOps> normal_ops(m, "NormalOps");
+  normal_ops
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
                     int64_t, int>())
       .def("layout", &NormalOps::layout)
       .def("dispatch", &NormalOps::dispatch)
-      .def("combine", &NormalOps::combine);
+      .def("combine", &NormalOps::combine)
+      .def("bind_buffer", &NormalOps::bind_buffer);
+  py::list normal_direct;
+  def_direct(normal_ops, normal_direct, kGetDispatchLayout, &NormalOps::get_dispatch_layout);
+  def_direct(normal_ops, normal_direct, kIntranodeDispatch, &NormalOps::intranode_dispatch);
+  def_direct(normal_ops, normal_direct, kIntranodeCombine, &NormalOps::intranode_combine);
+  m.attr("NORMAL_DIRECT_ENTRIES") = py::tuple(normal_direct);
   py::class_<InternodeOps>(m, "InternodeOps")
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int>())
       .def("dispatch", &InternodeOps::dispatch)

@@ -17,6 +17,10 @@ namespace deepep_fast {
 // No message is formatted here: c10::str of a tensor's sizes segfaulted on the GPU machines'
 // torch 2.11, even in a module built with torch's compiler.
 constexpr int kBadInput = -2;
+// Returned (alone in the tuple) by LlOps::dispatch for a shape it has no plan for, before anything
+// is launched: the caller describes the shape (deepep_low_latency_dispatch_outputs, which checks it
+// first), adds it with add_dispatch_shape and calls again.
+constexpr int kNewShape = -4;
 
 inline int32_t dtype_code(at::ScalarType t) {
   switch (t) {

@@ -9,7 +9,7 @@
 #include <type_traits>
 
 #include "_fast_hook.h"
-#include "_fast_streams.h"
+#include "_fast_direct.h"
 
 namespace deepep_fast {
 
@@ -20,17 +20,6 @@ using LlCombineOutputsFn = decltype(&deepep_low_latency_combine_outputs);
 using NextCombineBufferFn = decltype(&deepep_get_next_low_latency_combine_buffer);
 static_assert(std::is_same_v<LlDispatchFn, LlRecvLaunch<DeepepLowLatencyDispatchArgs>::Fn> &&
               std::is_same_v<LlCombineFn, LlRecvLaunch<DeepepLowLatencyCombineArgs>::Fn>);
-
-// deep_ep_cpp's raise_status (set once by set_status_raiser): a failed hook raises the library's
-// error exactly as the ctypes path does. Never destroyed: no destructor may run at interpreter exit.
-inline py::object*& status_raiser() {
-  static py::object* raiser = nullptr;
-  return raiser;
-}
-
-inline void set_status_raiser(py::object raiser) {
-  if (status_raiser() == nullptr) status_raiser() = new py::object(std::move(raiser));
-}
 
 // DeepEP's `hook` of a return_recv_hook=True LL op: the receive launch of _fast_hook.h (see there
 // why the protocol has three copies). Like DeepEP's, it keeps the op's tensors alive (the receive
@@ -90,7 +79,8 @@ class __attribute__((visibility("hidden"))) LlRecvHook {
     return std::launder(reinterpret_cast<State*>(reinterpret_cast<Object*>(self)->state));
   }
 
-  // hook(): launches the receive; a failed launch raises the library's error (raise_status).
+  // hook(): launches the receive; a failed launch raises the library's error (raise_status, as the
+  // ctypes path does).
   static PyObject* call(PyObject* self, PyObject* args, PyObject* kwargs) {
     if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
       PyErr_SetString(PyExc_TypeError, "a receive hook takes no arguments");
@@ -98,11 +88,11 @@ class __attribute__((visibility("hidden"))) LlRecvHook {
     }
     const int status = state(self)->launch();
     if (status == 0) Py_RETURN_NONE;
-    if (status_raiser() == nullptr) {
+    if (python_helpers() == nullptr) {
       PyErr_SetString(PyExc_RuntimeError, "deepep-nccl: LL receive failed (no status raiser)");
       return nullptr;
     }
-    return PyObject_CallFunction(status_raiser()->ptr(), "i", status);  // raises: nullptr
+    return PyObject_CallFunction(python_helpers()->raise_status.ptr(), "i", status);  // raises: nullptr
   }
 
   static void dealloc(PyObject* self) {
@@ -125,10 +115,6 @@ inline at::Tensor held(const c10::optional<at::Tensor>& t) { return t.has_value(
 using LlDispatchHook = LlRecvHook<DeepepLowLatencyDispatchArgs>;
 using LlCombineHook = LlRecvHook<DeepepLowLatencyCombineArgs>;
 
-// Returned (alone in the tuple) by LlOps::dispatch for a shape it has no plan for: the caller
-// describes the shape (deepep_low_latency_dispatch_outputs, which checks it first), adds it with
-// add_dispatch_shape and calls again.
-constexpr int kNewShape = -4;
 // Dispatch shapes LlOps keeps (and the ctypes path's cache, which asserts the same number).
 constexpr size_t kMaxDispatchShapes = 64;
 
@@ -155,6 +141,12 @@ class LlCombineOutputs {
   int64_t tokens_ = -1, hidden_ = -1;
   DeepepOutputs outputs_{};
 };
+
+// LlOps' direct entries: DeepEP's and deep_ep's Buffer method names (the fallback's too).
+constexpr const char* kLowLatencyDispatch = "low_latency_dispatch";
+constexpr const char* kLlDispatch = "_ll_dispatch";
+constexpr const char* kLowLatencyCombine = "low_latency_combine";
+constexpr const char* kLlCombine = "_ll_combine";
 
 // One buffer's LL ops on the compiled host path (made by sync(): the handle is fixed from then on).
 // Everything that is the same on every call lives here, so that a call passes only what changes
@@ -284,7 +276,103 @@ class __attribute__((visibility("hidden"))) LlOps {
   // get_next_low_latency_combine_buffer: ll_next_combine_buffer (below) on this buffer.
   py::tuple next_combine_buffer(int m, int hidden, int experts, py::object owner);
 
+  // Once, by sync(), before the direct entries are bound: a weakref.ref to the Buffer and its comm
+  // stream (nonzero).
+  void bind_buffer(py::object buffer_ref, uintptr_t comm_stream) { direct_.bind(std::move(buffer_ref), comm_stream); }
+
+  // The direct entries (_fast_direct.h). DeepEP's low_latency_dispatch(x, topk_idx,
+  // cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+  // num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_,
+  // return_recv_hook): its 7-tuple (event None).
+  py::object low_latency_dispatch(const py::args& args, const py::kwargs& kwargs) {
+    return direct_dispatch(kLowLatencyDispatch, args, kwargs, false);
+  }
+  // deep_ep's _ll_dispatch (the same arguments): the 7-tuple and x's hidden size.
+  py::object ll_dispatch(const py::args& args, const py::kwargs& kwargs) {
+    return direct_dispatch(kLlDispatch, args, kwargs, true);
+  }
+  // DeepEP's low_latency_combine(x, topk_idx, topk_weights, src_info, layout_range,
+  // combine_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank, num_experts, use_logfmt,
+  // zero_copy, async_, return_recv_hook, out=None): (combined_x, event None, hook or None).
+  py::object low_latency_combine(const py::args& args, const py::kwargs& kwargs) {
+    return direct_combine(kLowLatencyCombine, args, kwargs, false);
+  }
+  // deep_ep's _ll_combine(the same up to return_recv_hook, out, hidden): the same 3-tuple, with x's
+  // last dimension checked against `hidden` (the dispatch's; -1: not checked).
+  py::object ll_combine(const py::args& args, const py::kwargs& kwargs) {
+    return direct_combine(kLlCombine, args, kwargs, true);
+  }
+
  private:
+  // Where a direct entry's op runs, as _low_latency.py's _ll_streams without async_: a hook's send
+  // on the compute stream, unordered; otherwise both phases on the comm stream, ordered both ways.
+  struct Launch {
+    uintptr_t stream, compute;
+    int phases, order_flags;
+  };
+  Launch launch(bool return_recv_hook) const {
+    const uintptr_t compute = current_stream(device_);
+    if (return_recv_hook) return {compute, compute, kPhaseSend, 0};
+    return {direct_.comm_stream(), compute, kPhaseBoth, kOrderBefore | kOrderAfter};
+  }
+
+  static bool is_bool(py::handle flag) { return flag.ptr() == Py_True || flag.ptr() == Py_False; }
+
+  py::object direct_dispatch(const char* name, const py::args& args, const py::kwargs& kwargs, bool with_hidden) {
+    py::object buffer = direct_.buffer();
+    at::Tensor x, topk_idx;
+    c10::optional<at::Tensor> recv_stats, wait_stats;
+    int64_t m = 0, experts = 0;
+    bool use_fp8 = false, round_scale = false, use_ue8m0 = false;
+    if (args.size() == 11 && kwargs.empty() && is_false(args[9]) && is_bool(args[10]) && load(args[0], x) &&
+        load(args[1], topk_idx) && load(args[2], recv_stats) && load(args[3], wait_stats) && load(args[4], m) &&
+        load(args[5], experts) && load(args[6], use_fp8) && load(args[7], round_scale) && load(args[8], use_ue8m0)) {
+      const Launch on = launch(args[10].ptr() == Py_True);
+      const py::tuple result = dispatch(x, topk_idx, recv_stats, wait_stats, m, experts, use_fp8, round_scale,
+                                        use_ue8m0, on.phases, on.stream, on.compute, on.order_flags, buffer);
+      // result: (status, 5 outputs, hook, hidden)
+      py::object answered = with_hidden ? answer(result, {1, 2, 3, 4, 5, kEventSlot, 6, 7})
+                                        : answer(result, {1, 2, 3, 4, 5, kEventSlot, 6});
+      if (answered) return answered;
+    }
+    return DirectBinding::fallback(buffer, name, args, kwargs);
+  }
+
+  // DeepEP's `out` may come 13th or as the keyword; deep_ep's _ll_combine passes out and hidden.
+  py::object direct_combine(const char* name, const py::args& args, const py::kwargs& kwargs, bool with_hidden) {
+    py::object buffer = direct_.buffer();
+    const size_t n = args.size();
+    py::object out_arg = py::none();
+    int64_t hidden = -1;
+    bool shaped;
+    if (with_hidden) {
+      shaped = n == 14 && kwargs.empty() && load(args[13], hidden);
+      if (shaped) out_arg = args[12];
+    } else if (kwargs.empty()) {
+      shaped = n == 12 || n == 13;
+      if (n == 13) out_arg = args[12];
+    } else {
+      shaped = n == 12 && kwargs.size() == 1 && kwargs.contains("out");
+      if (shaped) out_arg = kwargs["out"];
+    }
+    at::Tensor x, topk_idx, topk_weights, src_info, layout_range;
+    c10::optional<at::Tensor> wait_stats, out;
+    int64_t m = 0, experts = 0;
+    bool use_logfmt = false, zero_copy = false;
+    if (shaped && is_false(args[10]) && is_bool(args[11]) && load(args[0], x) && load(args[1], topk_idx) &&
+        load(args[2], topk_weights) && load(args[3], src_info) && load(args[4], layout_range) &&
+        load(args[5], wait_stats) && load(args[6], m) && load(args[7], experts) && load(args[8], use_logfmt) &&
+        load(args[9], zero_copy) && load(out_arg, out)) {
+      const Launch on = launch(args[11].ptr() == Py_True);
+      const py::tuple result = combine(x, topk_idx, topk_weights, src_info, layout_range, wait_stats, out, m, experts,
+                                       use_logfmt, zero_copy, hidden, on.phases, on.stream, on.compute,
+                                       on.order_flags, buffer);
+      // result: (status, combined_x, hook)
+      if (py::object answered = answer(result, {1, kEventSlot, 2})) return answered;
+    }
+    return DirectBinding::fallback(buffer, name, args, kwargs);
+  }
+
   using CleanFn = decltype(&deepep_clean_low_latency_buffer);
 
   struct DispatchKey {
@@ -335,6 +423,7 @@ class __attribute__((visibility("hidden"))) LlOps {
   DeepepLowLatencyCombineArgs combine_args_{};
   LlCombineOutputs combine_outputs_;
   int buffer_idx_ = 0;  // the half the last send used (the C ABI writes it)
+  DirectBinding direct_;
 };
 
 // Drops the owner reference a zero-copy view held (its storage's context). Leaked once Python is

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "_fast_streams.h"
+#include "_fast_direct.h"
 
 namespace deepep_fast {
 
@@ -23,10 +23,16 @@ using HandleOutputsFn = decltype(&deepep_intranode_dispatch_handle_outputs);
 using DispatchOutputsFn = decltype(&deepep_intranode_dispatch_outputs);
 using CombineOutputsFn = decltype(&deepep_intranode_combine_outputs);
 
+// NormalOps' direct entries: DeepEP's Buffer method names (the fallback's too).
+constexpr const char* kGetDispatchLayout = "get_dispatch_layout";
+constexpr const char* kIntranodeDispatch = "intranode_dispatch";
+constexpr const char* kIntranodeCombine = "intranode_combine";
+
 // One Buffer's layout, dispatch and combine. Holds the argument structs (each call refills the
 // fields it uses) and the constants of the buffer; the C ABI is reached through the addresses of
-// its functions in the libdeepep_nccl.so that deep_ep_cpp loaded.
-class NormalOps {
+// its functions in the libdeepep_nccl.so that deep_ep_cpp loaded. Hidden, as LlOps: it holds a
+// py::object.
+class __attribute__((visibility("hidden"))) NormalOps {
  public:
   NormalOps(uintptr_t layout_fn, uintptr_t prepare_fn, uintptr_t dispatch_fn, uintptr_t dispatch_fused_fn,
             uintptr_t combine_fn, uintptr_t layout_outputs_fn, uintptr_t handle_outputs_fn,
@@ -197,7 +203,84 @@ class NormalOps {
     return py::make_tuple(status, *out[0], optional_tensor(out[1]));
   }
 
+  // Once, by sync(), before the direct entries are bound: a weakref.ref to the Buffer, its handle,
+  // its comm stream (nonzero) and its StreamOrder (kept alive here).
+  void bind_buffer(py::object buffer_ref, uintptr_t handle, uintptr_t comm_stream, py::object order) {
+    order_ = order.cast<const StreamOrder*>();
+    order_object_ = std::move(order);
+    handle_ = handle;
+    direct_.bind(std::move(buffer_ref), comm_stream);
+  }
+
+  // The direct entries (_fast_direct.h), DeepEP's signatures and tuples (event None).
+  // get_dispatch_layout(topk_idx, num_experts, previous_event, async_, allocate_on_comm_stream).
+  py::object get_dispatch_layout(const py::args& args, const py::kwargs& kwargs) {
+    py::object buffer = direct_.buffer();
+    at::Tensor topk_idx;
+    int64_t num_experts = 0;
+    if (args.size() == 5 && kwargs.empty() && fast_case(args[2], args[3], args[4]) && load(args[0], topk_idx) &&
+        load(args[1], num_experts)) {
+      const py::tuple result = layout(handle_, topk_idx, num_experts, direct_.comm_stream(), *order_,
+                                      current_stream(device_), kOrderBefore | kOrderAfter);
+      // result: (status, per_rank, per_rdma_rank, per_expert, is_token_in_rank)
+      if (py::object answered = answer(result, {1, 2, 3, 4, kEventSlot})) return answered;
+    }
+    return DirectBinding::fallback(buffer, kGetDispatchLayout, args, kwargs);
+  }
+
+  // intranode_dispatch(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+  // num_tokens_per_expert, cached_num_recv_tokens, cached_rank_prefix_matrix,
+  // cached_channel_prefix_matrix, expert_alignment, num_worst_tokens, config, previous_event,
+  // async_, allocate_on_comm_stream).
+  py::object intranode_dispatch(const py::args& args, const py::kwargs& kwargs) {
+    py::object buffer = direct_.buffer();
+    at::Tensor x, is_token_in_rank;
+    c10::optional<at::Tensor> x_scales, topk_idx, topk_weights, per_rank, per_expert, cached_rank_prefix,
+        cached_channel_prefix;
+    int64_t cached_num_recv = 0, expert_alignment = 0, num_worst_tokens = 0;
+    uintptr_t config = 0;
+    if (args.size() == 16 && kwargs.empty() && fast_case(args[13], args[14], args[15]) && load(args[0], x) &&
+        load(args[1], x_scales) && load(args[2], topk_idx) && load(args[3], topk_weights) && load(args[4], per_rank) &&
+        load(args[5], is_token_in_rank) && load(args[6], per_expert) && load(args[7], cached_num_recv) &&
+        load(args[8], cached_rank_prefix) && load(args[9], cached_channel_prefix) &&
+        load(args[10], expert_alignment) && load(args[11], num_worst_tokens) &&
+        (config = config_address(args[12])) != 0) {
+      const py::tuple result =
+          dispatch(handle_, x, x_scales, topk_idx, topk_weights, per_rank, is_token_in_rank, per_expert,
+                   cached_num_recv, cached_rank_prefix, cached_channel_prefix, expert_alignment, num_worst_tokens,
+                   config, direct_.comm_stream(), *order_, current_stream(device_), kOrderBefore | kOrderAfter);
+      // result: (status, the 10 outputs)
+      if (py::object answered = answer(result, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, kEventSlot})) return answered;
+    }
+    return DirectBinding::fallback(buffer, kIntranodeDispatch, args, kwargs);
+  }
+
+  // intranode_combine(x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix,
+  // channel_prefix_matrix, send_head, config, previous_event, async_, allocate_on_comm_stream).
+  py::object intranode_combine(const py::args& args, const py::kwargs& kwargs) {
+    py::object buffer = direct_.buffer();
+    at::Tensor x, src_idx, rank_prefix, channel_prefix, send_head;
+    c10::optional<at::Tensor> topk_weights, bias_0, bias_1;
+    uintptr_t config = 0;
+    if (args.size() == 12 && kwargs.empty() && fast_case(args[9], args[10], args[11]) && load(args[0], x) &&
+        load(args[1], topk_weights) && load(args[2], bias_0) && load(args[3], bias_1) && load(args[4], src_idx) &&
+        load(args[5], rank_prefix) && load(args[6], channel_prefix) && load(args[7], send_head) &&
+        (config = config_address(args[8])) != 0) {
+      const py::tuple result = combine(handle_, x, topk_weights, bias_0, bias_1, src_idx, rank_prefix, channel_prefix,
+                                       send_head, config, direct_.comm_stream(), *order_, current_stream(device_),
+                                       kOrderBefore | kOrderAfter);
+      // result: (status, combined_x, combined_topk_weights)
+      if (py::object answered = answer(result, {1, 2, kEventSlot})) return answered;
+    }
+    return DirectBinding::fallback(buffer, kIntranodeCombine, args, kwargs);
+  }
+
  private:
+  // The direct entries' case: no previous_event, async_ and allocate_on_comm_stream False.
+  static bool fast_case(py::handle previous_event, py::handle async_, py::handle allocate_on_comm_stream) {
+    return previous_event.is_none() && is_false(async_) && is_false(allocate_on_comm_stream);
+  }
+
   LayoutFn layout_fn_;
   DispatchPrepareFn prepare_fn_;
   DispatchFn dispatch_fn_;
@@ -219,6 +302,11 @@ class NormalOps {
   OutputsCache<4> handle_cache_;
   OutputsCache<11> recv_cache_;
   OutputsCache<7> combine_cache_;
+  // What bind_buffer gave (the direct entries only).
+  uintptr_t handle_ = 0;
+  py::object order_object_;  // keeps order_ alive
+  const StreamOrder* order_ = nullptr;
+  DirectBinding direct_;
 };
 
 }  // namespace deepep_fast

@@ -135,7 +135,6 @@ class LowLatencyMode(StreamProtocol):
             assert fast.COMBINE_ARGS_BYTES == _COMBINE_ARGS.size
             assert (fast.ORDER_BEFORE, fast.ORDER_AFTER, fast.NEW_SHAPE, fast.MAX_DISPATCH_SHAPES) == (
                 ORDER_BEFORE, ORDER_AFTER, _NEW_SHAPE, _MAX_DISPATCH_SHAPES)
-            fast.set_status_raiser(raise_status)  # what a failed compiled hook raises
         self._ll_dispatch_shapes = {}
         self._ll_combine_args = ctypes.create_string_buffer(_COMBINE_ARGS.size)
         # combined_x's description per (T, H) on the ctypes path; LlOps keeps its own.
