@@ -8,7 +8,8 @@ between deep_ep.Buffer's entry and the compiled op's return, with ctypes_overhea
 torch and a stand-in of the compiled module (deep_ep_cpp/_fast.cpp) whose ops return their
 outputs at once. Per op it counts what Python does that a GPU run pays for (C ABI calls through
 ctypes, calls into the compiled module, CUDA event and current-stream calls, torch allocations,
-record_stream) and times the rest. PACKAGE_DIR holds the deep_ep and deep_ep_cpp to measure
+record_stream) and times the rest. Where the package has direct entries (_fast_direct.h), they are bound as sync() binds them, so the
+ops run deep_ep.Buffer's Python and then the stand-in entry. PACKAGE_DIR holds the deep_ep and deep_ep_cpp to measure
 (default: compat/python of this checkout), e.g. an older version's from `git archive`. What the compiled module does inside (allocations, driver
 calls, C ABI calls) is not seen here: see the module's sources.
 
@@ -21,9 +22,12 @@ set_default_device('cuda') (no GPU needed: nothing on these paths allocates thro
 ctypes path's C ABI calls are Python stand-ins here (clean_low_latency_buffer's too), so a real
 ctypes call's cost (~0.5-1 us) is not in these times.
 
+--torch-calls binds no direct entry: it measures the class methods (the direct entries' fallback,
+and every call of a package without them).
+
 --compiled: the same LL ops (bench_ll_host.py's: dispatch, dispatch + hook(), combine, combine +
 hook(), the hooks alone, clean_low_latency_buffer) through deep_ep.Buffer's public API and the
-real compiled module, built here from PACKAGE_DIR's deep_ep_cpp/_fast*.{cpp,h} against the real
+real compiled module (its direct entries bound where it has them), built here from PACKAGE_DIR's deep_ep_cpp/_fast*.{cpp,h} against the real
 (CPU) torch with two substitutions (CPU tensors pass its device check; it allocates on the CPU).
 Below it, C stand-ins (compiled here) of the five C ABI entries of LlOps (each returns 0 at once)
 and of the six CUDA driver entry points of _fast_streams.h (a libcuda.so.1 whose calls return 0).
@@ -89,6 +93,14 @@ def install_torch():
     return torch
 
 
+def bind_direct_entries(rt):
+    """What sync() does last where the package has direct entries (_fast_direct.h): the compiled
+    ops' entries become the runtime's methods. The comm stream is the made-up one set already."""
+    if hasattr(rt, "_bind_direct_entries"):
+        rt.get_comm_stream = lambda: rt._comm_stream
+        rt._bind_direct_entries()
+
+
 def mirror_ll_constants(module, low_latency):
     """The LL constants the package asserts the compiled module has, taken from the package
     (an older one, PACKAGE_DIR, may have none of them)."""
@@ -129,6 +141,20 @@ class FakeFast(types.ModuleType):
                 COUNTS["fast op"] += 1
                 return 0, combined, Tn((T, K), f32)
 
+            def bind_buffer(self, *a):
+                pass
+
+            # The direct entries (_fast_direct.h, bound on the Buffer by sync()): DeepEP's tuple at
+            # once (event None); the current stream is read in C++.
+            def get_dispatch_layout(self, *a):
+                return self.layout()[1:] + (None,)
+
+            def intranode_dispatch(self, *a):
+                return self.dispatch()[1:] + (None,)
+
+            def intranode_combine(self, *a):
+                return self.combine()[1:] + (None,)
+
         def ll_combine(*a):
             COUNTS["fast op"] += 1
             return 0, combined, hook if a[16] == 1 else None  # phases: send only -> hook
@@ -141,8 +167,20 @@ class FakeFast(types.ModuleType):
                 COUNTS["fast op"] += 1
                 return 0, combined, hook if a[12] == 1 else None
 
+            def bind_buffer(self, *a):
+                pass
+
+            def _ll_combine(self, *a):  # a direct entry; return_recv_hook is its 12th argument
+                COUNTS["fast op"] += 1
+                return combined, None, hook if a[11] else None
+
+            low_latency_combine = _ll_combine
+
         self.NormalOps, self.InternodeOps = NormalOps, NormalOps
         self.ll_combine, self.LlOps = ll_combine, LlOps
+        # The direct entries these stand-ins have (the LL dispatch is not timed here).
+        self.NORMAL_DIRECT_ENTRIES = ("get_dispatch_layout", "intranode_dispatch", "intranode_combine")
+        self.LL_DIRECT_ENTRIES = ("low_latency_combine", "_ll_combine")
         mirror_ll_constants(self, _low_latency)
         self.StreamOrder = lambda device: types.SimpleNamespace(usable=lambda: True)
         self.LlCombineOutputs = lambda fn: object()
@@ -391,6 +429,9 @@ int cuCtxGetDevice(int* d) { *d = 0; return 0; }
 _CPU_SUBSTITUTIONS = (
     ("_fast_common.h", "return t.is_cuda() && t.get_device() == device;", "return t.is_cpu() && device == 0;"),
     ("*", "at::kCUDA", "at::kCPU"),
+    # The direct entries' current stream: none on a CPU (handle 0, sent as cudaStreamLegacy).
+    ("_fast_direct.h", "c10::impl::getDeviceGuardImpl(on.type())->getStream(on).native_handle()",
+     "static_cast<void*>(nullptr)"),
 )
 
 
@@ -480,6 +521,10 @@ def compiled_ll_setup(pkg):
     assert rt._stream_order.usable(), "the stand-in libcuda.so.1 was not found"
     rt._ll_init()
     rt._ll_sync()
+    if hasattr(fast, "set_python_helpers"):  # what the constructor does when it loads the module itself
+        fast.set_python_helpers(_lib.raise_status, _lib.raise_driver_error, deep_ep_cpp.Config)
+        rt._normal_fast = fast.NormalOps(*_fast.entry_addresses(lib, _fast.NORMAL_OPS_ENTRIES), R, 0)  # not timed
+    bind_direct_entries(rt)
     rt._check_ll_x = lambda x: None  # a new dispatch shape's check (the CPU tensors are not on cuda:0)
     buffer = object.__new__(deep_ep.Buffer)
     buffer.runtime, buffer.rank, buffer.group_size = rt, 0, R
@@ -555,6 +600,7 @@ def main():
     rt._ll_init()
     if hasattr(rt, "_ll_sync"):
         rt._ll_sync()
+    bind_direct_entries(rt)
     if hasattr(deep_ep_cpp.Buffer, "_num_rdma_ranks"):
         rt._num_rdma_ranks = 1  # what sync() reads once
     # Every C ABI call that reaches ctypes from here on is counted (the query through
