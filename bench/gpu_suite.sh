@@ -10,7 +10,7 @@
 # Knobs (environment):
 #   SUITE_STEPS       space-separated step names to run, in the suite's order
 #                     (empty or unset = all), e.g. SUITE_STEPS="smoke_low_latency bench_ll";
-#                     steps: smoke_normal test_normal test_normal_ctypes test_normal_protocol
+#                     steps: smoke_normal test_normal test_normal_ctypes test_direct_entry test_normal_protocol
 #                     test_normal_shrink test_internode_shrink example_normal bench_normal test_internode test_internode_ctypes
 #                     test_internode_protocol test_internode_stall
 #                     bench_internode test_internode_virtual
@@ -43,7 +43,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_normal_protocol test_normal_shrink test_internode_shrink example_normal bench_normal test_internode
+ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_direct_entry test_normal_protocol test_normal_shrink test_internode_shrink example_normal bench_normal test_internode
            test_internode_ctypes test_internode_protocol test_internode_stall bench_internode test_internode_virtual
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
            test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host bench_plain_loop
@@ -133,6 +133,8 @@ step smoke_normal 200 "$PYTHON" tests/gpu/smoke_normal.py
 # ctypes path twice; the *_ctypes steps run the same tests on that path.
 step test_normal 600 env DEEPEP_NCCL_FAST=1 "$PYTHON" tests/gpu/test_normal.py
 step test_normal_ctypes 600 env DEEPEP_NCCL_FAST=0 "$PYTHON" tests/gpu/test_normal.py
+# The direct entries (deep_ep_cpp/_fast_direct.h) against the ctypes path, their fallbacks, no cycle.
+step test_direct_entry 300 "$PYTHON" tests/gpu/test_direct_entry.py
 # Stale flag values, 2-slot rings under random GPU delays, corrupted handles inside guard regions,
 # graph replay after a stall (2 GPUs).
 step test_normal_protocol 300 "$PYTHON" tests/gpu/test_normal_protocol.py

@@ -1,0 +1,309 @@
+"""The compiled path's direct entries (deep_ep_cpp/_fast_direct.h) on 2 GPUs: DeepEP's Buffer
+methods that sync() binds on the deep_ep_cpp.Buffer instance, so that a call goes straight into C++.
+
+With DEEPEP_NCCL_FAST=1 (the first spawn):
+* the instance's get_dispatch_layout, intranode_dispatch / _combine, low_latency_dispatch /
+  _combine and _ll_dispatch / _ll_combine are the compiled ops' entries (the class methods stay);
+* their results equal the ctypes path's (the class methods with the compiled ops hidden, what
+  DEEPEP_NCCL_FAST=0 runs) bit for bit: layout, dispatch (BF16, FP8, cached), combine, LL dispatch
+  (BF16, FP8, with a hook), LL combine (also with out= as a keyword);
+* the cases they hand to the class method behave as before: previous_event + async_,
+  allocate_on_comm_stream (and without previous_event: the class's error), keywords, a wrong
+  argument count (the class's TypeError), a Config subclass, a CPU tensor (the same RuntimeError
+  text), a destroyed buffer (the same error);
+* dropping the last reference frees the Buffer without the cycle collector, and a kept entry then
+  raises instead of using the freed handle.
+With DEEPEP_NCCL_FAST=0 (the second spawn) nothing is bound and the public API still runs.
+
+Run: PYTHONPATH=compat/python python tests/gpu/test_direct_entry.py"""
+import contextlib
+import gc
+import os
+import sys
+import weakref
+
+import torch
+import torch.distributed as dist
+
+import deep_ep
+import deep_ep_cpp
+from common import finish, spawn
+
+E, T, H, K = 64, 512, 2048, 8
+LL_M, LL_H, LL_E, LL_T, LL_K = 128, 2048, 16, 96, 4
+NORMAL = ('get_dispatch_layout', 'intranode_dispatch', 'intranode_combine')
+LL = ('low_latency_dispatch', '_ll_dispatch', 'low_latency_combine', '_ll_combine')
+
+
+@contextlib.contextmanager
+def ctypes_path(rt):
+    """The class methods with the compiled ops hidden: the ctypes path, as DEEPEP_NCCL_FAST=0 runs."""
+    saved = rt._normal_fast, rt._ll_ops
+    rt._normal_fast = rt._ll_ops = None
+    try:
+        yield
+    finally:
+        rt._normal_fast, rt._ll_ops = saved
+
+
+def class_call(rt, name, *args, **kwargs):
+    return getattr(type(rt), name)(rt, *args, **kwargs)
+
+
+def same(what, got, want):
+    """Equal outputs (tensors bit for bit: dtype, shape, values; lists, None and ints as they are)."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f'{what}: {type(got).__name__}, expected a tensor'
+        assert got.dtype == want.dtype and got.shape == want.shape, \
+            f'{what}: {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}'
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want), f'{what} differs'
+    else:
+        assert got == want, f'{what}: {got!r}, expected {want!r}'
+
+
+def same_tuple(what, got, want, skip=()):
+    assert isinstance(got, tuple) and len(got) == len(want), f'{what}: {len(got)}-tuple, expected {len(want)}'
+    for i, (g, w) in enumerate(zip(got, want)):
+        if i not in skip:
+            same(f'{what}[{i}]', g, w)
+
+
+def same_message(what, direct, cls):
+    """direct() and cls() raise the same exception type and text."""
+    errors = []
+    for fn in (direct, cls):
+        try:
+            fn()
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - compared below
+            errors.append((type(e), str(e)))
+    assert errors[0] is not None and errors[0] == errors[1], f'{what}: direct {errors[0]}, class method {errors[1]}'
+
+
+def topk_of(num_tokens, num_experts, num_topk):
+    return torch.rand(num_tokens, num_experts, dtype=torch.float32).argsort(1)[:, :num_topk].to(deep_ep.topk_idx_t)
+
+
+# ---------------------------------------------------------------- cases
+def entries_bound(rt, fast):
+    for ops, names in ((rt._normal_fast, NORMAL), (rt._ll_ops, LL)):
+        for name in names:
+            entry = vars(rt).get(name)
+            assert entry is not None and entry.__self__ is ops and entry.__name__ == name, f'{name}: {entry!r}'
+            assert getattr(type(rt), name) is getattr(deep_ep_cpp.Buffer, name)
+    assert fast.NORMAL_DIRECT_ENTRIES == NORMAL and fast.LL_DIRECT_ENTRIES == LL
+
+
+def layout_equal(rt):
+    topk = topk_of(T, E, K)
+    got = rt.get_dispatch_layout(topk, E, None, False, False)
+    with ctypes_path(rt):
+        want = class_call(rt, 'get_dispatch_layout', topk, E, None, False, False)
+    same_tuple('layout', got, want)
+    same('event', got[4], None)
+
+
+def dispatch_combine_equal(rt, world):
+    config, combine_config = deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world)
+    topk = topk_of(T, E, K)
+    weights = torch.rand(T, K, dtype=torch.float32)
+    per_rank, _, per_expert, in_rank, _ = rt.get_dispatch_layout(topk, E, None, False, False)
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    x_fp8 = x.to(torch.float8_e4m3fn)
+    scales = torch.rand(T, H // 128, dtype=torch.float32)
+    for name, xs, sc in (('bf16', x, None), ('fp8', x_fp8, scales)):
+        args = (xs, sc, topk, weights, per_rank, in_rank, per_expert, 0, None, None, 1, 0, config, None, False, False)
+        got = rt.intranode_dispatch(*args)
+        with ctypes_path(rt):
+            want = class_call(rt, 'intranode_dispatch', *args)
+        same_tuple(f'dispatch {name}', got, want)
+        recv_x, recv_scales, recv_topk, recv_weights, _, rank_prefix, channel_prefix, _, src_idx, send_head, _ = got
+        # cached: the handle of the dispatch above
+        cached = (xs, sc, None, None, None, in_rank, None, recv_x.size(0), rank_prefix, channel_prefix, 1, 0, config,
+                  None, False, False)
+        got_cached = rt.intranode_dispatch(*cached)
+        with ctypes_path(rt):
+            want_cached = class_call(rt, 'intranode_dispatch', *cached)
+        same_tuple(f'cached dispatch {name}', got_cached, want_cached)
+    y = recv_x.to(torch.bfloat16) if recv_x.dtype != torch.bfloat16 else recv_x
+    combine = (y, recv_weights, None, None, src_idx, rank_prefix, channel_prefix, send_head, combine_config, None,
+               False, False)
+    got = rt.intranode_combine(*combine)
+    with ctypes_path(rt):
+        want = class_call(rt, 'intranode_combine', *combine)
+    same_tuple('combine', got, want)
+
+
+def valid_rows_equal(what, got, want, count):
+    """LL packed outputs: only the first count[e] rows of expert e are written."""
+    for e in range(count.numel()):
+        n = int(count[e])
+        same(f'{what} expert {e}', got[e, :n], want[e, :n])
+
+
+def ll_equal(rt):
+    topk = topk_of(LL_T, LL_E, LL_K)
+    weights = torch.rand(LL_T, LL_K, dtype=torch.float32)
+    x = torch.randn(LL_T, LL_H, dtype=torch.bfloat16)
+    for use_fp8 in (False, True):
+        for hook in (False, True):
+            args = (x, topk, None, None, LL_M, LL_E, use_fp8, False, False, False, hook)
+            got = rt._ll_dispatch(*args)
+            if hook:
+                got[6]()
+            public = rt.low_latency_dispatch(*args)
+            if hook:
+                public[6]()
+            with ctypes_path(rt):
+                want = class_call(rt, '_ll_dispatch', *args)
+                if hook:
+                    want[6]()
+            name = f'LL dispatch fp8={use_fp8} hook={hook}'
+            assert (got[6] is not None) == hook and type(got[6]).__name__ in ('LlDispatchHook', 'NoneType')
+            assert len(public) == 7 and got[7] == want[7] == LL_H
+            for out in (got, public):
+                same(f'{name} count', out[2], want[2])
+                same(f'{name} layout_range', out[4], want[4])
+                same(f'{name} event', out[5], None)
+                valid_rows_equal(f'{name} recv_x', out[0], want[0], want[2])
+                valid_rows_equal(f'{name} src_info', out[3], want[3], want[2])
+                if use_fp8:
+                    valid_rows_equal(f'{name} scales', out[1], want[1], want[2])
+    # The combines' handle: a BF16 dispatch just before; the received rows are the expert output.
+    y, _, _, src_info, layout_range = rt._ll_dispatch(x, topk, None, None, LL_M, LL_E, False, False, False, False,
+                                                      False)[:5]
+    for hook in (False, True):
+        args = (y, topk, weights, src_info, layout_range, None, LL_M, LL_E, False, False, False, hook)
+        got = rt._ll_combine(*args, None, LL_H)
+        if hook:
+            got[2]()
+        out = torch.empty(LL_T, LL_H, dtype=torch.bfloat16)
+        public = rt.low_latency_combine(*args, out=out)
+        if hook:
+            public[2]()
+        with ctypes_path(rt):
+            want = class_call(rt, '_ll_combine', *args, None, LL_H)
+            if hook:
+                want[2]()
+        same(f'LL combine hook={hook}', got[0], want[0])
+        same(f'LL combine out= hook={hook}', public[0], want[0])
+        assert public[0] is out and got[1] is None and (got[2] is not None) == hook
+
+
+def fallbacks(rt, world):
+    topk = topk_of(T, E, K)
+    want = rt.get_dispatch_layout(topk, E, None, False, False)
+    # previous_event + async_ (and allocate_on_comm_stream): the class method's events.
+    for on_comm in (False, True):
+        got = rt.get_dispatch_layout(topk, E, deep_ep_cpp.EventHandle(), True, on_comm)
+        assert isinstance(got[4], deep_ep_cpp.EventHandle), f'event {got[4]!r}'
+        got[4].current_stream_wait()
+        same_tuple(f'async layout on_comm={on_comm}', got, want, skip=(4,))
+    same_message('allocate_on_comm_stream without previous_event',
+                 lambda: rt.get_dispatch_layout(topk, E, None, True, True),
+                 lambda: class_call(rt, 'get_dispatch_layout', topk, E, None, True, True))
+    # keywords, a wrong argument count
+    same_tuple('keywords', rt.get_dispatch_layout(topk, E, previous_event=None, async_=False,
+                                                  allocate_on_comm_stream=False), want)
+    same_message('two arguments', lambda: rt.get_dispatch_layout(topk, E),
+                 lambda: class_call(rt, 'get_dispatch_layout', topk, E))
+    # a CPU tensor: the ctypes path names it
+    same_message('CPU topk_idx', lambda: rt.get_dispatch_layout(topk.cpu(), E, None, False, False),
+                 lambda: class_call(rt, 'get_dispatch_layout', topk.cpu(), E, None, False, False))
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    per_rank, _, per_expert, in_rank, _ = want
+    config = deep_ep.Buffer.get_dispatch_config(world)
+    args = (None, topk, torch.ones(T, K, dtype=torch.float32), per_rank, in_rank, per_expert, 0, None, None, 1, 0,
+            config, None, False, False)
+    same_message('CPU x', lambda: rt.intranode_dispatch(x.cpu(), *args),
+                 lambda: class_call(rt, 'intranode_dispatch', x.cpu(), *args))
+
+    # a Config subclass: the class method (which reads its C struct)
+    class MyConfig(deep_ep_cpp.Config):
+        pass
+
+    mine = MyConfig(config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                    config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+    got = rt.intranode_dispatch(x, *args[:11], mine, None, False, False)
+    same_tuple('Config subclass', got, rt.intranode_dispatch(x, *args))
+
+
+def destroyed_buffer(group):
+    """A destroyed buffer: the library's error, as through the class method."""
+    buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 26, explicitly_destroy=True)
+    rt = buf.runtime
+    topk = topk_of(T, E, K)
+    buf.destroy()
+    same_message('destroyed layout', lambda: rt.get_dispatch_layout(topk, E, None, False, False),
+                 lambda: class_call(rt, 'get_dispatch_layout', topk, E, None, False, False))
+
+
+def freed_without_gc(group):
+    """No reference cycle: the last reference's drop frees the runtime (and its handle); an entry
+    kept past it raises."""
+    buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 26)
+    rt = buf.runtime
+    ref, entry = weakref.ref(rt), rt.get_dispatch_layout
+    topk = topk_of(T, E, K)
+    torch.cuda.synchronize()
+    gc.collect()
+    gc.disable()
+    try:
+        del buf, rt
+        alive = ref() is not None
+    finally:
+        gc.enable()
+    dist.barrier(group)
+    assert not alive, 'the runtime outlived its last reference (a cycle)'
+    try:
+        entry(topk, E, None, False, False)
+    except RuntimeError as e:
+        assert 'was deleted' in str(e), str(e)
+    else:
+        raise AssertionError('an entry of a freed Buffer ran')
+
+
+def worker(rank, world, group, rep):
+    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_device('cuda')
+    hint = max(deep_ep.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(H * 2, world),
+               deep_ep.Buffer.get_combine_config(world).get_nvl_buffer_size_hint(H * 2, world))
+    buf = deep_ep.Buffer(group, num_nvl_bytes=hint, explicitly_destroy=True)
+    rt, fast = buf.runtime, buf.runtime._fast
+    rep.run('entries_bound', entries_bound, rt, fast)
+    rep.run('layout_equal', layout_equal, rt)
+    rep.run('dispatch_combine_equal', dispatch_combine_equal, rt, world)
+    rep.run('fallbacks', fallbacks, rt, world)
+    buf.destroy()
+    ll_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_M, LL_H, world, LL_E)
+    ll = deep_ep.Buffer(group, num_rdma_bytes=ll_bytes, low_latency_mode=True, num_qps_per_rank=LL_E // world,
+                        explicitly_destroy=True)
+    rep.run('ll_equal', ll_equal, ll.runtime)
+    ll.destroy()
+    rep.run('destroyed_buffer', destroyed_buffer, group)
+    rep.run('freed_without_gc', freed_without_gc, group)
+
+
+def ctypes_worker(rank, world, group, rep):
+    def nothing_bound():
+        buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 26, explicitly_destroy=True)
+        try:
+            assert buf.runtime._fast is None and not set(NORMAL + LL) & set(vars(buf.runtime))
+            topk = topk_of(T, E, K)
+            buf.get_dispatch_layout(topk, E)
+        finally:
+            buf.destroy()
+
+    rep.run('ctypes_nothing_bound', nothing_bound)
+
+
+if __name__ == '__main__':
+    if torch.cuda.device_count() < 2:
+        print('test_direct_entry needs 2 GPUs')
+        sys.exit(1)
+    os.environ['DEEPEP_NCCL_FAST'] = '1'  # the spawned workers inherit it
+    spawn(worker, 2, timeout=240)
+    os.environ['DEEPEP_NCCL_FAST'] = '0'
+    spawn(ctypes_worker, 2, timeout=120)
+    finish()
