@@ -9,14 +9,23 @@
 #include "_fast_ll.h"
 #include "_fast_normal.h"
 
+#include <initializer_list>
+#include <utility>
+
 namespace {
 
-// Defines the direct entry `name` (_fast_direct.h) of `cls` and lists it in `names` (what sync() binds).
 template <typename Ops>
-void def_direct(py::class_<Ops>& cls, py::list& names, const char* name,
-                py::object (Ops::*entry)(const py::args&, const py::kwargs&)) {
-  cls.def(name, entry, "DeepEP's Buffer method of that name (the fast case; anything else: the Buffer class's)");
-  names.append(name);
+using DirectEntry = std::pair<const char*, py::object (Ops::*)(const py::args&, const py::kwargs&)>;
+
+// Defines the direct entries (_fast_direct.h) of `cls`; returns their names (what sync() binds).
+template <typename Ops>
+py::tuple def_direct(py::class_<Ops>& cls, std::initializer_list<DirectEntry<Ops>> entries) {
+  py::list names;
+  for (const auto& [name, entry] : entries) {
+    cls.def(name, entry, "DeepEP's Buffer method of that name (the fast case; anything else: the Buffer class's)");
+    names.append(name);
+  }
+  return py::tuple(names);
 }
 
 }  // namespace
@@ -42,12 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clean", &LlOps::clean)
       .def("next_combine_buffer", &LlOps::next_combine_buffer)
       .def("bind_buffer", &LlOps::bind_buffer);
-  py::list ll_direct;
-  def_direct(ll_ops, ll_direct, kLowLatencyDispatch, &LlOps::low_latency_dispatch);
-  def_direct(ll_ops, ll_direct, kLlDispatch, &LlOps::ll_dispatch);
-  def_direct(ll_ops, ll_direct, kLowLatencyCombine, &LlOps::low_latency_combine);
-  def_direct(ll_ops, ll_direct, kLlCombine, &LlOps::ll_combine);
-  m.attr("LL_DIRECT_ENTRIES") = py::tuple(ll_direct);
+  m.attr("LL_DIRECT_ENTRIES") = def_direct<LlOps>(
+      ll_ops, {{kLowLatencyDispatch, &LlOps::low_latency_dispatch}, {kLlDispatch, &LlOps::ll_dispatch},
+               {kLowLatencyCombine, &LlOps::low_latency_combine}, {kLlCombine, &LlOps::ll_combine}});
   m.def("set_python_helpers", &set_python_helpers, py::arg("raise_status"), py::arg("raise_driver_error"),
         py::arg("config_type"));
   LlDispatchHook::add_to(m, PYBIND11_TOSTRING(TORCH_EXTENSION_NAME) ".LlDispatchHook");
@@ -60,11 +66,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("dispatch", &NormalOps::dispatch)
       .def("combine", &NormalOps::combine)
       .def("bind_buffer", &NormalOps::bind_buffer);
-  py::list normal_direct;
-  def_direct(normal_ops, normal_direct, kGetDispatchLayout, &NormalOps::get_dispatch_layout);
-  def_direct(normal_ops, normal_direct, kIntranodeDispatch, &NormalOps::intranode_dispatch);
-  def_direct(normal_ops, normal_direct, kIntranodeCombine, &NormalOps::intranode_combine);
-  m.attr("NORMAL_DIRECT_ENTRIES") = py::tuple(normal_direct);
+  m.attr("NORMAL_DIRECT_ENTRIES") = def_direct<NormalOps>(
+      normal_ops, {{kGetDispatchLayout, &NormalOps::get_dispatch_layout},
+                   {kIntranodeDispatch, &NormalOps::intranode_dispatch},
+                   {kIntranodeCombine, &NormalOps::intranode_combine}});
   py::class_<InternodeOps>(m, "InternodeOps")
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int>())
       .def("dispatch", &InternodeOps::dispatch)
