@@ -82,7 +82,9 @@ def same_message(what, direct, cls):
 
 
 def topk_of(num_tokens, num_experts, num_topk):
-    return torch.rand(num_tokens, num_experts, dtype=torch.float32).argsort(1)[:, :num_topk].to(deep_ep.topk_idx_t)
+    # contiguous: the library takes topk_idx row-major only (argsort's column slice is a strided view)
+    return torch.rand(num_tokens, num_experts, dtype=torch.float32).argsort(1)[:, :num_topk].contiguous().to(
+        deep_ep.topk_idx_t)
 
 
 # ---------------------------------------------------------------- cases
@@ -118,7 +120,8 @@ def dispatch_combine_equal(rt, world):
         with ctypes_path(rt):
             want = class_call(rt, 'intranode_dispatch', *args)
         same_tuple(f'dispatch {name}', got, want)
-        recv_x, recv_scales, recv_topk, recv_weights, _, rank_prefix, channel_prefix, _, src_idx, send_head, _ = got
+        (recv_x, recv_scales, recv_topk, recv_weights, _, rank_prefix, channel_prefix, recv_channel_prefix, src_idx,
+         send_head, _) = got
         # cached: the handle of the dispatch above
         cached = (xs, sc, None, None, None, in_rank, None, recv_x.size(0), rank_prefix, channel_prefix, 1, 0, config,
                   None, False, False)
@@ -127,7 +130,8 @@ def dispatch_combine_equal(rt, world):
             want_cached = class_call(rt, 'intranode_dispatch', *cached)
         same_tuple(f'cached dispatch {name}', got_cached, want_cached)
     y = recv_x.to(torch.bfloat16) if recv_x.dtype != torch.bfloat16 else recv_x
-    combine = (y, recv_weights, None, None, src_idx, rank_prefix, channel_prefix, send_head, combine_config, None,
+    # DeepEP's combine takes the receive side's channel prefixes (its handle[2])
+    combine = (y, recv_weights, None, None, src_idx, rank_prefix, recv_channel_prefix, send_head, combine_config, None,
                False, False)
     got = rt.intranode_combine(*combine)
     with ctypes_path(rt):
@@ -286,6 +290,7 @@ def worker(rank, world, group, rep):
 
 
 def ctypes_worker(rank, world, group, rep):
+    torch.set_default_device('cuda')  # as DeepEP's tests run
     def nothing_bound():
         buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 26, explicitly_destroy=True)
         try:

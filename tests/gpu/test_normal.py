@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from common import (Checks, assert_same, destroy_after_stall, expect_raises_match, finish, make_buffer, random_topk,
-                    ref_layout, skip, spawn)
+from common import (Checks, assert_same, ctypes_launches, destroy_after_stall, expect_raises_match, finish, make_buffer,
+                    random_topk, ref_layout, skip, spawn)
 from normal_reference import ref_combine, ref_dispatch
 
 E = 256
@@ -763,13 +763,12 @@ def late_dispatch(buf, inp, cycles, config=None):
             torch.cuda._sleep(cycles)
         return launch(handle, args, outs, stream)
 
-    runtime._fast_with_config = lambda *args, **kwargs: None  # no compiled path: the launch below is taken
     _normal.lib.deepep_intranode_dispatch = delayed
     try:
-        return buf.dispatch(inp.x, **layout_args(inp), config=config)
+        with ctypes_launches(runtime):  # the launch above is taken
+            return buf.dispatch(inp.x, **layout_args(inp), config=config)
     finally:
         _normal.lib.deepep_intranode_dispatch = launch
-        del runtime._fast_with_config
 
 
 def late_combine(buf, y, handle, cycles, **kwargs):
@@ -785,13 +784,12 @@ def late_combine(buf, y, handle, cycles, **kwargs):
             torch.cuda._sleep(cycles)
         return launch(handle, args, stream)
 
-    runtime._fast_with_config = lambda *args, **kwargs: None  # no compiled path: the launch below is taken
     _normal.lib.deepep_intranode_combine = delayed
     try:
-        return buf.combine(y, handle, **kwargs)
+        with ctypes_launches(runtime):  # the launch above is taken
+            return buf.combine(y, handle, **kwargs)
     finally:
         _normal.lib.deepep_intranode_combine = launch
-        del runtime._fast_with_config
 
 
 def stall_case(phase):
