@@ -139,24 +139,31 @@ def host_loop(fn, num_calls, num_warmups=20):
 
 def host_paths(buffer, package, attr, group=None):
     """{host path name: a function that makes buffer use it}, and a function restoring the original.
-    Ours: 'compiled' (deep_ep_cpp/_fast.cpp, buffer.runtime.<attr>) where every rank loaded it (each
-    op is collective, so all ranks must take the same path), and 'ctypes' (attr None). Another package
-    has one path, named after it, and nothing is switched."""
+    Ours: 'compiled' (deep_ep_cpp/_fast.cpp: the direct entries sync() bound on buffer.runtime, and
+    buffer.runtime.<attr> behind the class methods) where every rank loaded it (each op is
+    collective, so all ranks must take the same path), and 'ctypes' (the direct entries set aside,
+    attr None). Another package has one path, named after it, and nothing is switched."""
     if package != OURS:
         return {package: lambda: None}, lambda: None
     runtime = buffer.runtime
     compiled = getattr(runtime, attr)
+    fast = runtime._fast
+    names = (*fast.NORMAL_DIRECT_ENTRIES, *fast.LL_DIRECT_ENTRIES) if fast is not None else ()
+    entries = {name: vars(runtime)[name] for name in names if name in vars(runtime)}
 
-    def use(ops):
+    def use(ops, bound):
         def select():
             setattr(runtime, attr, ops)
+            for name in entries:
+                vars(runtime).pop(name, None)
+            vars(runtime).update(bound)
         return select
 
     everywhere = torch.tensor([int(compiled is not None)], device='cuda')
     dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
-    paths = {'compiled': use(compiled)} if everywhere.item() else {}
-    paths['ctypes'] = use(None)
-    return paths, use(compiled)
+    paths = {'compiled': use(compiled, entries)} if everywhere.item() else {}
+    paths['ctypes'] = use(None, {})
+    return paths, use(compiled, entries)
 
 
 class DeepEPDefaults:

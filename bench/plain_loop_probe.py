@@ -3,8 +3,8 @@ calls back to back) of a cached BF16 dispatch and of an LL dispatch + combine, a
 shapes; per call the host call's start/end (perf_counter) and the GPU times of its events (from a
 reference event recorded at the loop's start). Rank 0 prints each rank's medians: e2e, host call,
 loop period, how far the GPU runs behind the host at a call's start and end, the GPU gap between
-calls. For ours it also counts cached dispatches that fell back from the compiled host path to ctypes
-(the LL ops select their path elsewhere).
+calls. For ours it also counts cached dispatches that left the direct entry for the class method, and
+those that went on to ctypes (the LL ops select their path elsewhere).
 
 Run: python bench/plain_loop_probe.py [--tokens 128] [--package auto|deepep-nccl|deepep_v1]"""
 import argparse
@@ -58,30 +58,35 @@ def probe(label, fn, rank):
 
 
 def count_fallbacks(buffer):
-    """Normal-mode calls of ours that left the compiled host path for ctypes (its _fast_call answered None)."""
-    runtime, fell = buffer.runtime, []
+    """Normal-mode calls of ours that left the direct entries (deep_ep_cpp/_fast_direct.h) for the class
+    method, whose compiled try goes through _fast_call: (all of those, those that went on to ctypes
+    because _fast_call answered None)."""
+    runtime, left, fell = buffer.runtime, [], []
     fast_call = getattr(runtime, '_fast_call', None)
     if fast_call is not None:
         def counted(op, *args):
+            name = getattr(op, '__name__', str(op))
+            left.append(name)
             result = fast_call(op, *args)
             if result is None:
-                fell.append(getattr(op, '__name__', str(op)))
+                fell.append(name)
             return result
         runtime._fast_call = counted
-    return fell
+    return left, fell
 
 
 def worker(rank, world, port, args):
     init_worker(rank, world, port)
     group = dist.group.WORLD
     buffer, dcfg, _ = normal_buffer(group, world)
-    fell = count_fallbacks(buffer)
+    left, fell = count_fallbacks(buffer)
     inp = NormalInputs(buffer, args.tokens, rank)
     handle = buffer.dispatch(inp.x, config=dcfg, **inp.layout)[4]
     probe(f'{args.package} cached BF16 dispatch T={args.tokens}',
           lambda: buffer.dispatch(inp.x, handle=handle, config=dcfg), rank)
     if rank == 0:
-        print(f'cached dispatches that fell back to ctypes (rank 0): {len(fell)} {sorted(set(fell))[:5]}', flush=True)
+        print(f'cached dispatches that left the direct entry (rank 0): {len(left)}, of them to ctypes: {len(fell)} '
+              f'{sorted(set(fell))[:5]}', flush=True)
     torch.cuda.synchronize()
     buffer.destroy()
 
