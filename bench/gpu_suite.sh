@@ -22,10 +22,12 @@
 #                     GB/s of SM stores vs TMA bulk stores vs the copy engine by CTA count; 2 GPUs)
 #                     deepep_test_intranode deepep_test_low_latency (DeepEP V1's own tests; they
 #                     need DEEPEP_V1_SRC, a DeepEP source tree at 567632d, and are skipped without)
-#                     memcheck_smoke racecheck_smoke soak_long
+#                     memcheck_smoke racecheck_smoke soak_long profile_ht
 #                     soak_long (tests/gpu/test_soak.py with its defaults: 1000 create/destroy
 #                     cycles + a 10-minute mixed normal/LL soak, about 14 minutes) runs only when
 #                     SUITE_STEPS names it or SOAK_LONG=1; an empty SUITE_STEPS runs every other step
+#                     profile_ht (bench/ncu_ht.py: Nsight Compute of the HT dispatch and combine
+#                     kernels on 2 GPUs, about 5 minutes) runs only when SUITE_STEPS names it
 #   SOAK_LONG=1       add soak_long to an empty SUITE_STEPS
 #   TEST_SOAK_ARGS    arguments of the short test_soak step (default --cycles 200 --minutes 1, ~5 min);
 #                     SOAK_LONG_ARGS those of soak_long (default none: 1000 cycles, 10 minutes)
@@ -48,7 +50,7 @@ ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_direct_entry test_no
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
            test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host bench_plain_loop
            test_buffer test_soak test_layout test_layout_ctypes test_python quickstart bench_layout bench_nvlink
-           deepep_test_intranode deepep_test_low_latency memcheck_smoke racecheck_smoke soak_long)
+           deepep_test_intranode deepep_test_low_latency memcheck_smoke racecheck_smoke soak_long profile_ht)
 SUITE_STEPS=${SUITE_STEPS:-}
 for s in $SUITE_STEPS; do
     case " ${ALL_STEPS[*]} " in
@@ -56,10 +58,11 @@ for s in $SUITE_STEPS; do
         *) echo "error: SUITE_STEPS names an unknown step '$s' (steps: ${ALL_STEPS[*]})" >&2; exit 2 ;;
     esac
 done
-# wanted NAME: true when SUITE_STEPS names NAME, or is empty (soak_long then only with SOAK_LONG=1).
+# wanted NAME: true when SUITE_STEPS names NAME, or is empty (soak_long then only with SOAK_LONG=1;
+# profile_ht only when named).
 wanted() {
     if [ -z "$SUITE_STEPS" ]; then
-        [ "$1" != soak_long ] || [ "${SOAK_LONG:-0}" = 1 ]
+        [ "$1" != profile_ht ] && { [ "$1" != soak_long ] || [ "${SOAK_LONG:-0}" = 1 ]; }
         return
     fi
     case " $SUITE_STEPS " in *" $1 "*) return 0 ;; esac
@@ -214,6 +217,7 @@ deepep_test deepep_test_low_latency test_low_latency.py --num-processes "${DEEPE
 step memcheck_smoke "${SANITIZER_STEP_SECS:-560}" env PYTHON="$PYTHON" bash tests/gpu/sanitize_smoke.sh memcheck
 step racecheck_smoke "${SANITIZER_STEP_SECS:-560}" env PYTHON="$PYTHON" bash tests/gpu/sanitize_smoke.sh racecheck
 step soak_long 1800 "$PYTHON" tests/gpu/test_soak.py ${SOAK_LONG_ARGS:-}
+step profile_ht 540 env DEEPEP_NCCL_FAST=0 "$PYTHON" bench/ncu_ht.py --out "$STEP_DIR/profile_ht"
 
 {
     printf '\n%-18s %-8s %s\n' step seconds status
