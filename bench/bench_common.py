@@ -147,15 +147,13 @@ def host_paths(buffer, package, attr, group=None):
         return {package: lambda: None}, lambda: None
     runtime = buffer.runtime
     compiled = getattr(runtime, attr)
-    fast = runtime._fast
-    names = (*fast.NORMAL_DIRECT_ENTRIES, *fast.LL_DIRECT_ENTRIES) if fast is not None else ()
-    entries = {name: vars(runtime)[name] for name in names if name in vars(runtime)}
+    entries = runtime._unbind_direct_entries()
+    vars(runtime).update(entries)
 
     def use(ops, bound):
         def select():
             setattr(runtime, attr, ops)
-            for name in entries:
-                vars(runtime).pop(name, None)
+            runtime._unbind_direct_entries()
             vars(runtime).update(bound)
         return select
 

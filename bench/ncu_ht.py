@@ -5,8 +5,8 @@ kernel time goes" is its reading.
 Rank 0 runs under ncu and starts rank 1 as a child outside it (ncu's environment stripped), so
 the profiled kernel always has a live peer; ncu replays the whole application once per pass
 (`--replay-mode application`: kernel replay would rerun one rank's kernel without its peer). The
-profiled launches are the PROFILED-th cached BF16 dispatch and combine of a warm loop, T=4096,
-hidden 7168, top-8 of 256 experts. Under ncu the peer runs ahead (the profiled rank starts each
+profiled launches are the PROFILED-th cached BF16 dispatch and combine of a warm loop, T=4096, on
+bench_normal.py's inputs and configs (hidden 7168, top-8 of 256 experts). Under ncu the peer runs ahead (the profiled rank starts each
 kernel late), so its times are longer than unprofiled ones: read shapes, not times.
 
 Run: python bench/ncu_ht.py --out DIR [--sms 24] [--sections ...]   (about 4-5 minutes: 30-40
@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 
-T, H, E, K = 4096, 7168, 256, 8
+NUM_TOKENS = 4096  # per rank; hidden, experts and top-k are bench_normal's
 WARM_CALLS = 12  # cached dispatch + combine pairs after the first (non-cached) dispatch
 PROFILED = 8  # which pair ncu profiles (1-based), well after warm-up
 DEFAULT_SECTIONS = ('SpeedOfLight', 'WarpStateStats', 'SchedulerStats', 'Nvlink', 'MemoryWorkloadAnalysis',
@@ -65,6 +65,7 @@ def run_rank(rank, args):
     import torch.distributed as dist
 
     import deep_ep
+    from bench_normal import COMBINE_CHUNKS, DISPATCH_CHUNKS, NVL_RECV_TOKENS, Inputs, Point
 
     child = None
     if rank == 0:
@@ -77,17 +78,11 @@ def run_rank(rank, args):
     dist.init_process_group('nccl', init_method=f'tcp://127.0.0.1:{args.port}', rank=rank, world_size=2,
                             device_id=torch.device('cuda', rank))
     buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0)
-    torch.manual_seed(rank)
-    x = torch.randn(T, H, dtype=torch.bfloat16, device='cuda') * 0.1
-    scores = torch.randn(T, E, device='cuda').abs() + 1
-    topk_idx = torch.topk(scores, K, dim=-1).indices.to(deep_ep.topk_idx_t)
-    weights = torch.rand(T, K, device='cuda')
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
-    dispatch_config = deep_ep.Config(args.sms, 6, 256, 6, 128)
-    combine_config = deep_ep.Config(args.sms, 4, 256, 6, 128)
-    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                              num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                                              topk_weights=weights, config=dispatch_config)
+    inp = Inputs(buf, NUM_TOKENS, rank)  # bench_normal's tokens, routing and layout
+    point = Point(buf, inp, args.sms)  # its first (non-cached) BF16 dispatch: the handle
+    dispatch_config = deep_ep.Config(args.sms, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
+    combine_config = deep_ep.Config(args.sms, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
+    x, recv_x, handle = inp.x, point.recv_x, point.handle
     for _ in range(WARM_CALLS):
         buf.dispatch(x, handle=handle, config=dispatch_config)
         buf.combine(recv_x, handle, config=combine_config)

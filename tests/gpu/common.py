@@ -354,9 +354,7 @@ def ctypes_launches(runtime):
     """Runs the block's normal ops through the ctypes path, so that a test's patch of a C ABI entry
     (deep_ep_cpp._normal.lib.*) is the launch taken: the compiled path answers None, and the direct
     entries sync() bound on the instance (deep_ep_cpp/_fast_direct.h) are set aside meanwhile."""
-    fast = runtime._fast
-    names = (*fast.NORMAL_DIRECT_ENTRIES, *fast.LL_DIRECT_ENTRIES) if fast is not None else ()
-    bound = {name: vars(runtime).pop(name) for name in names if name in vars(runtime)}
+    bound = runtime._unbind_direct_entries()
     runtime._fast_with_config = lambda *args, **kwargs: None
     try:
         yield

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import deep_ep
 import deep_ep_cpp
-from common import finish, spawn
+from common import assert_same, finish, spawn
 
 E, T, H, K = 64, 512, 2048, 8
 LL_M, LL_H, LL_E, LL_T, LL_K = 128, 2048, 16, 96, 4
@@ -53,11 +53,7 @@ def class_call(rt, name, *args, **kwargs):
 def same(what, got, want):
     """Equal outputs (tensors bit for bit: dtype, shape, values; lists, None and ints as they are)."""
     if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f'{what}: {type(got).__name__}, expected a tensor'
-        assert got.dtype == want.dtype and got.shape == want.shape, \
-            f'{what}: {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}'
-        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
-                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want), f'{what} differs'
+        assert_same(what, got, want)
     else:
         assert got == want, f'{what}: {got!r}, expected {want!r}'
 

@@ -1,6 +1,7 @@
 """The direct entries' Python side (no torch, no GPU): Config's `_address`, and sync()'s binding of
 the compiled ops' entries (_fast_direct.h) as the Buffer's methods, with stand-in ops: which
-names, which ops, the weak reference (no cycle), a subclass's override left in charge."""
+names, which ops, the weak reference (no cycle), a subclass's override left in charge, and
+setting them aside again."""
 import ctypes
 import gc
 import types
@@ -64,6 +65,20 @@ def test_sync_binds_the_direct_entries_as_instance_methods(monkeypatch):
     assert (handle, comm, order) == (0x1234, 0x77, buffer._stream_order)
     assert ll.bound == (ref, 0x77)
     buffer._handle = None  # nothing to free
+
+
+def test_unbind_sets_the_entries_aside_and_update_rebinds(monkeypatch):
+    """What tests and benches use to reach the class methods (tests/gpu/common.ctypes_launches,
+    bench_common.host_paths)."""
+    buffer = _bound(Buffer(0, 2, 1 << 20, 0, False, False, False, False), monkeypatch)
+    bound = dict(vars(buffer))
+    entries = buffer._unbind_direct_entries()
+    assert set(entries) == set(NORMAL + LL) and not set(NORMAL + LL) & set(vars(buffer))
+    assert buffer.intranode_dispatch.__func__ is Buffer.intranode_dispatch  # the class method now
+    assert buffer._unbind_direct_entries() == {}
+    vars(buffer).update(entries)
+    assert all(vars(buffer)[name] == bound[name] for name in NORMAL + LL)
+    buffer._handle = None
 
 
 def test_bound_entries_make_no_reference_cycle(monkeypatch):

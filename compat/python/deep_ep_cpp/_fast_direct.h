@@ -72,6 +72,7 @@ bool load(py::handle src, T& out) {
 }
 
 inline bool is_false(py::handle flag) { return flag.ptr() == Py_False; }
+inline bool is_bool(py::handle flag) { return is_false(flag) || flag.ptr() == Py_True; }
 
 // The address of a deep_ep_cpp Config's C struct (its `_address`); 0 for anything else (a
 // subclass, another type, a Config without one), which falls back.

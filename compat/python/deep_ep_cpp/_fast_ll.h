@@ -316,8 +316,6 @@ class __attribute__((visibility("hidden"))) LlOps {
     return {direct_.comm_stream(), compute, kPhaseBoth, kOrderBefore | kOrderAfter};
   }
 
-  static bool is_bool(py::handle flag) { return flag.ptr() == Py_True || flag.ptr() == Py_False; }
-
   py::object direct_dispatch(const char* name, const py::args& args, const py::kwargs& kwargs, bool with_hidden) {
     py::object buffer = direct_.buffer();
     at::Tensor x, topk_idx;
