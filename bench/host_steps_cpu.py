@@ -429,9 +429,10 @@ int cuCtxGetDevice(int* d) { *d = 0; return 0; }
 _CPU_SUBSTITUTIONS = (
     ("_fast_common.h", "return t.is_cuda() && t.get_device() == device;", "return t.is_cpu() && device == 0;"),
     ("*", "at::kCUDA", "at::kCPU"),
-    # The direct entries' current stream: none on a CPU (handle 0, sent as cudaStreamLegacy).
-    ("_fast_direct.h", "c10::impl::getDeviceGuardImpl(on.type())->getStream(on).native_handle()",
-     "static_cast<void*>(nullptr)"),
+    # The direct entries' current stream: none on a CPU (the CPU's default stream; handle 0, sent as
+    # cudaStreamLegacy).
+    ("_fast_direct.h", "c10::impl::getDeviceGuardImpl(on.type())->getStream(on)", "c10::Stream(c10::Stream::DEFAULT, on)"),
+    ("_fast_direct.h", "reinterpret_cast<uintptr_t>(s.native_handle())", "uintptr_t(0)"),
 )
 
 
@@ -522,7 +523,11 @@ def compiled_ll_setup(pkg):
     rt._ll_init()
     rt._ll_sync()
     if hasattr(fast, "set_python_helpers"):  # what the constructor does when it loads the module itself
-        fast.set_python_helpers(_lib.raise_status, _lib.raise_driver_error, deep_ep_cpp.Config)
+        helpers = (_lib.raise_status, _lib.raise_driver_error, deep_ep_cpp.Config)
+        try:
+            fast.set_python_helpers(*helpers, deep_ep_cpp.EventHandle)
+        except TypeError:  # a package whose direct entries take no events
+            fast.set_python_helpers(*helpers)
         rt._normal_fast = fast.NormalOps(*_fast.entry_addresses(lib, _fast.NORMAL_OPS_ENTRIES), R, 0)  # not timed
     bind_direct_entries(rt)
     rt._check_ll_x = lambda x: None  # a new dispatch shape's check (the CPU tensors are not on cuda:0)

@@ -43,6 +43,7 @@ def _bound(buffer, monkeypatch):
     monkeypatch.setattr(buffer, "_ll_ops", _Ops(LL), raising=False)
     monkeypatch.setattr(buffer, "_stream_order", object(), raising=False)
     monkeypatch.setattr(buffer, "_comm_stream_ptr", 0x77, raising=False)
+    monkeypatch.setattr(buffer, "_comm_stream", object(), raising=False)  # a torch.cuda.Stream there
     created = []
     monkeypatch.setattr(buffer, "get_comm_stream", lambda: created.append(1), raising=False)
     buffer._bind_direct_entries()
@@ -58,12 +59,13 @@ def test_sync_binds_the_direct_entries_as_instance_methods(monkeypatch):
             assert vars(buffer)[name] == getattr(ops, name)
             assert getattr(buffer, name)(1, 2) == (name, (1, 2))
             assert isinstance(getattr(Buffer, name), types.FunctionType)  # the fallback and the ctypes path
-    # NormalOps: the weak reference, the handle, the comm stream and the stream order; LlOps has the
-    # last two already.
+    # NormalOps: the weak reference, the handle, the comm stream (the torch stream object: the entries
+    # record_stream on it and record their EventHandles there) and the stream order; LlOps has the
+    # handle and the order already.
     ref, handle, comm, order = normal.bound
     assert isinstance(ref, weakref.ref) and ref() is buffer
-    assert (handle, comm, order) == (0x1234, 0x77, buffer._stream_order)
-    assert ll.bound == (ref, 0x77)
+    assert handle == 0x1234 and comm is buffer._comm_stream and order is buffer._stream_order
+    assert ll.bound[0] is ref and ll.bound[1] is buffer._comm_stream and len(ll.bound) == 2
     buffer._handle = None  # nothing to free
 
 
@@ -124,3 +126,17 @@ def test_without_the_compiled_path_nothing_is_bound():
     if buffer._fast is not None:
         pytest.skip("the compiled path loaded here")
     assert not set(NORMAL + LL) & set(vars(buffer))
+
+
+def test_event_handle_is_what_the_compiled_path_makes():
+    """The direct entries make an async op's EventHandle as object.__new__ with `event` set to a
+    recorded torch.cuda.Event (_fast_direct.h's recorded_event), and read a previous_event's
+    `event`: that slot is all an EventHandle holds, and its __init__ sets only it."""
+    from deep_ep_cpp import _event
+
+    assert deep_ep_cpp.EventHandle is _event.EventHandle
+    assert _event.EventHandle.__slots__ == ("event",) and _event.EventHandle.__bases__ == (object,)
+    assert "__new__" not in vars(_event.EventHandle)
+    handle = object.__new__(_event.EventHandle)
+    handle.event = "recorded"
+    assert handle.event == "recorded" and not hasattr(handle, "__dict__")

@@ -13,6 +13,7 @@ from ._internode import InternodeMode
 from ._low_latency import LowLatencyMode
 from ._normal import NormalMode
 from ._config import Config
+from ._event import EventHandle
 from ._streams import CUDA_STREAM_LEGACY, without_torch_function
 from ._lib import (
     INT32,
@@ -131,8 +132,9 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
         self._fast = _fast.module()
         if self._fast is not None:
             assert self._fast.CUDA_STREAM_LEGACY == CUDA_STREAM_LEGACY
-            # What the compiled path raises for a failed call, and the configs it reads (_fast_direct.h).
-            self._fast.set_python_helpers(raise_status, raise_driver_error, Config)
+            # What the compiled path raises for a failed call, the configs it reads and the events it
+            # waits on and returns (_fast_direct.h).
+            self._fast.set_python_helpers(raise_status, raise_driver_error, Config, EventHandle)
         self._normal_init()
         self._internode_init()
         self._ll_init()
@@ -294,13 +296,15 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
     def _bind_direct_entries(self):
         """Makes the compiled ops' direct entries (_fast_direct.h) this buffer's methods of DeepEP's
         names: a call then goes from Python straight into C++, without the class method's 4-9 us.
-        They take the fast case and call the class method for anything else; a subclass's
-        override stays in charge."""
+        They take the fast case and DeepEP's events (previous_event, async_, allocate_on_comm_stream)
+        and call the class method for anything else; a subclass's override stays in charge."""
         self.get_comm_stream()  # as DeepEP's constructor: the direct entries launch on it
         # A weak reference: the buffer owns the ops, so a strong one would be a cycle.
         buffer_ref = weakref.ref(self)
-        self._normal_fast.bind_buffer(buffer_ref, self._handle, self._comm_stream_ptr, self._stream_order)
-        self._ll_ops.bind_buffer(buffer_ref, self._comm_stream_ptr)
+        # The comm stream as its torch.cuda.Stream: the entries launch on it, record_stream on it and
+        # record their EventHandles there.
+        self._normal_fast.bind_buffer(buffer_ref, self._handle, self._comm_stream, self._stream_order)
+        self._ll_ops.bind_buffer(buffer_ref, self._comm_stream)
         cls = type(self)
         for ops, names in ((self._normal_fast, self._fast.NORMAL_DIRECT_ENTRIES),
                            (self._ll_ops, self._fast.LL_DIRECT_ENTRIES)):

@@ -55,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       ll_ops, {{kLowLatencyDispatch, &LlOps::low_latency_dispatch}, {kLlDispatch, &LlOps::ll_dispatch},
                {kLowLatencyCombine, &LlOps::low_latency_combine}, {kLlCombine, &LlOps::ll_combine}});
   m.def("set_python_helpers", &set_python_helpers, py::arg("raise_status"), py::arg("raise_driver_error"),
-        py::arg("config_type"));
+        py::arg("config_type"), py::arg("event_handle_type"));
   LlDispatchHook::add_to(m, PYBIND11_TOSTRING(TORCH_EXTENSION_NAME) ".LlDispatchHook");
   LlCombineHook::add_to(m, PYBIND11_TOSTRING(TORCH_EXTENSION_NAME) ".LlCombineHook");
   py::class_<NormalOps> normal_ops(m, "NormalOps");

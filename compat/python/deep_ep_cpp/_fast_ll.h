@@ -277,13 +277,15 @@ class __attribute__((visibility("hidden"))) LlOps {
   py::tuple next_combine_buffer(int m, int hidden, int experts, py::object owner);
 
   // Once, by sync(), before the direct entries are bound: a weakref.ref to the Buffer and its comm
-  // stream (nonzero).
-  void bind_buffer(py::object buffer_ref, uintptr_t comm_stream) { direct_.bind(std::move(buffer_ref), comm_stream); }
+  // stream (a torch.cuda.Stream).
+  void bind_buffer(py::object buffer_ref, py::object comm_stream) {
+    direct_.bind(std::move(buffer_ref), std::move(comm_stream));
+  }
 
   // The direct entries (_fast_direct.h). DeepEP's low_latency_dispatch(x, topk_idx,
   // cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
   // num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_,
-  // return_recv_hook): its 7-tuple (event None).
+  // return_recv_hook): its 7-tuple (event: async_'s EventHandle, or None).
   py::object low_latency_dispatch(const py::args& args, const py::kwargs& kwargs) {
     return direct_dispatch(kLowLatencyDispatch, args, kwargs, false);
   }
@@ -293,7 +295,7 @@ class __attribute__((visibility("hidden"))) LlOps {
   }
   // DeepEP's low_latency_combine(x, topk_idx, topk_weights, src_info, layout_range,
   // combine_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank, num_experts, use_logfmt,
-  // zero_copy, async_, return_recv_hook, out=None): (combined_x, event None, hook or None).
+  // zero_copy, async_, return_recv_hook, out=None): (combined_x, event or None, hook or None).
   py::object low_latency_combine(const py::args& args, const py::kwargs& kwargs) {
     return direct_combine(kLowLatencyCombine, args, kwargs, false);
   }
@@ -304,16 +306,29 @@ class __attribute__((visibility("hidden"))) LlOps {
   }
 
  private:
-  // Where a direct entry's op runs, as _low_latency.py's _ll_streams without async_: a hook's send
-  // on the compute stream, unordered; otherwise both phases on the comm stream, ordered both ways.
+  // Where a direct entry's op runs, as _low_latency.py's _ll_streams / _ll_dispatch / _ll_combine:
+  // a hook's send on the compute stream, unordered; otherwise both phases on the comm stream after
+  // the compute stream, and without async_ the compute stream after them (with it, the op returns
+  // an EventHandle recorded on the comm stream, event()).
   struct Launch {
     uintptr_t stream, compute;
     int phases, order_flags;
+    bool async_;
   };
-  Launch launch(bool return_recv_hook) const {
-    const uintptr_t compute = current_stream(device_);
-    if (return_recv_hook) return {compute, compute, kPhaseSend, 0};
-    return {direct_.comm_stream(), compute, kPhaseBoth, kOrderBefore | kOrderAfter};
+  // False where the class method must run: async_ or return_recv_hook not a bool, both set (the
+  // class method raises), or async_ where the direct entries make no events (DirectBinding::comm).
+  bool launch(py::handle async_flag, py::handle hook_flag, Launch& on) const {
+    if (!is_bool(async_flag) || !is_bool(hook_flag)) return false;
+    const bool async_ = async_flag.ptr() == Py_True, hook = hook_flag.ptr() == Py_True;
+    if (async_ && (hook || !direct_.comm())) return false;
+    const uintptr_t compute = stream_handle(current_stream(device_));
+    on = hook ? Launch{compute, compute, kPhaseSend, 0, false}
+              : Launch{direct_.comm_stream(), compute, kPhaseBoth, async_ ? kOrderBefore : kOrderBefore | kOrderAfter,
+                       async_};
+    return true;
+  }
+  py::object event(const Launch& on) const {
+    return on.async_ ? recorded_event(*python_helpers(), direct_.comm_object()) : py::none();
   }
 
   py::object direct_dispatch(const char* name, const py::args& args, const py::kwargs& kwargs, bool with_hidden) {
@@ -322,15 +337,16 @@ class __attribute__((visibility("hidden"))) LlOps {
     c10::optional<at::Tensor> recv_stats, wait_stats;
     int64_t m = 0, experts = 0;
     bool use_fp8 = false, round_scale = false, use_ue8m0 = false;
-    if (args.size() == 11 && kwargs.empty() && is_false(args[9]) && is_bool(args[10]) && load(args[0], x) &&
+    Launch on{};
+    if (args.size() == 11 && kwargs.empty() && launch(args[9], args[10], on) && load(args[0], x) &&
         load(args[1], topk_idx) && load(args[2], recv_stats) && load(args[3], wait_stats) && load(args[4], m) &&
         load(args[5], experts) && load(args[6], use_fp8) && load(args[7], round_scale) && load(args[8], use_ue8m0)) {
-      const Launch on = launch(args[10].ptr() == Py_True);
       const py::tuple result = dispatch(x, topk_idx, recv_stats, wait_stats, m, experts, use_fp8, round_scale,
                                         use_ue8m0, on.phases, on.stream, on.compute, on.order_flags, buffer);
       // result: (status, 5 outputs, hook, hidden)
-      py::object answered = with_hidden ? answer(result, {1, 2, 3, 4, 5, kEventSlot, 6, 7})
-                                        : answer(result, {1, 2, 3, 4, 5, kEventSlot, 6});
+      const auto made = [&] { return event(on); };
+      py::object answered = with_hidden ? answer(result, {1, 2, 3, 4, 5, kEventSlot, 6, 7}, made)
+                                        : answer(result, {1, 2, 3, 4, 5, kEventSlot, 6}, made);
       if (answered) return answered;
     }
     return DirectBinding::fallback(buffer, name, args, kwargs);
@@ -357,16 +373,16 @@ class __attribute__((visibility("hidden"))) LlOps {
     c10::optional<at::Tensor> wait_stats, out;
     int64_t m = 0, experts = 0;
     bool use_logfmt = false, zero_copy = false;
-    if (shaped && is_false(args[10]) && is_bool(args[11]) && load(args[0], x) && load(args[1], topk_idx) &&
+    Launch on{};
+    if (shaped && launch(args[10], args[11], on) && load(args[0], x) && load(args[1], topk_idx) &&
         load(args[2], topk_weights) && load(args[3], src_info) && load(args[4], layout_range) &&
         load(args[5], wait_stats) && load(args[6], m) && load(args[7], experts) && load(args[8], use_logfmt) &&
         load(args[9], zero_copy) && load(out_arg, out)) {
-      const Launch on = launch(args[11].ptr() == Py_True);
       const py::tuple result = combine(x, topk_idx, topk_weights, src_info, layout_range, wait_stats, out, m, experts,
                                        use_logfmt, zero_copy, hidden, on.phases, on.stream, on.compute,
                                        on.order_flags, buffer);
       // result: (status, combined_x, hook)
-      if (py::object answered = answer(result, {1, kEventSlot, 2})) return answered;
+      if (py::object answered = answer(result, {1, kEventSlot, 2}, [&] { return event(on); })) return answered;
     }
     return DirectBinding::fallback(buffer, name, args, kwargs);
   }

@@ -1,8 +1,9 @@
 // get_dispatch_layout and the normal-mode ops (intranode dispatch / combine) of the compiled host
 // path: the same steps as the ctypes path in _buffer.py / _normal.py (ask the library what to
 // allocate, allocate it, fill the C ABI's structs, call it), without the Python-level cost of each.
-// The waits of DeepEP's stream protocol are done here (order flags, _fast_streams.h); events for
-// async_finish and allocate_on_comm_stream stay in Python (_streams.py).
+// The waits of DeepEP's stream protocol are done here (order flags, _fast_streams.h); the class
+// methods do previous_event, async_finish and allocate_on_comm_stream in Python (_streams.py), the
+// direct entries in C++ (OpStreams, _fast_direct.h).
 #pragma once
 
 #include <algorithm>
@@ -204,26 +205,34 @@ class __attribute__((visibility("hidden"))) NormalOps {
   }
 
   // Once, by sync(), before the direct entries are bound: a weakref.ref to the Buffer, its handle,
-  // its comm stream (nonzero) and its StreamOrder (kept alive here).
-  void bind_buffer(py::object buffer_ref, uintptr_t handle, uintptr_t comm_stream, py::object order) {
+  // its comm stream (a torch.cuda.Stream) and its StreamOrder (kept alive here).
+  void bind_buffer(py::object buffer_ref, uintptr_t handle, py::object comm_stream, py::object order) {
     order_ = order.cast<const StreamOrder*>();
     order_object_ = std::move(order);
     handle_ = handle;
-    direct_.bind(std::move(buffer_ref), comm_stream);
+    direct_.bind(std::move(buffer_ref), std::move(comm_stream));
   }
 
-  // The direct entries (_fast_direct.h), DeepEP's signatures and tuples (event None).
+  // The direct entries (_fast_direct.h), DeepEP's signatures and tuples; each records the tensors
+  // that the class method's _op_end records (for async_), from the same objects.
   // get_dispatch_layout(topk_idx, num_experts, previous_event, async_, allocate_on_comm_stream).
   py::object get_dispatch_layout(const py::args& args, const py::kwargs& kwargs) {
     py::object buffer = direct_.buffer();
     at::Tensor topk_idx;
     int64_t num_experts = 0;
-    if (args.size() == 5 && kwargs.empty() && fast_case(args[2], args[3], args[4]) && load(args[0], topk_idx) &&
-        load(args[1], num_experts)) {
-      const py::tuple result = layout(handle_, topk_idx, num_experts, direct_.comm_stream(), *order_,
-                                      current_stream(device_), kOrderBefore | kOrderAfter);
-      // result: (status, per_rank, per_rdma_rank, per_expert, is_token_in_rank)
-      if (py::object answered = answer(result, {1, 2, 3, 4, kEventSlot})) return answered;
+    OpStreams streams;
+    if (args.size() == 5 && kwargs.empty() &&
+        streams.read(args[2], args[3], args[4], direct_, *order_, device_) && load(args[0], topk_idx) &&
+        load(args[1], num_experts) && streams.cuda({args[0]})) {
+      const py::tuple result = streams.run(*order_, direct_, [&] {
+        return layout(handle_, topk_idx, num_experts, direct_.comm_stream(), *order_, streams.compute(),
+                      streams.flags());
+      });
+      // result: (status, per_rank, per_rdma_rank, per_expert, is_token_in_rank); per_rank's storage
+      // is the one allocation of the three count vectors.
+      if (py::object answered = answer(result, {1, 2, 3, 4, kEventSlot},
+                                       [&] { return streams.end(direct_, {args[0], result[1], result[4]}); }))
+        return answered;
     }
     return DirectBinding::fallback(buffer, kGetDispatchLayout, args, kwargs);
   }
@@ -239,18 +248,27 @@ class __attribute__((visibility("hidden"))) NormalOps {
         cached_channel_prefix;
     int64_t cached_num_recv = 0, expert_alignment = 0, num_worst_tokens = 0;
     uintptr_t config = 0;
-    if (args.size() == 16 && kwargs.empty() && fast_case(args[13], args[14], args[15]) && load(args[0], x) &&
-        load(args[1], x_scales) && load(args[2], topk_idx) && load(args[3], topk_weights) && load(args[4], per_rank) &&
-        load(args[5], is_token_in_rank) && load(args[6], per_expert) && load(args[7], cached_num_recv) &&
-        load(args[8], cached_rank_prefix) && load(args[9], cached_channel_prefix) &&
+    OpStreams streams;
+    if (args.size() == 16 && kwargs.empty() && streams.read(args[13], args[14], args[15], direct_, *order_, device_) &&
+        load(args[0], x) && load(args[1], x_scales) && load(args[2], topk_idx) && load(args[3], topk_weights) &&
+        load(args[4], per_rank) && load(args[5], is_token_in_rank) && load(args[6], per_expert) &&
+        load(args[7], cached_num_recv) && load(args[8], cached_rank_prefix) && load(args[9], cached_channel_prefix) &&
         load(args[10], expert_alignment) && load(args[11], num_worst_tokens) &&
-        (config = config_address(args[12])) != 0) {
-      const py::tuple result =
-          dispatch(handle_, x, x_scales, topk_idx, topk_weights, per_rank, is_token_in_rank, per_expert,
-                   cached_num_recv, cached_rank_prefix, cached_channel_prefix, expert_alignment, num_worst_tokens,
-                   config, direct_.comm_stream(), *order_, current_stream(device_), kOrderBefore | kOrderAfter);
-      // result: (status, the 10 outputs)
-      if (py::object answered = answer(result, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, kEventSlot})) return answered;
+        (config = config_address(args[12])) != 0 &&
+        streams.cuda({args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[8], args[9]})) {
+      const py::tuple result = streams.run(*order_, direct_, [&] {
+        return dispatch(handle_, x, x_scales, topk_idx, topk_weights, per_rank, is_token_in_rank, per_expert,
+                        cached_num_recv, cached_rank_prefix, cached_channel_prefix, expert_alignment,
+                        num_worst_tokens, config, direct_.comm_stream(), *order_, streams.compute(), streams.flags());
+      });
+      // result: (status, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list,
+      // rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, send_head); send_head's
+      // storage is recv_channel_prefix's (the handle's one int32 allocation).
+      const auto end = [&] {
+        return streams.end(direct_, {args[0], args[1], args[2], args[3], args[4], args[5], args[6], result[8],
+                                     result[6], result[7], result[1], result[2], result[3], result[4], result[9]});
+      };
+      if (py::object answered = answer(result, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, kEventSlot}, end)) return answered;
     }
     return DirectBinding::fallback(buffer, kIntranodeDispatch, args, kwargs);
   }
@@ -262,25 +280,27 @@ class __attribute__((visibility("hidden"))) NormalOps {
     at::Tensor x, src_idx, rank_prefix, channel_prefix, send_head;
     c10::optional<at::Tensor> topk_weights, bias_0, bias_1;
     uintptr_t config = 0;
-    if (args.size() == 12 && kwargs.empty() && fast_case(args[9], args[10], args[11]) && load(args[0], x) &&
-        load(args[1], topk_weights) && load(args[2], bias_0) && load(args[3], bias_1) && load(args[4], src_idx) &&
-        load(args[5], rank_prefix) && load(args[6], channel_prefix) && load(args[7], send_head) &&
-        (config = config_address(args[8])) != 0) {
-      const py::tuple result = combine(handle_, x, topk_weights, bias_0, bias_1, src_idx, rank_prefix, channel_prefix,
-                                       send_head, config, direct_.comm_stream(), *order_, current_stream(device_),
-                                       kOrderBefore | kOrderAfter);
+    OpStreams streams;
+    if (args.size() == 12 && kwargs.empty() && streams.read(args[9], args[10], args[11], direct_, *order_, device_) &&
+        load(args[0], x) && load(args[1], topk_weights) && load(args[2], bias_0) && load(args[3], bias_1) &&
+        load(args[4], src_idx) && load(args[5], rank_prefix) && load(args[6], channel_prefix) &&
+        load(args[7], send_head) && (config = config_address(args[8])) != 0 &&
+        streams.cuda({args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7]})) {
+      const py::tuple result = streams.run(*order_, direct_, [&] {
+        return combine(handle_, x, topk_weights, bias_0, bias_1, src_idx, rank_prefix, channel_prefix, send_head,
+                       config, direct_.comm_stream(), *order_, streams.compute(), streams.flags());
+      });
       // result: (status, combined_x, combined_topk_weights)
-      if (py::object answered = answer(result, {1, 2, kEventSlot})) return answered;
+      const auto end = [&] {
+        return streams.end(direct_, {args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7],
+                                     result[1], result[2]});
+      };
+      if (py::object answered = answer(result, {1, 2, kEventSlot}, end)) return answered;
     }
     return DirectBinding::fallback(buffer, kIntranodeCombine, args, kwargs);
   }
 
  private:
-  // The direct entries' case: no previous_event, async_ and allocate_on_comm_stream False.
-  static bool fast_case(py::handle previous_event, py::handle async_, py::handle allocate_on_comm_stream) {
-    return previous_event.is_none() && is_false(async_) && is_false(allocate_on_comm_stream);
-  }
-
   LayoutFn layout_fn_;
   DispatchPrepareFn prepare_fn_;
   DispatchFn dispatch_fn_;

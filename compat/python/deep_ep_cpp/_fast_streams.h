@@ -33,6 +33,8 @@ class CudaDriver {
   int (*stream_wait_event)(Stream, Event, unsigned);
   int (*stream_synchronize)(Stream);
   int (*ctx_get_device)(int*);
+  // Optional (nullptr where missing): only the direct entries' previous_event takes it (_fast_direct.h).
+  int (*stream_is_capturing)(Stream, int*);
 
  private:
   static const CudaDriver* load() {
@@ -45,6 +47,7 @@ class CudaDriver {
         !find(lib, "cuEventRecord", d.event_record) || !find(lib, "cuStreamWaitEvent", d.stream_wait_event) ||
         !find(lib, "cuStreamSynchronize", d.stream_synchronize) || !find(lib, "cuCtxGetDevice", d.ctx_get_device))
       return nullptr;
+    find(lib, "cuStreamIsCapturing", d.stream_is_capturing);
     return &d;
   }
 
@@ -83,6 +86,18 @@ class StreamOrder {
   }
 
   void synchronize(uintptr_t stream) const { driver_->stream_synchronize(as_stream(stream)); }
+
+  // Orders waiter's later work after a caller's event (a cudaEvent_t, nonzero); 0 or the driver's error.
+  int wait_event(uintptr_t waiter, uintptr_t event) const {
+    return driver_->stream_wait_event(as_stream(waiter), reinterpret_cast<CudaDriver::Event>(event), 0);
+  }
+
+  // Whether `stream` is capturing a CUDA graph; also true where that cannot be told.
+  bool capturing(uintptr_t stream) const {
+    int status = 1;  // CU_STREAM_CAPTURE_STATUS_ACTIVE
+    return driver_->stream_is_capturing == nullptr || driver_->stream_is_capturing(as_stream(stream), &status) != 0 ||
+           status != 0;
+  }
 
  private:
   const CudaDriver* driver_;
