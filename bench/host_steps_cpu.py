@@ -638,13 +638,35 @@ def main():
         "low_latency_combine hook (+ hook())": lambda: buffer.low_latency_combine(
             expert_out, topk_idx, topk_weights, ll_handle, return_recv_hook=True)[-1](),
     }
+    # As Megatron-LM calls them: after a previous_event, async, allocating on the comm stream. With
+    # direct entries they take these in C++ (stand-ins here: only deep_ep's Python is timed); the
+    # class methods' rows below are the Python path they replace (the package's fallback, and every
+    # call of a package without them).
+    prior = deep_ep.utils.EventOverlap(deep_ep_cpp.EventHandle())
+    events = dict(previous_event=prior, async_finish=True, allocate_on_comm_stream=True)
+    async_ops = {
+        "get_dispatch_layout": lambda: buffer.get_dispatch_layout(topk_idx, E, **events),
+        "dispatch (cached)": lambda: buffer.dispatch(x, handle=handle, config=config, **events),
+        "combine": lambda: buffer.combine(recv_x, handle, config=config, **events),
+    }
+    entries = fast.NORMAL_DIRECT_ENTRIES if "_bind_direct_entries" in vars(deep_ep_cpp.Buffer) else ()
+    for name, op in async_ops.items():
+        if entries:
+            ops[f"{name}, async + previous_event (direct entry)"] = op
     print(f"{calls} calls per op, best of 5; counts per call")
-    for name, op in ops.items():
-        op()
-        COUNTS.clear()
-        op()
-        steps = ", ".join(f"{k} {v}" for k, v in sorted(COUNTS.items()))
-        print(f"  {name:38s} {fakes.best_us_per_call(op, calls):6.2f} us  [{steps}]")
+
+    def time_ops(ops):
+        for name, op in ops.items():
+            op()
+            COUNTS.clear()
+            op()
+            steps = ", ".join(f"{k} {v}" for k, v in sorted(COUNTS.items()))
+            print(f"  {name:58s} {fakes.best_us_per_call(op, calls):6.2f} us  [{steps}]")
+
+    time_ops(ops)
+    for name in entries:  # the class methods from here on
+        delattr(rt, name)
+    time_ops({f"{name}, async + previous_event (class method)": op for name, op in async_ops.items()})
     rt._handle = None  # nothing to free
 
 

@@ -7,10 +7,17 @@ With DEEPEP_NCCL_FAST=1 (the first spawn):
 * their results equal the ctypes path's (the class methods with the compiled ops hidden, what
   DEEPEP_NCCL_FAST=0 runs) bit for bit: layout, dispatch (BF16, FP8, cached), combine, LL dispatch
   (BF16, FP8, with a hook), LL combine (also with out= as a keyword);
-* the cases they hand to the class method behave as before: previous_event + async_,
-  allocate_on_comm_stream (and without previous_event: the class's error), keywords, a wrong
-  argument count (the class's TypeError), a Config subclass, a CPU tensor (the same RuntimeError
-  text), a destroyed buffer (the same error);
+* DeepEP's events run in C++ too (the class methods raise meanwhile, so nothing fell back):
+  previous_event (an EventHandle recorded on the compute stream after the inputs were written late,
+  behind a sleep, and one never recorded) with async_, with and without allocate_on_comm_stream, and
+  without async_; LL async_: the results bit for bit as the ctypes path's, the returned EventHandle
+  (a torch.cuda.Event inside) orders the compute stream's reads after the op, the outputs come from
+  the comm stream's pool with allocate_on_comm_stream (the compute stream's otherwise) and the
+  compute stream is current again after the call;
+* the cases they hand to the class method behave as before: allocate_on_comm_stream without
+  previous_event or async_ (the class's error), LL async_ with return_recv_hook (the class's error),
+  keywords, a wrong argument count (the class's TypeError), a Config subclass, a CPU tensor (the
+  same RuntimeError text), a destroyed buffer (the same error);
 * dropping the last reference frees the Buffer without the cycle collector, and a kept entry then
   raises instead of using the freed handle.
 With DEEPEP_NCCL_FAST=0 (the second spawn) nothing is bound and the public API still runs.
@@ -75,6 +82,87 @@ def same_message(what, direct, cls):
         except Exception as e:  # noqa: BLE001 - compared below
             errors.append((type(e), str(e)))
     assert errors[0] is not None and errors[0] == errors[1], f'{what}: direct {errors[0]}, class method {errors[1]}'
+
+
+@contextlib.contextmanager
+def no_fallback(rt):
+    """The class methods of the direct entries' names raise inside: a call that fell back fails."""
+    cls = type(rt)
+    saved = {name: vars(cls).get(name) for name in NORMAL + LL}
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError('the direct entry fell back to the class method')
+
+    for name in saved:
+        setattr(cls, name, refuse)
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            if method is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, method)
+
+
+SLEEP_CYCLES = 20_000_000  # ~10 ms of torch.cuda._sleep: unordered work would see the zeros
+
+
+def written_late(src):
+    """A copy of src written on the compute stream behind a sleep (zeros until then), and an
+    EventHandle recorded right after the write, as a training stack's previous_event."""
+    dst = torch.zeros_like(src.view(torch.uint8)).view(src.dtype)  # (float8 has no zeros of its own everywhere)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    dst.copy_(src)
+    return dst, deep_ep_cpp.EventHandle()
+
+
+def never_recorded():
+    """An EventHandle whose event was never recorded (waiting on it does nothing, in torch too)."""
+    handle = object.__new__(deep_ep_cpp.EventHandle)
+    handle.event = torch.cuda.Event()
+    return handle
+
+
+def pool_stream(t):
+    """The stream whose pool t's memory came from (the caching allocator's segment)."""
+    for segment in torch.cuda.memory_snapshot():
+        if segment['address'] <= t.data_ptr() < segment['address'] + segment['total_size']:
+            return segment['stream']
+    raise AssertionError('no segment holds the tensor')
+
+
+def event_done(what, got_event, async_, t, allocated_on):
+    """The returned event as the class method's (an EventHandle on async_, else None; the compute
+    stream waits on it before the caller reads), the compute stream current again, and the outputs
+    (t) from `allocated_on`'s pool."""
+    if async_:
+        assert type(got_event) is deep_ep_cpp.EventHandle and type(got_event.event) is torch.cuda.Event, \
+            f'{what}: event {got_event!r}'
+        assert got_event.event.cuda_event != 0, f'{what}: the event was never recorded'
+        got_event.current_stream_wait()
+    else:
+        assert got_event is None, f'{what}: event {got_event!r}'
+    assert torch.cuda.current_stream() == COMPUTE[0], f'{what}: the compute stream is not current again'
+    assert pool_stream(t) == allocated_on.cuda_stream, f'{what}: allocated from the wrong stream\'s pool'
+
+
+COMPUTE = []  # the worker's compute stream
+# (previous_event, async_, allocate_on_comm_stream) of the events' cases the entries take
+EVENT_CASES = (('recorded', True, False), ('recorded', True, True), ('recorded', False, False), ('none', True, False),
+               ('never recorded', True, True))
+
+
+def with_event(previous, src):
+    """(input, previous_event) of an events' case: src written late with the EventHandle recorded
+    after it; written late with none (the comm stream waits for the compute stream then); or src
+    as it is, finished (the host waited), with an EventHandle never recorded (no wait at all)."""
+    if previous == 'recorded':
+        return written_late(src)
+    if previous == 'none':
+        return written_late(src)[0], None
+    torch.cuda.synchronize()
+    return src, never_recorded()
 
 
 def topk_of(num_tokens, num_experts, num_topk):
@@ -191,18 +279,109 @@ def ll_equal(rt):
         assert public[0] is out and got[1] is None and (got[2] is not None) == hook
 
 
+def events_equal(rt, world):
+    """previous_event / async_ / allocate_on_comm_stream through the direct entries, in C++ (the
+    class methods raise meanwhile): as the ctypes path's results, ordered by the events."""
+    comm = rt.get_comm_stream()
+    config, combine_config = deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world)
+    topk = topk_of(T, E, K)
+    weights = torch.rand(T, K, dtype=torch.float32)
+    with ctypes_path(rt):
+        want_layout = class_call(rt, 'get_dispatch_layout', topk, E, None, False, False)
+    per_rank, _, per_expert, in_rank, _ = want_layout
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    scales = torch.rand(T, H // 128, dtype=torch.float32)
+    for previous, async_, on_comm in EVENT_CASES:
+        what = f'previous_event {previous} async={async_} on_comm={on_comm}'
+        allocated_on = comm if on_comm else COMPUTE[0]
+        late_topk, prior = with_event(previous, topk)
+        with no_fallback(rt):
+            got = rt.get_dispatch_layout(late_topk, E, prior, async_, on_comm)
+        event_done(f'layout {what}', got[4], async_, got[0], allocated_on)
+        same_tuple(f'layout {what}', got, want_layout, skip=(4,))
+        for name, xs, sc in (('bf16', x, None), ('fp8', x.to(torch.float8_e4m3fn), scales)):
+            def args(x_, prior_):
+                return (x_, sc, topk, weights, per_rank, in_rank, per_expert, 0, None, None, 1, 0, config, prior_,
+                        async_, on_comm)
+            with ctypes_path(rt):
+                want = class_call(rt, 'intranode_dispatch', *args(xs, None)[:13], None, False, False)
+            late_x, prior = with_event(previous, xs)
+            with no_fallback(rt):
+                got = rt.intranode_dispatch(*args(late_x, prior))
+            event_done(f'dispatch {name} {what}', got[10], async_, got[0], allocated_on)
+            same_tuple(f'dispatch {name} {what}', got, want, skip=(10,))
+            recv_x, _, _, recv_weights, _, rank_prefix, channel_prefix, recv_channel_prefix, src_idx, send_head, _ = want
+            cached = (sc, None, None, None, in_rank, None, recv_x.size(0), rank_prefix, channel_prefix, 1, 0, config)
+            with ctypes_path(rt):
+                want_cached = class_call(rt, 'intranode_dispatch', xs, *cached, None, False, False)
+            late_x, prior = with_event(previous, xs)
+            with no_fallback(rt):
+                got = rt.intranode_dispatch(late_x, *cached, prior, async_, on_comm)
+            event_done(f'cached dispatch {name} {what}', got[10], async_, got[0], allocated_on)
+            same_tuple(f'cached dispatch {name} {what}', got, want_cached, skip=(10,))
+        y = recv_x.to(torch.bfloat16) if recv_x.dtype != torch.bfloat16 else recv_x
+        combine = (recv_weights, None, None, src_idx, rank_prefix, recv_channel_prefix, send_head, combine_config)
+        with ctypes_path(rt):
+            want = class_call(rt, 'intranode_combine', y, *combine, None, False, False)
+        late_y, prior = with_event(previous, y)
+        with no_fallback(rt):
+            got = rt.intranode_combine(late_y, *combine, prior, async_, on_comm)
+        event_done(f'combine {what}', got[2], async_, got[0], allocated_on)
+        same_tuple(f'combine {what}', got, want, skip=(2,))
+    # What the class method raises, it raises (the entry hands these to it).
+    prior = deep_ep_cpp.EventHandle()
+    for prior_, async_ in ((None, True), (prior, False), (None, False)):
+        same_message(f'allocate_on_comm_stream previous_event={prior_} async_={async_}',
+                     lambda: rt.get_dispatch_layout(topk, E, prior_, async_, True),
+                     lambda: class_call(rt, 'get_dispatch_layout', topk, E, prior_, async_, True))
+
+
+def ll_events_equal(rt):
+    """LL async_ through the direct entries, in C++: the ctypes path's results, an EventHandle on
+    the comm stream that orders the compute stream's reads; with return_recv_hook the class's error."""
+    topk = topk_of(LL_T, LL_E, LL_K)
+    weights = torch.rand(LL_T, LL_K, dtype=torch.float32)
+    x = torch.randn(LL_T, LL_H, dtype=torch.bfloat16)
+    for use_fp8 in (False, True):
+        args = (topk, None, None, LL_M, LL_E, use_fp8, False, False)
+        with ctypes_path(rt):
+            want = class_call(rt, '_ll_dispatch', x, *args, False, False)
+        for name in ('_ll_dispatch', 'low_latency_dispatch'):
+            late_x, _ = written_late(x)  # no previous_event in LL: the comm stream waits for the compute stream
+            with no_fallback(rt):
+                got = getattr(rt, name)(late_x, *args, True, False)
+            what = f'LL {name} fp8={use_fp8} async'
+            event_done(what, got[5], True, got[0], COMPUTE[0])
+            assert got[6] is None and len(got) == (8 if name == '_ll_dispatch' else 7)
+            same(f'{what} count', got[2], want[2])
+            valid_rows_equal(f'{what} recv_x', got[0], want[0], want[2])
+            valid_rows_equal(f'{what} src_info', got[3], want[3], want[2])
+    same_message('LL dispatch async_ with return_recv_hook', lambda: rt._ll_dispatch(x, *args, True, True),
+                 lambda: class_call(rt, '_ll_dispatch', x, *args, True, True))
+    y, _, _, src_info, layout_range = rt._ll_dispatch(x, topk, None, None, LL_M, LL_E, False, False, False, False,
+                                                      False)[:5]
+    args = (topk, weights, src_info, layout_range, None, LL_M, LL_E, False, False)
+    with ctypes_path(rt):
+        want = class_call(rt, '_ll_combine', y, *args, False, False, None, LL_H)
+    late_y, _ = written_late(y)
+    with no_fallback(rt):
+        got = rt._ll_combine(late_y, *args, True, False, None, LL_H)
+    event_done('LL _ll_combine async', got[1], True, got[0], COMPUTE[0])
+    same('LL _ll_combine async', got[0], want[0])
+    late_y, _ = written_late(y)
+    out = torch.empty(LL_T, LL_H, dtype=torch.bfloat16)
+    with no_fallback(rt):
+        got = rt.low_latency_combine(late_y, *args, True, False, out=out)
+    event_done('LL low_latency_combine async out=', got[1], True, got[0], COMPUTE[0])
+    assert got[0] is out and got[2] is None
+    same('LL low_latency_combine async out=', got[0], want[0])
+    same_message('LL combine async_ with return_recv_hook', lambda: rt._ll_combine(y, *args, True, True, None, LL_H),
+                 lambda: class_call(rt, '_ll_combine', y, *args, True, True, None, LL_H))
+
+
 def fallbacks(rt, world):
     topk = topk_of(T, E, K)
     want = rt.get_dispatch_layout(topk, E, None, False, False)
-    # previous_event + async_ (and allocate_on_comm_stream): the class method's events.
-    for on_comm in (False, True):
-        got = rt.get_dispatch_layout(topk, E, deep_ep_cpp.EventHandle(), True, on_comm)
-        assert isinstance(got[4], deep_ep_cpp.EventHandle), f'event {got[4]!r}'
-        got[4].current_stream_wait()
-        same_tuple(f'async layout on_comm={on_comm}', got, want, skip=(4,))
-    same_message('allocate_on_comm_stream without previous_event',
-                 lambda: rt.get_dispatch_layout(topk, E, None, True, True),
-                 lambda: class_call(rt, 'get_dispatch_layout', topk, E, None, True, True))
     # keywords, a wrong argument count
     same_tuple('keywords', rt.get_dispatch_layout(topk, E, previous_event=None, async_=False,
                                                   allocate_on_comm_stream=False), want)
@@ -271,15 +450,18 @@ def worker(rank, world, group, rep):
                deep_ep.Buffer.get_combine_config(world).get_nvl_buffer_size_hint(H * 2, world))
     buf = deep_ep.Buffer(group, num_nvl_bytes=hint, explicitly_destroy=True)
     rt, fast = buf.runtime, buf.runtime._fast
+    COMPUTE[:] = [torch.cuda.current_stream()]
     rep.run('entries_bound', entries_bound, rt, fast)
     rep.run('layout_equal', layout_equal, rt)
     rep.run('dispatch_combine_equal', dispatch_combine_equal, rt, world)
+    rep.run('events_equal', events_equal, rt, world)
     rep.run('fallbacks', fallbacks, rt, world)
     buf.destroy()
     ll_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_M, LL_H, world, LL_E)
     ll = deep_ep.Buffer(group, num_rdma_bytes=ll_bytes, low_latency_mode=True, num_qps_per_rank=LL_E // world,
                         explicitly_destroy=True)
     rep.run('ll_equal', ll_equal, ll.runtime)
+    rep.run('ll_events_equal', ll_events_equal, ll.runtime)
     ll.destroy()
     rep.run('destroyed_buffer', destroyed_buffer, group)
     rep.run('freed_without_gc', freed_without_gc, group)
