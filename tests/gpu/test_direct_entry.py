@@ -279,6 +279,21 @@ def ll_equal(rt):
         assert public[0] is out and got[1] is None and (got[2] is not None) == hook
 
 
+def direct_case(rt, what, name, args, case, allocated_on):
+    """rt.<name>(*args, events of `case`) with args[0] written late (with_event), through the direct
+    entry (nothing falls back), against the ctypes path's call without events; returns the latter."""
+    previous, async_, on_comm = case
+    with ctypes_path(rt):
+        want = class_call(rt, name, *args, None, False, False)
+    late, prior = with_event(previous, args[0])
+    with no_fallback(rt):
+        got = getattr(rt, name)(late, *args[1:], prior, async_, on_comm)
+    event_at = len(got) - 1  # DeepEP's event comes last
+    event_done(what, got[event_at], async_, got[0], allocated_on)
+    same_tuple(what, got, want, skip=(event_at,))
+    return want
+
+
 def events_equal(rt, world):
     """previous_event / async_ / allocate_on_comm_stream through the direct entries, in C++ (the
     class methods raise meanwhile): as the ctypes path's results, ordered by the events."""
@@ -286,48 +301,22 @@ def events_equal(rt, world):
     config, combine_config = deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world)
     topk = topk_of(T, E, K)
     weights = torch.rand(T, K, dtype=torch.float32)
-    with ctypes_path(rt):
-        want_layout = class_call(rt, 'get_dispatch_layout', topk, E, None, False, False)
-    per_rank, _, per_expert, in_rank, _ = want_layout
     x = torch.randn(T, H, dtype=torch.bfloat16)
     scales = torch.rand(T, H // 128, dtype=torch.float32)
-    for previous, async_, on_comm in EVENT_CASES:
-        what = f'previous_event {previous} async={async_} on_comm={on_comm}'
-        allocated_on = comm if on_comm else COMPUTE[0]
-        late_topk, prior = with_event(previous, topk)
-        with no_fallback(rt):
-            got = rt.get_dispatch_layout(late_topk, E, prior, async_, on_comm)
-        event_done(f'layout {what}', got[4], async_, got[0], allocated_on)
-        same_tuple(f'layout {what}', got, want_layout, skip=(4,))
+    for case in EVENT_CASES:
+        what = 'previous_event {} async={} on_comm={}'.format(*case)
+        allocated_on = comm if case[2] else COMPUTE[0]
+        per_rank, _, per_expert, in_rank, _ = direct_case(rt, f'layout {what}', 'get_dispatch_layout', (topk, E),
+                                                          case, allocated_on)
         for name, xs, sc in (('bf16', x, None), ('fp8', x.to(torch.float8_e4m3fn), scales)):
-            def args(x_, prior_):
-                return (x_, sc, topk, weights, per_rank, in_rank, per_expert, 0, None, None, 1, 0, config, prior_,
-                        async_, on_comm)
-            with ctypes_path(rt):
-                want = class_call(rt, 'intranode_dispatch', *args(xs, None)[:13], None, False, False)
-            late_x, prior = with_event(previous, xs)
-            with no_fallback(rt):
-                got = rt.intranode_dispatch(*args(late_x, prior))
-            event_done(f'dispatch {name} {what}', got[10], async_, got[0], allocated_on)
-            same_tuple(f'dispatch {name} {what}', got, want, skip=(10,))
+            args = (xs, sc, topk, weights, per_rank, in_rank, per_expert, 0, None, None, 1, 0, config)
+            want = direct_case(rt, f'dispatch {name} {what}', 'intranode_dispatch', args, case, allocated_on)
             recv_x, _, _, recv_weights, _, rank_prefix, channel_prefix, recv_channel_prefix, src_idx, send_head, _ = want
-            cached = (sc, None, None, None, in_rank, None, recv_x.size(0), rank_prefix, channel_prefix, 1, 0, config)
-            with ctypes_path(rt):
-                want_cached = class_call(rt, 'intranode_dispatch', xs, *cached, None, False, False)
-            late_x, prior = with_event(previous, xs)
-            with no_fallback(rt):
-                got = rt.intranode_dispatch(late_x, *cached, prior, async_, on_comm)
-            event_done(f'cached dispatch {name} {what}', got[10], async_, got[0], allocated_on)
-            same_tuple(f'cached dispatch {name} {what}', got, want_cached, skip=(10,))
+            cached = (xs, sc, None, None, None, in_rank, None, recv_x.size(0), rank_prefix, channel_prefix, 1, 0, config)
+            direct_case(rt, f'cached dispatch {name} {what}', 'intranode_dispatch', cached, case, allocated_on)
         y = recv_x.to(torch.bfloat16) if recv_x.dtype != torch.bfloat16 else recv_x
-        combine = (recv_weights, None, None, src_idx, rank_prefix, recv_channel_prefix, send_head, combine_config)
-        with ctypes_path(rt):
-            want = class_call(rt, 'intranode_combine', y, *combine, None, False, False)
-        late_y, prior = with_event(previous, y)
-        with no_fallback(rt):
-            got = rt.intranode_combine(late_y, *combine, prior, async_, on_comm)
-        event_done(f'combine {what}', got[2], async_, got[0], allocated_on)
-        same_tuple(f'combine {what}', got, want, skip=(2,))
+        combine = (y, recv_weights, None, None, src_idx, rank_prefix, recv_channel_prefix, send_head, combine_config)
+        direct_case(rt, f'combine {what}', 'intranode_combine', combine, case, allocated_on)
     # What the class method raises, it raises (the entry hands these to it).
     prior = deep_ep_cpp.EventHandle()
     for prior_, async_ in ((None, True), (prior, False), (None, False)):
