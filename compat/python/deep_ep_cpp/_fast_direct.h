@@ -144,19 +144,24 @@ inline py::object steal(PyObject* o) {
   return py::reinterpret_steal<py::object>(o);
 }
 
+// The name of a deep_ep_cpp.EventHandle's one slot (_event.py): its torch.cuda.Event.
+inline PyObject* event_slot() {
+  static PyObject* const name = PyUnicode_InternFromString("event");
+  return name;
+}
+
 // A deep_ep_cpp.EventHandle recorded on `stream` (a torch.cuda.Stream): what EventHandle(stream)
 // makes (_event.py), without its three Python frames (about 1 us): the torch.cuda.Event its
 // __new__ makes with its defaults (the base's tp_new, no arguments), recorded by the C method under
 // torch.cuda.Event.record, set as the EventHandle's `event` (object.__new__: no __init__ to run).
 // Only where helpers->events.
 inline py::object recorded_event(const PythonHelpers& h, py::handle stream) {
-  static PyObject* const name = PyUnicode_InternFromString("event");
   const py::tuple none;
   const auto base = reinterpret_cast<PyTypeObject*>(h.cuda_event_base.ptr());
   const py::object event = steal(base->tp_new(reinterpret_cast<PyTypeObject*>(h.cuda_event_type.ptr()), none.ptr(), nullptr));
   steal(PyObject_CallFunctionObjArgs(h.record.ptr(), event.ptr(), stream.ptr(), nullptr));
   py::object handle = steal(PyBaseObject_Type.tp_new(reinterpret_cast<PyTypeObject*>(h.event_handle_type.ptr()), none.ptr(), nullptr));
-  if (PyObject_SetAttr(handle.ptr(), name, event.ptr()) != 0) throw py::error_already_set();
+  if (PyObject_SetAttr(handle.ptr(), event_slot(), event.ptr()) != 0) throw py::error_already_set();
   return handle;
 }
 
@@ -164,10 +169,9 @@ inline py::object recorded_event(const PythonHelpers& h, py::handle stream) {
 // nothing) where it is a deep_ep_cpp.EventHandle holding a torch.cuda.Event (whose wait the class
 // method calls); false for anything else, subclasses too (the class method takes it).
 inline bool previous_event_of(const PythonHelpers& h, py::handle previous_event, uintptr_t& event) {
-  static PyObject* const event_name = PyUnicode_InternFromString("event");
   static PyObject* const handle_name = PyUnicode_InternFromString("cuda_event");
   if (Py_TYPE(previous_event.ptr()) != reinterpret_cast<PyTypeObject*>(h.event_handle_type.ptr())) return false;
-  PyObject* inner = PyObject_GetAttr(previous_event.ptr(), event_name);
+  PyObject* inner = PyObject_GetAttr(previous_event.ptr(), event_slot());
   PyObject* raw = inner != nullptr && Py_TYPE(inner) == reinterpret_cast<PyTypeObject*>(h.cuda_event_type.ptr())
                       ? PyObject_GetAttr(inner, handle_name)
                       : nullptr;
@@ -222,10 +226,11 @@ class __attribute__((visibility("hidden"))) DirectBinding {
   }
 
   uintptr_t comm_stream() const { return comm_stream_; }
-  // The comm stream as torch's (c10::Stream) and its torch.cuda.Stream; empty where the direct
-  // entries take no events (set only with helpers->events).
+  // The comm stream as torch's (c10::Stream); empty where the direct entries take no events (set
+  // only with helpers->events).
   const std::optional<c10::Stream>& comm() const { return comm_; }
-  py::handle comm_object() const { return comm_object_; }
+  // An async_ op's EventHandle: recorded on the comm stream now (only where comm()).
+  py::object comm_event() const { return recorded_event(*python_helpers(), comm_object_); }
 
   // The fallback: the Buffer class's Python method `name`, with the direct entry's arguments.
   static py::object fallback(const py::object& buffer, const char* name, const py::args& args,
@@ -237,7 +242,7 @@ class __attribute__((visibility("hidden"))) DirectBinding {
   py::object buffer_ref_;
   uintptr_t comm_stream_ = 0;
   std::optional<c10::Stream> comm_;
-  py::object comm_object_;
+  py::object comm_object_;  // the comm stream's torch.cuda.Stream (with comm_)
 };
 
 // allocate_on_comm_stream: `stream` is the current stream while the op allocates its outputs (as
@@ -318,7 +323,7 @@ class OpStreams {
   // record_stream'ed, as above; None without async_.
   py::object end(const DirectBinding& binding, std::initializer_list<py::handle> tensors) const {
     if (!async_) return py::none();
-    py::object event = recorded_event(*python_helpers(), binding.comm_object());
+    py::object event = binding.comm_event();
     for (const py::handle t : tensors) {
       if (t.is_none()) continue;
       const at::Tensor& tensor = THPVariable_Unpack(t.ptr());

@@ -328,7 +328,7 @@ class __attribute__((visibility("hidden"))) LlOps {
     return true;
   }
   py::object event(const Launch& on) const {
-    return on.async_ ? recorded_event(*python_helpers(), direct_.comm_object()) : py::none();
+    return on.async_ ? direct_.comm_event() : py::none();
   }
 
   py::object direct_dispatch(const char* name, const py::args& args, const py::kwargs& kwargs, bool with_hidden) {
