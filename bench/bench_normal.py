@@ -300,16 +300,26 @@ HOST_WARMUP_S = 1.0  # of calls before any timing, all paths together
 
 def host_ops(buffer, inp, supported):
     """{op name: a call of it} for the host measurement at HOST_SMS."""
-    fns = {'get_dispatch_layout': lambda: buffer.get_dispatch_layout(inp.topk_idx, NUM_EXPERTS)}
+    fns = {'get_dispatch_layout': lambda: buffer.get_dispatch_layout(inp.topk_idx, NUM_EXPERTS),
+           'get_dispatch_layout (async)': lambda: buffer.get_dispatch_layout(inp.topk_idx, NUM_EXPERTS, **overlap())}
     if supported['dispatch']:
         pt = Point(buffer, inp, HOST_SMS)
         dcfg = deep_ep.Config(HOST_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
         ccfg = deep_ep.Config(HOST_SMS, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
         fns['dispatch (cached)'] = lambda: buffer.dispatch(inp.x, handle=pt.handle, config=dcfg)
+        fns['dispatch (cached, async)'] = lambda: buffer.dispatch(inp.x, handle=pt.handle, config=dcfg, **overlap())
         fns['dispatch (non-cached)'] = lambda: buffer.dispatch(inp.x, config=dcfg, **inp.layout)
         if supported['combine']:
             fns['combine'] = lambda: buffer.combine(pt.recv_x, pt.handle, config=ccfg)
+            fns['combine (async)'] = lambda: buffer.combine(pt.recv_x, pt.handle, config=ccfg, **overlap())
     return fns
+
+
+def overlap():
+    """The stream arguments of a call that overlaps communication with compute, as Megatron-LM's
+    DeepEP dispatcher passes them: an event of the current stream (captured within the timed call, as
+    the caller pays for it), async_finish and allocate_on_comm_stream."""
+    return {'previous_event': deep_ep.Buffer.capture(), 'async_finish': True, 'allocate_on_comm_stream': True}
 
 
 HOST_MODES = ('plain', 'deepep_defaults')  # deepep_defaults: bf16 default dtype + cuda default device
@@ -345,7 +355,7 @@ def measure_host(buffer, inputs, package, supported, say):
                                     per_path[path][mode] = {'launch_us': launch_us, 'wall_us': wall_us}
                 for path, row in per_path.items():
                     rows.append(row)
-                    say(f'host {path:9s} {name:22s} T={num_tokens:5d}: plain {row["plain"]["launch_us"]:.1f} us/call, '
+                    say(f'host {path:9s} {name:27s} T={num_tokens:5d}: plain {row["plain"]["launch_us"]:.1f} us/call, '
                         f'DeepEP defaults {row["deepep_defaults"]["launch_us"]:.1f} us/call (rank 0)')
     finally:
         restore()
@@ -546,10 +556,10 @@ def print_host(host):
           f'the end; "launch" = loop time until the last call returns, "wall" = including the synchronize; '
           f'best of {HOST_ROUNDS} rounds, the host paths alternating; rank average; "DeepEP dflt" = under '
           f'set_default_dtype(bfloat16) + set_default_device("cuda")):')
-    print(f'{"path":9s} {"op":22s} {"T":>5s} {"N":>4s} {"plain launch":>12s} {"plain wall":>10s} '
+    print(f'{"path":9s} {"op":27s} {"T":>5s} {"N":>4s} {"plain launch":>12s} {"plain wall":>10s} '
           f'{"DeepEP dflt launch":>18s} {"DeepEP dflt wall":>16s}')
     for r in host:
-        print(f'{r["path"]:9s} {r["op"]:22s} {r["num_tokens"]:5d} {r["calls"]:4d} {r["plain"]["launch_us"]:12.1f} '
+        print(f'{r["path"]:9s} {r["op"]:27s} {r["num_tokens"]:5d} {r["calls"]:4d} {r["plain"]["launch_us"]:12.1f} '
               f'{r["plain"]["wall_us"]:10.1f} {r["deepep_defaults"]["launch_us"]:18.1f} '
               f'{r["deepep_defaults"]["wall_us"]:16.1f}')
     print('(at T=128 kernels are short, so "launch" is the Python call itself; non-cached dispatch includes its '
