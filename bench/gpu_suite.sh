@@ -16,7 +16,7 @@
 #                     bench_internode test_internode_virtual
 #                     smoke_low_latency test_fast_build test_low_latency test_ll_ctypes
 #                     example_ll bench_ll test_ll_virtual test_ll_generations test_ll_generations_2gpu
-#                     bench_ll_virtual bench_ll_host bench_plain_loop test_buffer
+#                     bench_ll_virtual bench_ll_host bench_plain_loop bench_async_host test_buffer
 #                     test_soak test_layout test_layout_ctypes test_python quickstart bench_layout
 #                     bench_nvlink (bench/nvlink_store_sweep.cu, built with the machine's nvcc: NVLink
 #                     GB/s of SM stores vs TMA bulk stores vs the copy engine by CTA count; 2 GPUs)
@@ -48,7 +48,7 @@ cd "$(dirname "$0")/.."
 ALL_STEPS=(smoke_normal test_normal test_normal_ctypes test_direct_entry test_normal_protocol test_normal_shrink test_internode_shrink example_normal bench_normal test_internode
            test_internode_ctypes test_internode_protocol test_internode_stall bench_internode test_internode_virtual
            smoke_low_latency test_fast_build test_low_latency test_ll_ctypes example_ll bench_ll
-           test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host bench_plain_loop
+           test_ll_virtual test_ll_generations test_ll_generations_2gpu bench_ll_virtual bench_ll_host bench_plain_loop bench_async_host
            test_buffer test_soak test_layout test_layout_ctypes test_python quickstart bench_layout bench_nvlink
            deepep_test_intranode deepep_test_low_latency memcheck_smoke racecheck_smoke soak_long profile_ht)
 SUITE_STEPS=${SUITE_STEPS:-}
@@ -179,6 +179,8 @@ step test_ll_generations 300 "$PYTHON" tests/gpu/test_ll_generations.py
 step test_ll_generations_2gpu 300 "$PYTHON" tests/gpu/test_ll_generations_2gpu.py
 step bench_ll_virtual 300 "$PYTHON" bench/bench_ll_virtual_ranks.py --large-m 512 --json "$LOG_DIR/bench_ll_virtual.json"
 step bench_ll_host 300 "$PYTHON" bench/bench_ll_host.py --json "$LOG_DIR/bench_ll_host.json"
+# The overlapped normal ops' host time split by stream argument (its JSON stays in logs.tgz).
+step bench_async_host 120 "$PYTHON" bench/async_host_split.py --json "$STEP_DIR/async_host_split.json"
 # DeepEP's plain loops per rank without a profiler: e2e against host call time (2 GPUs).
 step bench_plain_loop 120 "$PYTHON" bench/plain_loop_probe.py
 step test_buffer 360 "$PYTHON" tests/gpu/test_buffer.py

@@ -15,7 +15,8 @@
 # built and DeepEP's tests/test_intranode.py runs over our deep_ep_cpp (its printed numbers are
 # GPU-bound; under the build's CPU load they may still read a little slow). Then, on a quiet
 # machine, each measurement for ours and then DeepEP V1: bench_normal.py (24 SMs, T=128 and 4096:
-# host time per call, e2e, kernels), bench_ll_host.py (T=1 and 128), eager_profile.py (T=128), then
+# host time per call, e2e, kernels), bench_ll_host.py (T=1 and 128), async_host_split.py (the
+# overlapped calls' host time by stream argument), eager_profile.py (T=128), then
 # DeepEP's test_intranode.py (V1) and test_low_latency.py (ours, V1), then the all-to-all baseline.
 # Everything runs on PROCESSES GPUs.
 #
@@ -107,6 +108,7 @@ measure() {
 }
 measure bench_normal 150 --world "$P" --sms 24 --tokens 128 4096
 measure bench_ll_host 90 --num-processes "$P" --tokens 1 128
+measure async_host_split 60 --world "$P"
 measure eager_profile 90 --num-processes "$P" --tokens 128 --trace-dir "$WORK"
 
 [ "$have_v1" = 1 ] && step v1_test_intranode 200 bash "$DEEPEP_V1_SCRIPT" test "$DEEPEP_V1_SRC" test_intranode --num-processes "$P"
@@ -126,6 +128,10 @@ fi
         [ -f "$WORK/$t.log" ] || continue
         echo; echo "$t:"
         grep -E '\[tuning\] Best|\[rank 0\].*(bandwidth|avg_t)' "$WORK/$t.log" | head -12
+    done
+    # async_host_split's tables (its cProfile stays in the logs).
+    for t in async_host_split_ours async_host_split_v1; do
+        [ -f "$WORK/$t.log" ] && { echo; sed -n '/: host us per call, T=/,/^$/p' "$WORK/$t.log"; }
     done
     [ -f "$WORK/torch_alltoall_baseline.log" ] && { echo; echo "torch_alltoall_baseline:"; cat "$WORK/torch_alltoall_baseline.log"; }
 } 2>&1 | tee "$OUT_DIR/summary.txt"
