@@ -27,33 +27,31 @@ import deep_ep
 import deep_ep_cpp
 from bench_common import OURS, add_package_arg, host_loop, init_worker, resolve_package, spawn_workers
 from bench_normal import (COMBINE_CHUNKS, DISPATCH_CHUNKS, HIDDEN, HOST_SMS, NUM_EXPERTS, NVL_RECV_TOKENS, Inputs,
-                          Point)
+                          Point, overlap)
 
 NUM_TOKENS = 128  # kernels are short: the loop is host-bound
 CALLS = 400
 ROUNDS = 5
 PROFILED_CALLS = 2000
 
-# The stream arguments of each variant; 'capture' makes the previous event inside the call.
+# The stream arguments of each variant (previous_event: the one captured outside the loop); the
+# last is bench_normal's "(async)" call, which captures its previous event inside (overlap()).
+OVERLAPPED = 'all three, capture() in the call'
 VARIANTS = {
     'plain': {},
     'previous_event': {'previous_event': True},
     'async_finish': {'async_finish': True},
     'previous_event + async_finish': {'previous_event': True, 'async_finish': True},
     'all three': {'previous_event': True, 'async_finish': True, 'allocate_on_comm_stream': True},
-    'all three, capture() in the call': {'previous_event': 'capture', 'async_finish': True,
-                                         'allocate_on_comm_stream': True},
+    OVERLAPPED: None,
 }
 
 
 def stream_kwargs(variant, captured):
     """The call's keyword arguments of `variant`, with `captured` as the previous event made outside."""
-    kwargs = dict(VARIANTS[variant])
-    if kwargs.get('previous_event') == 'capture':
-        kwargs['previous_event'] = deep_ep.Buffer.capture()
-    elif kwargs.get('previous_event'):
-        kwargs['previous_event'] = captured
-    return kwargs
+    if variant == OVERLAPPED:
+        return overlap()
+    return {name: captured if name == 'previous_event' else value for name, value in VARIANTS[variant].items()}
 
 
 def op_calls(buffer, inp, pt):
@@ -141,7 +139,7 @@ def worker(rank, world, port, args):
         say(f'{"event":20s} {piece:34s} {us:6.1f} us/call (rank 0)')
     combine = op_calls(buffer, inp, pt)['combine']
     dist.barrier()
-    profiled = profile(lambda: combine(**stream_kwargs('all three, capture() in the call', captured)))
+    profiled = profile(lambda: combine(**stream_kwargs(OVERLAPPED, captured)))
     dist.barrier()
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)

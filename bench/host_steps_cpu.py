@@ -650,9 +650,8 @@ def main():
         "combine": lambda: buffer.combine(recv_x, handle, config=config, **events),
     }
     entries = fast.NORMAL_DIRECT_ENTRIES if "_bind_direct_entries" in vars(deep_ep_cpp.Buffer) else ()
-    for name, op in async_ops.items():
-        if entries:
-            ops[f"{name}, async + previous_event (direct entry)"] = op
+    if entries:
+        ops.update({f"{name}, async + previous_event (direct entry)": op for name, op in async_ops.items()})
     print(f"{calls} calls per op, best of 5; counts per call")
 
     def time_ops(ops):
