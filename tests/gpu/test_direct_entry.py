@@ -7,6 +7,7 @@ With DEEPEP_NCCL_FAST=1 (the first spawn):
 * their results equal the ctypes path's (the class methods with the compiled ops hidden, what
   DEEPEP_NCCL_FAST=0 runs) bit for bit: layout, dispatch (BF16, FP8, cached), combine, LL dispatch
   (BF16, FP8, with a hook), LL combine (also with out= as a keyword);
+* EventHandle() records through the compiled path (current_stream_event) on the current stream;
 * DeepEP's events run in C++ too (the class methods raise meanwhile, so nothing fell back):
   previous_event (an EventHandle recorded on the compute stream after the inputs were written late,
   behind a sleep, and one never recorded) with async_, with and without allocate_on_comm_stream, and
@@ -163,6 +164,33 @@ def with_event(previous, src):
         return written_late(src)[0], None
     torch.cuda.synchronize()
     return src, never_recorded()
+
+
+def event_handle_compiled(rt):
+    """EventHandle() takes the compiled path's current_stream_event once a Buffer loaded it, and its
+    event is what torch.cuda.Event().record() makes: recorded on the current stream of the moment (a
+    side stream, the compute stream, the side stream again: the kept stream object follows it), so
+    a wait on it orders the work before it, and on that stream only."""
+    from deep_ep_cpp import _event
+    assert _event.record_on_current_stream == rt._fast.current_stream_event
+    side = torch.cuda.Stream()
+    for stream in (side, torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            src = torch.arange(1 << 20, dtype=torch.int32)
+            dst, handle = written_late(src)
+        assert type(handle.event) is torch.cuda.Event and not handle.event.query()
+        reader = torch.cuda.Stream()
+        with torch.cuda.stream(reader):
+            handle.current_stream_wait()
+            got = dst.clone()
+        reader.synchronize()
+        assert handle.event.query() and torch.equal(got, src)
+    torch.cuda._sleep(SLEEP_CYCLES)  # the compute stream busy, the side stream idle
+    with torch.cuda.stream(side):
+        handle = deep_ep_cpp.EventHandle()
+    handle.event.synchronize()
+    assert not torch.cuda.current_stream().query(), 'EventHandle() recorded on another stream than the current one'
+    torch.cuda.synchronize()
 
 
 def topk_of(num_tokens, num_experts, num_topk):
@@ -444,6 +472,7 @@ def worker(rank, world, group, rep):
     rep.run('layout_equal', layout_equal, rt)
     rep.run('dispatch_combine_equal', dispatch_combine_equal, rt, world)
     rep.run('events_equal', events_equal, rt, world)
+    rep.run('event_handle_compiled', event_handle_compiled, rt)
     rep.run('fallbacks', fallbacks, rt, world)
     buf.destroy()
     ll_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_M, LL_H, world, LL_E)
@@ -462,6 +491,7 @@ def ctypes_worker(rank, world, group, rep):
         buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 26, explicitly_destroy=True)
         try:
             assert buf.runtime._fast is None and not set(NORMAL + LL) & set(vars(buf.runtime))
+            assert deep_ep_cpp._event.record_on_current_stream is None  # EventHandle() stays Python
             topk = topk_of(T, E, K)
             buf.get_dispatch_layout(topk, E)
         finally:

@@ -128,6 +128,28 @@ def test_without_the_compiled_path_nothing_is_bound():
     assert not set(NORMAL + LL) & set(vars(buffer))
 
 
+def test_event_handle_records_through_the_compiled_path(monkeypatch):
+    """Once a Buffer loaded the compiled path with torch's events (_buffer.py), EventHandle() takes
+    its current_stream_event (_event.record_on_current_stream); EventHandle(stream) and a process
+    without it keep torch.cuda.Event().record(stream)."""
+    from types import SimpleNamespace
+
+    from deep_ep_cpp import _event
+
+    recorded = []
+
+    class Event:
+        def record(self, stream):
+            recorded.append(stream)
+
+    monkeypatch.setattr(_event, "require_torch", lambda: SimpleNamespace(cuda=SimpleNamespace(Event=Event)))
+    monkeypatch.setattr(_event, "record_on_current_stream", None)
+    assert type(_event.EventHandle().event) is Event and recorded == [None]
+    monkeypatch.setattr(_event, "record_on_current_stream", lambda: "compiled")
+    assert _event.EventHandle().event == "compiled" and recorded == [None]
+    assert type(_event.EventHandle("side").event) is Event and recorded == [None, "side"]
+
+
 def test_event_handle_is_what_the_compiled_path_makes():
     """The direct entries make an async op's EventHandle as object.__new__ with `event` set to a
     recorded torch.cuda.Event (_fast_direct.h's recorded_event), and read a previous_event's

@@ -7,7 +7,7 @@ import warnings
 import weakref
 from ctypes import byref, c_bool, c_int, c_int64, c_void_p
 
-from . import _fast, _lib
+from . import _event, _fast, _lib
 from ._fast import INTERNODE_OPS_ENTRIES, NORMAL_OPS_ENTRIES, entry_addresses
 from ._internode import InternodeMode
 from ._low_latency import LowLatencyMode
@@ -134,7 +134,8 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
             assert self._fast.CUDA_STREAM_LEGACY == CUDA_STREAM_LEGACY
             # What the compiled path raises for a failed call, the configs it reads and the events it
             # waits on and returns (_fast_direct.h).
-            self._fast.set_python_helpers(raise_status, raise_driver_error, Config, EventHandle)
+            if self._fast.set_python_helpers(raise_status, raise_driver_error, Config, EventHandle):
+                _event.record_on_current_stream = self._fast.current_stream_event
         self._normal_init()
         self._internode_init()
         self._ll_init()

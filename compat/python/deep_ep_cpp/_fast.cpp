@@ -56,6 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                {kLowLatencyCombine, &LlOps::low_latency_combine}, {kLlCombine, &LlOps::ll_combine}});
   m.def("set_python_helpers", &set_python_helpers, py::arg("raise_status"), py::arg("raise_driver_error"),
         py::arg("config_type"), py::arg("event_handle_type"));
+  m.def("current_stream_event", &current_stream_event,
+        "torch.cuda.Event() recorded on the current stream, as EventHandle() makes it (after set_python_helpers)");
   LlDispatchHook::add_to(m, PYBIND11_TOSTRING(TORCH_EXTENSION_NAME) ".LlDispatchHook");
   LlCombineHook::add_to(m, PYBIND11_TOSTRING(TORCH_EXTENSION_NAME) ".LlCombineHook");
   py::class_<NormalOps> normal_ops(m, "NormalOps");

@@ -15,6 +15,7 @@
 #include <initializer_list>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "_fast_streams.h"
 
@@ -59,9 +60,11 @@ inline const PythonHelpers*& python_helpers() {
   return helpers;
 }
 
-inline void set_python_helpers(py::object raise_status, py::object raise_driver_error, py::object config_type,
+// Returns whether the direct entries take DeepEP's events (PythonHelpers::events): then
+// current_stream_event() may be called.
+inline bool set_python_helpers(py::object raise_status, py::object raise_driver_error, py::object config_type,
                                py::object event_handle_type) {
-  if (python_helpers() != nullptr) return;
+  if (python_helpers() != nullptr) return python_helpers()->events;
   auto* h = new PythonHelpers{};
   h->raise_status = std::move(raise_status);
   h->raise_driver_error = std::move(raise_driver_error);
@@ -80,6 +83,7 @@ inline void set_python_helpers(py::object raise_status, py::object raise_driver_
                 PyTuple_GET_SIZE(type->tp_bases) == 1 && type->tp_init == PyBaseObject_Type.tp_init;
   }
   python_helpers() = h;
+  return h->events;
 }
 
 // Raises what the Python path raises for an op's failed result: (kDriverError, code) or (status,).
@@ -150,19 +154,48 @@ inline PyObject* event_slot() {
   return name;
 }
 
-// A deep_ep_cpp.EventHandle recorded on `stream` (a torch.cuda.Stream): what EventHandle(stream)
-// makes (_event.py), without its three Python frames (about 1 us): the torch.cuda.Event its
+// A torch.cuda.Event recorded on `stream` (a torch stream object: torch.cuda.Stream or its C base):
+// what torch.cuda.Event().record(stream) makes, without their Python frames: the event its
 // __new__ makes with its defaults (the base's tp_new, no arguments), recorded by the C method under
-// torch.cuda.Event.record, set as the EventHandle's `event` (object.__new__: no __init__ to run).
-// Only where helpers->events.
-inline py::object recorded_event(const PythonHelpers& h, py::handle stream) {
+// torch.cuda.Event.record. Only where helpers->events.
+inline py::object recorded_cuda_event(const PythonHelpers& h, py::handle stream) {
   const py::tuple none;
   const auto base = reinterpret_cast<PyTypeObject*>(h.cuda_event_base.ptr());
-  const py::object event = steal(base->tp_new(reinterpret_cast<PyTypeObject*>(h.cuda_event_type.ptr()), none.ptr(), nullptr));
+  py::object event = steal(base->tp_new(reinterpret_cast<PyTypeObject*>(h.cuda_event_type.ptr()), none.ptr(), nullptr));
   steal(PyObject_CallFunctionObjArgs(h.record.ptr(), event.ptr(), stream.ptr(), nullptr));
+  return event;
+}
+
+// A deep_ep_cpp.EventHandle recorded on `stream` (a torch.cuda.Stream): what EventHandle(stream)
+// makes (_event.py), its event set as `event` (object.__new__: no __init__ to run).
+inline py::object recorded_event(const PythonHelpers& h, py::handle stream) {
+  const py::tuple none;
   py::object handle = steal(PyBaseObject_Type.tp_new(reinterpret_cast<PyTypeObject*>(h.event_handle_type.ptr()), none.ptr(), nullptr));
-  if (PyObject_SetAttr(handle.ptr(), event_slot(), event.ptr()) != 0) throw py::error_already_set();
+  if (PyObject_SetAttr(handle.ptr(), event_slot(), recorded_cuda_event(h, stream).ptr()) != 0)
+    throw py::error_already_set();
   return handle;
+}
+
+// torch.cuda.Event() recorded on the current stream of the current device: what EventHandle()
+// makes (_event.py takes it from here once set_python_helpers returned true). Its Python twin
+// builds a torch.cuda.Stream for the current stream per call, the larger part of its cost; here
+// the torch stream object (the C base) of the last current stream is kept.
+inline py::object current_stream_event() {
+  const PythonHelpers* h = python_helpers();
+  if (h == nullptr || !h->events)
+    throw std::runtime_error("deepep-nccl: current_stream_event needs set_python_helpers with torch's CUDA events");
+  const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  const c10::Stream current = cuda->getStream(cuda->getDevice());
+  // Never destroyed (no destructor may run at interpreter exit); used under the GIL only.
+  static auto* const last = new std::pair<std::optional<c10::Stream>, py::object>();
+  if (last->first != current) {
+    const c10::StreamData3 packed = current.pack3();
+    last->second = h->cuda_stream_base(py::arg("stream_id") = packed.stream_id,
+                                       py::arg("device_index") = packed.device_index,
+                                       py::arg("device_type") = static_cast<int>(packed.device_type));
+    last->first = current;
+  }
+  return recorded_cuda_event(*h, last->second);
 }
 
 // previous_event's raw cudaEvent_t into `event` (0: never recorded, where torch's wait does
