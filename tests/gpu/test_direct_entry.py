@@ -166,13 +166,39 @@ def with_event(previous, src):
     return src, never_recorded()
 
 
-def event_handle_compiled(rt):
-    """EventHandle() takes the compiled path's current_stream_event once a Buffer loaded it, and its
-    event is what torch.cuda.Event().record() makes: recorded on the current stream of the moment (a
-    side stream, the compute stream, the side stream again: the kept stream object follows it), so
-    a wait on it orders the work before it, and on that stream only."""
+def event_handle_compiled(rt, world):
+    """EventHandle() takes the compiled path's current_stream_event once a Buffer loaded it (the
+    Python path made to raise meanwhile), and its event is what torch.cuda.Event().record() makes:
+    recorded on the current stream of the moment (a side stream, the compute stream, the side stream
+    again: the kept stream object follows it), so a wait on it orders the work before it, and on
+    that stream only; and on the current device (another GPU's default stream has the same id)."""
     from deep_ep_cpp import _event
     assert _event.record_on_current_stream == rt._fast.current_stream_event
+    with python_events_raise():
+        compiled_event_handle_cases(world)
+
+
+@contextlib.contextmanager
+def python_events_raise():
+    """EventHandle()'s Python path (torch.cuda.Event via _event.require_torch) raises while inside."""
+    from deep_ep_cpp import _event
+    def refuse():
+        raise AssertionError("EventHandle() took its Python path")
+    saved, _event.require_torch = _event.require_torch, refuse
+    try:
+        yield
+    finally:
+        _event.require_torch = saved
+
+
+def compiled_event_handle_cases(world):
+    me = torch.cuda.current_device()
+    peer = (me + 1) % world
+    for device in (peer, me, peer, me):
+        with torch.cuda.device(device):
+            handle = deep_ep_cpp.EventHandle()
+        assert handle.event.device == torch.device('cuda', device), (handle.event.device, device)
+        handle.event.synchronize()
     side = torch.cuda.Stream()
     for stream in (side, torch.cuda.current_stream(), side):
         with torch.cuda.stream(stream):
@@ -472,7 +498,7 @@ def worker(rank, world, group, rep):
     rep.run('layout_equal', layout_equal, rt)
     rep.run('dispatch_combine_equal', dispatch_combine_equal, rt, world)
     rep.run('events_equal', events_equal, rt, world)
-    rep.run('event_handle_compiled', event_handle_compiled, rt)
+    rep.run('event_handle_compiled', event_handle_compiled, rt, world)
     rep.run('fallbacks', fallbacks, rt, world)
     buf.destroy()
     ll_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_M, LL_H, world, LL_E)

@@ -150,6 +150,25 @@ def test_event_handle_records_through_the_compiled_path(monkeypatch):
     assert type(_event.EventHandle("side").event) is Event and recorded == [None, "side"]
 
 
+def test_event_handle_takes_the_compiled_path_only_where_it_has_torch_events(monkeypatch):
+    """A Buffer that loaded the compiled module hands it its helpers (_buffer.use_compiled_helpers):
+    EventHandle() records through the module's current_stream_event only where set_python_helpers
+    answered that it takes torch's events."""
+    from types import SimpleNamespace
+
+    from deep_ep_cpp import _buffer, _event
+
+    def module(events):
+        return SimpleNamespace(set_python_helpers=lambda *helpers: events, current_stream_event=lambda: "compiled")
+
+    monkeypatch.setattr(_event, "record_on_current_stream", None)
+    _buffer.use_compiled_helpers(module(False))
+    assert _event.record_on_current_stream is None
+    fast = module(True)
+    _buffer.use_compiled_helpers(fast)
+    assert _event.record_on_current_stream is fast.current_stream_event
+
+
 def test_event_handle_is_what_the_compiled_path_makes():
     """The direct entries make an async op's EventHandle as object.__new__ with `event` set to a
     recorded torch.cuda.Event (_fast_direct.h's recorded_event), and read a previous_event's

@@ -82,6 +82,14 @@ class _DeviceBytes:
         self.owner = owner
 
 
+def use_compiled_helpers(fast):
+    """Gives the compiled module what it raises for a failed call, the configs it reads and the
+    events it waits on and returns (_fast_direct.h); where it takes torch's events, EventHandle()
+    records through it from now on (_event.record_on_current_stream)."""
+    if fast.set_python_helpers(raise_status, raise_driver_error, Config, EventHandle):
+        _event.record_on_current_stream = fast.current_stream_event
+
+
 class Buffer(NormalMode, InternodeMode, LowLatencyMode):
     """One rank's communication buffer. The constructor only validates; sync() creates it."""
 
@@ -132,10 +140,7 @@ class Buffer(NormalMode, InternodeMode, LowLatencyMode):
         self._fast = _fast.module()
         if self._fast is not None:
             assert self._fast.CUDA_STREAM_LEGACY == CUDA_STREAM_LEGACY
-            # What the compiled path raises for a failed call, the configs it reads and the events it
-            # waits on and returns (_fast_direct.h).
-            if self._fast.set_python_helpers(raise_status, raise_driver_error, Config, EventHandle):
-                _event.record_on_current_stream = self._fast.current_stream_event
+            use_compiled_helpers(self._fast)
         self._normal_init()
         self._internode_init()
         self._ll_init()

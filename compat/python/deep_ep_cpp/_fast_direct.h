@@ -186,7 +186,7 @@ inline py::object current_stream_event() {
     throw std::runtime_error("deepep-nccl: current_stream_event needs set_python_helpers with torch's CUDA events");
   const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
   const c10::Stream current = cuda->getStream(cuda->getDevice());
-  // Never destroyed (no destructor may run at interpreter exit); used under the GIL only.
+  // Never destroyed (no destructor may run at interpreter exit); read and replaced under the GIL.
   static auto* const last = new std::pair<std::optional<c10::Stream>, py::object>();
   if (last->first != current) {
     const c10::StreamData3 packed = current.pack3();
@@ -195,7 +195,10 @@ inline py::object current_stream_event() {
                                        py::arg("device_type") = static_cast<int>(packed.device_type));
     last->first = current;
   }
-  return recorded_cuda_event(*h, last->second);
+  // A reference of this call's own: torch's record may release the GIL, and another thread's call
+  // may replace `last` meanwhile.
+  const py::object stream = last->second;
+  return recorded_cuda_event(*h, stream);
 }
 
 // previous_event's raw cudaEvent_t into `event` (0: never recorded, where torch's wait does
