@@ -10,13 +10,14 @@
 
 extern "C" int64_t deepep_dispatch_slot_bytes(int32_t hidden_bytes, int32_t num_scales, int32_t num_topk) {
   using deepep::align16;
-  return deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) + align16(int64_t(num_scales) * 4) +
-         2 * align16(int64_t(num_topk) * 4);
+  return deepep::normal::align_slot(deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) +
+                                    align16(int64_t(num_scales) * 4) + 2 * align16(int64_t(num_topk) * 4));
 }
 
 extern "C" int64_t deepep_combine_slot_bytes(int32_t hidden_bytes, int32_t num_topk) {
   using deepep::align16;
-  return deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) + align16(int64_t(num_topk) * 4);
+  return deepep::normal::align_slot(deepep::normal::kSlotHeaderBytes + align16(hidden_bytes) +
+                                    align16(int64_t(num_topk) * 4));
 }
 
 extern "C" uint32_t deepep_normal_flag_generation(uint32_t epoch) { return deepep::normal::flag_generation(epoch); }

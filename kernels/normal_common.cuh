@@ -30,7 +30,12 @@ namespace normal {
 
 constexpr int kDataThreads = 768;  // 24 warps per block of the data kernels
 constexpr int kDataWarps = kDataThreads / kWarp;
-constexpr int kSlotHeaderBytes = 16;  // flag (8) + source token index (4) + pad
+// Ring slots start on 128-byte boundaries (their stride a multiple of it) and a slot's row starts
+// 128 bytes in, so a warp's 512-byte store of a row covers whole cache lines: its NVLink writes
+// carry no partial lines. The header itself is 16 bytes: flag (8) + source token index (4) + pad.
+constexpr int kSlotAlign = 128;
+constexpr int kSlotHeaderBytes = kSlotAlign;
+__host__ __device__ constexpr int64_t align_slot(int64_t bytes) { return (bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
 
 // Source tokens of channel c: DeepEP's split, contiguous ranges of ceil(T / C).
 __device__ __forceinline__ void channel_range(int64_t num_tokens, int num_channels, int c, int64_t& begin,

@@ -47,7 +47,8 @@ HIDDEN = 4096
 CONFIG = deep_ep.Config(24, 6, 256, 6, 128)  # 12 channels, rings of 256 slots
 NVL_BYTES = 256 << 20  # the rings of CONFIG at HIDDEN with top-8 take 51 MB
 NUM_CHANNELS, RING = CONFIG.num_sms // 2, CONFIG.num_max_nvl_chunked_recv_tokens
-SLOT_HEADER = 16  # kernels/normal_common.cuh kSlotHeaderBytes: the flag is its first 8 bytes
+SLOT_HEADER = 128  # kernels/normal_common.cuh kSlotHeaderBytes: the flag is its first 8 bytes
+SLOT_ALIGN = 128  # kSlotAlign: the slot stride is a multiple of it
 CORRUPT_RANK = 1
 STALL_MS = 1500
 GUARD_BYTES = 4 << 20
@@ -57,6 +58,10 @@ ENTRY_NAMED = r'rank_prefix_matrix|channel_prefix_matrix|send_head|counts a peer
 
 def align16(n):
     return (n + 15) // 16 * 16
+
+
+def align_slot(n):
+    return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
 
 
 # ---------------------------------------------------------------- guarded allocation
@@ -147,14 +152,14 @@ def prefilled_flags(ctx, which):
         ref = expect_dispatch(ctx, inp, num_sms=CONFIG.num_sms)
         if which == 'dispatch':
             topk = inp.topk.size(1)
-            prefill_flags(buf, ctx, SLOT_HEADER + align16(HIDDEN * 2) + 2 * align16(topk * 4), epoch=0)
+            prefill_flags(buf, ctx, align_slot(SLOT_HEADER + align16(HIDDEN * 2) + 2 * align16(topk * 4)), epoch=0)
         out = buf.dispatch(inp.x, **layout_args(inp), config=CONFIG)
         torch.cuda.synchronize()
         chk(check_dispatch, out, ref, inp.in_rank)
         chk.agree(ctx.group)
         recv_x, recv_weights, handle = out[0], out[2], out[4]
         if which == 'combine':
-            prefill_flags(buf, ctx, SLOT_HEADER + align16(HIDDEN * 2) + align16(recv_weights.size(1) * 4), epoch=1)
+            prefill_flags(buf, ctx, align_slot(SLOT_HEADER + align16(HIDDEN * 2) + align16(recv_weights.size(1) * 4)), epoch=1)
         combined = buf.combine(recv_x, handle, topk_weights=recv_weights, config=CONFIG)
         torch.cuda.synchronize()
         chk(check_combine, combined, ref_combine(ctx.group, ref, recv_x, recv_weights))
