@@ -1299,6 +1299,30 @@ DeepepStatus deepep_normal_query_dropped(const DeepepBuffer *buf,
                                          const DeepepTensor *dropped,
                                          void *stream);
 
+/**
+ * Bytes of one normal-mode dispatch ring slot for rows of `hidden_bytes` with `num_scales` FP8
+ * scales (0: BF16) and `num_topk` top-k entries: the stride of the NVL receive rings (a flag
+ * header, the row, scales, top-k ids and weights). For tools that read the rings.
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
+ */
+DeepepStatus deepep_normal_dispatch_slot_bytes(int64_t hidden_bytes,
+                                               int num_scales,
+                                               int num_topk,
+                                               int64_t *out);
+
+/**
+ * Bytes of one normal-mode combine ring slot for rows of `hidden_bytes` with `num_topk` weights:
+ * the stride of the combine's NVL receive rings (a flag header, the row, the weights).
+ *
+ * Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+ * message); DEEPEP_ERROR_INTERNAL.
+ */
+DeepepStatus deepep_normal_combine_slot_bytes(int64_t hidden_bytes,
+                                              int num_topk,
+                                              int64_t *out);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

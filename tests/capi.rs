@@ -208,6 +208,31 @@ fn config_helpers_follow_deepep() {
 }
 
 #[test]
+fn normal_ring_slots_hold_a_row_on_whole_cache_lines() {
+    // (hidden_bytes, num_scales, num_topk): BF16 and FP8 rows of hidden 7168, top-8; odd sizes.
+    for (hidden, scales, topk) in [(14336i64, 0, 8), (7168, 56, 8), (2 * 4096, 0, 6), (100, 3, 1), (14336, 0, 0)] {
+        let align16 = |n: i64| (n + 15) / 16 * 16;
+        let mut dispatch = 0i64;
+        assert_eq!(deepep_normal_dispatch_slot_bytes(hidden, scales, topk, &mut dispatch), DEEPEP_SUCCESS);
+        let mut combine = 0i64;
+        assert_eq!(deepep_normal_combine_slot_bytes(hidden, topk, &mut combine), DEEPEP_SUCCESS);
+        // A 128-byte header (the flag), then the 16-byte-aligned payload; slots on 128-byte lines.
+        let dispatch_payload = 128 + align16(hidden) + align16(scales as i64 * 4) + 2 * align16(topk as i64 * 4);
+        let combine_payload = 128 + align16(hidden) + align16(topk as i64 * 4);
+        for (slot, payload) in [(dispatch, dispatch_payload), (combine, combine_payload)] {
+            assert_eq!(slot % 128, 0, "slot {slot} for {hidden} / {scales} / {topk}");
+            assert!(slot >= payload && slot < payload + 128, "slot {slot}, payload {payload}");
+        }
+    }
+    let mut out = 0i64;
+    expect_err(deepep_normal_dispatch_slot_bytes(0, 0, 8, &mut out), DEEPEP_ERROR_INVALID_ARGUMENT, "hidden_bytes must be in [1, 2147483647], got 0");
+    expect_err(deepep_normal_dispatch_slot_bytes(1 << 31, 0, 8, &mut out), DEEPEP_ERROR_INVALID_ARGUMENT, "hidden_bytes");
+    expect_err(deepep_normal_dispatch_slot_bytes(14336, -1, 8, &mut out), DEEPEP_ERROR_INVALID_ARGUMENT, "num_scales must be in [0,");
+    expect_err(deepep_normal_combine_slot_bytes(14336, -2, &mut out), DEEPEP_ERROR_INVALID_ARGUMENT, "num_topk must be in [0,");
+    expect_err(deepep_normal_combine_slot_bytes(14336, 8, ptr::null_mut()), DEEPEP_ERROR_INVALID_ARGUMENT, "out must not be NULL");
+}
+
+#[test]
 fn low_latency_shapes_are_checked_without_a_buffer() {
     assert_eq!(deepep_low_latency_check_shape(128, 7168, 4, 288), DEEPEP_SUCCESS);
     assert_eq!(deepep_low_latency_check_shape(1024, 6400, 32, 256), DEEPEP_SUCCESS);

@@ -192,3 +192,43 @@ pub extern "C" fn deepep_normal_query_dropped(
         crate::normal::query_dropped(buffer_ref(buf)?.buffer(), t, stream)
     })
 }
+
+/// The bytes one value of the ring geometry takes, as the kernels' i32; named where out of range.
+fn ring_extent(name: &str, value: i64, min: i64) -> Result<i32> {
+    i32::try_from(value)
+        .ok()
+        .filter(|v| i64::from(*v) >= min)
+        .ok_or_else(|| Error::invalid(format!("{name} must be in [{min}, {}], got {value}", i32::MAX)))
+}
+
+/// Bytes of one normal-mode dispatch ring slot for rows of `hidden_bytes` with `num_scales` FP8
+/// scales (0: BF16) and `num_topk` top-k entries: the stride of the NVL receive rings (a flag
+/// header, the row, scales, top-k ids and weights). For tools that read the rings.
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn deepep_normal_dispatch_slot_bytes(hidden_bytes: i64, num_scales: c_int, num_topk: c_int, out: *mut i64) -> crate::error::DeepepStatus {
+    ffi(|| {
+        let hidden = ring_extent("hidden_bytes", hidden_bytes, 1)?;
+        let scales = ring_extent("num_scales", num_scales.into(), 0)?;
+        let topk = ring_extent("num_topk", num_topk.into(), 0)?;
+        *out_ref("out", out)? = crate::kernels::dispatch_slot_bytes(hidden, scales, topk);
+        Ok(())
+    })
+}
+
+/// Bytes of one normal-mode combine ring slot for rows of `hidden_bytes` with `num_topk` weights:
+/// the stride of the combine's NVL receive rings (a flag header, the row, the weights).
+///
+/// Returns: DEEPEP_SUCCESS; DEEPEP_ERROR_INVALID_ARGUMENT (a NULL pointer or a bad value, named in the
+/// message); DEEPEP_ERROR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn deepep_normal_combine_slot_bytes(hidden_bytes: i64, num_topk: c_int, out: *mut i64) -> crate::error::DeepepStatus {
+    ffi(|| {
+        let hidden = ring_extent("hidden_bytes", hidden_bytes, 1)?;
+        let topk = ring_extent("num_topk", num_topk.into(), 0)?;
+        *out_ref("out", out)? = crate::kernels::combine_slot_bytes(hidden, topk);
+        Ok(())
+    })
+}

@@ -24,6 +24,7 @@ against the independent torch references of normal_reference.py.
 Checks are collected (common.Checks) so that all ranks keep making the same collective calls.
 Run: python tests/gpu/test_normal_protocol.py (2 GPUs); NORMAL_PROTOCOL_CASES="name ..." runs only
 the cases named (the graph case, if named, still runs last)."""
+import ctypes
 import os
 
 os.environ['DEEPEP_NCCL_FAST'] = '0'  # before deep_ep loads: the guarded allocation is the ctypes path's
@@ -47,8 +48,6 @@ HIDDEN = 4096
 CONFIG = deep_ep.Config(24, 6, 256, 6, 128)  # 12 channels, rings of 256 slots
 NVL_BYTES = 256 << 20  # the rings of CONFIG at HIDDEN with top-8 take 51 MB
 NUM_CHANNELS, RING = CONFIG.num_sms // 2, CONFIG.num_max_nvl_chunked_recv_tokens
-SLOT_HEADER = 128  # kernels/normal_common.cuh kSlotHeaderBytes: the flag is its first 8 bytes
-SLOT_ALIGN = 128  # kSlotAlign: the slot stride is a multiple of it
 CORRUPT_RANK = 1
 STALL_MS = 1500
 GUARD_BYTES = 4 << 20
@@ -56,12 +55,11 @@ GUARD_BYTE = 0x5a
 ENTRY_NAMED = r'rank_prefix_matrix|channel_prefix_matrix|send_head|counts a peer sent'
 
 
-def align16(n):
-    return (n + 15) // 16 * 16
-
-
-def align_slot(n):
-    return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+def ring_slot_bytes(query, *geometry):
+    """A ring slot's bytes as the library lays it out (a slot's flag is its first 8 bytes)."""
+    out = ctypes.c_int64()
+    _lib.check(query(*geometry, ctypes.byref(out)))
+    return out.value
 
 
 # ---------------------------------------------------------------- guarded allocation
@@ -152,14 +150,15 @@ def prefilled_flags(ctx, which):
         ref = expect_dispatch(ctx, inp, num_sms=CONFIG.num_sms)
         if which == 'dispatch':
             topk = inp.topk.size(1)
-            prefill_flags(buf, ctx, align_slot(SLOT_HEADER + align16(HIDDEN * 2) + 2 * align16(topk * 4)), epoch=0)
+            prefill_flags(buf, ctx, ring_slot_bytes(_lib.lib.deepep_normal_dispatch_slot_bytes, HIDDEN * 2, 0, topk), epoch=0)
         out = buf.dispatch(inp.x, **layout_args(inp), config=CONFIG)
         torch.cuda.synchronize()
         chk(check_dispatch, out, ref, inp.in_rank)
         chk.agree(ctx.group)
         recv_x, recv_weights, handle = out[0], out[2], out[4]
         if which == 'combine':
-            prefill_flags(buf, ctx, align_slot(SLOT_HEADER + align16(HIDDEN * 2) + align16(recv_weights.size(1) * 4)), epoch=1)
+            prefill_flags(buf, ctx, ring_slot_bytes(_lib.lib.deepep_normal_combine_slot_bytes, HIDDEN * 2, recv_weights.size(1)),
+                          epoch=1)
         combined = buf.combine(recv_x, handle, topk_weights=recv_weights, config=CONFIG)
         torch.cuda.synchronize()
         chk(check_combine, combined, ref_combine(ctx.group, ref, recv_x, recv_weights))

@@ -402,6 +402,8 @@ _PROTOTYPES = {
     "deepep_low_latency_update_mask_buffer": (c_int, [c_void_p, c_int, c_bool, c_void_p]),
     "deepep_low_latency_query_mask_buffer": (c_int, [c_void_p, c_void_p, c_void_p]),
     "deepep_normal_query_dropped": (c_int, [c_void_p, c_void_p, c_void_p]),
+    "deepep_normal_dispatch_slot_bytes": (c_int, [c_int64, c_int, c_int, POINTER(c_int64)]),
+    "deepep_normal_combine_slot_bytes": (c_int, [c_int64, c_int, POINTER(c_int64)]),
     "deepep_low_latency_clean_mask_buffer": (c_int, [c_void_p, c_void_p]),
     "deepep_config_init": (c_int, [POINTER(DeepepConfig), c_int, c_int, c_int, c_int, c_int]),
     "deepep_config_default": (c_int, [POINTER(DeepepConfig), c_int, c_int, c_int]),
