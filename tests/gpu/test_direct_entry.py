@@ -345,7 +345,29 @@ def direct_case(rt, what, name, args, case, allocated_on):
     event_at = len(got) - 1  # DeepEP's event comes last
     event_done(what, got[event_at], async_, got[0], allocated_on)
     same_tuple(what, got, want, skip=(event_at,))
+    if async_:
+        outputs = [t for t in got if isinstance(t, torch.Tensor)]
+        del got
+        freed_outputs_wait(what, outputs, COMPUTE[0] if on_comm else rt.get_comm_stream())
     return want
+
+
+def freed_outputs_wait(what, outputs, other):
+    """async_: each output's allocation was record_stream'ed on the stream it was not allocated on
+    (`other`), once per storage (the entries record views of one allocation once): freed while
+    `other` is busy, its caching-allocator block stays pending (active_pending_free) instead of free
+    for reuse. Blocks still referenced elsewhere (a cached dispatch's own handle inputs) are skipped.
+    Empties `outputs`."""
+    blocks = {t.untyped_storage().data_ptr() for t in outputs if t.untyped_storage().nbytes() > 0}
+    with torch.cuda.stream(other):
+        torch.cuda._sleep(20_000_000)  # about 10 ms: the allocator's event on `other` stays pending
+    outputs.clear()
+    states = {b['address']: b['state'] for segment in torch.cuda.memory_snapshot() for b in segment['blocks']}
+    free = sorted(hex(p) for p in blocks if states.get(p) == 'inactive')
+    assert not free, f'{what}: outputs freed for reuse at once (never record_stream\'ed): {free}'
+    assert all(states.get(p) in ('active_pending_free', 'active_allocated') for p in blocks), \
+        f'{what}: output blocks {[(hex(p), states.get(p)) for p in blocks]}'
+    other.synchronize()
 
 
 def events_equal(rt, world):

@@ -12,6 +12,8 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
+#include <array>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -307,6 +309,9 @@ class CurrentStream {
 // * allocate_on_comm_stream (only with both: the class method raises otherwise): the comm stream is
 //   current while the op runs (run(): it allocates then) and end() also record_stream's on the compute stream.
 class OpStreams {
+  // The most tensors an op's end() is given (a dispatch's 15); more are recorded without the check.
+  static constexpr size_t kMaxRecorded = 16;
+
  public:
   // Reads the op's three arguments; false where the class method must run: a flag that is not a
   // bool, allocate_on_comm_stream without previous_event and async_ (the class method raises), a
@@ -356,13 +361,23 @@ class OpStreams {
   }
 
   // After the op succeeded: the EventHandle, and each of `tensors` (the op's, None skipped)
-  // record_stream'ed, as above; None without async_.
+  // record_stream'ed, as above; None without async_. record_stream acts on a tensor's storage (the
+  // caching allocator's block), so each storage is recorded once: the handle's tensors and the
+  // received ones are views of one allocation each, and a record costs 1-2 us.
   py::object end(const DirectBinding& binding, std::initializer_list<py::handle> tensors) const {
     if (!async_) return py::none();
     py::object event = binding.comm_event();
+    std::array<const void*, kMaxRecorded> recorded;
+    size_t num_recorded = 0;
     for (const py::handle t : tensors) {
       if (t.is_none()) continue;
       const at::Tensor& tensor = THPVariable_Unpack(t.ptr());
+      if (tensor.has_storage()) {
+        const void* storage = tensor.storage().unsafeGetStorageImpl();
+        const auto end = recorded.begin() + num_recorded;
+        if (std::find(recorded.begin(), end, storage) != end) continue;
+        if (num_recorded < recorded.size()) recorded[num_recorded++] = storage;
+      }
       tensor.record_stream(*binding.comm());
       if (on_comm_) tensor.record_stream(*compute_);
     }
