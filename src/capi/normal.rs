@@ -193,7 +193,7 @@ pub extern "C" fn deepep_normal_query_dropped(
     })
 }
 
-/// The bytes one value of the ring geometry takes, as the kernels' i32; named where out of range.
+/// A ring-geometry argument as the kernels' i32, in [min, i32::MAX]; an error naming it otherwise.
 fn ring_extent(name: &str, value: i64, min: i64) -> Result<i32> {
     i32::try_from(value)
         .ok()

@@ -360,7 +360,7 @@ def freed_outputs_wait(what, outputs, other):
     Empties `outputs`."""
     blocks = {t.untyped_storage().data_ptr() for t in outputs if t.untyped_storage().nbytes() > 0}
     with torch.cuda.stream(other):
-        torch.cuda._sleep(20_000_000)  # about 10 ms: the allocator's event on `other` stays pending
+        torch.cuda._sleep(SLEEP_CYCLES)  # the allocator's event on `other` stays pending meanwhile
     outputs.clear()
     states = {b['address']: b['state'] for segment in torch.cuda.memory_snapshot() for b in segment['blocks']}
     free = sorted(hex(p) for p in blocks if states.get(p) == 'inactive')
