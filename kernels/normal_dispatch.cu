@@ -279,24 +279,36 @@ __device__ __forceinline__ int64_t receive_channel(const DeepepDispatchParams& p
       return s;
     const int64_t row = start + s;
     if (uint64_t(row) < uint64_t(p.num_recv_rows)) {  // else too small a num_worst_tokens, or a bad range
+      // Side data is loaded (L2 only: the slot is rewritten within the kernel) while lane 0 moves
+      // the row, so that the two latencies overlap.
+      const int S = p.num_scales;
+      const int32_t* scales = reinterpret_cast<const int32_t*>(slot_ptr + layout.scales_off());
+      const int32_t* topk = reinterpret_cast<const int32_t*>(slot_ptr + layout.topk_off());
+      const float* weights = reinterpret_cast<const float*>(slot_ptr + layout.weights_off());
+      const bool with_scales = p.recv_x_scales != nullptr, with_topk = p.recv_topk_idx != nullptr;
+      const int32_t scale0 = with_scales && lane < S ? __ldcg(scales + lane) : 0;
+      const int32_t scale1 = with_scales && lane + kWarp < S ? __ldcg(scales + lane + kWarp) : 0;
+      const int32_t topk0 = with_topk && lane < K ? __ldcg(topk + lane) : 0;
+      const float weight0 = with_topk && lane < K ? __ldcg(weights + lane) : 0.0f;
+      const int32_t src_idx = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(slot_ptr + 8)) : 0;
       fence_generic_to_async();
       warp_bulk_copy<kChunk>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes, slot_ptr + layout.x_off(),
                      p.hidden_bytes, stages, bars, phases, lane);
-      if (p.recv_x_scales != nullptr) {
-        const int32_t* scales = reinterpret_cast<const int32_t*>(slot_ptr + layout.scales_off());
-        for (int i = lane; i < p.num_scales; i += kWarp)
-          static_cast<int32_t*>(p.recv_x_scales)[row * p.num_scales + i] = scales[i];
+      if (with_scales) {
+        int32_t* out = static_cast<int32_t*>(p.recv_x_scales) + row * S;
+        if (lane < S) out[lane] = scale0;
+        if (lane + kWarp < S) out[lane + kWarp] = scale1;
+        for (int i = lane + 2 * kWarp; i < S; i += kWarp) out[i] = __ldcg(scales + i);
       }
-      if (p.recv_topk_idx != nullptr) {
-        const int32_t* topk = reinterpret_cast<const int32_t*>(slot_ptr + layout.topk_off());
-        const float* weights = reinterpret_cast<const float*>(slot_ptr + layout.weights_off());
+      if (with_topk) {
         for (int k = lane; k < K; k += kWarp) {
-          const int64_t local = to_local_expert(topk[k], me, epr);
+          const int64_t local = to_local_expert(k == lane ? topk0 : __ldcg(topk + k), me, epr);
           store_topk(p.recv_topk_idx, p.topk_idx_is_int32, row * K + k, local);
-          if (p.recv_topk_weights != nullptr) p.recv_topk_weights[row * K + k] = local >= 0 ? weights[k] : 0.0f;
+          if (p.recv_topk_weights != nullptr)
+            p.recv_topk_weights[row * K + k] = local >= 0 ? (k == lane ? weight0 : __ldcg(weights + k)) : 0.0f;
         }
       }
-      if (lane == 0) p.recv_src_idx[row] = reinterpret_cast<const int32_t*>(slot_ptr + 8)[0];
+      if (lane == 0) p.recv_src_idx[row] = src_idx;
     }
     // Hand the slot back: the sender's consumed word for (channel, us, slot).
     uint64_t* consumed = reinterpret_cast<uint64_t*>(src_nvl + ring.consumed_offset(C, ch, me, slot));
