@@ -3,10 +3,14 @@
 // one lane per warp driving `stages` smem stages of `chunk` bytes), and the copy engine. GPUs 0
 // and 1 write to each other at once, as an all-to-all does; the figure is one-way GB/s per GPU
 // (best of 5 of 256 MiB). Decides how HT/LL senders should move rows (bench/RESULTS.md).
+// The "pull" rows read instead: each GPU copies the peer's memory into its own (plain 16-byte
+// loads, or TMA bulk loads from the peer), as a receiver-driven dispatch would.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Ikernels -o nvlink_store_sweep bench/nvlink_store_sweep.cu
+//   ./nvlink_store_sweep [pull]   (pull: the copy engine and the pull rows only)
 // (bench/gpu_suite.sh step bench_nvlink builds and runs it.)
 #include <cstdio>
 #include <cstdint>
+#include <string>
 #include <vector>
 #include <cuda_runtime.h>
 
@@ -56,7 +60,7 @@ __global__ void tma(const char* __restrict__ src, char* dst, size_t bytes, int c
   deepep::bulk_wait_all();
 }
 
-int main() {
+int main(int argc, char** argv) {
   int ng; CK(cudaGetDeviceCount(&ng));
   if (ng < 2) { printf("need 2 GPUs\n"); return 1; }
   const size_t bytes = 256ull << 20, n16 = bytes / 16;
@@ -85,7 +89,20 @@ int main() {
     return 0;
   };
   run("copy engine", 0, [&](int g) { cudaMemcpyPeerAsync(recv[1 - g], 1 - g, src[g], g, bytes, st[g]); });
+  // Pull: each GPU reads the peer's src into its own memory (NVLink reads, not writes).
+  const bool pull_only = argc > 1 && std::string(argv[1]) == "pull";
+  for (int blocks : {8, 12, 16, 24, 32}) {
+    run("pull: plain ld.v4 x4 (512 thr)", blocks, [&](int g) { plain<<<blocks, 512, 0, st[g]>>>((const int4*)src[1 - g], (int4*)recv[g], n16); });
+    for (int warps : {1, 4, 12}) {
+      const int stages = warps == 12 ? 2 : 4, chunk = 4096;
+      const size_t smem = 1024 + size_t(warps) * stages * chunk;
+      char name[64]; snprintf(name, sizeof name, "pull: tma 4KB x%d st, %d warps", stages, warps);
+      if (stages == 4) run(name, blocks, [&](int g) { tma<4><<<blocks, 32 * warps, smem, st[g]>>>(src[1 - g], recv[g], bytes, chunk); });
+      else run(name, blocks, [&](int g) { tma<2><<<blocks, 32 * warps, smem, st[g]>>>(src[1 - g], recv[g], bytes, chunk); });
+    }
+  }
   for (int blocks : {8, 12, 16, 24, 32, 66, 132}) {
+    if (pull_only) break;
     run("plain st.v4 x4 (512 thr)", blocks, [&](int g) { plain<<<blocks, 512, 0, st[g]>>>((const int4*)src[g], (int4*)recv[1 - g], n16); });
     for (int chunk : {4096, 8192, 16384}) {
       for (int warps : {1, 4}) {
