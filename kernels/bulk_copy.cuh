@@ -52,6 +52,12 @@ __device__ __forceinline__ void bulk_wait_smem_read() {
 }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// Starts pulling `bytes` (multiple of 16, 16-byte aligned) of global memory into L2 and returns at
+// once: a later load of them waits an L2 hit, not an HBM round trip.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* gmem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
+}
+
 // Makes data other threads/peers wrote (observed through an acquire) visible to bulk copies.
 __device__ __forceinline__ void fence_generic_to_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
