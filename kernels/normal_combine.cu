@@ -29,7 +29,7 @@ struct CombineSlot {
   __device__ __forceinline__ int64_t weights_off() const { return x_off() + hidden_bytes; }
 };
 
-// Channels from which the combine senders prefetch their rows into L2.
+// Channels from which the combine senders (at 2 ranks) prefetch their rows into L2.
 constexpr int kCombinePrefetchChannels = 12;
 
 // Sender warps of one block; with the other block of the channel they form one
@@ -71,8 +71,9 @@ __device__ __forceinline__ int64_t combine_send(const DeepepCombineParams& p, in
     value = make_flag(generation, s);
   };
   // With many channels a row's x goes into L2 one row ahead of its loads (2x H200, 4096 tokens:
-  // 24 SMs 241 -> 223 us; at 12 SMs it cost 299 -> 317, so fewer channels go without).
-  const bool prefetch = C >= kCombinePrefetchChannels;
+  // 24 SMs 241 -> 223 us; at 12 SMs it cost 299 -> 317, so fewer channels go without). Measured at
+  // 2 ranks only: more ranks keep the loads as they were.
+  const bool prefetch = R == 2 && C >= kCombinePrefetchChannels;
   const auto prefetch_row = [&](int64_t s) {
     if (prefetch && lane == 0 && s < stop - start)
       bulk_prefetch_l2(static_cast<const uint8_t*>(p.x) + (start + s) * p.hidden_bytes, uint32_t(p.hidden_bytes));
