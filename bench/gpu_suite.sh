@@ -36,7 +36,7 @@
 #                     SANITIZER_STEP_SECS their step limit (default 560; racecheck is 10-100x slower);
 #                     tests/gpu/sanitize_smoke.sh says what they check and which timeouts they raise
 #   BENCH_NORMAL_ARGS / BENCH_LL_ARGS  extra arguments of bench_normal.py / bench_low_latency.py
-#                     (e.g. BENCH_LL_ARGS=--quick)
+#                     (e.g. BENCH_LL_ARGS=--quick); NCU_HT_ARGS those of profile_ht (e.g. "--dtype fp8")
 #   EXAMPLE_NORMAL / EXAMPLE_LL        the C++ example binaries
 #   DEEPEP_LL_VIRTUAL_LIBRARY          the virtual-rank library (scripts/test.sh builds it)
 #   DEEPEP_INTERNODE_VIRTUAL_LIBRARY   the internode one (scripts/test.sh; test_internode_virtual is
@@ -219,7 +219,7 @@ deepep_test deepep_test_low_latency test_low_latency.py --num-processes "${DEEPE
 step memcheck_smoke "${SANITIZER_STEP_SECS:-560}" env PYTHON="$PYTHON" bash tests/gpu/sanitize_smoke.sh memcheck
 step racecheck_smoke "${SANITIZER_STEP_SECS:-560}" env PYTHON="$PYTHON" bash tests/gpu/sanitize_smoke.sh racecheck
 step soak_long 1800 "$PYTHON" tests/gpu/test_soak.py ${SOAK_LONG_ARGS:-}
-step profile_ht 540 env DEEPEP_NCCL_FAST=0 "$PYTHON" bench/ncu_ht.py --out "$STEP_DIR/profile_ht"
+step profile_ht 540 env DEEPEP_NCCL_FAST=0 "$PYTHON" bench/ncu_ht.py --out "$STEP_DIR/profile_ht" ${NCU_HT_ARGS:-}
 
 {
     printf '\n%-18s %-8s %s\n' step seconds status

@@ -5,11 +5,11 @@ kernel time goes" is its reading.
 Rank 0 runs under ncu and starts rank 1 as a child outside it (ncu's environment stripped), so
 the profiled kernel always has a live peer; ncu replays the whole application once per pass
 (`--replay-mode application`: kernel replay would rerun one rank's kernel without its peer). The
-profiled launches are the PROFILED-th cached BF16 dispatch and combine of a warm loop, T=4096, on
+profiled launches are the PROFILED-th cached dispatch (BF16, or FP8 with --dtype fp8) and combine of a warm loop, T=4096, on
 bench_normal.py's inputs and configs (hidden 7168, top-8 of 256 experts). Under ncu the peer runs ahead (the profiled rank starts each
 kernel late), so its times are longer than unprofiled ones: read shapes, not times.
 
-Run: python bench/ncu_ht.py --out DIR [--sms 24] [--sections ...]   (about 4-5 minutes: 30-40
+Run: python bench/ncu_ht.py --out DIR [--sms 24] [--dtype bf16|fp8] [--sections ...]   (about 4-5 minutes: 30-40
 passes of ~7 s). Writes DIR/ht.ncu-rep, DIR/ht_details.txt and DIR/ht_raw.csv and prints the
 details. GPU suite step: profile_ht (runs only when SUITE_STEPS names it)."""
 import argparse
@@ -47,7 +47,7 @@ def run_ncu(args):
     cmd = [ncu, '--target-processes', 'application-only', '--clock-control', 'none', '--replay-mode', 'application',
            '--app-replay-match', 'grid', '-k', 'regex:dispatch_kernel|combine_kernel', '--launch-skip',
            str(ncu_skip()), '--launch-count', '2', *[a for s in sections for a in ('--section', s)], '-o', report, '-f',
-           sys.executable, os.path.abspath(__file__), '--sms', str(args.sms), '--port', str(args.port)]
+           sys.executable, os.path.abspath(__file__), '--sms', str(args.sms), '--port', str(args.port), '--dtype', args.dtype]
     print(' '.join(cmd), flush=True)
     done = subprocess.run(cmd, env=env)
     if done.returncode != 0:
@@ -73,7 +73,7 @@ def run_rank(rank, args):
         env = {k: v for k, v in os.environ.items() if not any(s in k for s in ('INJECTION', 'NSIGHT', 'NV_COMPUTE'))}
         env[CHILD_RANK] = '1'
         child = subprocess.Popen([sys.executable, os.path.abspath(__file__), '--sms', str(args.sms),
-                                  '--port', str(args.port)], env=env)
+                                  '--port', str(args.port), '--dtype', args.dtype], env=env)
     torch.cuda.set_device(rank)
     dist.init_process_group('nccl', init_method=f'tcp://127.0.0.1:{args.port}', rank=rank, world_size=2,
                             device_id=torch.device('cuda', rank))
@@ -82,7 +82,7 @@ def run_rank(rank, args):
     point = Point(buf, inp, args.sms)  # its first (non-cached) BF16 dispatch: the handle
     dispatch_config = deep_ep.Config(args.sms, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
     combine_config = deep_ep.Config(args.sms, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
-    x, recv_x, handle = inp.x, point.recv_x, point.handle
+    x, recv_x, handle = inp.x_fp8 if args.dtype == 'fp8' else inp.x, point.recv_x, point.handle
     for _ in range(WARM_CALLS):
         buf.dispatch(x, handle=handle, config=dispatch_config)
         buf.combine(recv_x, handle, config=combine_config)
@@ -98,6 +98,8 @@ def main():
     parser.add_argument('--out', help='where the report goes (runs ncu; without: one rank of the application)')
     parser.add_argument('--sms', type=int, default=24)
     parser.add_argument('--port', type=int, default=29541)
+    parser.add_argument('--dtype', choices=('bf16', 'fp8'), default='bf16',
+                        help="the profiled dispatch's x: BF16, or FP8 e4m3 with column-major scales (DeepEP's test)")
     parser.add_argument('--sections', nargs='+', default=list(DEFAULT_SECTIONS))
     args = parser.parse_args()
     assert 0 < PROFILED <= WARM_CALLS
