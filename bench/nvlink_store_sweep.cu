@@ -89,31 +89,35 @@ int main(int argc, char** argv) {
     return 0;
   };
   run("copy engine", 0, [&](int g) { cudaMemcpyPeerAsync(recv[1 - g], 1 - g, src[g], g, bytes, st[g]); });
-  // Pull: each GPU reads the peer's src into its own memory (NVLink reads, not writes).
-  const bool pull_only = argc > 1 && std::string(argv[1]) == "pull";
+  // GPU g copies src[g] into the peer's recv (push: NVLink writes) or the peer's src into its own
+  // recv (pull: NVLink reads).
+  auto from = [&](int g, bool pull) { return src[pull ? 1 - g : g]; };
+  auto to = [&](int g, bool pull) { return recv[pull ? g : 1 - g]; };
+  auto run_plain = [&](int blocks, bool pull) {
+    return run(pull ? "pull: plain ld.v4 x4 (512 thr)" : "plain st.v4 x4 (512 thr)", blocks, [&](int g) {
+      plain<<<blocks, 512, 0, st[g]>>>((const int4*)from(g, pull), (int4*)to(g, pull), n16);
+    });
+  };
+  auto run_tma = [&](int blocks, int warps, int stages, int chunk, bool pull) {
+    const size_t smem = 1024 + size_t(warps) * stages * chunk;
+    if (smem > 200 * 1024) return 0;
+    char name[64];
+    snprintf(name, sizeof name, "%stma %dKB x%d st, %d warps", pull ? "pull: " : "", chunk / 1024, stages, warps);
+    return run(name, blocks, [&](int g) {
+      if (stages == 4) tma<4><<<blocks, 32 * warps, smem, st[g]>>>(from(g, pull), to(g, pull), bytes, chunk);
+      else tma<2><<<blocks, 32 * warps, smem, st[g]>>>(from(g, pull), to(g, pull), bytes, chunk);
+    });
+  };
   for (int blocks : {8, 12, 16, 24, 32}) {
-    run("pull: plain ld.v4 x4 (512 thr)", blocks, [&](int g) { plain<<<blocks, 512, 0, st[g]>>>((const int4*)src[1 - g], (int4*)recv[g], n16); });
-    for (int warps : {1, 4, 12}) {
-      const int stages = warps == 12 ? 2 : 4, chunk = 4096;
-      const size_t smem = 1024 + size_t(warps) * stages * chunk;
-      char name[64]; snprintf(name, sizeof name, "pull: tma 4KB x%d st, %d warps", stages, warps);
-      if (stages == 4) run(name, blocks, [&](int g) { tma<4><<<blocks, 32 * warps, smem, st[g]>>>(src[1 - g], recv[g], bytes, chunk); });
-      else run(name, blocks, [&](int g) { tma<2><<<blocks, 32 * warps, smem, st[g]>>>(src[1 - g], recv[g], bytes, chunk); });
-    }
+    run_plain(blocks, true);
+    for (int warps : {1, 4, 12}) run_tma(blocks, warps, warps == 12 ? 2 : 4, 4096, true);  // 12 x 2: the dispatch receiver's shape
   }
+  const bool pull_only = argc > 1 && std::string(argv[1]) == "pull";
   for (int blocks : {8, 12, 16, 24, 32, 66, 132}) {
     if (pull_only) break;
-    run("plain st.v4 x4 (512 thr)", blocks, [&](int g) { plain<<<blocks, 512, 0, st[g]>>>((const int4*)src[g], (int4*)recv[1 - g], n16); });
-    for (int chunk : {4096, 8192, 16384}) {
-      for (int warps : {1, 4}) {
-        const int stages = chunk <= 8192 ? 4 : 2;
-        const size_t smem = 1024 + size_t(warps) * stages * chunk;
-        if (smem > 200 * 1024) continue;
-        char name[64]; snprintf(name, sizeof name, "tma %dKB x%d st, %d warps", chunk / 1024, stages, warps);
-        if (stages == 4) run(name, blocks, [&](int g) { tma<4><<<blocks, 32 * warps, smem, st[g]>>>(src[g], recv[1 - g], bytes, chunk); });
-        else run(name, blocks, [&](int g) { tma<2><<<blocks, 32 * warps, smem, st[g]>>>(src[g], recv[1 - g], bytes, chunk); });
-      }
-    }
+    run_plain(blocks, false);
+    for (int chunk : {4096, 8192, 16384})
+      for (int warps : {1, 4}) run_tma(blocks, warps, chunk <= 8192 ? 4 : 2, chunk, false);
   }
   // Check: recv[1] holds GPU 0's bytes (1), recv[0] GPU 1's (2).
   for (int g = 0; g < 2; ++g) {
