@@ -119,15 +119,21 @@ def resolve_package(args):
     return found
 
 
-def host_loop(fn, num_calls, num_warmups=20):
-    """Host time of the call itself: perf_counter around num_calls back-to-back calls, one
-    synchronize at the end. Returns (us per call until the loop returns, us per call including
-    the final synchronize)."""
+def settle(fn, num_warmups):
+    """num_warmups calls of fn, then this rank's GPU idle and every rank in step: where a host
+    timing starts."""
     for _ in range(num_warmups):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.synchronize()
+
+
+def host_loop(fn, num_calls, num_warmups=20):
+    """Host time of the call itself: perf_counter around num_calls back-to-back calls, one
+    synchronize at the end. Returns (us per call until the loop returns, us per call including
+    the final synchronize)."""
+    settle(fn, num_warmups)
     t0 = time.perf_counter()
     for _ in range(num_calls):
         fn()

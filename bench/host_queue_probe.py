@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from bench_common import add_package_arg, init_worker, resolve_package, spawn_workers
+from bench_common import add_package_arg, init_worker, resolve_package, settle, spawn_workers
 from bench_normal import COMBINE_CHUNKS, DISPATCH_CHUNKS, NUM_EXPERTS, NVL_RECV_TOKENS, Inputs, Point
 
 CALLS = 50
@@ -27,11 +27,7 @@ ROUNDS = 2
 
 def per_call_us(fn, synced):
     """us of each of CALLS calls, back to back or each after a synchronize."""
-    for _ in range(WARMUPS):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda.synchronize()
+    settle(fn, WARMUPS)
     times = []
     for _ in range(CALLS):
         t0 = time.perf_counter()
