@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
     const size_t smem = 1024 + size_t(warps) * stages * chunk;
     if (smem > 200 * 1024) return 0;
     char name[64];
-    snprintf(name, sizeof name, "%stma %dKB x%d st, %d warps", pull ? "pull: " : "", chunk / 1024, stages, warps);
+    snprintf(name, sizeof name, "%stma %dKB x%d %s, %d warps", pull ? "pull: " : "", chunk / 1024, stages, pull ? "ld" : "st", warps);
     return run(name, blocks, [&](int g) {
       if (stages == 4) tma<4><<<blocks, 32 * warps, smem, st[g]>>>(from(g, pull), to(g, pull), bytes, chunk);
       else tma<2><<<blocks, 32 * warps, smem, st[g]>>>(from(g, pull), to(g, pull), bytes, chunk);
