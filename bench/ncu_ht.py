@@ -77,7 +77,7 @@ def run_rank(rank, args):
     torch.cuda.set_device(rank)
     dist.init_process_group('nccl', init_method=f'tcp://127.0.0.1:{args.port}', rank=rank, world_size=2,
                             device_id=torch.device('cuda', rank))
-    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0)
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, explicitly_destroy=True)
     inp = Inputs(buf, NUM_TOKENS, rank)  # bench_normal's tokens, routing and layout
     point = Point(buf, inp, args.sms)  # its first (non-cached) BF16 dispatch: the handle
     dispatch_config = deep_ep.Config(args.sms, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
@@ -87,6 +87,9 @@ def run_rank(rank, args):
         buf.dispatch(x, handle=handle, config=dispatch_config)
         buf.combine(recv_x, handle, config=combine_config)
     torch.cuda.synchronize()
+    # The teardown is collective: both ranks here, before rank 0 blocks in child.wait() (a teardown
+    # at exit would leave rank 1 waiting out the GPU timeout in every ncu pass).
+    buf.destroy()
     dist.barrier()
     dist.destroy_process_group()
     if child is not None and child.wait() != 0:
