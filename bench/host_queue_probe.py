@@ -4,7 +4,7 @@ at 24 SMs, per package (the importable deep_ep: ours, or DeepEP V1 with PYTHONPA
 For each op and T, two ways, twice: `back-to-back`, 50 calls in a row as bench_normal's host_loop
 makes them (perf_counter around each call; means of calls 1-10, 11-30 and 31-50, so that a queue
 that fills shows as later calls growing), and `synced`, each call timed alone after a synchronize
-(an empty queue). bench/RESULTS.md (session 17) reads it: whether a host time that grows with T is
+(an empty queue). bench/RESULTS.md (2x H200, host time) reads it: whether a host time that grows with T is
 the op's or the queue's.
 
 Run: python bench/host_queue_probe.py [--world 2] [--tokens 128 4096] [--json FILE]"""
