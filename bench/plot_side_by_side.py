@@ -1,7 +1,7 @@
-"""Plots side_by_side.sh's side_by_side.json: ours beside DeepEP V1 from the same run, three
-panels: host time per call (compiled path, plain, T=128), normal-mode e2e and kernel time at
-T=128 and T=4096 (24 SMs), and the eager step (wall, host span). Bars missing from the JSON (a
-step that did not run) are left out.
+"""Plots side_by_side.sh's side_by_side.json: ours beside DeepEP V1 from the same run, panels:
+DeepEP's own tests (test_intranode's tuned GB/s, test_low_latency's us), host time per call
+(compiled path, plain, T=128), normal-mode e2e and kernel time at T=128 and T=4096 (24 SMs), and
+the eager step (wall, host span). Bars missing from the JSON (a step that did not run) are left out.
 
 Usage: python bench/plot_side_by_side.py side_by_side.json out.png   (needs only matplotlib)
 """
@@ -43,10 +43,18 @@ def gpu_rows(data, key):
     return labels, [r[OURS][key] for r in rows], [r[V1][key] for r in rows]
 
 
+def deepep_test_rows(data, test, unit):
+    rows = [r for r in data.get('deepep_tests', []) if r['test'] == test and r['unit'] == unit and OURS in r and V1 in r]
+    return [r['metric'] for r in rows], [r[OURS] for r in rows], [r[V1] for r in rows]
+
+
 def main(path, out):
     with open(path) as f:
         data = json.load(f)
-    panels = [('host time per call, compiled path, plain, T=128', 'us', host_rows(data)),
+    panels = [("DeepEP's test_intranode.py, 24 SMs (higher is better)", 'GB/s',
+               deepep_test_rows(data, 'test_intranode', 'GB/s')),
+              ("DeepEP's test_low_latency.py, rank 0", 'us', deepep_test_rows(data, 'test_low_latency', 'us')),
+              ('host time per call, compiled path, plain, T=128', 'us', host_rows(data)),
               ('normal mode at 24 SMs, end to end', 'us', gpu_rows(data, 'e2e_us')),
               ('normal mode at 24 SMs, kernels', 'us', gpu_rows(data, 'kernel_us'))]
     eager = [r for r in data.get('eager', []) if r.get('metric') in ('wall_us', 'host_span_us')]
@@ -57,9 +65,13 @@ def main(path, out):
     panels = [p for p in panels if p[2][0]]
     if not panels:
         sys.exit(f'{path}: no rows with both packages')
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
-    for ax, (title, unit, (labels, ours, v1)) in zip(axes[0], panels):
+    cols = min(3, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.5 * rows), squeeze=False)
+    for ax, (title, unit, (labels, ours, v1)) in zip(axes.flat, panels):
         bars(ax, labels, ours, v1, title, unit)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

@@ -21,7 +21,7 @@
 # Everything runs on PROCESSES GPUs.
 #
 # $OUT (or ./side_by_side_out) ends with 7 files (8 come back): summary.txt (step table, ours vs V1
-# tables, lines of DeepEP's tests), side_by_side.json (the tables), logs.tgz (each step's log and
+# tables, DeepEP's tests' figures among them), side_by_side.json (the tables), logs.tgz (each step's log and
 # JSON, the chrome traces), and bench_normal_*.json and eager_profile_*.json of each package.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -123,12 +123,6 @@ fi
 {
     echo "ours vs DeepEP V1, $P GPUs ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)), ${SECONDS}s in all"
     "$PYTHON" bench/side_by_side_summary.py "$WORK" --json "$OUT_DIR/side_by_side.json"
-    # DeepEP's tests print their own tuning and bandwidth lines (rank 0 where per rank).
-    for t in ours_test_intranode v1_test_intranode ours_test_low_latency v1_test_low_latency; do
-        [ -f "$WORK/$t.log" ] || continue
-        echo; echo "$t:"
-        grep -E '\[tuning\] Best|\[rank 0\].*(bandwidth|avg_t)' "$WORK/$t.log" | head -12
-    done
     # async_host_split's tables (its cProfile stays in the logs).
     for t in async_host_split_ours async_host_split_v1; do
         [ -f "$WORK/$t.log" ] && { echo; sed -n '/: host us per call, T=/,/^$/p' "$WORK/$t.log"; }

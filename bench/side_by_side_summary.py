@@ -1,13 +1,15 @@
 """The summary of bench/side_by_side.sh: ours vs DeepEP V1 per op, from the JSON that its steps wrote.
 
-Reads DIR/{bench_normal,bench_ll_host,eager_profile}_<package>.json (any may be missing: its rows are left
-out) and DIR/steps.tsv (step, seconds, status); prints markdown tables and writes them as JSON.
+Reads DIR/{bench_normal,bench_ll_host,eager_profile}_<package>.json, the logs of DeepEP's own tests
+DIR/{ours,v1}_test_{intranode,low_latency}.log (any may be missing: its rows are left out) and
+DIR/steps.tsv (step, seconds, status); prints markdown tables and writes them as JSON.
 
 Run: python bench/side_by_side_summary.py DIR [--json PATH]
 """
 import argparse
 import json
 import os
+import re
 
 OURS, V1 = 'deepep-nccl', 'deepep_v1'
 MODES = {False: 'plain', True: 'DeepEP defaults'}
@@ -59,6 +61,41 @@ def gpu_rows(directory):
     return table
 
 
+# DeepEP's tests print these lines (test_low_latency.py once per rank: rank 0's are taken).
+NUMBER = r'([0-9.]+)'
+DEEPEP_TEST_LINES = (
+    ('test_intranode', r'\[tuning\] Best dispatch \(FP8\):.*?' + NUMBER + r' GB/s.*?t: ' + NUMBER + ' us',
+     ('HT FP8 dispatch, tuned best', 'GB/s'), ('HT FP8 dispatch, tuned best', 'us')),
+    ('test_intranode', r'\[tuning\] Best dispatch \(BF16\):.*?' + NUMBER + r' GB/s.*?t: ' + NUMBER + ' us',
+     ('HT BF16 dispatch, tuned best', 'GB/s'), ('HT BF16 dispatch, tuned best', 'us')),
+    ('test_intranode', r'\[tuning\] Best combine:.*?' + NUMBER + r' GB/s.*?t: ' + NUMBER + ' us',
+     ('HT combine, tuned best', 'GB/s'), ('HT combine, tuned best', 'us')),
+    ('test_low_latency', r'\[rank 0\] Dispatch \+ combine bandwidth:.*?avg_t=' + NUMBER + r' us, min_t=' + NUMBER,
+     ('LL dispatch + combine, plain, avg', 'us'), ('LL dispatch + combine, plain, min', 'us')),
+    ('test_low_latency', r'\[rank 0\] Dispatch bandwidth:.*?avg_t=' + NUMBER + r' us \| Combine bandwidth:.*?avg_t='
+     + NUMBER, ('LL dispatch, kineto', 'us'), ('LL combine, kineto', 'us')),
+    ('test_low_latency', r'\[rank 0\] Dispatch send/recv time: ' + NUMBER + r' \+ ' + NUMBER
+     + r' us \| Combine send/recv time: ' + NUMBER + r' \+ ' + NUMBER,
+     ('LL dispatch hook send', 'us'), ('LL dispatch hook recv', 'us'), ('LL combine hook send', 'us'),
+     ('LL combine hook recv', 'us')),
+)
+
+
+def deepep_test_rows(directory):
+    """{(test, metric, unit): {package: value}} from the first match of each line in each test's log."""
+    table = {}
+    for package, prefix in ((OURS, 'ours'), (V1, 'v1')):
+        logs = {}
+        for test, pattern, *fields in DEEPEP_TEST_LINES:
+            if test not in logs:
+                path = os.path.join(directory, f'{prefix}_{test}.log')
+                logs[test] = open(path).read() if os.path.isfile(path) else ''
+            found = re.search(pattern, logs[test])
+            for (metric, unit), value in zip(fields, found.groups() if found else ()):
+                table.setdefault((test, metric, unit), {})[package] = float(value)
+    return table
+
+
 def eager_rows(directory):
     """{(part, metric): {package: us}}: rank averages of eager_profile's summaries."""
     table = {}
@@ -88,6 +125,16 @@ def main():
         for name, seconds, status in steps:
             print(f'| {name} | {seconds} | {status} |')
         out['steps'] = steps
+
+    tests = deepep_test_rows(args.dir)
+    if tests:
+        print("\nDeepEP's own tests (tests/test_intranode.py: 24 SMs, tuned best; tests/test_low_latency.py: rank 0)")
+        print('| test | metric | unit | ours | DeepEP V1 | ours/V1 |\n| --- | --- | --- | --- | --- | --- |')
+        out['deepep_tests'] = []
+        for (test, metric, unit), by in tests.items():
+            print(f'| {test} | {metric} | {unit} | {cell(by.get(OURS))} | {cell(by.get(V1))} | '
+                  f'{ratio(by.get(OURS), by.get(V1))} |')
+            out['deepep_tests'].append({'test': test, 'metric': metric, 'unit': unit, **by})
 
     host = host_rows(args.dir)
     if host:
