@@ -30,6 +30,8 @@ namespace normal {
 
 struct DispatchSlot {
   int32_t hidden_bytes, num_scales, num_topk;
+  // The header: the slot's flag (u64), then the row's source token index (int32).
+  static constexpr int64_t kSrcIdxOff = 8;
   __device__ __forceinline__ int64_t x_off() const { return kSlotHeaderBytes; }
   __device__ __forceinline__ int64_t scales_off() const { return x_off() + hidden_bytes; }
   __device__ __forceinline__ int64_t topk_off() const { return scales_off() + align16(int64_t(num_scales) * 4); }
@@ -219,7 +221,7 @@ __device__ __forceinline__ int64_t send_channel(const DeepepDispatchParams& p, i
             weights_out[k] = p.topk_weights != nullptr ? p.topk_weights[t * K + k] : 0.0f;
           }
         }
-        if (lane == 0) reinterpret_cast<int32_t*>(slot_ptr + 8)[0] = int32_t(t);
+        if (lane == 0) reinterpret_cast<int32_t*>(slot_ptr + DispatchSlot::kSrcIdxOff)[0] = int32_t(t);
         // FlagBatch releases the row's flag after the fence (side data is ordered before it by
         // the warp sync).
         warp_copy<4, CopyLoad::kStream>(reinterpret_cast<int4*>(slot_ptr + layout.x_off()),
@@ -290,7 +292,7 @@ __device__ __forceinline__ int64_t receive_channel(const DeepepDispatchParams& p
       const int32_t scale1 = with_scales && lane + kWarp < S ? __ldcg(scales + lane + kWarp) : 0;
       const int32_t topk0 = with_topk && lane < K ? __ldcg(topk + lane) : 0;
       const float weight0 = with_topk && lane < K ? __ldcg(weights + lane) : 0.0f;
-      const int32_t src_idx = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(slot_ptr + 8)) : 0;
+      const int32_t src_idx = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(slot_ptr + DispatchSlot::kSrcIdxOff)) : 0;
       fence_generic_to_async();
       warp_bulk_copy<kChunk>(static_cast<uint8_t*>(p.recv_x) + row * p.hidden_bytes, slot_ptr + layout.x_off(),
                      p.hidden_bytes, stages, bars, phases, lane);
