@@ -26,8 +26,7 @@ import torch.distributed as dist
 import deep_ep
 import deep_ep_cpp
 from bench_common import OURS, add_package_arg, host_loop, init_worker, resolve_package, spawn_workers
-from bench_normal import (COMBINE_CHUNKS, DISPATCH_CHUNKS, HIDDEN, HOST_SMS, NUM_EXPERTS, NVL_RECV_TOKENS, Inputs,
-                          Point, overlap)
+from bench_normal import HIDDEN, HOST_SMS, NUM_EXPERTS, Inputs, Point, cached_configs, overlap
 
 NUM_TOKENS = 128  # kernels are short: the loop is host-bound
 CALLS = 400
@@ -56,8 +55,7 @@ def stream_kwargs(variant, captured):
 
 def op_calls(buffer, inp, pt):
     """{op: fn(**stream kwargs)} at HOST_SMS, as bench_normal's host rows call them."""
-    dcfg = deep_ep.Config(HOST_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
-    ccfg = deep_ep.Config(HOST_SMS, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
+    dcfg, ccfg = cached_configs(HOST_SMS)
     return {
         'get_dispatch_layout': lambda **kw: buffer.get_dispatch_layout(inp.topk_idx, NUM_EXPERTS, **kw),
         'dispatch (cached)': lambda **kw: buffer.dispatch(inp.x, handle=pt.handle, config=dcfg, **kw),
@@ -116,7 +114,7 @@ def profile(fn):
 
 def worker(rank, world, port, args):
     say = init_worker(rank, world, port)
-    hint = deep_ep.Config(HOST_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS).get_nvl_buffer_size_hint(HIDDEN * 2, world)
+    hint = cached_configs(HOST_SMS)[0].get_nvl_buffer_size_hint(HIDDEN * 2, world)
     buffer = deep_ep.Buffer(dist.group.WORLD, max(hint, int(1e9)), 0, low_latency_mode=False, num_qps_per_rank=1,
                             explicitly_destroy=True)
     inp = Inputs(buffer, NUM_TOKENS, rank)

@@ -209,6 +209,13 @@ class Point:
         self.bf16_bytes = self.recv_x.numel() * 2
 
 
+def cached_configs(num_sms):
+    """(dispatch, combine) Configs of the cached ops timed outside the chunk sweeps: each op's first
+    chunk of its sweep."""
+    return (deep_ep.Config(num_sms, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS),
+            deep_ep.Config(num_sms, COMBINE_CHUNKS[0], NVL_RECV_TOKENS))
+
+
 def op_specs(buffer, inp, pt, supported):
     """(op, dtype, chunks or None, fn factory taking a Config, received bytes on this rank).
     chunks None: the non-cached dispatch uses the best chunk of the cached one of its dtype."""
@@ -237,7 +244,7 @@ def verify(buffer, inp, pt, rank, world, supported):
     where = f'rank {rank}, T={inp.num_tokens}, {pt.num_sms} SMs'
     assert pt.recv_x.size(0) == per_rank[rank].item(), f'{where}: {pt.recv_x.size(0)} rows received'
     assert list(pt.recv_counts) == per_expert.view(world, -1)[rank].tolist(), f'{where}: per-expert counts differ'
-    config = deep_ep.Config(pt.num_sms, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
+    config, combine_config = cached_configs(pt.num_sms)
     cached = buffer.dispatch(inp.x, handle=pt.handle, config=config)[0]
     assert torch.equal(cached, pt.recv_x), f'{where}: cached dispatch rows differ from the non-cached ones'
     if supported['fp8']:
@@ -246,8 +253,7 @@ def verify(buffer, inp, pt, rank, world, supported):
         assert torch.equal(recv_fp8.view(torch.uint8), want_fp8.view(torch.uint8)), f'{where}: FP8 rows differ'
         assert torch.equal(recv_scales, want_scales), f'{where}: FP8 scales differ'
     if supported['combine']:
-        combined = buffer.combine(pt.recv_x, pt.handle, config=deep_ep.Config(pt.num_sms, COMBINE_CHUNKS[0],
-                                                                              NVL_RECV_TOKENS))[0]
+        combined = buffer.combine(pt.recv_x, pt.handle, config=combine_config)[0]
         want = inp.x.float() * inp.is_token_in_rank.sum(1, keepdim=True)
         diff = calc_diff(combined.float(), want)
         assert diff < 1e-4, f'{where}: combine differs from the sum of copies (calc_diff {diff:.3g})'
@@ -304,8 +310,7 @@ def host_ops(buffer, inp, supported):
            'get_dispatch_layout (async)': lambda: buffer.get_dispatch_layout(inp.topk_idx, NUM_EXPERTS, **overlap())}
     if supported['dispatch']:
         pt = Point(buffer, inp, HOST_SMS)
-        dcfg = deep_ep.Config(HOST_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
-        ccfg = deep_ep.Config(HOST_SMS, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
+        dcfg, ccfg = cached_configs(HOST_SMS)
         fns['dispatch (cached)'] = lambda: buffer.dispatch(inp.x, handle=pt.handle, config=dcfg)
         fns['dispatch (cached, async)'] = lambda: buffer.dispatch(inp.x, handle=pt.handle, config=dcfg, **overlap())
         fns['dispatch (non-cached)'] = lambda: buffer.dispatch(inp.x, config=dcfg, **inp.layout)

@@ -41,8 +41,7 @@ import deep_ep  # noqa: E402
 from bench_common import add_package_arg, init_worker, resolve_package, spawn_workers  # noqa: E402
 from bench_low_latency import (HIDDEN, NUM_MASKED, NUM_TOPK, Inputs as LLInputs, LowLatency,  # noqa: E402
                                NUM_EXPERTS as LL_EXPERTS, make_buffer, max_tokens_for)
-from bench_normal import (COMBINE_CHUNKS, DISPATCH_CHUNKS, HOST_SMS, NUM_EXPERTS, NVL_RECV_TOKENS,  # noqa: E402
-                          Inputs as NormalInputs)
+from bench_normal import HOST_SMS, NUM_EXPERTS, Inputs as NormalInputs, cached_configs  # noqa: E402
 
 RANGE = 'eager:'
 LAUNCH_CATS = ('cuda_runtime', 'cuda_driver')
@@ -88,8 +87,7 @@ def normal_steps(group, args, rank, world):
 
 def normal_buffer(group, world):
     """(buffer, dispatch config, combine config) of the normal parts: 24 SMs, NVL bytes by DeepEP's hint."""
-    dcfg = deep_ep.Config(HOST_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
-    ccfg = deep_ep.Config(HOST_SMS, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
+    dcfg, ccfg = cached_configs(HOST_SMS)
     num_nvl_bytes = max([int(1e9)] + [c.get_nvl_buffer_size_hint(HIDDEN * 2, world) for c in (dcfg, ccfg)])
     buffer = deep_ep.Buffer(group, num_nvl_bytes, 0, low_latency_mode=False, num_qps_per_rank=1,
                             explicitly_destroy=True)

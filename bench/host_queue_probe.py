@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import deep_ep
 from bench_common import add_package_arg, init_worker, resolve_package, settle, spawn_workers
-from bench_normal import COMBINE_CHUNKS, DISPATCH_CHUNKS, NUM_EXPERTS, NVL_RECV_TOKENS, Inputs, Point
+from bench_normal import NUM_EXPERTS, Inputs, Point, cached_configs
 
 CALLS = 50
 WARMUPS = 20
@@ -50,8 +50,7 @@ def worker(rank, world, port, args):
     for num_tokens in args.tokens:
         inp = Inputs(buf, num_tokens, rank)
         pt = Point(buf, inp, NUM_SMS)
-        dispatch_config = deep_ep.Config(NUM_SMS, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
-        combine_config = deep_ep.Config(NUM_SMS, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
+        dispatch_config, combine_config = cached_configs(NUM_SMS)
         ops = {'cached dispatch': lambda: buf.dispatch(inp.x, handle=pt.handle, config=dispatch_config),
                'combine': lambda: buf.combine(pt.recv_x, pt.handle, config=combine_config),
                'get_dispatch_layout': lambda: buf.get_dispatch_layout(inp.topk_idx, NUM_EXPERTS)}

@@ -65,7 +65,7 @@ def run_rank(rank, args):
     import torch.distributed as dist
 
     import deep_ep
-    from bench_normal import COMBINE_CHUNKS, DISPATCH_CHUNKS, NVL_RECV_TOKENS, Inputs, Point
+    from bench_normal import Inputs, Point, cached_configs
 
     child = None
     if rank == 0:
@@ -80,8 +80,7 @@ def run_rank(rank, args):
     buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, explicitly_destroy=True)
     inp = Inputs(buf, NUM_TOKENS, rank)  # bench_normal's tokens, routing and layout
     point = Point(buf, inp, args.sms)  # its first (non-cached) BF16 dispatch: the handle
-    dispatch_config = deep_ep.Config(args.sms, DISPATCH_CHUNKS[0], NVL_RECV_TOKENS)
-    combine_config = deep_ep.Config(args.sms, COMBINE_CHUNKS[0], NVL_RECV_TOKENS)
+    dispatch_config, combine_config = cached_configs(args.sms)
     x, recv_x, handle = inp.x_fp8 if args.dtype == 'fp8' else inp.x, point.recv_x, point.handle
     for _ in range(WARM_CALLS):
         buf.dispatch(x, handle=handle, config=dispatch_config)
