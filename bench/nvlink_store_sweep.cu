@@ -113,11 +113,12 @@ int main(int argc, char** argv) {
     for (int warps : {1, 4, 12}) run_tma(blocks, warps, warps == 12 ? 2 : 4, 4096, true);  // 12 x 2: the dispatch receiver's shape
   }
   const bool pull_only = argc > 1 && std::string(argv[1]) == "pull";
-  for (int blocks : {8, 12, 16, 24, 32, 66, 132}) {
-    if (pull_only) break;
-    run_plain(blocks, false);
-    for (int chunk : {4096, 8192, 16384})
-      for (int warps : {1, 4}) run_tma(blocks, warps, chunk <= 8192 ? 4 : 2, chunk, false);
+  if (!pull_only) {
+    for (int blocks : {8, 12, 16, 24, 32, 66, 132}) {
+      run_plain(blocks, false);
+      for (int chunk : {4096, 8192, 16384})
+        for (int warps : {1, 4}) run_tma(blocks, warps, chunk <= 8192 ? 4 : 2, chunk, false);
+    }
   }
   // Check: recv[1] holds GPU 0's bytes (1), recv[0] GPU 1's (2).
   for (int g = 0; g < 2; ++g) {

@@ -23,6 +23,14 @@ def load(directory, tool, package):
         return json.load(f)
 
 
+def read_text(path):
+    """The file's text, or '' where it is missing."""
+    if not os.path.isfile(path):
+        return ''
+    with open(path) as f:
+        return f.read()
+
+
 def mean(values):
     return sum(values) / len(values)
 
@@ -88,8 +96,7 @@ def deepep_test_rows(directory):
         logs = {}
         for test, pattern, *fields in DEEPEP_TEST_LINES:
             if test not in logs:
-                path = os.path.join(directory, f'{prefix}_{test}.log')
-                logs[test] = open(path).read() if os.path.isfile(path) else ''
+                logs[test] = read_text(os.path.join(directory, f'{prefix}_{test}.log'))
             found = re.search(pattern, logs[test])
             for (metric, unit), value in zip(fields, found.groups() if found else ()):
                 table.setdefault((test, metric, unit), {})[package] = float(value)
