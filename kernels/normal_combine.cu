@@ -70,10 +70,10 @@ __device__ __forceinline__ int64_t combine_send(const DeepepCombineParams& p, in
     ptr = reinterpret_cast<uint64_t*>(dst_nvl + ring.slot_offset(ch, me, s % ring.ring));
     value = make_flag(generation, s);
   };
-  // With many channels a row's x goes into L2 one row ahead of its loads (2x H200, 4096 tokens:
-  // 24 SMs 241 -> 223 us; at 12 SMs it cost 299 -> 317, so fewer channels go without). Measured at
-  // 2 ranks only: more ranks keep the loads as they were.
-  const bool prefetch = R == 2 && C >= kCombinePrefetchChannels;
+  // With many channels a row's x goes into L2 one row ahead of its loads (4096 tokens, 24 SMs:
+  // 2x H200 241 -> 223 us, 4x H200 558 -> 546 us; at 12 SMs it cost 299 -> 317 on 2 ranks, so fewer
+  // channels go without). Unmeasured above 4 ranks: those keep the loads as they were.
+  const bool prefetch = R <= 4 && C >= kCombinePrefetchChannels;
   const auto prefetch_row = [&](int64_t s) {
     if (prefetch && lane == 0 && s < stop - start)
       bulk_prefetch_l2(static_cast<const uint8_t*>(p.x) + (start + s) * p.hidden_bytes, uint32_t(p.hidden_bytes));
