@@ -2,7 +2,7 @@
 # The one-command GPU suite: `bash bench/gpu_suite.sh` from the repo root.
 # Runs the multi-GPU tests, the examples, the quickstart and the benchmarks,
 # one log per step; keeps going after a failure and exits non-zero if any step
-# failed. LOG_DIR (${OUT:-./gpu_logs}) ends with at most 8 files (the device
+# failed. LOG_DIR (default ${OUT:-./gpu_logs}) ends with at most 8 files (the device
 # transport returns 8): summary.txt, logs.tgz (env + every step log),
 # bench_layout.json, bench_normal.json, bench_ll.json, bench_ll_virtual.json, bench_ll_host.json
 # (7 files).
@@ -69,7 +69,7 @@ wanted() {
     return 1
 }
 
-LOG_DIR=${OUT:-./gpu_logs}
+LOG_DIR=${LOG_DIR:-${OUT:-./gpu_logs}}
 STEP_DIR="$LOG_DIR/logs"
 mkdir -p "$STEP_DIR"
 
