@@ -71,13 +71,18 @@ def gpu_rows(directory):
 
 # DeepEP's tests print these lines (test_low_latency.py once per rank: rank 0's are taken).
 NUMBER = r'([0-9.]+)'
+
+
+def tuned_best(printed, metric):
+    """test_intranode's `[tuning] Best <printed>:` line: its GB/s and time."""
+    pattern = r'\[tuning\] Best ' + re.escape(printed) + r':.*?' + NUMBER + r' GB/s.*?t: ' + NUMBER + ' us'
+    return 'test_intranode', pattern, (metric, 'GB/s'), (metric, 'us')
+
+
 DEEPEP_TEST_LINES = (
-    ('test_intranode', r'\[tuning\] Best dispatch \(FP8\):.*?' + NUMBER + r' GB/s.*?t: ' + NUMBER + ' us',
-     ('HT FP8 dispatch, tuned best', 'GB/s'), ('HT FP8 dispatch, tuned best', 'us')),
-    ('test_intranode', r'\[tuning\] Best dispatch \(BF16\):.*?' + NUMBER + r' GB/s.*?t: ' + NUMBER + ' us',
-     ('HT BF16 dispatch, tuned best', 'GB/s'), ('HT BF16 dispatch, tuned best', 'us')),
-    ('test_intranode', r'\[tuning\] Best combine:.*?' + NUMBER + r' GB/s.*?t: ' + NUMBER + ' us',
-     ('HT combine, tuned best', 'GB/s'), ('HT combine, tuned best', 'us')),
+    tuned_best('dispatch (FP8)', 'HT FP8 dispatch, tuned best'),
+    tuned_best('dispatch (BF16)', 'HT BF16 dispatch, tuned best'),
+    tuned_best('combine', 'HT combine, tuned best'),
     ('test_low_latency', r'\[rank 0\] Dispatch \+ combine bandwidth:.*?avg_t=' + NUMBER + r' us, min_t=' + NUMBER,
      ('LL dispatch + combine, plain, avg', 'us'), ('LL dispatch + combine, plain, min', 'us')),
     ('test_low_latency', r'\[rank 0\] Dispatch bandwidth:.*?avg_t=' + NUMBER + r' us \| Combine bandwidth:.*?avg_t='
