@@ -8,9 +8,11 @@
 //   * token t goes to slot t of every destination (slots are sparse: the count
 //     message's bitmap says which are filled), so a token needs no count of the
 //     tokens before it per destination;
-//   * block b owns tokens t = b, b+G, ...: it counts, per expert, the entries of
-//     the tokens before t (a shared-memory histogram; t's row inside the source
-//     block), then quantises t once and stores it into every destination slot;
+//   * block b owns tokens t = b, b+G, ...: it quantises t once and stores it into
+//     every destination slot (its destinations need only t's own top-k), then counts,
+//     per expert, the entries of the tokens before t (a shared-memory histogram; t's
+//     row inside the source block) while the payload crosses NVLink, and writes the
+//     slot header last;
 //   * block b also owns destinations d = G-1-b, ...: it sends d the count message
 //     (per-expert counts and the bitmap of filled slots);
 //   * every writer releases its stores and adds to done[d]; the count block adds
@@ -78,20 +80,17 @@ __device__ __forceinline__ void for_topk_entries(const DeepepLlDispatchParams& p
   }
 }
 
-// Routing of token t (block-wide; the result lands in `route`). `expert_hist` [E] is zero on
-// entry; on return it holds, per expert, the entries of the tokens before t.
+// Destinations of token t (block-wide; the result lands in `route`, positions without the
+// tokens before t: add_positions adds them). Warp 0 alone: one load of t's top-k row.
 template <int kRemote>
-__device__ void route_token(const DeepepLlDispatchParams& p, const Transport<kRemote>& tr, int t,
-                            TokenRoute& route, int* expert_hist) {
+__device__ void route_destinations(const DeepepLlDispatchParams& p, const Transport<kRemote>& tr, int t,
+                                   TokenRoute& route) {
   const auto& c = p.common;
   const int K = c.num_topk, El = c.num_local_experts, M = c.max_tokens;
-  // Warp 0's load of row t goes out first, then the entries of the tokens before t: the
-  // routing is one memory round trip.
-  const int lane = threadIdx.x % kWarp;
-  const int e = threadIdx.x < kWarp && lane < K ? topk_entry(p, int64_t(t) * K + lane) : -1;
-  for_topk_entries(p, t * K, [&](int, int e2) { atomicAdd(expert_hist + e2, 1); });
   if (threadIdx.x < kWarp) {
-    // Warp 0: lane k holds entry k; duplicates and first-seen destinations by shuffles.
+    // Lane k holds entry k; duplicates and first-seen destinations by shuffles.
+    const int lane = threadIdx.x;
+    const int e = lane < K ? topk_entry(p, int64_t(t) * K + lane) : -1;
     const int d = e >= 0 ? int(unsigned(e) / unsigned(El)) : -1;
     int dup = 0;
     bool first_dst = d >= 0;
@@ -103,28 +102,40 @@ __device__ void route_token(const DeepepLlDispatchParams& p, const Transport<kRe
       }
     }
     const uint32_t firsts = __ballot_sync(0xffffffffu, first_dst);
+    const int num_dst = __popc(firsts);
     if (lane < K) {
       route.expert[lane] = e;
       route.pos[lane] = dup;  // duplicates inside the token come first in (token, k) order
     }
     if (first_dst) route.dst[__popc(firsts & ((1u << lane) - 1))] = d;
+    __syncwarp();
+    bool staged = false;
+    if (lane < num_dst) {
+      const int dst = route.dst[lane];
+      uint8_t* ptr = nullptr;
+      if (peer_active(c, dst)) {
+        if (tr.direct(dst)) ptr = tr.lsa(c.dispatch_recv_offset + (uint64_t(c.rank) * M + t) * p.dispatch_slot_bytes, dst);
+        else staged = true;
+      }
+      route.ptr[lane] = ptr;
+    }
+    staged = __any_sync(0xffffffffu, staged);
     if (lane == 0) {
-      route.num_dst = __popc(firsts);
-      route.staged = 0;
+      route.num_dst = num_dst;
+      route.staged = staged;
     }
   }
   __syncthreads();
-  if (threadIdx.x < K && route.expert[threadIdx.x] >= 0)
-    route.pos[threadIdx.x] += expert_hist[route.expert[threadIdx.x]];
-  if (threadIdx.x < route.num_dst) {
-    const int d = route.dst[threadIdx.x];
-    uint8_t* ptr = nullptr;
-    if (peer_active(c, d)) {
-      if (tr.direct(d)) ptr = tr.lsa(c.dispatch_recv_offset + (uint64_t(c.rank) * M + t) * p.dispatch_slot_bytes, d);
-      else route.staged = 1;
-    }
-    route.ptr[threadIdx.x] = ptr;
-  }
+}
+
+// Adds to each of t's positions the entries of the tokens before t naming its expert (block-wide).
+// `expert_hist` [E] is zero on entry and holds that histogram on return (the caller zeroes it
+// after every thread is past this call).
+__device__ void add_positions(const DeepepLlDispatchParams& p, int t, TokenRoute& route, int* expert_hist) {
+  const int K = p.common.num_topk;
+  for_topk_entries(p, t * K, [&](int, int e) { atomicAdd(expert_hist + e, 1); });
+  __syncthreads();
+  if (threadIdx.x < K && route.expert[threadIdx.x] >= 0) route.pos[threadIdx.x] += expert_hist[route.expert[threadIdx.x]];
   __syncthreads();
 }
 
@@ -205,38 +216,39 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
 
   __shared__ TokenRoute route;
   const int hidden_vec = H / 8;  // 16-byte groups of 8 bf16
+  const int lane_groups = H / 16;  // FP8: 16 channels per lane, one 16-byte store per destination
+  constexpr int kLoads = 2;        // BF16: a row's loads of kLoads steps go out together
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    route_token(p, tr, t, route, expert_hist);
+    const int4* x_row = static_cast<const int4*>(p.x) + int64_t(t) * hidden_vec;
+    // The payload's first step of loads goes out beside the routing's: both are one round trip.
+    int4 first[2] = {make_int4(0, 0, 0, 0), make_int4(0, 0, 0, 0)};
+    if constexpr (kFp8) {
+      if (int(threadIdx.x) < lane_groups) {
+        first[0] = ld_stream(x_row + 2 * threadIdx.x);
+        first[1] = ld_stream(x_row + 2 * threadIdx.x + 1);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int i = int(threadIdx.x) + u * kThreads;
+        if (i < hidden_vec) first[u] = ld_stream(x_row + i);
+      }
+    }
+    route_destinations(p, tr, t, route);
     LL_PROF_STAGE(prof::kRouted);
     const int nd = route.num_dst;
     const bool staged = kRemote != kRemoteNone && route.staged != 0;
     const uint64_t stage_offset = c.staging_offset + uint64_t(t) * slot_bytes;
     uint8_t* stage = kRemote == kRemoteNone ? nullptr : tr.local(stage_offset);
-#pragma unroll 1
-    for (int x = threadIdx.x; x < E; x += kThreads) expert_hist[x] = 0;  // for the next token (read above)
-    // Header: source token, then (position << 16 | expert) per top-k entry.
-    if (threadIdx.x <= K) {
-      const int k = threadIdx.x - 1;
-      const uint32_t word = threadIdx.x == 0 ? uint32_t(t)
-                                             : (route.expert[k] < 0 ? 0xffffu
-                                                                    : (uint32_t(route.pos[k]) << 16) |
-                                                                          uint32_t(route.expert[k] & 0xffff));
-#pragma unroll 1
-      for (int i = 0; i < nd; ++i)
-        if (route.ptr[i] != nullptr) reinterpret_cast<uint32_t*>(route.ptr[i])[threadIdx.x] = word;
-      if (staged) reinterpret_cast<uint32_t*>(stage)[threadIdx.x] = word;
-    }
-    const int4* x_row = static_cast<const int4*>(p.x) + int64_t(t) * hidden_vec;
     if constexpr (kFp8) {
       // Payload: each lane converts 16 channels (two 16-byte loads) into one 16-byte store per
       // destination; 8 lanes make a 128-channel block. H <= 8192: one step per warp.
-      const int lane_groups = H / 16;
 #pragma unroll 1
       for (int g0 = warp * kWarp; g0 < lane_groups; g0 += kThreads) {
         const int g = g0 + lane;
         const bool valid = g < lane_groups;  // 8-lane groups are entirely valid or not (H % 128 == 0)
-        int4 v[2] = {make_int4(0, 0, 0, 0), make_int4(0, 0, 0, 0)};
-        if (valid) {
+        int4 v[2] = {first[0], first[1]};
+        if (g0 != warp * kWarp && valid) {
           v[0] = ld_stream(x_row + 2 * g);
           v[1] = ld_stream(x_row + 2 * g + 1);
         }
@@ -273,14 +285,15 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
         }
       }
     } else {
-      // Payload: BF16 as is, 16 bytes per lane; the row's loads of kLoads steps go out together.
-      constexpr int kLoads = 2;
+      // Payload: BF16 as is, 16 bytes per lane.
       for (int base0 = warp * kWarp; base0 < hidden_vec; base0 += kLoads * kThreads) {
-        int4 loaded[kLoads];
+        int4 loaded[kLoads] = {first[0], first[1]};
+        if (base0 != warp * kWarp) {
 #pragma unroll
-        for (int u = 0; u < kLoads; ++u) {
-          const int i = base0 + u * kThreads + lane;
-          loaded[u] = i < hidden_vec ? ld_stream(x_row + i) : make_int4(0, 0, 0, 0);
+          for (int u = 0; u < kLoads; ++u) {
+            const int i = base0 + u * kThreads + lane;
+            loaded[u] = i < hidden_vec ? ld_stream(x_row + i) : make_int4(0, 0, 0, 0);
+          }
         }
 #pragma unroll
         for (int u = 0; u < kLoads; ++u) {
@@ -293,8 +306,24 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
         }
       }
     }
+    // The rows' positions (the tokens before t) while the payload crosses NVLink, then the
+    // header: source token, then (position << 16 | expert) per top-k entry.
+    add_positions(p, t, route, expert_hist);
+    if (threadIdx.x <= K) {
+      const int k = threadIdx.x - 1;
+      const uint32_t word = threadIdx.x == 0 ? uint32_t(t)
+                                             : (route.expert[k] < 0 ? 0xffffu
+                                                                    : (uint32_t(route.pos[k]) << 16) |
+                                                                          uint32_t(route.expert[k] & 0xffff));
+#pragma unroll 1
+      for (int i = 0; i < nd; ++i)
+        if (route.ptr[i] != nullptr) reinterpret_cast<uint32_t*>(route.ptr[i])[threadIdx.x] = word;
+      if (staged) reinterpret_cast<uint32_t*>(stage)[threadIdx.x] = word;
+    }
     LL_PROF_STAGE(prof::kStored);
     __syncthreads();
+#pragma unroll 1
+    for (int x = threadIdx.x; x < E; x += kThreads) expert_hist[x] = 0;  // for the next token (read above)
     if (staged) {
       // Remote destinations: put the staged slot, one warp per destination.
       for (int i = warp; i < nd; i += kWarps) {
