@@ -16,8 +16,10 @@
 # GPU-bound; under the build's CPU load they may still read a little slow). Then, on a quiet
 # machine, each measurement for ours and then DeepEP V1: bench_normal.py (24 SMs, T=128 and 4096:
 # host time per call, e2e, kernels), bench_ll_host.py (T=1 and 128), async_host_split.py (the
-# overlapped calls' host time by stream argument), eager_profile.py (T=128), then
-# DeepEP's test_intranode.py (V1) and test_low_latency.py (ours, V1), then the all-to-all baseline.
+# overlapped calls' host time by stream argument), eager_profile.py (T=128), with bench_ll_host.py
+# and bench_normal.py (T=128) again in the other order (V1 first; the summary keeps each package's
+# better placement), then DeepEP's test_intranode.py (V1) and test_low_latency.py (ours, V1), then
+# the all-to-all baseline.
 # Everything runs on PROCESSES GPUs.
 #
 # $OUT (or ./side_by_side_out) ends with 7 files (8 come back): summary.txt (step table, ours vs V1
@@ -106,8 +108,21 @@ measure() {
     [ "$have_v1" = 1 ] && step "${tool}_v1" "$limit" "${V1[@]}" "$PYTHON" "bench/$tool.py" --package deepep_v1 \
         --json "$WORK/${tool}_deepep_v1.json" "$@"
 }
+# measure_again TOOL LIMIT ARGS...: a second round in the other order (V1, then ours), JSON in
+# WORK/TOOL_<package>_again.json: host time drifts by 20-40% between steps on these hosts, and the
+# summary keeps each package's better round of the two placements (ours, V1, V1, ours).
+measure_again() {
+    local tool=$1 limit=$2
+    shift 2
+    [ "$have_v1" = 1 ] && step "${tool}_v1_again" "$limit" "${V1[@]}" "$PYTHON" "bench/$tool.py" --package deepep_v1 \
+        --json "$WORK/${tool}_deepep_v1_again.json" "$@"
+    step "${tool}_ours_again" "$limit" "${OURS[@]}" "$PYTHON" "bench/$tool.py" --package deepep-nccl \
+        --json "$WORK/${tool}_deepep-nccl_again.json" "$@"
+}
 measure bench_normal 150 --world "$P" --sms 24 --tokens 128 4096
 measure bench_ll_host 90 --num-processes "$P" --tokens 1 128
+measure_again bench_ll_host 90 --num-processes "$P" --tokens 1 128
+measure_again bench_normal 90 --world "$P" --sms 24 --tokens 128
 measure async_host_split 60 --world "$P"
 measure eager_profile 90 --num-processes "$P" --tokens 128 --trace-dir "$WORK"
 

@@ -42,3 +42,22 @@ def test_reads_each_package_and_rank_0(tmp_path):
 
 def test_no_logs_no_rows(tmp_path):
     assert summary.deepep_test_rows(str(tmp_path)) == {}
+
+
+def _ll_host(path, dispatch_us):
+    """A bench_ll_host.py JSON with one row: plain LL dispatch at T=128 (two ranks, best rounds)."""
+    import json
+    host_path = summary.V1 if summary.V1 in path.name else 'compiled'  # as bench_ll_host.py names them
+    row = {'op': 'dispatch', 'num_tokens': 128, 'deepep_defaults': False, 'host_path': host_path,
+           'host_us': [[dispatch_us + 3.0, dispatch_us], [dispatch_us + 2.0, dispatch_us + 1.0]]}
+    path.write_text(json.dumps({'results': [row]}))
+
+
+def test_host_rows_keep_each_packages_better_placement(tmp_path):
+    key = ('LL dispatch', 128, 'plain')
+    _ll_host(tmp_path / 'bench_ll_host_deepep-nccl.json', 30.0)  # ours first: rank mean 30.5
+    _ll_host(tmp_path / 'bench_ll_host_deepep_v1.json', 20.0)
+    _ll_host(tmp_path / 'bench_ll_host_deepep_v1_again.json', 24.0)
+    assert summary.host_rows(str(tmp_path))[key] == {'compiled': 30.5, summary.V1: 20.5}
+    _ll_host(tmp_path / 'bench_ll_host_deepep-nccl_again.json', 18.0)  # ours again, last: better
+    assert summary.host_rows(str(tmp_path))[key] == {'compiled': 18.5, summary.V1: 20.5}
