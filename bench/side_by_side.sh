@@ -99,26 +99,27 @@ echo "=== [${SECONDS}s] DeepEP V1 build: exit $build_rc"
 have_v1=$([ $build_rc -eq 0 ] && echo 1 || echo 0)
 
 # --- quiet machine: each measurement for ours, then DeepEP V1 (same shapes, same code)
-# measure TOOL LIMIT ARGS...: bench/TOOL.py for both packages, JSON in WORK/TOOL_<package>.json.
-measure() {
-    local tool=$1 limit=$2
-    shift 2
-    step "${tool}_ours" "$limit" "${OURS[@]}" "$PYTHON" "bench/$tool.py" --package deepep-nccl \
-        --json "$WORK/${tool}_deepep-nccl.json" "$@"
-    [ "$have_v1" = 1 ] && step "${tool}_v1" "$limit" "${V1[@]}" "$PYTHON" "bench/$tool.py" --package deepep_v1 \
-        --json "$WORK/${tool}_deepep_v1.json" "$@"
+# run_tool WHO TOOL LIMIT SUFFIX ARGS...: bench/TOOL.py for one package (WHO: ours or v1; v1 only
+# if it built), step TOOL_<WHO><SUFFIX>, JSON in WORK/TOOL_<package><SUFFIX>.json.
+run_tool() {
+    local who=$1 tool=$2 limit=$3 suffix=$4 package
+    local -a env
+    shift 4
+    if [ "$who" = ours ]; then
+        package=deepep-nccl env=("${OURS[@]}")
+    else
+        [ "$have_v1" = 1 ] || return 0
+        package=deepep_v1 env=("${V1[@]}")
+    fi
+    step "${tool}_${who}${suffix}" "$limit" "${env[@]}" "$PYTHON" "bench/$tool.py" --package "$package" \
+        --json "$WORK/${tool}_${package}${suffix}.json" "$@"
 }
+# measure TOOL LIMIT ARGS...: bench/TOOL.py for both packages, ours first, JSON in WORK/TOOL_<package>.json.
+measure() { run_tool ours "$1" "$2" "" "${@:3}"; run_tool v1 "$1" "$2" "" "${@:3}"; }
 # measure_again TOOL LIMIT ARGS...: a second round in the other order (V1, then ours), JSON in
 # WORK/TOOL_<package>_again.json: host time drifts by 20-40% between steps on these hosts, and the
 # summary keeps each package's better round of the two placements (ours, V1, V1, ours).
-measure_again() {
-    local tool=$1 limit=$2
-    shift 2
-    [ "$have_v1" = 1 ] && step "${tool}_v1_again" "$limit" "${V1[@]}" "$PYTHON" "bench/$tool.py" --package deepep_v1 \
-        --json "$WORK/${tool}_deepep_v1_again.json" "$@"
-    step "${tool}_ours_again" "$limit" "${OURS[@]}" "$PYTHON" "bench/$tool.py" --package deepep-nccl \
-        --json "$WORK/${tool}_deepep-nccl_again.json" "$@"
-}
+measure_again() { run_tool v1 "$1" "$2" _again "${@:3}"; run_tool ours "$1" "$2" _again "${@:3}"; }
 measure bench_normal 150 --world "$P" --sms 24 --tokens 128 4096
 measure bench_ll_host 90 --num-processes "$P" --tokens 1 128
 measure_again bench_ll_host 90 --num-processes "$P" --tokens 1 128
