@@ -218,6 +218,8 @@ __device__ void dispatch_send(const DeepepLlDispatchParams& p, const Transport<k
   const int hidden_vec = H / 8;  // 16-byte groups of 8 bf16
   const int lane_groups = H / 16;  // FP8: 16 channels per lane, one 16-byte store per destination
   constexpr int kLoads = 2;        // BF16: a row's loads of kLoads steps go out together
+  // first[] below holds the first step of either path: FP8's two loads per lane, BF16's kLoads.
+  static_assert(kLoads == 2, "first[] and the BF16 loop's first step assume two loads");
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     const int4* x_row = static_cast<const int4*>(p.x) + int64_t(t) * hidden_vec;
     // The payload's first step of loads goes out beside the routing's: both are one round trip.
