@@ -22,9 +22,10 @@
 # the all-to-all baseline.
 # Everything runs on PROCESSES GPUs.
 #
-# $OUT (or ./side_by_side_out) ends with 7 files (8 come back): summary.txt (step table, ours vs V1
-# tables, DeepEP's tests' figures among them), side_by_side.json (the tables), logs.tgz (each step's log and
-# JSON, the chrome traces), and bench_normal_*.json and eager_profile_*.json of each package.
+# $OUT (or ./side_by_side_out) ends with 4 files (the device tool brings back 8): summary.txt (step table,
+# ours vs V1 tables, DeepEP's tests' figures among them), side_by_side.json (the tables),
+# side_by_side.png, and logs.tgz (each step's log and JSON, the per-row detail of bench_normal and
+# eager_profile, the chrome traces).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -148,8 +149,6 @@ fi
 # The plot of the summary's tables (skipped, saying so, where matplotlib is missing).
 "$PYTHON" bench/plot_side_by_side.py "$OUT_DIR/side_by_side.json" "$OUT_DIR/side_by_side.png" \
     || echo "side_by_side.png not made (bench/plot_side_by_side.py needs matplotlib)"
-# bench_ll_host's numbers are all in the summary; these two keep per-row detail (timelines, chunk sweeps).
-for f in "$WORK"/bench_normal_*.json "$WORK"/eager_profile_*.json; do [ -f "$f" ] && cp "$f" "$OUT_DIR/"; done
 cp "$V1_DIR/build.log" "$WORK/v1_build_full.log" 2>/dev/null
 failed=$(cut -f3 "$WORK/steps.tsv" | grep -c FAIL)
 tar -czf "$OUT_DIR/logs.tgz" -C "$OUT_DIR" logs && rm -rf "$WORK" "$SHIM"
