@@ -451,22 +451,8 @@ __device__ __forceinline__ bool nvl_wait_relaxed(const uint64_t* flag, uint64_t 
   else return warp_wait_relaxed(flag, expected, c.wait, peer, op, channel);
 }
 
-// The last block to finish bumps the op epoch (the next data kernel's flags differ). Shrink
-// mode: it also masks the peers a wait gave up on (from the next kernel on) and resets them.
-template <bool kShrink = false>
-__device__ __forceinline__ void finish_op(const DeepepInternodeCommon& c) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(c.ticket, 1u) == gridDim.x - 1) {
-      *c.ticket = 0;
-      atomicAdd(c.op_epoch, 1u);
-      if (kShrink)
-        for (int r = 0; r < c.num_ranks; ++r)
-          if (atomicExch(c.peer_gone + r, 0) != 0) c.mask[r] = 1;
-    }
-  }
-}
+// The last block to finish bumps the op epoch, and in shrink mode masks the peers a wait gave up on.
+using normal::finish_op;
 
 }  // namespace internode
 }  // namespace deepep

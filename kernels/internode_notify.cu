@@ -130,14 +130,7 @@ __global__ void __launch_bounds__(kNotifyThreads) internode_notify_kernel(ncclDe
       const int count = count_of(i);
       if (lane == 0) *matrix(i) = count;
     }
-    if (p.topk_idx != nullptr) {
-      const int64_t n = p.num_tokens * p.num_topk;
-      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const int64_t e = p.topk_idx_is_int32 ? int64_t(static_cast<const int32_t*>(p.topk_idx)[i])
-                                              : static_cast<const int64_t*>(p.topk_idx)[i];
-        if (e < -1 || e >= p.num_experts) record_fault(c, DEEPEP_FAULT_TOPK_OUT_OF_RANGE, i, e, p.num_experts);
-      }
-    }
+    normal::check_topk_ids(c, p);
     __syncthreads();
     for (int row = threadIdx.x; row < R + N; row += blockDim.x) {
       int32_t* m = matrix(row * C);

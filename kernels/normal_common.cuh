@@ -258,13 +258,27 @@ struct RingLayout {
   }
 };
 
+// A notify kernel's check of the caller's top-k ids (notify params of either mode): each must be
+// -1 or a valid expert, as ids beyond would be silently dropped. The block's threads share the work.
+template <class Common, class NotifyParams>
+__device__ __forceinline__ void check_topk_ids(const Common& c, const NotifyParams& p) {
+  if (p.topk_idx == nullptr) return;
+  const int64_t n = p.num_tokens * p.num_topk;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t e = p.topk_idx_is_int32 ? int64_t(static_cast<const int32_t*>(p.topk_idx)[i])
+                                          : static_cast<const int64_t*>(p.topk_idx)[i];
+    if (e < -1 || e >= p.num_experts) record_fault(c, DEEPEP_FAULT_TOPK_OUT_OF_RANGE, i, e, p.num_experts);
+  }
+}
+
 // Reads the op epoch at kernel start; the last block to finish bumps it, so
 // the next data kernel on this stream (and every peer's matching kernel) sees
 // epoch + 1.
 // Shrink mode: it also masks the peers a wait gave up on (from the next kernel on, every block
 // having read its snapshot at its start) and resets them.
-template <bool kShrink>
-__device__ __forceinline__ void finish_op(const DeepepNormalCommon& c) {
+// Common: DeepepNormalCommon or DeepepInternodeCommon (the fields read here are named alike).
+template <bool kShrink, class Common>
+__device__ __forceinline__ void finish_op(const Common& c) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();

@@ -66,15 +66,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(ncclDevComm dev_
         if (lane == 0 && r < R) chan_count[r][ch] = v;
       }
     }
-    // Every top-k id must be -1 or a valid expert (ids beyond would be silently dropped).
-    if (p.topk_idx != nullptr) {
-      const int64_t n = p.num_tokens * p.num_topk;
-      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const int64_t e = p.topk_idx_is_int32 ? int64_t(static_cast<const int32_t*>(p.topk_idx)[i])
-                                              : static_cast<const int64_t*>(p.topk_idx)[i];
-        if (e < -1 || e >= p.num_experts) record_fault(c, DEEPEP_FAULT_TOPK_OUT_OF_RANGE, i, e, p.num_experts);
-      }
-    }
+    check_topk_ids(c, p);
     __syncthreads();
     if (threadIdx.x < R) {
       const int r = threadIdx.x;
