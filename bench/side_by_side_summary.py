@@ -68,11 +68,19 @@ def host_rows(directory):
 
 
 def gpu_rows(directory):
-    """{(op, dtype, T): {package: row}} of bench_normal's end-to-end / kernel rows at any SM count."""
+    """{(op, dtype, SMs, T): {package: {e2e_us, kernel_us, nvl_chunk}}} of bench_normal's rows; where it
+    also ran again in the other order, each figure the better of the package's two placements (a
+    single rank's late arrival moves a whole T=128 row), nvl_chunk that of the better e2e."""
     table = {}
     for package in (OURS, V1):
-        for r in (load(directory, 'bench_normal', package) or {}).get('rows', []):
-            table.setdefault((r['op'], r['dtype'], r['num_sms'], r['num_tokens']), {})[package] = r
+        for run in (package, f'{package}_again'):
+            for r in (load(directory, 'bench_normal', run) or {}).get('rows', []):
+                by = table.setdefault((r['op'], r['dtype'], r['num_sms'], r['num_tokens']), {})
+                best = by.setdefault(package, {})
+                if best.get('e2e_us') is None or (r.get('e2e_us') is not None and r['e2e_us'] < best['e2e_us']):
+                    best['e2e_us'], best['nvl_chunk'] = r.get('e2e_us'), r.get('nvl_chunk')
+                if best.get('kernel_us') is None or (r.get('kernel_us') is not None and r['kernel_us'] < best['kernel_us']):
+                    best['kernel_us'] = r.get('kernel_us')
     return table
 
 
@@ -169,8 +177,8 @@ def main():
 
     gpu = gpu_rows(args.dir)
     if gpu:
-        print('\nNormal mode, us per call (bench_normal.py, rank average): e2e = DeepEP\'s bench (CUDA events), '
-              'kern = sum of the kernels (kineto); chunk = the best NVL chunk of its sweep')
+        print('\nNormal mode, us per call (bench_normal.py, rank average, better of both placements where it ran twice): '
+              'e2e = DeepEP\'s bench (CUDA events), kern = sum of the kernels (kineto); chunk = the best NVL chunk of its sweep')
         print('| op | dtype | SMs | T | ours e2e | V1 e2e | ours/V1 | ours kern | V1 kern | chunk ours / V1 |\n'
               '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
         out['gpu'] = []
@@ -180,7 +188,7 @@ def main():
                   f'{ratio(o.get("e2e_us"), v.get("e2e_us"))} | {cell(o.get("kernel_us"))} | '
                   f'{cell(v.get("kernel_us"))} | {o.get("nvl_chunk", "-")} / {v.get("nvl_chunk", "-")} |')
             out['gpu'].append({'op': op, 'dtype': dtype, 'num_sms': sms, 'num_tokens': T,
-                               **{p: {k: r.get(k) for k in ('e2e_us', 'kernel_us', 'nvl_chunk')} for p, r in by.items()}})
+                               **by})
 
     eager = eager_rows(args.dir)
     if eager:

@@ -61,3 +61,25 @@ def test_host_rows_keep_each_packages_better_placement(tmp_path):
     assert summary.host_rows(str(tmp_path))[key] == {'compiled': 30.5, summary.V1: 20.5}
     _ll_host(tmp_path / 'bench_ll_host_deepep-nccl_again.json', 18.0)  # ours again, last: better
     assert summary.host_rows(str(tmp_path))[key] == {'compiled': 18.5, summary.V1: 20.5}
+
+
+def _normal_rows(path, e2e_us, kernel_us, chunk):
+    """A bench_normal.py JSON with one row: BF16 non-cached dispatch at 24 SMs, T=128."""
+    import json
+    row = {'op': 'dispatch_noncached', 'dtype': 'bf16', 'num_sms': 24, 'num_tokens': 128, 'e2e_us': e2e_us,
+           'kernel_us': kernel_us, 'nvl_chunk': chunk}
+    path.write_text(json.dumps({'rows': [row]}))
+
+
+def test_gpu_rows_keep_each_figures_better_placement(tmp_path):
+    key = ('dispatch_noncached', 'bf16', 24, 128)
+    _normal_rows(tmp_path / 'bench_normal_deepep-nccl.json', 85.0, 66.6, 24)  # a late rank in the kernels
+    _normal_rows(tmp_path / 'bench_normal_deepep_v1.json', 79.7, 57.6, 6)
+    assert summary.gpu_rows(str(tmp_path))[key] == {
+        summary.OURS: {'e2e_us': 85.0, 'kernel_us': 66.6, 'nvl_chunk': 24},
+        summary.V1: {'e2e_us': 79.7, 'kernel_us': 57.6, 'nvl_chunk': 6}}
+    _normal_rows(tmp_path / 'bench_normal_deepep-nccl_again.json', 89.9, 48.4, 12)
+    _normal_rows(tmp_path / 'bench_normal_deepep_v1_again.json', 71.1, 60.1, 12)
+    assert summary.gpu_rows(str(tmp_path))[key] == {
+        summary.OURS: {'e2e_us': 85.0, 'kernel_us': 48.4, 'nvl_chunk': 24},
+        summary.V1: {'e2e_us': 71.1, 'kernel_us': 57.6, 'nvl_chunk': 12}}
