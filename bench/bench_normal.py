@@ -313,6 +313,8 @@ def host_ops(buffer, inp, supported):
         dcfg, ccfg = cached_configs(HOST_SMS)
         fns['dispatch (cached)'] = lambda: buffer.dispatch(inp.x, handle=pt.handle, config=dcfg)
         fns['dispatch (cached, async)'] = lambda: buffer.dispatch(inp.x, handle=pt.handle, config=dcfg, **overlap())
+        if supported['fp8']:  # x as (e4m3 rows, column-major scales): the scales are one more tensor each way
+            fns['dispatch (cached, FP8)'] = lambda: buffer.dispatch(inp.x_fp8, handle=pt.handle, config=dcfg)
         fns['dispatch (non-cached)'] = lambda: buffer.dispatch(inp.x, config=dcfg, **inp.layout)
         if supported['combine']:
             fns['combine'] = lambda: buffer.combine(pt.recv_x, pt.handle, config=ccfg)
