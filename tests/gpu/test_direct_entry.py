@@ -5,7 +5,8 @@ With DEEPEP_NCCL_FAST=1 (the first spawn):
 * the instance's get_dispatch_layout, intranode_dispatch / _combine, low_latency_dispatch /
   _combine and _ll_dispatch / _ll_combine are the compiled ops' entries (the class methods stay);
 * their results equal the ctypes path's (the class methods with the compiled ops hidden, what
-  DEEPEP_NCCL_FAST=0 runs) bit for bit: layout, dispatch (BF16, FP8, cached), combine, LL dispatch
+  DEEPEP_NCCL_FAST=0 runs) bit for bit, and none falls back to the class method: layout, dispatch
+  (BF16, FP8 with row- and column-major scales, cached), combine, LL dispatch
   (BF16, FP8, with a hook), LL combine (also with out= as a keyword);
 * EventHandle() records through the compiled path (current_stream_event) on the current stream;
 * DeepEP's events run in C++ too (the class methods raise meanwhile, so nothing fell back):
@@ -237,7 +238,8 @@ def entries_bound(rt, fast):
 
 def layout_equal(rt):
     topk = topk_of(T, E, K)
-    got = rt.get_dispatch_layout(topk, E, None, False, False)
+    with no_fallback(rt):
+        got = rt.get_dispatch_layout(topk, E, None, False, False)
     with ctypes_path(rt):
         want = class_call(rt, 'get_dispatch_layout', topk, E, None, False, False)
     same_tuple('layout', got, want)
@@ -252,9 +254,11 @@ def dispatch_combine_equal(rt, world):
     x = torch.randn(T, H, dtype=torch.bfloat16)
     x_fp8 = x.to(torch.float8_e4m3fn)
     scales = torch.rand(T, H // 128, dtype=torch.float32)
-    for name, xs, sc in (('bf16', x, None), ('fp8', x_fp8, scales)):
+    # Column-major scales are what DeepEP's tests (and DeepGEMM's casts) pass.
+    for name, xs, sc in (('bf16', x, None), ('fp8', x_fp8, scales), ('fp8 column-major scales', x_fp8, scales.T.contiguous().T)):
         args = (xs, sc, topk, weights, per_rank, in_rank, per_expert, 0, None, None, 1, 0, config, None, False, False)
-        got = rt.intranode_dispatch(*args)
+        with no_fallback(rt):
+            got = rt.intranode_dispatch(*args)
         with ctypes_path(rt):
             want = class_call(rt, 'intranode_dispatch', *args)
         same_tuple(f'dispatch {name}', got, want)
@@ -263,7 +267,8 @@ def dispatch_combine_equal(rt, world):
         # cached: the handle of the dispatch above
         cached = (xs, sc, None, None, None, in_rank, None, recv_x.size(0), rank_prefix, channel_prefix, 1, 0, config,
                   None, False, False)
-        got_cached = rt.intranode_dispatch(*cached)
+        with no_fallback(rt):
+            got_cached = rt.intranode_dispatch(*cached)
         with ctypes_path(rt):
             want_cached = class_call(rt, 'intranode_dispatch', *cached)
         same_tuple(f'cached dispatch {name}', got_cached, want_cached)
@@ -271,7 +276,8 @@ def dispatch_combine_equal(rt, world):
     # DeepEP's combine takes the receive side's channel prefixes (its handle[2])
     combine = (y, recv_weights, None, None, src_idx, rank_prefix, recv_channel_prefix, send_head, combine_config, None,
                False, False)
-    got = rt.intranode_combine(*combine)
+    with no_fallback(rt):
+        got = rt.intranode_combine(*combine)
     with ctypes_path(rt):
         want = class_call(rt, 'intranode_combine', *combine)
     same_tuple('combine', got, want)
@@ -291,12 +297,13 @@ def ll_equal(rt):
     for use_fp8 in (False, True):
         for hook in (False, True):
             args = (x, topk, None, None, LL_M, LL_E, use_fp8, False, False, False, hook)
-            got = rt._ll_dispatch(*args)
-            if hook:
-                got[6]()
-            public = rt.low_latency_dispatch(*args)
-            if hook:
-                public[6]()
+            with no_fallback(rt):
+                got = rt._ll_dispatch(*args)
+                if hook:
+                    got[6]()
+                public = rt.low_latency_dispatch(*args)
+                if hook:
+                    public[6]()
             with ctypes_path(rt):
                 want = class_call(rt, '_ll_dispatch', *args)
                 if hook:
@@ -317,13 +324,14 @@ def ll_equal(rt):
                                                       False)[:5]
     for hook in (False, True):
         args = (y, topk, weights, src_info, layout_range, None, LL_M, LL_E, False, False, False, hook)
-        got = rt._ll_combine(*args, None, LL_H)
-        if hook:
-            got[2]()
         out = torch.empty(LL_T, LL_H, dtype=torch.bfloat16)
-        public = rt.low_latency_combine(*args, out=out)
-        if hook:
-            public[2]()
+        with no_fallback(rt):
+            got = rt._ll_combine(*args, None, LL_H)
+            if hook:
+                got[2]()
+            public = rt.low_latency_combine(*args, out=out)
+            if hook:
+                public[2]()
         with ctypes_path(rt):
             want = class_call(rt, '_ll_combine', *args, None, LL_H)
             if hook:
