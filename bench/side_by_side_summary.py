@@ -44,6 +44,11 @@ def ratio(a, b):
     return '-' if a is None or not b else f'{a / b:.2f}'
 
 
+def smaller(a, b):
+    """The smaller of two figures, either of which may be missing (None): a package's better placement."""
+    return b if a is None or (b is not None and b < a) else a
+
+
 def host_rows(directory):
     """{(op, T, mode): {column: us}}, columns 'compiled' / 'ctypes' (ours) and 'deepep_v1': the best
     round's us per call, rank average; where a tool also ran again in the other order
@@ -52,7 +57,7 @@ def host_rows(directory):
 
     def put(key, column, us):
         cols = table.setdefault(key, {})
-        cols[column] = us if column not in cols else min(cols[column], us)
+        cols[column] = smaller(cols.get(column), us)
 
     for package in (OURS, V1):
         for run in (package, f'{package}_again'):
@@ -76,11 +81,10 @@ def gpu_rows(directory):
         for run in (package, f'{package}_again'):
             for r in (load(directory, 'bench_normal', run) or {}).get('rows', []):
                 by = table.setdefault((r['op'], r['dtype'], r['num_sms'], r['num_tokens']), {})
-                best = by.setdefault(package, {})
-                if best.get('e2e_us') is None or (r.get('e2e_us') is not None and r['e2e_us'] < best['e2e_us']):
-                    best['e2e_us'], best['nvl_chunk'] = r.get('e2e_us'), r.get('nvl_chunk')
-                if best.get('kernel_us') is None or (r.get('kernel_us') is not None and r['kernel_us'] < best['kernel_us']):
-                    best['kernel_us'] = r.get('kernel_us')
+                best = by.setdefault(package, {'e2e_us': None, 'kernel_us': None, 'nvl_chunk': None})
+                if smaller(best['e2e_us'], r.get('e2e_us')) != best['e2e_us']:
+                    best['e2e_us'], best['nvl_chunk'] = r['e2e_us'], r.get('nvl_chunk')
+                best['kernel_us'] = smaller(best['kernel_us'], r.get('kernel_us'))
     return table
 
 

@@ -1,6 +1,7 @@
 """bench/side_by_side_summary.py reads DeepEP's own tests' figures from their logs (lines as
 DeepEP 567632d prints them), for ours and V1, and leaves out what a log lacks."""
 import importlib.util
+import json
 import os
 
 BENCH = os.path.join(os.path.dirname(__file__), '..', '..', 'bench')
@@ -46,7 +47,6 @@ def test_no_logs_no_rows(tmp_path):
 
 def _ll_host(path, dispatch_us):
     """A bench_ll_host.py JSON with one row: plain LL dispatch at T=128 (two ranks, best rounds)."""
-    import json
     host_path = summary.V1 if summary.V1 in path.name else 'compiled'  # as bench_ll_host.py names them
     row = {'op': 'dispatch', 'num_tokens': 128, 'deepep_defaults': False, 'host_path': host_path,
            'host_us': [[dispatch_us + 3.0, dispatch_us], [dispatch_us + 2.0, dispatch_us + 1.0]]}
@@ -65,7 +65,6 @@ def test_host_rows_keep_each_packages_better_placement(tmp_path):
 
 def _normal_rows(path, e2e_us, kernel_us, chunk):
     """A bench_normal.py JSON with one row: BF16 non-cached dispatch at 24 SMs, T=128."""
-    import json
     row = {'op': 'dispatch_noncached', 'dtype': 'bf16', 'num_sms': 24, 'num_tokens': 128, 'e2e_us': e2e_us,
            'kernel_us': kernel_us, 'nvl_chunk': chunk}
     path.write_text(json.dumps({'rows': [row]}))
