@@ -87,16 +87,12 @@ def same_message(what, direct, cls):
 
 
 @contextlib.contextmanager
-def no_fallback(rt):
-    """The class methods of the direct entries' names raise inside: a call that fell back fails."""
+def class_methods_wrapped(rt, wrap):
+    """The class methods of the direct entries' names replaced by wrap(name, method) while inside."""
     cls = type(rt)
     saved = {name: vars(cls).get(name) for name in NORMAL + LL}
-
-    def refuse(self, *args, **kwargs):
-        raise AssertionError('the direct entry fell back to the class method')
-
-    for name in saved:
-        setattr(cls, name, refuse)
+    for name, method in saved.items():
+        setattr(cls, name, wrap(name, getattr(cls, name, None)))
     try:
         yield
     finally:
@@ -105,6 +101,33 @@ def no_fallback(rt):
                 delattr(cls, name)
             else:
                 setattr(cls, name, method)
+
+
+def no_fallback(rt):
+    """The class methods of the direct entries' names raise inside: a call that fell back fails."""
+    def refuse(name, method):
+        def call(self, *args, **kwargs):
+            raise AssertionError(f'the direct entry {name} fell back to the class method')
+        return call
+    return class_methods_wrapped(rt, refuse)
+
+
+def ll_shape_described_once(rt, x, topk, use_fp8):
+    """An LL dispatch shape's first call goes through the class method, which describes the shape to
+    the compiled ops (by design: kNewShape); its second goes direct."""
+    calls = []
+
+    def counted(name, method):
+        def call(self, *args, **kwargs):
+            calls.append(name)
+            return method(self, *args, **kwargs)
+        return call
+    args = (x, topk, None, None, LL_M, LL_E, use_fp8, False, False, False, False)
+    for expected in (['_ll_dispatch'], []):
+        calls.clear()
+        with class_methods_wrapped(rt, counted):
+            rt._ll_dispatch(*args)
+        assert calls == expected, f'LL dispatch fp8={use_fp8}: class methods called {calls}, expected {expected}'
 
 
 SLEEP_CYCLES = 20_000_000  # ~10 ms of torch.cuda._sleep: unordered work would see the zeros
@@ -295,6 +318,7 @@ def ll_equal(rt):
     weights = torch.rand(LL_T, LL_K, dtype=torch.float32)
     x = torch.randn(LL_T, LL_H, dtype=torch.bfloat16)
     for use_fp8 in (False, True):
+        ll_shape_described_once(rt, x, topk, use_fp8)
         for hook in (False, True):
             args = (x, topk, None, None, LL_M, LL_E, use_fp8, False, False, False, hook)
             with no_fallback(rt):
