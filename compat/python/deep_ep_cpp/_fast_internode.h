@@ -120,14 +120,6 @@ class InternodeOps {
     }
     if (status != 0) return py::make_tuple(status);
 
-    // A count (>= 0) means prepare waited and filled E / R per-expert counts; num_tokens_per_expert
-    // passed its checks then (1-D [E]).
-    py::list per_expert_list;
-    if (num_recv >= 0 && num_tokens_per_expert.has_value()) {
-      const int64_t local = num_tokens_per_expert->size(0) / num_ranks_;
-      for (int64_t e = 0; e < std::min<int64_t>(local, DEEPEP_MAX_LOCAL_EXPERTS); ++e) per_expert_list.append(per_expert_[e]);
-    }
-
     DeepepOutputs& r = recv_outputs_;
     status = dispatch_outputs_fn_(as_buffer(buffer), &a, cached ? int(cached_num_recv_tokens) : num_recv,
                                   cached ? int(cached_num_rdma_recv_tokens) : num_rdma_recv, &r);
@@ -142,7 +134,7 @@ class InternodeOps {
       return optional_tensor(cached ? cached_tensor : handle[i]);
     };
     return py::make_tuple(status, *recv[0], optional_tensor(recv[1]), optional_tensor(recv[2]),
-                          optional_tensor(recv[3]), per_expert_list,
+                          optional_tensor(recv[3]), per_expert_list(num_recv, num_tokens_per_expert, num_ranks_, per_expert_),
                           handle_entry(0, cached_rdma_channel_prefix_matrix),
                           handle_entry(1, cached_gbl_channel_prefix_matrix), optional_tensor(handle[2]),
                           handle_entry(3, cached_recv_rdma_rank_prefix_sum), optional_tensor(handle[4]),

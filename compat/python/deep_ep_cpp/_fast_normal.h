@@ -143,14 +143,6 @@ class __attribute__((visibility("hidden"))) NormalOps {
     }
     if (status != 0) return py::make_tuple(status);
 
-    // A count (>= 0) means prepare waited and filled E / R per-expert counts; num_tokens_per_expert
-    // passed its checks then (1-D [E]).
-    py::list per_expert_list;
-    if (num_recv >= 0 && num_tokens_per_expert.has_value()) {
-      const int64_t local = num_tokens_per_expert->size(0) / num_ranks_;
-      for (int64_t e = 0; e < std::min<int64_t>(local, DEEPEP_MAX_LOCAL_EXPERTS); ++e) per_expert_list.append(per_expert_[e]);
-    }
-
     DeepepOutputs& r = recv_outputs_;
     const int rows = cached ? int(cached_num_recv_tokens) : num_recv;
     // The receive geometry reads the row count (with cached and num_worst_tokens) and the
@@ -167,7 +159,7 @@ class __attribute__((visibility("hidden"))) NormalOps {
     const at::Tensor& rank_prefix = cached ? *cached_rank_prefix_matrix : *handle[0];
     const at::Tensor& channel_prefix = cached ? *cached_channel_prefix_matrix : *handle[1];
     return py::make_tuple(status, *recv[0], optional_tensor(recv[1]), optional_tensor(recv[2]),
-                          optional_tensor(recv[3]), per_expert_list, rank_prefix, channel_prefix, *handle[2],
+                          optional_tensor(recv[3]), per_expert_list(num_recv, num_tokens_per_expert, num_ranks_, per_expert_), rank_prefix, channel_prefix, *handle[2],
                           *recv[4], *handle[3]);
   }
 
