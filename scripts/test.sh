@@ -81,11 +81,15 @@ echo "== the compiled host path (deep_ep_cpp/_fast.cpp + _fast_*.h) compiles war
 # Headers and link facts of torch's wheel (530 MB download once; build_wheel.sh uses the same).
 TORCH_SDK=$(deepep_torch_sdk)
 WHEEL_PYTHON=$(deepep_wheel_python)
-g++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror -DTORCH_EXTENSION_NAME=_deepep_fast -DTORCH_API_INCLUDE_EXTENSION_H \
-  -Iinclude -isystem "$TORCH_SDK/torch/include" -isystem "$TORCH_SDK/torch/include/torch/csrc/api/include" \
-  -isystem "$("$WHEEL_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-  compat/python/deep_ep_cpp/_fast.cpp
-echo "compat/python/deep_ep_cpp/_fast.cpp: ok"
+# Also with the stage timers of the development build (DEEPEP_NCCL_FAST_PROFILE=1, _fast_prof.h).
+for defines in "" -DDEEPEP_FAST_PROFILE; do
+  g++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror $defines -DTORCH_EXTENSION_NAME=_deepep_fast \
+    -DTORCH_API_INCLUDE_EXTENSION_H -Iinclude -isystem "$TORCH_SDK/torch/include" \
+    -isystem "$TORCH_SDK/torch/include/torch/csrc/api/include" \
+    -isystem "$("$WHEEL_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+    compat/python/deep_ep_cpp/_fast.cpp
+done
+echo "compat/python/deep_ep_cpp/_fast.cpp: ok (and with -DDEEPEP_FAST_PROFILE)"
 
 echo "== with NCCL 2.32.3 loaded instead, the library picks its 2.32.3 build (kernels/nccl_builds.txt)"
 NEWER_VENV=${DEEPEP_NEWER_NCCL_VENV:-.venv-nccl2323}

@@ -107,6 +107,17 @@ def test_matching_prebuilt_is_used(install):
     assert _fast.describe().startswith("compiled host path: prebuilt")
 
 
+def test_profile_build_is_built_even_in_an_install_never_the_prebuilt(install):
+    """DEEPEP_NCCL_FAST_PROFILE=1 (read at import into _fast._PROFILE): the development build with
+    the stage timers of _fast_prof.h, built and imported; the prebuilt product module is passed over."""
+    install.monkeypatch.setattr(_fast, "_PROFILE", True)
+    mod, said = select(install)
+    assert said == []
+    assert install.recorder.built == [install.recorder.target]
+    assert install.recorder.imported == [install.recorder.target]
+    assert mod.__file__ == str(install.recorder.target)
+
+
 @pytest.mark.parametrize("torch, named", [
     (fake_torch(version="2.10.1+cu130"), "torch 2.10 here, 2.11 there"),
     (fake_torch(version="2.12.0"), "torch 2.12 here, 2.11 there"),

@@ -18,6 +18,8 @@ the same results in about 1.5-2x the host time. The module is the first of these
 
 DEEPEP_NCCL_FAST: unset (the above), 0 (the ctypes path, no warning), 1 (as unset, but no module
 is an ImportError, in every Buffer) or build (as unset, and builds in an install too).
+DEEPEP_NCCL_FAST_PROFILE=1: a development build with host-time stage timers (_fast_prof.h: `[hostprof]`
+lines on stderr), built as in 3 and cached apart; never the prebuilt module.
 `describe()` says which path was taken and why; DEEPEP_LOG=info or debug also prints it."""
 import ctypes
 import fcntl
@@ -37,6 +39,8 @@ from ._fast_build import NAME as _NAME
 from ._lib import torch
 
 _HERE = Path(__file__).resolve().parent
+# The development build with the stage timers of _fast_prof.h (its flag is in the build's cache key).
+_PROFILE = os.environ.get("DEEPEP_NCCL_FAST_PROFILE") == "1"
 # The C ABI entries each op class of the module takes first, in its constructor's order (_fast.cpp).
 NORMAL_OPS_ENTRIES = (
     "deepep_get_dispatch_layout", "deepep_intranode_dispatch_prepare", "deepep_intranode_dispatch",
@@ -139,7 +143,8 @@ class _Build:
         self._command = lambda target: _fast_build.command(
             compiler, _HERE / _fast_build.SOURCES[0], target, header_dir=header_dir,
             python_include=sysconfig.get_paths()["include"], torch_includes=cpp_extension.include_paths(),
-            cxx11_abi=torch._C._GLIBCXX_USE_CXX11_ABI, lib_dirs=lib_dirs, rpaths=lib_dirs)
+            cxx11_abi=torch._C._GLIBCXX_USE_CXX11_ABI, lib_dirs=lib_dirs, rpaths=lib_dirs,
+            extra=("-DDEEPEP_FAST_PROFILE",) if _PROFILE else ())
         key = hashlib.sha256()
         # The command line (without its output path) covers the compiler, flags and torch's paths.
         for part in (*(_source_path(n, header_dir).read_bytes() for n in (*_fast_build.SOURCES, _fast_build.HEADER)),
@@ -180,13 +185,14 @@ def _load(setting):
     header_dir = _header_dir()
     if header_dir is None:
         raise RuntimeError(f"{_fast_build.HEADER} not found")
-    path, why_not = _prebuilt(header_dir, _running())
+    path, why_not = (None, "DEEPEP_NCCL_FAST_PROFILE=1 asks for a build with stage timers") if _PROFILE \
+        else _prebuilt(header_dir, _running())
     if path is not None:
         try:
             return _import(path), f"prebuilt {path}"
         except ImportError as e:  # e.g. a torch build that lacks a symbol: still buildable here
             why_not = f"the prebuilt compiled host path {path.name} did not load: {e}"
-    may_build = setting == "build" or _in_checkout()
+    may_build = setting == "build" or _in_checkout() or _PROFILE
     try:
         build = _Build(header_dir)
     except Exception:

@@ -8,7 +8,7 @@ from pathlib import Path
 NAME = "_deepep_fast"
 # What the build compiles: the module and the headers it includes (one translation unit).
 SOURCES = ("_fast.cpp", "_fast_common.h", "_fast_order.h", "_fast_streams.h", "_fast_ll.h", "_fast_normal.h",
-           "_fast_internode.h", "_fast_hook.h", "_fast_direct.h")
+           "_fast_internode.h", "_fast_hook.h", "_fast_direct.h", "_fast_prof.h")
 HEADER = "deepep_nccl.h"
 # What torch.utils.cpp_extension links a CppExtension with. No CUDA library: _fast_streams.h
 # reaches the driver through dlopen, and torch's CUDA allocator through libtorch's dispatcher.

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "_fast_direct.h"
+#include "_fast_prof.h"
 
 namespace deepep_fast {
 
@@ -96,6 +97,8 @@ class __attribute__((visibility("hidden"))) NormalOps {
                      uintptr_t compute, int order_flags) {
     const Ordering ordering{&order, compute, order_flags};
     const bool cached = cached_rank_prefix_matrix.has_value();
+    DEEPEP_FAST_VARIANT(cached || num_worst_tokens > 0 ? 0 : 1);
+    DEEPEP_FAST_MARK("arguments");
     // Everything that could send this call down the ctypes path is checked before the first
     // launch: the notify kernel must run once per call.
     if (!on_device(x, device_) || (cached && !cached_channel_prefix_matrix.has_value()) ||
@@ -116,6 +119,7 @@ class __attribute__((visibility("hidden"))) NormalOps {
     a.expert_alignment = int32_t(expert_alignment);
     a.num_worst_tokens = int32_t(num_worst_tokens);
     a.reserved = 0;
+    DEEPEP_FAST_MARK("describe");
 
     // The handle: what the library says (read from x, the config and the mode), one allocation.
     DeepepOutputs& h = handle_outputs_;
@@ -124,7 +128,9 @@ class __attribute__((visibility("hidden"))) NormalOps {
                                    [&](DeepepOutputs* out) { return handle_outputs_fn_(as_buffer(buffer), &a, out); });
     if (status != 0) return py::make_tuple(status);
     if (const int error = ordering.before(stream)) return driver_error(error);
+    DEEPEP_FAST_MARK("order before");
     const auto handle = allocate_placed(h, on_device_);
+    DEEPEP_FAST_MARK("handle alloc");
     if (!cached) {
       a.rank_prefix_matrix = h.tensors[0];
       a.channel_prefix_matrix = h.tensors[1];
@@ -140,6 +146,7 @@ class __attribute__((visibility("hidden"))) NormalOps {
       // This call waits on the host for the receive counts: other Python threads may run meanwhile.
       py::gil_scoped_release unlocked;
       status = prepare_fn_(as_buffer(buffer), &a, &num_recv, per_expert_.data(), DEEPEP_MAX_LOCAL_EXPERTS, as_stream(stream));
+      DEEPEP_FAST_MARK("prepare + host wait");
     }
     if (status != 0) return py::make_tuple(status);
 
@@ -151,11 +158,15 @@ class __attribute__((visibility("hidden"))) NormalOps {
                               a.x_scales.shape[1], a.topk_idx.dtype, a.topk_idx.shape[1], a.topk_weights.dtype},
                              r, [&](DeepepOutputs* out) { return dispatch_outputs_fn_(as_buffer(buffer), &a, rows, out); });
     if (status != 0) return py::make_tuple(status);
+    DEEPEP_FAST_MARK("recv describe");
     const auto recv = allocate_placed(r, on_device_);
+    DEEPEP_FAST_MARK("recv alloc");
     const DeepepIntranodeDispatchOutputs outputs{r.tensors[0], r.tensors[1], r.tensors[2], r.tensors[3], r.tensors[4]};
     status = (unwaited ? dispatch_fused_fn_ : dispatch_fn_)(as_buffer(buffer), &a, &outputs, as_stream(stream));
+    DEEPEP_FAST_MARK("library call");
     if (status != 0) return py::make_tuple(status);
     if (const int error = ordering.after(stream)) return driver_error(error);
+    DEEPEP_FAST_MARK("order after");
     const at::Tensor& rank_prefix = cached ? *cached_rank_prefix_matrix : *handle[0];
     const at::Tensor& channel_prefix = cached ? *cached_channel_prefix_matrix : *handle[1];
     return py::make_tuple(status, *recv[0], optional_tensor(recv[1]), optional_tensor(recv[2]),
@@ -240,6 +251,7 @@ class __attribute__((visibility("hidden"))) NormalOps {
         cached_channel_prefix;
     int64_t cached_num_recv = 0, expert_alignment = 0, num_worst_tokens = 0;
     uintptr_t config = 0;
+    DEEPEP_FAST_BEGIN("intranode_dispatch", "no host wait", "host wait");
     OpStreams streams;
     if (args.size() == 16 && kwargs.empty() && streams.read(args[13], args[14], args[15], direct_, *order_, device_) &&
         load(args[0], x) && load(args[1], x_scales) && load(args[2], topk_idx) && load(args[3], topk_weights) &&
@@ -260,7 +272,10 @@ class __attribute__((visibility("hidden"))) NormalOps {
         return streams.end(direct_, {args[0], args[1], args[2], args[3], args[4], args[5], args[6], result[8],
                                      result[6], result[7], result[1], result[2], result[3], result[4], result[9]});
       };
-      if (py::object answered = answer(result, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, kEventSlot}, end)) return answered;
+      if (py::object answered = answer(result, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, kEventSlot}, end)) {
+        DEEPEP_FAST_END();
+        return answered;
+      }
     }
     return DirectBinding::fallback(buffer, kIntranodeDispatch, args, kwargs);
   }
