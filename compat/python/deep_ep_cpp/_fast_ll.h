@@ -10,6 +10,7 @@
 
 #include "_fast_hook.h"
 #include "_fast_direct.h"
+#include "_fast_prof.h"
 
 namespace deepep_fast {
 
@@ -192,6 +193,8 @@ class __attribute__((visibility("hidden"))) LlOps {
                      bool use_fp8, bool round_scale, bool use_ue8m0, int phases, uintptr_t stream, uintptr_t compute,
                      int order_flags, py::object owner) {
     const Ordering ordering{order_, compute, order_flags};
+    DEEPEP_FAST_VARIANT(phases == kPhaseSend);
+    DEEPEP_FAST_MARK("arguments");
     if (x.dim() != 2 || x.scalar_type() != at::kBFloat16 || !on_device(x, device_) || !ordering.usable())
       return py::make_tuple(kBadInput);
     const int64_t hidden = x.size(1);
@@ -202,14 +205,19 @@ class __attribute__((visibility("hidden"))) LlOps {
         !describe(a.cumulative_local_expert_recv_stats, cumulative_local_expert_recv_stats) ||
         !describe(a.dispatch_wait_recv_cost_stats, dispatch_wait_recv_cost_stats))
       return py::make_tuple(kBadInput);
+    DEEPEP_FAST_MARK("describe");
     if (const int error = ordering.before(stream)) return driver_error(error);
+    DEEPEP_FAST_MARK("order before");
     const auto out = allocate(shape->outputs, on_device_);
+    DEEPEP_FAST_MARK("alloc");
     for (size_t i = 0; i < kDispatchOutputs.size(); ++i)
       (a.*kDispatchOutputs[i]).data = out[i] ? out[i]->data_ptr() : nullptr;
     a.phases = phases;
     const int status = dispatch_fn_(as_buffer(buffer_), &a, as_stream(stream), &buffer_idx_);
+    DEEPEP_FAST_MARK("library call");
     if (status != 0) return py::make_tuple(status);
     if (const int error = ordering.after(stream)) return driver_error(error);
+    DEEPEP_FAST_MARK("order after");
     py::object hook = py::none();
     if (phases == kPhaseSend)
       hook = LlDispatchHook::make({dispatch_fn_, buffer_, a, stream, buffer_idx_}, std::move(owner),
@@ -230,6 +238,8 @@ class __attribute__((visibility("hidden"))) LlOps {
                     int64_t m, int64_t experts, bool use_logfmt, bool zero_copy, int64_t hidden, int phases,
                     uintptr_t stream, uintptr_t compute, int order_flags, py::object owner) {
     const Ordering ordering{order_, compute, order_flags};
+    DEEPEP_FAST_VARIANT(phases == kPhaseSend);
+    DEEPEP_FAST_MARK("arguments");
     if (x.dim() != 3 || (hidden >= 0 && x.size(2) != hidden) || topk_idx.dim() < 1 || !fits_int32(m) ||
         !fits_int32(experts) || !ordering.usable())
       return py::make_tuple(kBadInput);
@@ -242,12 +252,15 @@ class __attribute__((visibility("hidden"))) LlOps {
         return py::make_tuple(status);
       combined_x = *allocate(*described, on_device_)[0];
     }
+    DEEPEP_FAST_MARK("alloc");
     DeepepLowLatencyCombineArgs& a = combine_args_;
     if (!describe(a.x, x) || !describe(a.topk_idx, topk_idx) || !describe(a.topk_weights, topk_weights) ||
         !describe(a.src_info, src_info) || !describe(a.layout_range, layout_range) ||
         !describe(a.combine_wait_recv_cost_stats, combine_wait_recv_cost_stats) || !describe(a.out, combined_x))
       return py::make_tuple(kBadInput);
+    DEEPEP_FAST_MARK("describe");
     if (const int error = ordering.before(stream)) return driver_error(error);
+    DEEPEP_FAST_MARK("order before");
     a.num_max_dispatch_tokens_per_rank = int32_t(m);
     a.num_experts = int32_t(experts);
     a.use_logfmt = use_logfmt ? 1 : 0;
@@ -255,8 +268,10 @@ class __attribute__((visibility("hidden"))) LlOps {
     a.phases = phases;
     a.reserved = 0;
     const int status = combine_fn_(as_buffer(buffer_), &a, as_stream(stream), &buffer_idx_);
+    DEEPEP_FAST_MARK("library call");
     if (status != 0) return py::make_tuple(status);
     if (const int error = ordering.after(stream)) return driver_error(error);
+    DEEPEP_FAST_MARK("order after");
     py::object hook = py::none();
     if (phases == kPhaseSend)
       hook = LlCombineHook::make({combine_fn_, buffer_, a, stream, buffer_idx_}, std::move(owner),
@@ -332,6 +347,7 @@ class __attribute__((visibility("hidden"))) LlOps {
   }
 
   py::object direct_dispatch(const char* name, const py::args& args, const py::kwargs& kwargs, bool with_hidden) {
+    DEEPEP_FAST_BEGIN("low_latency_dispatch", "both phases", "send, hook made");
     py::object buffer = direct_.buffer();
     at::Tensor x, topk_idx;
     c10::optional<at::Tensor> recv_stats, wait_stats;
@@ -347,13 +363,17 @@ class __attribute__((visibility("hidden"))) LlOps {
       const auto made = [&] { return event(on); };
       py::object answered = with_hidden ? answer(result, {1, 2, 3, 4, 5, kEventSlot, 6, 7}, made)
                                         : answer(result, {1, 2, 3, 4, 5, kEventSlot, 6}, made);
-      if (answered) return answered;
+      if (answered) {
+        DEEPEP_FAST_END();
+        return answered;
+      }
     }
     return DirectBinding::fallback(buffer, name, args, kwargs);
   }
 
   // DeepEP's `out` may come 13th or as the keyword; deep_ep's _ll_combine passes out and hidden.
   py::object direct_combine(const char* name, const py::args& args, const py::kwargs& kwargs, bool with_hidden) {
+    DEEPEP_FAST_BEGIN("low_latency_combine", "both phases", "send, hook made");
     py::object buffer = direct_.buffer();
     const size_t n = args.size();
     py::object out_arg = py::none();
@@ -382,7 +402,10 @@ class __attribute__((visibility("hidden"))) LlOps {
                                        use_logfmt, zero_copy, hidden, on.phases, on.stream, on.compute,
                                        on.order_flags, buffer);
       // result: (status, combined_x, hook)
-      if (py::object answered = answer(result, {1, kEventSlot, 2}, [&] { return event(on); })) return answered;
+      if (py::object answered = answer(result, {1, kEventSlot, 2}, [&] { return event(on); })) {
+        DEEPEP_FAST_END();
+        return answered;
+      }
     }
     return DirectBinding::fallback(buffer, name, args, kwargs);
   }

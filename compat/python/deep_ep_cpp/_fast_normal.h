@@ -184,6 +184,7 @@ class __attribute__((visibility("hidden"))) NormalOps {
     const Ordering ordering{&order, compute, order_flags};
     if (!on_device(x, device_) || !on_device(send_head, device_) || !ordering.usable())
       return py::make_tuple(kBadInput);
+    DEEPEP_FAST_MARK("arguments");
     DeepepIntranodeCombineArgs& a = combine_args_;
     if (!describe(a.x, x) || !describe(a.topk_weights, topk_weights) || !describe(a.bias_0, bias_0) ||
         !describe(a.bias_1, bias_1) || !describe(a.src_idx, src_idx) ||
@@ -197,13 +198,18 @@ class __attribute__((visibility("hidden"))) NormalOps {
                                      a.topk_weights.dtype, a.topk_weights.shape[1]},
                                     o, [&](DeepepOutputs* out) { return combine_outputs_fn_(as_buffer(buffer), &a, out); });
     if (status != 0) return py::make_tuple(status);
+    DEEPEP_FAST_MARK("describe");
     if (const int error = ordering.before(stream)) return driver_error(error);
+    DEEPEP_FAST_MARK("order before");
     const auto out = allocate_placed(o, on_device_);
+    DEEPEP_FAST_MARK("alloc");
     a.combined_x = o.tensors[0];
     a.combined_topk_weights = o.tensors[1];
     status = combine_fn_(as_buffer(buffer), &a, as_stream(stream));
+    DEEPEP_FAST_MARK("library call");
     if (status != 0) return py::make_tuple(status);
     if (const int error = ordering.after(stream)) return driver_error(error);
+    DEEPEP_FAST_MARK("order after");
     return py::make_tuple(status, *out[0], optional_tensor(out[1]));
   }
 
@@ -287,6 +293,7 @@ class __attribute__((visibility("hidden"))) NormalOps {
     at::Tensor x, src_idx, rank_prefix, channel_prefix, send_head;
     c10::optional<at::Tensor> topk_weights, bias_0, bias_1;
     uintptr_t config = 0;
+    DEEPEP_FAST_BEGIN("intranode_combine", "all", nullptr);
     OpStreams streams;
     if (args.size() == 12 && kwargs.empty() && streams.read(args[9], args[10], args[11], direct_, *order_, device_) &&
         load(args[0], x) && load(args[1], topk_weights) && load(args[2], bias_0) && load(args[3], bias_1) &&
@@ -302,7 +309,10 @@ class __attribute__((visibility("hidden"))) NormalOps {
         return streams.end(direct_, {args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7],
                                      result[1], result[2]});
       };
-      if (py::object answered = answer(result, {1, 2, kEventSlot}, end)) return answered;
+      if (py::object answered = answer(result, {1, 2, kEventSlot}, end)) {
+        DEEPEP_FAST_END();
+        return answered;
+      }
     }
     return DirectBinding::fallback(buffer, kIntranodeCombine, args, kwargs);
   }
