@@ -7,7 +7,8 @@
 // apart: e.g. a cached dispatch and one that waits for its count); the functions it calls pick the
 // variant once they know it (DEEPEP_FAST_VARIANT) and mark stages (DEEPEP_FAST_MARK); both are
 // no-ops where no timer runs on this thread (e.g. under the class methods' calls). The entry ends
-// it just before it returns (DEEPEP_FAST_END); the last stage, up to the end, is "return".
+// it just before it returns (DEEPEP_FAST_END); the last stage, up to the end, is "return". A
+// timer is not synchronized: one thread at a time per op, as the benchmarks call them.
 #pragma once
 
 #ifdef DEEPEP_FAST_PROFILE
