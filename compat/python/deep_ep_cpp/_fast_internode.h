@@ -134,7 +134,8 @@ class InternodeOps {
       return optional_tensor(cached ? cached_tensor : handle[i]);
     };
     return py::make_tuple(status, *recv[0], optional_tensor(recv[1]), optional_tensor(recv[2]),
-                          optional_tensor(recv[3]), per_expert_list(num_recv, num_tokens_per_expert, num_ranks_, per_expert_),
+                          optional_tensor(recv[3]),
+                          per_expert_list(num_recv, num_tokens_per_expert, num_ranks_, per_expert_),
                           handle_entry(0, cached_rdma_channel_prefix_matrix),
                           handle_entry(1, cached_gbl_channel_prefix_matrix), optional_tensor(handle[2]),
                           handle_entry(3, cached_recv_rdma_rank_prefix_sum), optional_tensor(handle[4]),

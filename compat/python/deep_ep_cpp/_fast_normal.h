@@ -170,8 +170,9 @@ class __attribute__((visibility("hidden"))) NormalOps {
     const at::Tensor& rank_prefix = cached ? *cached_rank_prefix_matrix : *handle[0];
     const at::Tensor& channel_prefix = cached ? *cached_channel_prefix_matrix : *handle[1];
     return py::make_tuple(status, *recv[0], optional_tensor(recv[1]), optional_tensor(recv[2]),
-                          optional_tensor(recv[3]), per_expert_list(num_recv, num_tokens_per_expert, num_ranks_, per_expert_), rank_prefix, channel_prefix, *handle[2],
-                          *recv[4], *handle[3]);
+                          optional_tensor(recv[3]),
+                          per_expert_list(num_recv, num_tokens_per_expert, num_ranks_, per_expert_), rank_prefix,
+                          channel_prefix, *handle[2], *recv[4], *handle[3]);
   }
 
   // (status, combined_x, combined_topk_weights or None), (status,) for a failed call, (kBadInput,)
