@@ -91,7 +91,7 @@ def class_methods_wrapped(rt, wrap):
     """The class methods of the direct entries' names replaced by wrap(name, method) while inside."""
     cls = type(rt)
     saved = {name: vars(cls).get(name) for name in NORMAL + LL}
-    for name, method in saved.items():
+    for name in saved:
         setattr(cls, name, wrap(name, getattr(cls, name, None)))
     try:
         yield

@@ -97,7 +97,10 @@ class __attribute__((visibility("hidden"))) NormalOps {
                      uintptr_t compute, int order_flags) {
     const Ordering ordering{&order, compute, order_flags};
     const bool cached = cached_rank_prefix_matrix.has_value();
-    DEEPEP_FAST_VARIANT(cached || num_worst_tokens > 0 ? 0 : 1);
+    // Without a host wait (cached, num_worst_tokens) N is known now: one fused call below
+    // (prepare's count would be -1).
+    const bool unwaited = cached || num_worst_tokens > 0;
+    DEEPEP_FAST_VARIANT(!unwaited);
     DEEPEP_FAST_MARK("arguments");
     // Everything that could send this call down the ctypes path is checked before the first
     // launch: the notify kernel must run once per call.
@@ -138,9 +141,6 @@ class __attribute__((visibility("hidden"))) NormalOps {
     a.recv_channel_prefix_matrix = h.tensors[2];
     a.send_head = h.tensors[3];
 
-    // Without a host wait (cached, num_worst_tokens) N is known now: one fused call below
-    // (prepare's count would be -1).
-    const bool unwaited = cached || num_worst_tokens > 0;
     int num_recv = -1;
     if (!unwaited) {
       // This call waits on the host for the receive counts: other Python threads may run meanwhile.
