@@ -118,6 +118,13 @@ def test_profile_build_is_built_even_in_an_install_never_the_prebuilt(install):
     assert mod.__file__ == str(install.recorder.target)
 
 
+def test_profile_setting_other_than_0_or_1_is_an_error_naming_it(install):
+    install.monkeypatch.setattr(_fast, "_PROFILE_SETTING", "yes")
+    with pytest.raises(ImportError, match="DEEPEP_NCCL_FAST_PROFILE must be 0, 1 or unset, got 'yes'"):
+        _fast.module()
+    assert install.recorder.imported == [] and install.recorder.built == []
+
+
 @pytest.mark.parametrize("torch, named", [
     (fake_torch(version="2.10.1+cu130"), "torch 2.10 here, 2.11 there"),
     (fake_torch(version="2.12.0"), "torch 2.12 here, 2.11 there"),

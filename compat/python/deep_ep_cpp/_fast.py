@@ -40,7 +40,8 @@ from ._lib import torch
 
 _HERE = Path(__file__).resolve().parent
 # The development build with the stage timers of _fast_prof.h (its flag is in the build's cache key).
-_PROFILE = os.environ.get("DEEPEP_NCCL_FAST_PROFILE") == "1"
+_PROFILE_SETTING = os.environ.get("DEEPEP_NCCL_FAST_PROFILE", "")
+_PROFILE = _PROFILE_SETTING == "1"
 # The C ABI entries each op class of the module takes first, in its constructor's order (_fast.cpp).
 NORMAL_OPS_ENTRIES = (
     "deepep_get_dispatch_layout", "deepep_intranode_dispatch_prepare", "deepep_intranode_dispatch",
@@ -226,6 +227,8 @@ def module():
     setting = os.environ.get("DEEPEP_NCCL_FAST", "")
     if setting not in _SETTINGS:
         raise ImportError(f"deepep-nccl: DEEPEP_NCCL_FAST must be 0, 1, build or unset, got {setting!r}")
+    if _PROFILE_SETTING not in ("", "0", "1"):
+        raise ImportError(f"deepep-nccl: DEEPEP_NCCL_FAST_PROFILE must be 0, 1 or unset, got {_PROFILE_SETTING!r}")
     _tried = True
     if setting == "0":
         _choice = "ctypes path (DEEPEP_NCCL_FAST=0)"
